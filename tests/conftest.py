@@ -1,0 +1,1 @@
+"""Shared fixtures. Subdirectories (transport/, rdma/, ...) add their own conftest."""
