@@ -1,0 +1,473 @@
+"""The data-plane interface every transport honours (``"tcp"``, ``"verbs"``, ...).
+
+A transport moves bytes between registered memory of two processes with
+one-sided writes. It knows nothing of rooms, requests or states: the PD layer
+above decides *what* to write; a transport only lands bytes and says when they
+landed.
+
+Theory of operation
+-------------------
+1. Each side ``register``\\ s the memory it will write from or into and gets a
+   :class:`Region` (address, length, and an opaque per-transport ``key``: the
+   rkey for verbs, a region id for TCP).
+2. The sink hands ``endpoint()`` (bytes, self-describing and versioned, listing
+   every region registered so far) to the source over the control channel.
+   ``connect(endpoint)`` on the source returns a :class:`PeerHandle`. A source
+   that must learn of regions the sink registered later calls
+   ``refresh(peer, newer_endpoint)``.
+3. ``write(peer, batch, on_done)`` posts a batch of ``(local_addr,
+   remote_addr, length)`` triples and returns a batch id at once. Exactly one
+   completion per batch follows, from a transport thread: ``on_done(batch_id,
+   None)`` when **the sink confirmed that every byte of the batch landed**, or
+   ``on_done(batch_id, TransportError)`` naming the cause (peer gone, target
+   outside the sink's regions, transport closed, ...). After a failed batch,
+   any subset of its bytes may have landed. With ``on_done=None`` the
+   completion goes to the transport's completion queue instead
+   (:meth:`Transport.completions`).
+4. ``close()`` fails every batch still in flight, stops every thread and frees
+   every registration. It is idempotent and returns within its deadline.
+
+Guarantees every transport gives (the conformance suite in
+``tests/transport/`` checks them):
+
+- **Validation before memory is touched.** ``write`` raises ``TransportError``
+  (``op="write"``) synchronously, posting nothing, if a local range is not
+  inside one local region or a remote range is not inside one region of the
+  peer's last endpoint. The *sink* checks every write again against the
+  regions it has registered *now* (an endpoint may be stale): a write outside
+  them fails its batch with an error completion and lands no byte of it.
+- **Completion order.** Batches to one peer complete in the order they were
+  posted. An empty batch is allowed; it completes after every batch posted
+  before it to the same peer: it is a fence ("fence before free" relies on it).
+- **Bounded in flight.** At most ``max_inflight`` batches per peer are posted
+  and not yet completed (for queue-mode completions: not yet taken from the
+  queue, so the queue is bounded too). ``write`` with ``deadline=None`` never
+  blocks: it raises ``CapacityError`` when the peer is at its bound; with a
+  ``Deadline`` it waits for a slot until then, then raises ``CapacityError``.
+- **No hang on a dead peer.** A peer that disappears fails the batches in
+  flight to it within ``peer_timeout`` seconds (an option of every
+  transport), and later writes to it raise ``TransportError`` (``op="write"``).
+- **Callbacks** run on a transport thread and must not block; they may call
+  ``write`` with ``deadline=None``. A callback may run before ``write`` has
+  returned the batch id: bind what you need into the callable (a closure or
+  ``functools.partial``) rather than looking the id up. An exception raised by
+  a callback is a bug in the caller: it is reported through
+  ``threading.excepthook`` and the transport carries on.
+- **Threads.** ``register``/``deregister``/``connect``/``write``/``refresh``/
+  ``disconnect`` may be called from any thread.
+
+Errors: ``pdcore.errors.TransportError(message, op=..., errno=...)`` for data
+plane failures, ``CapacityError`` for back-pressure, ``StartError`` when a
+transport cannot start. A transport never imports pdcore state code.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import ctypes
+import os
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, TypeAlias
+
+import numpy as np
+
+from pdcore.deadline import Deadline
+from pdcore.errors import CapacityError, TransportError
+
+__all__ = [
+    "Batch",
+    "Completion",
+    "CompletionQueue",
+    "Endpoint",
+    "OnDone",
+    "PeerHandle",
+    "Region",
+    "RegionTable",
+    "Transport",
+    "as_batch",
+    "buffer_span",
+    "decode_endpoint",
+    "encode_endpoint",
+]
+
+#: A batch: a sequence of ``(local_addr, remote_addr, length)`` triples, or an
+#: ``(n, 3)`` integer numpy array (the transfer plan's output is ``uint64``).
+Batch: TypeAlias = "Sequence[tuple[int, int, int]] | np.ndarray"
+#: ``on_done(batch_id, error)``; ``error`` is ``None`` when every byte landed.
+OnDone: TypeAlias = Callable[[int, "TransportError | None"], None]
+
+_U64_MAX = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Registered memory: ``[addr, addr + length)``; ``key`` is opaque per transport."""
+
+    addr: int
+    length: int
+    key: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.addr <= _U64_MAX and 0 < self.length and self.addr + self.length <= _U64_MAX + 1):
+            raise ValueError(f"a region needs a non-null address and a positive length, got {self!r}")
+        if not 0 <= self.key <= _U64_MAX:
+            raise ValueError(f"a region key is an unsigned 64-bit value, got {self.key!r}")
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+    def contains(self, addr: int, length: int) -> bool:
+        """True if ``[addr, addr + length)`` lies inside this region."""
+        return self.addr <= addr and addr + length <= self.addr + self.length
+
+
+class Completion(NamedTuple):
+    """One batch's outcome, as taken from a completion queue."""
+
+    batch_id: int
+    error: TransportError | None
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What a peer needs to reach a transport and check its addresses (decoded form of ``endpoint()``).
+
+    ``transport`` is the transport's name; ``instance`` is 16 random bytes
+    naming one transport object (a restarted process has a new one);
+    ``address`` is transport-specific (TCP: ``b"host:port"``); ``regions`` is
+    every region registered when the endpoint was taken, sorted by address.
+    """
+
+    transport: str
+    instance: bytes
+    address: bytes
+    regions: tuple[Region, ...]
+
+
+_EP_MAGIC = b"PDTE"
+_EP_VERSION = 1
+_EP_HEAD = struct.Struct("<4sBB16sI")  # magic, version, len(name), instance, len(address)
+_EP_REGION = struct.Struct("<QQQ")  # addr, length, key
+_EP_MAX_REGIONS = 1 << 16
+_EP_MAX_ADDRESS = 4096
+
+
+def encode_endpoint(ep: Endpoint) -> bytes:
+    """Serialise an endpoint: ``PDTE``, version, name, instance, address, regions."""
+    name = ep.transport.encode("ascii")
+    if not 0 < len(name) < 256 or len(ep.instance) != 16 or len(ep.address) > _EP_MAX_ADDRESS:
+        raise ValueError(f"cannot encode endpoint {ep!r}")
+    if len(ep.regions) > _EP_MAX_REGIONS:
+        raise ValueError(f"an endpoint holds at most {_EP_MAX_REGIONS} regions, got {len(ep.regions)}")
+    parts = [_EP_HEAD.pack(_EP_MAGIC, _EP_VERSION, len(name), ep.instance, len(ep.address)), name, ep.address]
+    parts.append(struct.pack("<I", len(ep.regions)))
+    parts.extend(_EP_REGION.pack(r.addr, r.length, r.key) for r in ep.regions)
+    return b"".join(parts)
+
+
+def decode_endpoint(data: bytes, *, expect: str | None = None) -> Endpoint:
+    """Parse ``endpoint()`` bytes from a peer; anything malformed raises ``TransportError(op="endpoint")``.
+
+    ``expect`` is the transport name the caller can talk to; another name is an error.
+    """
+
+    def bad(why: str) -> TransportError:
+        return TransportError(f"malformed transport endpoint: {why}", op="endpoint")
+
+    data = bytes(data)
+    if len(data) < _EP_HEAD.size:
+        raise bad(f"{len(data)} bytes is shorter than the {_EP_HEAD.size}-byte header")
+    magic, version, name_len, instance, addr_len = _EP_HEAD.unpack_from(data, 0)
+    if magic != _EP_MAGIC:
+        raise bad(f"magic {magic!r}, expected {_EP_MAGIC!r}")
+    if version != _EP_VERSION:
+        raise bad(f"version {version}, this build speaks version {_EP_VERSION}")
+    if name_len == 0 or addr_len > _EP_MAX_ADDRESS:
+        raise bad(f"name length {name_len}, address length {addr_len}")
+    off = _EP_HEAD.size
+    if len(data) < off + name_len + addr_len + 4:
+        raise bad("truncated before the region count")
+    try:
+        name = data[off : off + name_len].decode("ascii")
+    except UnicodeDecodeError as e:
+        raise bad("transport name is not ASCII") from e
+    off += name_len
+    address = data[off : off + addr_len]
+    off += addr_len
+    (count,) = struct.unpack_from("<I", data, off)
+    off += 4
+    if count > _EP_MAX_REGIONS or len(data) != off + count * _EP_REGION.size:
+        raise bad(f"{count} regions do not match {len(data) - off} trailing bytes")
+    regions = []
+    for i in range(count):
+        addr, length, key = _EP_REGION.unpack_from(data, off + i * _EP_REGION.size)
+        try:
+            regions.append(Region(addr, length, key))
+        except ValueError as e:
+            raise bad(f"region {i}: {e}") from e
+    regions.sort(key=lambda r: r.addr)
+    for a, b in zip(regions, regions[1:]):
+        if b.addr < a.end:
+            raise bad(f"regions {a} and {b} overlap")
+    if expect is not None and name != expect:
+        raise TransportError(f"peer endpoint is for transport {name!r}, this is {expect!r}", op="endpoint")
+    return Endpoint(name, instance, address, tuple(regions))
+
+
+class RegionTable:
+    """Non-overlapping regions sorted by address; thread-safe. ``find`` is O(log n)."""
+
+    def __init__(self, regions: Sequence[Region] = ()) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._regions: list[Region] = []
+        for r in regions:
+            self.add(r)
+
+    def add(self, region: Region) -> None:
+        """Insert; raise ``ValueError`` if it overlaps a region already present."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, region.addr)
+            if i > 0 and self._regions[i - 1].end > region.addr:
+                raise ValueError(f"{region} overlaps registered {self._regions[i - 1]}")
+            if i < len(self._regions) and self._regions[i].addr < region.end:
+                raise ValueError(f"{region} overlaps registered {self._regions[i]}")
+            self._starts.insert(i, region.addr)
+            self._regions.insert(i, region)
+
+    def remove(self, region: Region) -> bool:
+        """Remove exactly this region; False if it was not present."""
+        with self._lock:
+            i = bisect.bisect_left(self._starts, region.addr)
+            if i < len(self._regions) and self._regions[i] == region:
+                del self._starts[i], self._regions[i]
+                return True
+            return False
+
+    def find(self, addr: int, length: int) -> Region | None:
+        """The region holding all of ``[addr, addr + length)``, or None."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, addr) - 1
+            if i >= 0 and self._regions[i].contains(addr, length):
+                return self._regions[i]
+            return None
+
+    def snapshot(self) -> tuple[Region, ...]:
+        with self._lock:
+            return tuple(self._regions)
+
+    def clear(self) -> tuple[Region, ...]:
+        with self._lock:
+            out = tuple(self._regions)
+            self._starts.clear()
+            self._regions.clear()
+            return out
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+
+def buffer_span(buf: Any) -> tuple[int, int, Any]:
+    """``(addr, length, owner)`` of a buffer to register; ``owner`` keeps the memory alive.
+
+    Accepts a contiguous numpy array, a contiguous CPU torch tensor (duck-typed:
+    ``data_ptr``/``nbytes``/``is_contiguous``/``device``; torch is never
+    imported here), an ``(addr, length)`` pair of ints (the caller keeps that
+    memory alive until ``deregister``), or any writable buffer-protocol object.
+    """
+    if isinstance(buf, tuple) and len(buf) == 2 and all(isinstance(x, int) for x in buf):
+        addr, length = buf
+        owner: Any = None
+    elif isinstance(buf, np.ndarray):
+        if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
+            raise ValueError("register needs a contiguous numpy array (np.ascontiguousarray makes one)")
+        addr, length, owner = int(buf.ctypes.data), int(buf.nbytes), buf
+    elif hasattr(buf, "data_ptr") and hasattr(buf, "is_contiguous"):
+        device = getattr(getattr(buf, "device", None), "type", "cpu")
+        if device != "cpu":
+            raise ValueError(f"register needs a CPU tensor, got one on {device!r}")
+        if not buf.is_contiguous():
+            raise ValueError("register needs a contiguous tensor (.contiguous() makes one)")
+        addr, owner = int(buf.data_ptr()), buf
+        length = int(buf.nbytes) if hasattr(buf, "nbytes") else int(buf.numel() * buf.element_size())
+    else:
+        try:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+        except TypeError as e:
+            raise TypeError(
+                f"cannot register {type(buf).__name__}: pass a numpy array, a CPU torch tensor, "
+                "(addr, length), or a buffer-protocol object"
+            ) from e
+        addr, length, owner = int(arr.ctypes.data), int(arr.nbytes), (buf, arr)
+    if addr <= 0 or length <= 0:
+        raise ValueError(f"cannot register an empty or null buffer (addr={addr:#x}, length={length})")
+    return addr, length, owner
+
+
+def byte_view(addr: int, length: int) -> memoryview:
+    """A writable ``memoryview`` of raw memory (the caller guarantees it is mapped and alive)."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+def as_batch(batch: Batch) -> np.ndarray:
+    """Normalise a batch to a C-contiguous ``(n, 3)`` ``uint64`` array; lengths must be positive."""
+    if isinstance(batch, np.ndarray):
+        if batch.ndim != 2 or batch.shape[1] != 3:
+            raise TransportError(f"a batch array has shape (n, 3), got {batch.shape}", op="write")
+        if batch.dtype.kind not in "iu":
+            raise TransportError(f"a batch array holds integers, got dtype {batch.dtype}", op="write")
+        if batch.dtype.kind == "i" and batch.size and int(batch.min()) < 0:
+            raise TransportError("a batch holds no negative addresses or lengths", op="write")
+        arr = np.ascontiguousarray(batch, dtype=np.uint64)
+    else:
+        try:
+            arr = np.array(batch, dtype=np.uint64).reshape(-1, 3) if len(batch) else np.empty((0, 3), np.uint64)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise TransportError(f"a batch is a sequence of (local, remote, length) triples: {e}", op="write") from e
+    if arr.size and int(arr[:, 2].min()) == 0:
+        raise TransportError("a write in the batch has length 0", op="write")
+    return arr
+
+
+def check_batch(batch: np.ndarray, local: RegionTable, remote: RegionTable) -> None:
+    """Raise ``TransportError(op="write")`` unless every write is inside one local and one remote region."""
+    for la, ra, n in batch.tolist():
+        if local.find(la, n) is None:
+            raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
+        if remote.find(ra, n) is None:
+            raise TransportError(
+                f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write"
+            )
+
+
+@dataclass(eq=False, slots=True)
+class PeerHandle:
+    """A connected peer, as returned by ``connect``; pass it back to ``write``/``disconnect``.
+
+    ``remote`` is the peer's last endpoint; ``regions`` resolves remote ranges.
+    Transports may subclass to keep their own per-peer state.
+    """
+
+    id: int
+    remote: Endpoint
+    regions: RegionTable = field(repr=False)
+    closed: bool = False
+
+
+class CompletionQueue:
+    """A bounded queue of completions with a deadline-aware ``get``."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._items: deque[tuple[Completion, Callable[[], None]]] = deque()
+        self._maxsize = maxsize
+        self._cond = threading.Condition()
+
+    def put(self, completion: Completion, release: Callable[[], None]) -> None:
+        """``release`` runs when the completion is taken (it frees the batch's in-flight slot)."""
+        with self._cond:
+            self._items.append((completion, release))
+            self._cond.notify()
+
+    def get(self, max_items: int, deadline: Deadline | None) -> list[Completion]:
+        with self._cond:
+            if deadline is not None:
+                self._cond.wait_for(lambda: self._items, timeout=deadline.remaining())
+            out: list[Completion] = []
+            releases = []
+            while self._items and len(out) < max_items:
+                c, r = self._items.popleft()
+                out.append(c)
+                releases.append(r)
+        for r in releases:
+            r()
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Transport(abc.ABC):
+    """One transport instance: its registrations, its listener, its peers and threads.
+
+    Options common to every transport (keyword arguments of its constructor,
+    passed through ``transport.create(name, **options)``):
+
+    - ``max_inflight`` (int, default 64): batches in flight per peer.
+    - ``peer_timeout`` (float seconds, default 10): a peer that makes no
+      progress for this long while batches are in flight is declared dead and
+      those batches fail.
+    """
+
+    #: Registry name (``"tcp"``, ``"verbs"``).
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def register(self, buf: Any) -> Region:
+        """Register memory (see :func:`buffer_span`); ``ValueError`` if it overlaps a registered region."""
+
+    @abc.abstractmethod
+    def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
+        """Forget a region. Writes into it that already started landing finish first (up to ``deadline``)."""
+
+    @abc.abstractmethod
+    def regions(self) -> tuple[Region, ...]:
+        """The regions registered now, sorted by address."""
+
+    @abc.abstractmethod
+    def endpoint(self) -> bytes:
+        """Bytes for the control channel: see :class:`Endpoint` and :func:`encode_endpoint`."""
+
+    @abc.abstractmethod
+    def connect(self, peer_endpoint: bytes, *, deadline: Deadline) -> PeerHandle:
+        """Connect to the transport that produced ``peer_endpoint``; ``TransportError(op="connect")`` on failure."""
+
+    @abc.abstractmethod
+    def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
+        """Adopt a newer endpoint of the same peer (same ``instance``): its region list replaces the old one."""
+
+    @abc.abstractmethod
+    def disconnect(self, peer: PeerHandle, *, deadline: Deadline | None = None) -> None:
+        """Close the connection; batches still in flight to it fail. Idempotent."""
+
+    @abc.abstractmethod
+    def write(
+        self,
+        peer: PeerHandle,
+        batch: Batch,
+        on_done: OnDone | None = None,
+        *,
+        deadline: Deadline | None = None,
+    ) -> int:
+        """Post a batch; return its id. See the module docstring for validation, order and back-pressure."""
+
+    @abc.abstractmethod
+    def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
+        """Take up to ``max_items`` queued completions (batches written with ``on_done=None``).
+
+        With a ``deadline``, wait until at least one is there or the deadline
+        passes; with ``None`` return at once (possibly an empty list).
+        """
+
+    @abc.abstractmethod
+    def close(self, *, deadline: Deadline | None = None) -> None:
+        """Fail batches in flight, stop every thread, free every registration. Idempotent.
+
+        Returns within ``deadline`` (default: 5 s from now); raises
+        ``TransportError(op="close")`` if a thread did not stop by then.
+        """
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def new_instance_id() -> bytes:
+    return os.urandom(16)
