@@ -1,0 +1,686 @@
+"""The TCP transport: one-sided writes over plain sockets, for machines without RDMA.
+
+Payloads go from registered memory (``sendmsg`` of memoryview slices, no
+intermediate copy) straight into the target's registered memory
+(``recvmsg_into`` of memoryview slices). See ``transport/base.py`` for the
+contract; this module only adds the wire and the threads.
+
+Wire (little-endian), one TCP connection per (source, sink) pair:
+
+- hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16]``;
+  sink → source: ``"PDTC", version u8, status u8`` (0 ok, 1 wrong instance).
+- batch frame, source → sink: ``seq u64, count u32, 0 u32``, then ``count`` pairs
+  ``(remote_addr u64, length u64)``, then the payload of every write in order.
+- ack, sink → source, one per batch in the order received: ``seq u64,
+  status u32 (0 ok), errno i32, message length u32``, then the UTF-8 message.
+
+The sink validates every write of a frame against the regions it has
+registered *before* it lands any byte; if one is outside them it reads and
+discards the payload (the stream stays in sync) and acks with an error. A
+frame that breaks the wire format closes the connection.
+
+Threads: one acceptor; per accepted connection one sink thread; per
+connected peer one sender and one ack reader. ``close()`` wakes and joins
+every one of them.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import itertools
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pdcore.deadline import Deadline
+from pdcore.errors import CapacityError, StartError, TransportError
+
+from .base import (
+    Batch,
+    Completion,
+    CompletionQueue,
+    Endpoint,
+    OnDone,
+    PeerHandle,
+    Region,
+    RegionTable,
+    Transport,
+    as_batch,
+    buffer_span,
+    byte_view,
+    decode_endpoint,
+    encode_endpoint,
+    new_instance_id,
+)
+
+__all__ = ["TcpTransport"]
+
+_MAGIC = b"PDTC"
+_VERSION = 1
+_HELLO = struct.Struct("<4sB16s16s")
+_HELLO_REPLY = struct.Struct("<4sBB")
+_FRAME = struct.Struct("<QII")
+_DESC = np.dtype([("addr", "<u8"), ("length", "<u8")])
+_ACK = struct.Struct("<QIiI")
+_MAX_MSG = 4096
+_IOV_CHUNK = 512  # below IOV_MAX (1024 on Linux)
+_DISCARD_CHUNK = 1 << 20
+
+
+class _PeerGone(Exception):
+    """The connection ended or broke; carries the errno when there is one."""
+
+    def __init__(self, message: str, err: int | None) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+def _recv_exact(
+    sock: socket.socket,
+    n: int,
+    *,
+    stop: threading.Event,
+    stall: float,
+    idle: Callable[[], None] | None = None,
+) -> bytes:
+    """Read exactly ``n`` bytes from a socket with a (poll-interval) timeout.
+
+    A timeout before the first byte calls ``idle`` (which raises to give up) or,
+    without one, counts as a stall; after ``stall`` seconds with no byte the
+    peer is declared gone. ``stop`` set = the transport is closing.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    last = time.monotonic()
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            if stop.is_set():
+                raise _PeerGone("transport closing", None) from None
+            if got == 0 and idle is not None:
+                idle()
+                last = time.monotonic()
+            elif time.monotonic() - last >= stall:
+                raise _PeerGone(f"peer sent nothing for {stall:g} s", errno_mod.ETIMEDOUT) from None
+            continue
+        except OSError as e:
+            raise _PeerGone(f"connection broke: {e}", e.errno) from e
+        if k == 0:
+            raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
+        got += k
+        last = time.monotonic()
+    return bytes(buf)
+
+
+def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: threading.Event, stall: float) -> None:
+    """Fill each view in order from the stream (scatter reads, no copies). Mutates ``views``."""
+    i, n = 0, len(views)
+    last = time.monotonic()
+    while i < n:
+        try:
+            got = sock.recvmsg_into(views[i : i + _IOV_CHUNK])[0]
+        except TimeoutError:
+            if stop.is_set():
+                raise _PeerGone("transport closing", None) from None
+            if time.monotonic() - last >= stall:
+                raise _PeerGone(f"peer stalled mid-batch for {stall:g} s", errno_mod.ETIMEDOUT) from None
+            continue
+        except OSError as e:
+            raise _PeerGone(f"connection broke mid-batch: {e}", e.errno) from e
+        if got == 0:
+            raise _PeerGone("peer closed the connection mid-batch", errno_mod.ECONNRESET)
+        last = time.monotonic()
+        while got:
+            v = views[i]
+            if got >= len(v):
+                got -= len(v)
+                i += 1
+            else:
+                views[i] = v[got:]
+                got = 0
+
+
+def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], bool]) -> None:
+    """Send every buffer in order (gather writes, no copies). Mutates ``bufs``.
+
+    ``sock`` has a timeout (its file description is non-blocking, shared with
+    the ack reader's dup); after each send or timeout ``on_progress(sent)``
+    returns False to give up.
+    """
+    i, n = 0, len(bufs)
+    while i < n:
+        try:
+            sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK])
+        except TimeoutError:
+            sent = 0
+        if not on_progress(sent):
+            raise _PeerGone("gave up sending", None)
+        while sent:
+            v = bufs[i]
+            if sent >= len(v):
+                sent -= len(v)
+                i += 1
+            else:
+                bufs[i] = v[sent:]
+                sent = 0
+
+
+def _tune(sock: socket.socket, peer_timeout: float) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (
+        ("TCP_KEEPIDLE", max(1, int(peer_timeout))),
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", max(1000, int(peer_timeout * 1000))),
+    ):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+@dataclass(slots=True)
+class _Local:
+    region: Region
+    view: memoryview
+    owner: Any
+
+
+@dataclass(slots=True)
+class _Pending:
+    batch_id: int
+    seq: int
+    bufs: list[Any]
+    on_done: OnDone | None
+
+
+@dataclass(eq=False, slots=True)
+class _TcpPeer(PeerHandle):
+    sock: socket.socket | None = None
+    ack_sock: socket.socket | None = None
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    deliver: threading.RLock = field(default_factory=threading.RLock)
+    unsent: deque[_Pending] = field(default_factory=deque)
+    unacked: deque[_Pending] = field(default_factory=deque)
+    slots: int = 0
+    seq: int = 0
+    error: TransportError | None = None
+    last_progress: float = 0.0
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class TcpTransport(Transport):
+    """The TCP transport. Options: ``host`` (bind address, default 127.0.0.1), ``port`` (0: any),
+    ``advertise_host`` (address peers dial, default ``host``), ``max_inflight`` (64 batches per
+    peer), ``peer_timeout`` (10 s without progress = dead peer), ``max_batch_writes`` (writes per
+    batch a sink accepts, 1 Mi)."""
+
+    name: ClassVar[str] = "tcp"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        max_inflight: int = 64,
+        peer_timeout: float = 10.0,
+        max_batch_writes: int = 1 << 20,
+    ) -> None:
+        if max_inflight < 1 or peer_timeout <= 0 or max_batch_writes < 1:
+            raise StartError(
+                f"tcp transport: max_inflight ({max_inflight}), peer_timeout ({peer_timeout}) and "
+                f"max_batch_writes ({max_batch_writes}) must be positive"
+            )
+        self._max_inflight = max_inflight
+        self._peer_timeout = float(peer_timeout)
+        self._poll = min(0.25, self._peer_timeout / 4)
+        self._max_batch_writes = max_batch_writes
+        self._instance = new_instance_id()
+        self._regions = RegionTable()
+        self._locals: dict[int, _Local] = {}
+        self._keys = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._peer_ids = itertools.count(1)
+        self._landing: Counter[int] = Counter()  # region key -> sink threads landing into it now
+        self._landing_cond = threading.Condition()
+        self._peers: dict[int, _TcpPeer] = {}
+        self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
+        try:
+            self._listener = socket.create_server((host, port), backlog=128)
+        except OSError as e:
+            raise StartError(f"tcp transport: cannot listen on {host}:{port}: {e}") from e
+        self._address = f"{advertise_host or host}:{self._listener.getsockname()[1]}".encode()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="pdcore-tcp-accept", daemon=True)
+        self._acceptor.start()
+
+    # ------------------------------------------------------------------ registrations
+
+    def register(self, buf: Any) -> Region:
+        self._check_open("register")
+        addr, length, owner = buffer_span(buf)
+        region = Region(addr, length, next(self._keys))
+        self._regions.add(region)
+        self._locals[region.key] = _Local(region, byte_view(addr, length), owner)
+        return region
+
+    def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
+        if not self._regions.remove(region):
+            return
+        deadline = deadline or Deadline.after(self._peer_timeout)
+        with self._landing_cond:
+            self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
+            busy = self._landing[region.key]
+        self._locals.pop(region.key, None)
+        if busy:
+            raise TransportError(
+                f"deregister: {region} still has writes landing after the deadline", op="deregister"
+            )
+
+    def regions(self) -> tuple[Region, ...]:
+        return self._regions.snapshot()
+
+    def endpoint(self) -> bytes:
+        return encode_endpoint(Endpoint(self.name, self._instance, self._address, self._regions.snapshot()))
+
+    # ------------------------------------------------------------------ source side
+
+    def connect(self, peer_endpoint: bytes, *, deadline: Deadline) -> PeerHandle:
+        self._check_open("connect")
+        remote = decode_endpoint(peer_endpoint, expect=self.name)
+        host, _, port_s = remote.address.decode("ascii", "replace").rpartition(":")
+        try:
+            port = int(port_s)
+        except ValueError:
+            raise TransportError(f"tcp endpoint address {remote.address!r} is not host:port", op="connect") from None
+        try:
+            sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
+        except OSError as e:
+            raise TransportError(f"cannot connect to {host}:{port}: {e}", op="connect", errno=e.errno) from e
+        try:
+            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, remote.instance, self._instance))
+            sock.settimeout(max(deadline.remaining(), 1e-3))
+            reply = _recv_exact(sock, _HELLO_REPLY.size, stop=self._stop, stall=0.0)
+            magic, version, status = _HELLO_REPLY.unpack(reply)
+            if magic != _MAGIC or version != _VERSION:
+                raise TransportError(f"{host}:{port} does not speak pdcore tcp v{_VERSION}", op="connect")
+            if status != 0:
+                raise TransportError(
+                    f"{host}:{port} is another transport instance than the endpoint names (restarted?)",
+                    op="connect",
+                )
+            _tune(sock, self._peer_timeout)
+            sock.settimeout(self._poll)
+            ack_sock = sock.dup()
+            ack_sock.settimeout(self._poll)
+        except _PeerGone as e:
+            sock.close()
+            raise TransportError(f"handshake with {host}:{port} failed: {e}", op="connect", errno=e.errno) from e
+        except BaseException:
+            sock.close()
+            raise
+        peer = _TcpPeer(next(self._peer_ids), remote, RegionTable(remote.regions), sock=sock, ack_sock=ack_sock)
+        peer.last_progress = time.monotonic()
+        with self._lock:
+            if self._closed:
+                sock.close()
+                ack_sock.close()
+                raise TransportError("transport is closed", op="connect")
+            self._peers[peer.id] = peer
+        for target, role in ((self._send_loop, "send"), (self._ack_loop, "ack")):
+            t = threading.Thread(target=target, args=(peer,), name=f"pdcore-tcp-{role}-{peer.id}", daemon=True)
+            peer.threads.append(t)
+            t.start()
+        return peer
+
+    def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
+        remote = decode_endpoint(peer_endpoint, expect=self.name)
+        if remote.instance != peer.remote.instance:
+            raise TransportError("refresh: the endpoint is of another transport instance", op="refresh")
+        new = RegionTable(remote.regions)
+        peer.remote, peer.regions = remote, new
+
+    def disconnect(self, peer: PeerHandle, *, deadline: Deadline | None = None) -> None:
+        p = self._own(peer)
+        self._fail_peer(p, TransportError("peer disconnected", op="disconnect"))
+        with self._lock:
+            self._peers.pop(p.id, None)
+        self._join(p.threads, deadline or Deadline.after(5.0))
+
+    def write(
+        self,
+        peer: PeerHandle,
+        batch: Batch,
+        on_done: OnDone | None = None,
+        *,
+        deadline: Deadline | None = None,
+    ) -> int:
+        p = self._own(peer)
+        arr = as_batch(batch)
+        bufs: list[Any] = [b"", b""]
+        if len(arr) > self._max_batch_writes:
+            raise TransportError(f"a batch holds at most {self._max_batch_writes} writes, got {len(arr)}", op="write")
+        remote = p.regions
+        for la, ra, n in arr.tolist():
+            loc = self._regions.find(la, n)
+            if loc is None:
+                raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
+            if remote.find(ra, n) is None:
+                raise TransportError(f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write")
+            local = self._locals.get(loc.key)
+            if local is None:
+                raise TransportError(f"local range [{la:#x}, +{n}) was deregistered", op="write")
+            off = la - loc.addr
+            bufs.append(local.view[off : off + n])
+        desc = np.empty(len(arr), _DESC)
+        desc["addr"] = arr[:, 1]
+        desc["length"] = arr[:, 2]
+        bufs[1] = memoryview(desc.tobytes())
+        with p.lock:
+            if p.error is not None or p.closed:
+                raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
+            if p.slots >= self._max_inflight:
+                if deadline is None:
+                    raise CapacityError(
+                        f"{self._max_inflight} batches already in flight to this peer "
+                        "(queue-mode batches hold their slot until completions() takes them)"
+                    )
+                p.lock.wait_for(
+                    lambda: p.slots < self._max_inflight or p.error is not None, timeout=deadline.remaining()
+                )
+                if p.error is not None:
+                    raise TransportError(f"peer is unusable: {p.error}", op="write")
+                if p.slots >= self._max_inflight:
+                    raise CapacityError(f"{self._max_inflight} batches still in flight to this peer at the deadline")
+            p.slots += 1
+            p.seq += 1
+            batch_id = next(self._batch_ids)
+            bufs[0] = memoryview(_FRAME.pack(p.seq, len(arr), 0))
+            if not p.unsent and not p.unacked:
+                p.last_progress = time.monotonic()
+            p.unsent.append(_Pending(batch_id, p.seq, bufs, on_done))
+            p.lock.notify_all()
+        return batch_id
+
+    def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
+        return self._queue.get(max_items, deadline)
+
+    def _send_loop(self, p: _TcpPeer) -> None:
+        sock = p.sock
+        assert sock is not None
+
+        def progress(sent: int) -> bool:
+            if sent:
+                p.last_progress = time.monotonic()
+            return p.error is None
+
+        while True:
+            with p.lock:
+                p.lock.wait_for(lambda: p.unsent or p.error is not None)
+                if p.error is not None:
+                    return
+                item = p.unsent.popleft()
+                p.unacked.append(item)
+            try:
+                _send_views(sock, item.bufs, progress)
+            except _PeerGone:
+                return  # failed elsewhere (ack reader, disconnect, close)
+            except OSError as e:
+                self._fail_peer(p, TransportError(f"sending to peer failed: {e}", op="write", errno=e.errno))
+                return
+            item.bufs = []  # drop the views: the memory may be deregistered once acked
+
+    def _ack_loop(self, p: _TcpPeer) -> None:
+        sock = p.ack_sock
+        assert sock is not None
+        while True:
+            try:
+                head = self._recv_ack_head(p, sock)
+                seq, status, err, msg_len = _ACK.unpack(head)
+                if msg_len > _MAX_MSG:
+                    raise _PeerGone(f"ack message of {msg_len} bytes", errno_mod.EPROTO)
+                msg = _recv_exact(sock, msg_len, stop=self._stop, stall=self._peer_timeout).decode("utf-8", "replace")
+            except _PeerGone as e:
+                self._fail_peer(p, TransportError(f"peer lost: {e}", op="write", errno=e.errno))
+                return
+            with p.deliver:
+                with p.lock:
+                    if p.error is not None:
+                        return
+                    if not p.unacked or p.unacked[0].seq != seq:
+                        bad = TransportError(f"peer acked batch {seq} out of order", op="write", errno=errno_mod.EPROTO)
+                        item = None
+                    else:
+                        item = p.unacked.popleft()
+                        p.last_progress = time.monotonic()
+                if item is None:
+                    self._fail_peer(p, bad)
+                    return
+                error = None if status == 0 else TransportError(f"peer refused the batch: {msg}", op="write", errno=err or None)
+                self._deliver(p, item, error)
+
+    def _recv_ack_head(self, p: _TcpPeer, sock: socket.socket) -> bytes:
+        """Wait for the next ack; declare the peer dead after ``peer_timeout`` without progress."""
+
+        def idle() -> None:
+            with p.lock:
+                stalled = (p.unsent or p.unacked) and time.monotonic() - p.last_progress > self._peer_timeout
+            if p.error is not None:
+                raise _PeerGone("peer already failed", None)
+            if stalled:
+                raise _PeerGone(f"no progress for {self._peer_timeout:g} s", errno_mod.ETIMEDOUT)
+
+        return _recv_exact(sock, _ACK.size, stop=self._stop, stall=self._peer_timeout, idle=idle)
+
+    def _deliver(self, p: _TcpPeer, item: _Pending, error: TransportError | None) -> None:
+        def release() -> None:
+            with p.lock:
+                p.slots -= 1
+                p.lock.notify_all()
+
+        if item.on_done is None:
+            self._queue.put(Completion(item.batch_id, error), release)
+            return
+        release()
+        try:
+            item.on_done(item.batch_id, error)
+        except Exception:
+            exc_type, exc, tb = sys.exc_info()
+            threading.excepthook(threading.ExceptHookArgs((exc_type, exc, tb, threading.current_thread())))
+
+    def _fail_peer(self, p: _TcpPeer, error: TransportError) -> None:
+        """Fail every batch in flight to ``p`` (in order) and shut its socket. Idempotent."""
+        with p.deliver:
+            with p.lock:
+                if p.error is None:
+                    p.error = error
+                p.closed = True
+                items = list(p.unacked) + list(p.unsent)
+                p.unacked.clear()
+                p.unsent.clear()
+                p.lock.notify_all()
+            for s in (p.sock, p.ack_sock):
+                if s is not None:
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+            for item in items:
+                item.bufs = []
+                self._deliver(p, item, error)
+
+    # ------------------------------------------------------------------ sink side
+
+    def _accept_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r or self._stop.is_set():
+                        return
+                    try:
+                        conn, _addr = self._listener.accept()
+                    except OSError:
+                        continue
+                    with self._lock:
+                        if self._closed:
+                            conn.close()
+                            return
+                        sid = next(self._peer_ids)
+                        t = threading.Thread(
+                            target=self._sink_loop, args=(sid, conn), name=f"pdcore-tcp-sink-{sid}", daemon=True
+                        )
+                        self._sinks[sid] = (conn, t)
+                    t.start()
+        finally:
+            sel.close()
+
+    def _sink_loop(self, sid: int, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self._poll)
+            _tune(conn, self._peer_timeout)
+            magic, version, want, _source = _HELLO.unpack(
+                _recv_exact(conn, _HELLO.size, stop=self._stop, stall=self._peer_timeout)
+            )
+            if magic != _MAGIC or version != _VERSION:
+                return
+            ok = want == self._instance
+            conn.sendall(_HELLO_REPLY.pack(_MAGIC, _VERSION, 0 if ok else 1))
+            if not ok:
+                return
+            stall = self._peer_timeout
+            while not self._stop.is_set():
+                head = _recv_exact(conn, _FRAME.size, stop=self._stop, stall=stall, idle=_no_op)
+                seq, count, _ = _FRAME.unpack(head)
+                if count > self._max_batch_writes:
+                    return  # the stream cannot be trusted past a frame this broken
+                desc = np.frombuffer(_recv_exact(conn, count * _DESC.itemsize, stop=self._stop, stall=stall), _DESC)
+                status, err, msg = self._land(conn, desc)
+                body = msg.encode()[:_MAX_MSG]
+                conn.sendall(_ACK.pack(seq, status, err, len(body)) + body)
+        except (_PeerGone, OSError):
+            pass  # the source lost its connection: it fails its own batches
+        finally:
+            conn.close()
+            with self._lock:
+                self._sinks.pop(sid, None)
+
+    def _land(self, conn: socket.socket, desc: np.ndarray) -> tuple[int, int, str]:
+        """Validate every write of a frame, then receive its payload into place (or discard it)."""
+        views: list[memoryview] = []
+        keys: list[int] = []
+        refused = ""
+        with self._landing_cond:
+            for i, (addr, length) in enumerate(desc.tolist()):
+                region = self._regions.find(addr, length) if length else None
+                if region is None:
+                    refused = (
+                        f"write {i} of {len(desc)} targets [{addr:#x}, +{length}), "
+                        "which is outside every region registered at the sink"
+                    )
+                    break
+                off = addr - region.addr
+                views.append(self._locals[region.key].view[off : off + length])
+                keys.append(region.key)
+            if not refused:
+                self._landing.update(keys)
+        if refused:
+            self._discard(conn, int(desc["length"].sum(dtype=np.uint64)) if len(desc) else 0)
+            return 1, errno_mod.EFAULT, refused
+        try:
+            _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)
+        finally:
+            with self._landing_cond:
+                self._landing.subtract(keys)
+                self._landing_cond.notify_all()
+        return 0, 0, ""
+
+    def _discard(self, conn: socket.socket, nbytes: int) -> None:
+        scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK) or 1))
+        while nbytes:
+            _recv_into_views(conn, [scratch[: min(nbytes, len(scratch))]], stop=self._stop, stall=self._peer_timeout)
+            nbytes -= min(nbytes, len(scratch))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, *, deadline: Deadline | None = None) -> None:
+        deadline = deadline or Deadline.after(5.0)
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        if first:
+            self._stop.set()
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+        for p in peers:
+            self._fail_peer(p, TransportError("transport closed with the batch in flight", op="close"))
+        with self._lock:
+            sinks = list(self._sinks.values())
+        for conn, _t in sinks:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        threads = [self._acceptor] + [t for p in peers for t in p.threads] + [t for _c, t in sinks]
+        self._join(threads, deadline)
+        if first:
+            self._listener.close()
+            self._wake_r.close()
+            self._wake_w.close()
+            for p in peers:
+                for s in (p.sock, p.ack_sock):
+                    if s is not None:
+                        s.close()
+        for region in self._regions.clear():
+            self._locals.pop(region.key, None)
+        # completions nobody will take still hold slots; they are dropped with the transport
+        alive = [t.name for t in threads if t.is_alive()]
+        if alive:
+            raise TransportError(f"close: threads still running at the deadline: {alive}", op="close")
+
+    def _join(self, threads: list[threading.Thread], deadline: Deadline) -> None:
+        me = threading.current_thread()
+        for t in threads:
+            if t is not me and t.ident is not None:
+                t.join(deadline.remaining())
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise TransportError("transport is closed", op=op)
+
+    def _own(self, peer: PeerHandle) -> _TcpPeer:
+        if not isinstance(peer, _TcpPeer) or self._peers.get(peer.id) is not peer:
+            if isinstance(peer, _TcpPeer) and peer.closed:
+                return peer  # write() on it raises a clear "unusable" error; disconnect is idempotent
+            raise TransportError("not a peer of this transport", op="write")
+        return peer
+
+    def __repr__(self) -> str:
+        return f"<TcpTransport {self._address.decode()} regions={len(self._regions)} peers={len(self._peers)}>"
+
+
+def _no_op() -> None:
+    pass
