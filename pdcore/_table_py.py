@@ -1,0 +1,260 @@
+"""Pure-Python twin of ``pdcore._table``: same names, signatures, exceptions, events.
+
+It is the oracle the property tests compare the compiled table against, and
+what runs under ``PDCORE_PURE_PYTHON=1``. Everything it decides comes from
+``_spec``; read that module first.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from . import _spec
+from ._spec import FREE, State, Timer, Trigger
+from .errors import CapacityError, CollectiveError, LocalProtocolError
+from .events import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded
+
+__all__ = ["StateTable", "FINGERPRINT_BYTES", "MAX_CAPACITY", "rid_hash"]
+
+#: Bytes of the (count, hash) fingerprint; the buffer carries them twice (h, 255-h).
+FINGERPRINT_BYTES = 12
+MAX_CAPACITY = 1 << 20
+
+_M64 = (1 << 64) - 1
+
+
+def rid_hash(rid: str, slot: int) -> int:
+    """A process-independent 64-bit hash of (slot, rid): FNV-1a, then a splitmix64 finaliser.
+
+    Python's ``hash(str)`` is salted per process, so it cannot be compared across ranks.
+    """
+    h = 0xCBF29CE484222325
+    for byte in rid.encode("utf-8"):
+        h = ((h ^ byte) * 0x100000001B3) & _M64
+    h = (h ^ (slot * 0x9E3779B97F4A7C15)) & _M64
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
+    return h ^ (h >> 31)
+
+
+class StateTable:
+    """Per-request transfer states of one rank, and its half of the replica agreement.
+
+    ``register``/``remove``/``encode``/``decode`` belong to the scheduler thread
+    (every rank calls them in the same order); ``update`` may be called from any
+    thread. A round is ``encode(now)`` (fold deadlines, fill ``buffer``), an
+    all-reduce MIN of ``buffer`` across the replica, then ``decode()``.
+    """
+
+    def __init__(self, capacity: int, *, bootstrap_timeout: float = 120.0, waiting_timeout: float = 300.0) -> None:
+        if not 0 < capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity must be in 1..{MAX_CAPACITY}, got {capacity!r}")
+        for name, value in (("bootstrap_timeout", bootstrap_timeout), ("waiting_timeout", waiting_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self._capacity = capacity
+        self._timeouts = (math.inf, float(bootstrap_timeout), float(waiting_timeout))
+        self._lock = threading.Lock()
+        self._slots: dict[str, int] = {}  # insertion order = registration order
+        self._rid_of: list[str | None] = [None] * capacity
+        self._local = [FREE] * capacity
+        self._agreed = [FREE] * capacity
+        self._deadline = [math.inf] * capacity
+        self._hash = [0] * capacity
+        self._reasons: dict[int, str] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot first
+        self._fp_sum = 0
+        self._buffer = np.full(capacity + 2 * FINGERPRINT_BYTES, FREE, dtype=np.uint8)
+
+    # -- registry -----------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The reduction buffer: ``capacity`` state bytes, then the fingerprint pair."""
+        return self._buffer
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._slots
+
+    def has_in_flight(self) -> bool:
+        """A request is still tracked: its transfer may yet read or write memory."""
+        return bool(self._slots)
+
+    def rids(self) -> list[str]:
+        """Live requests in registration order."""
+        with self._lock:
+            return list(self._slots)
+
+    def register(self, rid: str, now: float) -> int:
+        """Track ``rid`` from BOOTSTRAPPING and return its slot."""
+        if not isinstance(rid, str) or not rid:
+            raise LocalProtocolError(f"rid must be a non-empty str, got {rid!r}")
+        with self._lock:
+            if rid in self._slots:
+                raise LocalProtocolError(f"rid {rid!r} is already registered (slot {self._slots[rid]})")
+            if not self._free:
+                raise CapacityError(f"cannot register {rid!r}: all {self._capacity} slots are in use")
+            slot = self._free.pop()
+            self._slots[rid] = slot
+            self._rid_of[slot] = rid
+            self._local[slot] = State.BOOTSTRAPPING
+            self._agreed[slot] = State.BOOTSTRAPPING
+            self._deadline[slot] = now + self._timeouts[Timer.BOOTSTRAP]
+            self._hash[slot] = rid_hash(rid, slot)
+            self._fp_sum = (self._fp_sum + self._hash[slot]) & _M64
+            return slot
+
+    def remove(self, rid: str) -> None:
+        """Stop tracking ``rid`` without an event (every rank must remove it in the same round)."""
+        with self._lock:
+            self._free_slot(self._slot_of(rid))
+
+    def _slot_of(self, rid: str) -> int:
+        try:
+            return self._slots[rid]
+        except (KeyError, TypeError):
+            raise LocalProtocolError(f"rid {rid!r} is not registered") from None
+
+    def _free_slot(self, slot: int) -> None:
+        rid = self._rid_of[slot]
+        assert rid is not None
+        del self._slots[rid]
+        self._rid_of[slot] = None
+        self._local[slot] = FREE
+        self._agreed[slot] = FREE
+        self._deadline[slot] = math.inf
+        self._fp_sum = (self._fp_sum - self._hash[slot]) & _M64
+        self._hash[slot] = 0
+        self._reasons.pop(slot, None)
+        self._free.append(slot)
+
+    # -- local updates ----------------------------------------------------------------
+
+    def update(self, rid: str, trigger: int, now: float, reason: str = "") -> State:
+        """Fire ``trigger`` for ``rid`` on this rank; returns the new local state.
+
+        Safe from any thread. ``reason`` is kept when the request fails here.
+        """
+        if not isinstance(trigger, int) or not 0 <= trigger < len(Trigger):
+            raise LocalProtocolError(f"trigger {trigger!r} for rid {rid!r} is not a Trigger (0..{len(Trigger) - 1})")
+        with self._lock:
+            slot = self._slot_of(rid)
+            self._apply(slot, trigger, now, reason or Trigger(trigger).name.lower())
+            return State(self._local[slot])
+
+    def _apply(self, slot: int, trigger: int, now: float, reason: str) -> None:
+        old = self._local[slot]
+        new = _spec.TRANSITIONS[old][trigger]
+        if new == old:
+            return
+        self._local[slot] = new
+        if _spec.TIMERS[new] != _spec.TIMERS[old]:
+            self._deadline[slot] = now + self._timeouts[_spec.TIMERS[new]]
+        if new == State.FAILED:
+            self._reasons[slot] = reason
+
+    def state(self, rid: str) -> State:
+        """This rank's local state of ``rid``."""
+        with self._lock:
+            return State(self._local[self._slot_of(rid)])
+
+    def agreed(self, rid: str) -> State:
+        """The highest state the replica agreed on for ``rid`` so far."""
+        with self._lock:
+            return State(self._agreed[self._slot_of(rid)])
+
+    def slot(self, rid: str) -> int:
+        with self._lock:
+            return self._slot_of(rid)
+
+    # -- the round ----------------------------------------------------------------------
+
+    def fold(self, now: float) -> None:
+        """Turn every passed deadline into a TIMEOUT transition."""
+        with self._lock:
+            self._fold(now)
+
+    def _fold(self, now: float) -> None:
+        for slot in self._slots.values():
+            if self._deadline[slot] <= now:
+                timer = _spec.TIMERS[self._local[slot]]
+                seconds = self._timeouts[timer]
+                self._apply(slot, Trigger.TIMEOUT, now, f"{Timer(timer).name.lower()} timeout after {seconds:g} s")
+
+    def encode(self, now: float) -> np.ndarray:
+        """Fold deadlines, then fill and return ``buffer`` for the all-reduce MIN."""
+        with self._lock:
+            self._fold(now)
+            cap = self._capacity
+            self._buffer[:cap] = self._local
+            fp = self._fingerprint()
+            self._buffer[cap : cap + FINGERPRINT_BYTES] = list(fp)
+            self._buffer[cap + FINGERPRINT_BYTES :] = [255 - b for b in fp]
+            return self._buffer
+
+    def _fingerprint(self) -> bytes:
+        return self._fp_sum.to_bytes(8, "little") + len(self._slots).to_bytes(4, "little")
+
+    def decode(self) -> list[Event]:
+        """Act on the reduced ``buffer``: emit events for every agreed change, in registration order.
+
+        Raises ``CollectiveError`` (and changes nothing) when the replica's ranks
+        hold different request sets.
+        """
+        with self._lock:
+            self._check_fingerprint()
+            buf = self._buffer
+            events: list[Event] = []
+            for rid, slot in list(self._slots.items()):
+                value = int(buf[slot])
+                previous = self._agreed[slot]
+                if value == previous:
+                    continue
+                for kind in _spec.events_for(previous, value):
+                    if kind == _spec.EventKind.BOOTSTRAPPED:
+                        events.append(Bootstrapped(rid))
+                    elif kind == _spec.EventKind.SUCCEEDED:
+                        events.append(Succeeded(rid))
+                    else:
+                        events.append(Failed(rid, self._reasons.get(slot, FAILED_ELSEWHERE)))
+                if value in (State.FAILED, State.SUCCESS):
+                    self._free_slot(slot)
+                elif value > previous:
+                    self._agreed[slot] = value
+            return events
+
+    def _check_fingerprint(self) -> None:
+        cap = self._capacity
+        lo = self._buffer[cap : cap + FINGERPRINT_BYTES]
+        hi_inv = self._buffer[cap + FINGERPRINT_BYTES :]
+        if all(int(a) + int(b) == 255 for a, b in zip(lo, hi_inv)):
+            live_over_range = [slot for slot in self._slots.values() if self._buffer[slot] > State.SUCCESS]
+            if not live_over_range:
+                return
+        raise CollectiveError(_mismatch_message(self._fingerprint(), bytes(lo), bytes(255 - int(b) for b in hi_inv)))
+
+
+def _mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
+    """Name what differs: the number of live requests, or which requests they are."""
+    count = int.from_bytes(mine[8:], "little")
+    if lowest[8:] != highest[8:]:
+        what = (
+            f"the ranks hold different numbers of live requests (this rank {count}, replica byte-wise "
+            f"min {int.from_bytes(lowest[8:], 'little')} / max {int.from_bytes(highest[8:], 'little')})"
+        )
+    else:
+        what = f"the ranks hold {count} live requests each, but not the same (slot, rid) set"
+    return (
+        f"replica agreement refused: {what}; this rank's fingerprint is {mine.hex()}. "
+        "Every rank must register and remove the same rids in the same order."
+    )

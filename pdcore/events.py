@@ -1,0 +1,98 @@
+"""What the scheduler receives: small frozen values, never subclassed.
+
+Events compare equal across the ranks of a replica: ``Failed.reason`` is this
+rank's own explanation (a rank that did not fail locally only knows that
+another rank did), so it is left out of equality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "BootstrapInfo",
+    "RemotePrefill",
+    "Event",
+    "Bootstrapped",
+    "Failed",
+    "Succeeded",
+    "RemotePrefillDone",
+    "FAILED_ELSEWHERE",
+]
+
+#: The reason a rank gives for a failure it did not see itself.
+FAILED_ELSEWHERE = "failed on another rank of the replica"
+
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapInfo:
+    """Where a request's peer node reaches it: the bootstrap server and the room."""
+
+    host: str
+    port: int
+    room: int
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("BootstrapInfo.host is empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"BootstrapInfo.port {self.port!r} is not a TCP port")
+        if not 0 <= self.room <= _U64:
+            raise ValueError(f"BootstrapInfo.room {self.room!r} is not an unsigned 64-bit integer")
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """A decode-side request whose KV landed, with what the prefill node sent along."""
+
+    rid: str
+    bootstrap_token: int
+    cached_tokens: int
+    bootstrap_logprob: float | None
+    spec_candidate_ids: tuple[int, ...] | None
+    request_pool_index: int
+
+    def __post_init__(self) -> None:
+        if self.bootstrap_token < 0:
+            raise ValueError(f"RemotePrefill {self.rid!r}: a landing needs a first token, got {self.bootstrap_token}")
+
+
+class Event:
+    """Marker base of the events; dispatch on ``type(event)``."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrapped(Event):
+    """The request's peers are connected on every rank."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(Event):
+    """The request's transfer failed on some rank; every rank emits it in the same round."""
+
+    rid: str
+    reason: str = field(default=FAILED_ELSEWHERE, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Succeeded(Event):
+    """P: the request's KV reached the decode node from every rank."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefillDone(Event):
+    """D: the request's KV landed on every rank."""
+
+    remote: RemotePrefill
+
+    @property
+    def rid(self) -> str:
+        return self.remote.rid

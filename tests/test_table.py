@@ -1,0 +1,261 @@
+"""StateTable on one rank, against both twins: registry, updates, deadlines, bad input."""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from pdcore._spec import FREE, State, Trigger
+from pdcore.errors import CapacityError, CollectiveError, LocalProtocolError
+from pdcore.events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
+
+
+def solo_round(table, now: float = 0.0) -> list:
+    """A round of a one-rank replica: the reduced buffer is the encoded one."""
+    table.encode(now)
+    return table.decode()
+
+
+def snapshot(table) -> tuple:
+    return (table.rids(), [(r, table.state(r), table.agreed(r), table.slot(r)) for r in table.rids()], len(table))
+
+
+def test_register_hands_out_slots_and_keeps_order(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4)
+    assert [t.register(r, 0.0) for r in "abc"] == [0, 1, 2]
+    assert t.rids() == ["a", "b", "c"] and len(t) == 3 and "b" in t and t.has_in_flight()
+    t.remove("b")
+    assert "b" not in t and t.rids() == ["a", "c"]
+    assert t.register("d", 0.0) == 1  # the freed slot is reused, deterministically
+    assert t.rids() == ["a", "c", "d"]
+    assert t.state("d") == State.BOOTSTRAPPING == t.agreed("d")
+
+
+def test_free_slots_are_neutral_in_the_buffer(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4)
+    t.register("a", 0.0)
+    buf = t.encode(0.0)
+    assert buf is t.buffer and buf.dtype == np.uint8
+    assert list(buf[:4]) == [State.BOOTSTRAPPING, FREE, FREE, FREE]
+    fp = buf[4:]
+    assert len(fp) == 2 * table_impl.FINGERPRINT_BYTES
+    assert all(int(a) + int(b) == 255 for a, b in zip(fp[: len(fp) // 2], fp[len(fp) // 2 :]))
+
+
+def test_buffer_size_never_depends_on_what_is_live(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(16)
+    size = t.encode(0.0).shape
+    for r in "abcdef":
+        t.register(r, 0.0)
+    assert t.encode(0.0).shape == size
+
+
+def test_updates_only_move_forward(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    assert t.update("a", Trigger.WRITES_POSTED, 0.0) == State.TRANSFERRING
+    assert t.update("a", Trigger.PEERS_CONNECTED, 0.0) == State.TRANSFERRING  # late trigger: no regression
+    assert t.update("a", Trigger.WRITES_LANDED, 0.0) == State.SUCCESS
+
+
+def test_failed_is_sticky_and_keeps_the_first_reason(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    assert t.update("a", Trigger.FAIL, 0.0, "qp error") == State.FAILED
+    assert t.update("a", Trigger.WRITES_LANDED, 0.0) == State.FAILED
+    assert t.update("a", Trigger.ABORT, 0.0, "later reason") == State.FAILED
+    events = solo_round(t)
+    assert events == [Failed("a")] and events[0].reason == "qp error"
+    assert "a" not in t and not t.has_in_flight()
+
+
+def test_a_failure_after_local_success_still_wins(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    t.update("a", Trigger.WRITES_LANDED, 0.0)
+    t.update("a", Trigger.ABORT, 0.0, "aborted by peer")
+    assert solo_round(t) == [Failed("a")]
+
+
+def test_jump_to_success_emits_bootstrapped_first(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    t.update("a", Trigger.WRITES_LANDED, 0.0)
+    assert solo_round(t) == [Bootstrapped("a"), Succeeded("a")]
+    assert solo_round(t) == [] and "a" not in t
+
+
+def test_events_come_once_in_registration_order(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4)
+    for r in "abc":
+        t.register(r, 0.0)
+    t.remove("a")
+    t.register("d", 0.0)  # takes slot 0, but registered after b and c
+    for r in "dcb":
+        t.update(r, Trigger.PEERS_CONNECTED, 0.0)
+    assert solo_round(t) == [Bootstrapped("b"), Bootstrapped("c"), Bootstrapped("d")]
+    assert solo_round(t) == []
+    t.update("c", Trigger.PAGES_ANNOUNCED, 0.0)
+    assert solo_round(t) == []  # agreed moved, but no event is owed for WAITING_FOR_INPUT
+    assert t.agreed("c") == State.WAITING_FOR_INPUT
+
+
+def test_bootstrap_deadline_is_folded_before_the_round(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4, bootstrap_timeout=10.0, waiting_timeout=20.0)
+    t.register("a", 0.0)
+    t.register("b", 5.0)
+    t.update("b", Trigger.PEERS_CONNECTED, 6.0)  # BOOTSTRAPPED carries no timer
+    assert solo_round(t, 9.99) == [Bootstrapped("b")]
+    events = solo_round(t, 10.0)
+    assert events == [Failed("a")] and events[0].reason == "bootstrap timeout after 10 s"
+    assert solo_round(t, 1e9) == [] and t.rids() == ["b"]
+
+
+def test_waiting_deadline_spans_waiting_and_transferring(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4, bootstrap_timeout=10.0, waiting_timeout=20.0)
+    t.register("a", 0.0)
+    t.update("a", Trigger.PAGES_ANNOUNCED, 5.0)  # arms WAITING at 25
+    t.update("a", Trigger.WRITES_POSTED, 15.0)  # TRANSFERRING shares the budget: still 25
+    assert solo_round(t, 24.9) == [Bootstrapped("a")]
+    events = solo_round(t, 25.0)
+    assert events == [Failed("a")] and events[0].reason == "waiting timeout after 20 s"
+
+
+def test_fold_alone_fails_the_local_state(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2, bootstrap_timeout=1.0)
+    t.register("a", 0.0)
+    t.fold(0.5)
+    assert t.state("a") == State.BOOTSTRAPPING
+    t.fold(1.0)
+    assert t.state("a") == State.FAILED
+
+
+def test_failed_elsewhere_has_a_generic_reason(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    buf = t.encode(0.0)
+    buf[0] = State.FAILED  # as if another rank's MIN brought a failure
+    events = t.decode()
+    assert events == [Failed("a")] and events[0].reason == FAILED_ELSEWHERE
+
+
+# -- bad input: a clear error naming the culprit, the table unchanged ------------------
+
+
+def test_duplicate_rid(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    before = snapshot(t)
+    with pytest.raises(LocalProtocolError, match="'a' is already registered"):
+        t.register("a", 1.0)
+    assert snapshot(t) == before
+
+
+@pytest.mark.parametrize("rid", ["", None, 7, b"a"])
+def test_rid_must_be_a_non_empty_str(table_impl: ModuleType, rid: object) -> None:
+    t = table_impl.StateTable(2)
+    with pytest.raises(LocalProtocolError, match="rid must be a non-empty str"):
+        t.register(rid, 0.0)
+    assert len(t) == 0
+
+
+def test_unknown_rid(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    before = snapshot(t)
+    for call in (
+        lambda: t.update("zz", Trigger.FAIL, 0.0),
+        lambda: t.remove("zz"),
+        lambda: t.state("zz"),
+    ):
+        with pytest.raises(LocalProtocolError, match="'zz' is not registered"):
+            call()
+    assert snapshot(t) == before
+
+
+@pytest.mark.parametrize("trigger", [-1, 7, 255, 1.0, "0", None])
+def test_trigger_out_of_range(table_impl: ModuleType, trigger: object) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    before = snapshot(t)
+    with pytest.raises(LocalProtocolError, match=f"trigger {trigger!r} for rid 'a' is not a Trigger"):
+        t.update("a", trigger, 0.0)
+    assert snapshot(t) == before
+
+
+def test_capacity_exhausted(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    t.register("b", 0.0)
+    before = snapshot(t)
+    with pytest.raises(CapacityError, match="cannot register 'c': all 2 slots are in use"):
+        t.register("c", 0.0)
+    assert snapshot(t) == before
+
+
+@pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"capacity": -1}, {"capacity": 1 << 21}])
+def test_bad_capacity(table_impl: ModuleType, kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="capacity must be in"):
+        table_impl.StateTable(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["bootstrap_timeout", "waiting_timeout"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_bad_timeouts(table_impl: ModuleType, name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=name):
+        table_impl.StateTable(4, **{name: value})
+
+
+def test_mismatched_fingerprint_raises_and_changes_nothing(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4)
+    t.register("a", 0.0)
+    t.update("a", Trigger.WRITES_LANDED, 0.0)
+    buf = t.encode(0.0)
+    cap = t.capacity
+    buf[cap] ^= 0x01  # another rank's fingerprint differs in one byte
+    before = snapshot(t)
+    with pytest.raises(CollectiveError, match="not the same \\(slot, rid\\) set"):
+        t.decode()
+    assert snapshot(t) == before
+
+
+def test_mismatched_count_is_named(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4)
+    t.register("a", 0.0)
+    buf = t.encode(0.0)
+    fp = table_impl.FINGERPRINT_BYTES
+    buf[t.capacity + 8] = 0  # some rank holds 0 live requests: min count byte 0
+    with pytest.raises(CollectiveError, match="different numbers of live requests \\(this rank 1"):
+        t.decode()
+
+
+# -- threads ---------------------------------------------------------------------------------
+
+
+def test_updates_from_many_threads_are_not_lost(table_impl: ModuleType) -> None:
+    n = 512
+    t = table_impl.StateTable(n)
+    rids = [f"r{i}" for i in range(n)]
+    for r in rids:
+        t.register(r, 0.0)
+    steps = (Trigger.PEERS_CONNECTED, Trigger.PAGES_ANNOUNCED, Trigger.WRITES_POSTED, Trigger.WRITES_LANDED)
+    start = threading.Barrier(4, timeout=30)
+
+    def worker(k: int) -> None:
+        start.wait()
+        for i, r in enumerate(rids):
+            t.update(r, steps[(i + k) % 4], 1.0)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+        assert not th.is_alive()
+    # every rid saw WRITES_LANDED from some thread: max-merge keeps it whatever the order
+    assert all(t.state(r) == State.SUCCESS for r in rids)
+    events = solo_round(t, 1.0)
+    assert events == [e for r in rids for e in (Bootstrapped(r), Succeeded(r))]
