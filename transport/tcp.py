@@ -359,8 +359,12 @@ class TcpTransport(Transport):
         p = self._own(peer)
         self._fail_peer(p, TransportError("peer disconnected", op="disconnect"))
         with self._lock:
-            self._peers.pop(p.id, None)
-        self._join(p.threads, deadline or Deadline.after(5.0))
+            owned = self._peers.pop(p.id, None) is p
+        if owned:
+            self._join(p.threads, deadline or Deadline.after(5.0))
+            for s in (p.sock, p.ack_sock):
+                if s is not None:
+                    s.close()
 
     def write(
         self,

@@ -1,0 +1,51 @@
+"""Fixtures for the data-plane tests: every conformance test runs once per transport name.
+
+The list of transports lives in ``_transport_support.TRANSPORTS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import transport
+from pdcore.deadline import Deadline
+from transport.base import Transport
+
+from _transport_support import TRANSPORT_OPTIONS, TRANSPORTS, MakeTransport
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_transport(transport_name: str) -> Iterator[MakeTransport]:
+    """Build transports of the parametrised kind; all are closed after the test, and no thread may outlive them."""
+    before = set(threading.enumerate())
+    made: list[Transport] = []
+
+    def make(**options: Any) -> Transport:
+        opts = {**TRANSPORT_OPTIONS.get(transport_name, {}), "peer_timeout": 5.0, **options}
+        t = transport.create(transport_name, **opts)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close(deadline=Deadline.after(5.0))
+    leaked = [th.name for th in set(threading.enumerate()) - before if th.is_alive()]
+    assert not leaked, f"threads left behind after close(): {leaked}"
+
+
+@pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])
+def plan_impl(request: pytest.FixtureRequest) -> ModuleType:
+    """The transfer-plan twin under test, imported by name: a missing build fails the [cython] tests."""
+    name = "transport._plan" if request.param == "cython" else "transport._plan_py"
+    return importlib.import_module(name)

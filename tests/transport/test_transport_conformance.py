@@ -1,0 +1,389 @@
+"""The conformance suite: every transport runs it (``transport_name`` is parametrised in conftest).
+
+Real loopback connections and real child processes; no sleeps as
+synchronisation (events and deadlines), so the suite stays fast.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import transport
+from pdcore.deadline import Deadline
+from pdcore.errors import CapacityError, StartError, TransportError
+from transport.base import Completion, PeerHandle, Region, Transport, decode_endpoint
+
+import _transport_children
+from _transport_support import TRANSPORT_OPTIONS, MakeTransport
+
+SPAWN = mp.get_context("spawn")
+
+
+class Collector:
+    """Records completions from callbacks; ``wait(n)`` blocks until n arrived or the deadline passes."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[int, TransportError | None]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, batch_id: int, error: TransportError | None) -> None:
+        with self._cond:
+            self.done.append((batch_id, error))
+            self._cond.notify_all()
+
+    def wait(self, n: int, seconds: float = 10.0) -> list[tuple[int, TransportError | None]]:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len(self.done) >= n, timeout=seconds)
+            assert ok, f"only {len(self.done)} of {n} completions within {seconds} s"
+            return list(self.done)
+
+
+def pair(make: MakeTransport, nbytes: int = 1 << 20, **options: Any) -> tuple[Transport, Transport, np.ndarray, np.ndarray, Region, Region, PeerHandle]:
+    """A source and a sink transport with one registered buffer each, connected source → sink."""
+    src_t, dst_t = make(**options), make(**options)
+    src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    rs, rd = src_t.register(src), dst_t.register(dst)
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+    return src_t, dst_t, src, dst, rs, rd, peer
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- bytes land exactly
+
+
+def test_bytes_land_exactly(make_transport: MakeTransport) -> None:
+    src_t, _dst_t, src, dst, rs, rd, peer = pair(make_transport)
+    page = 4096
+    rng = np.random.default_rng(2)
+    sp = rng.permutation(256)[:100]
+    dp = rng.permutation(256)[:100]
+    batch = [(rs.addr + int(s) * page, rd.addr + int(d) * page, page) for s, d in zip(sp, dp)]
+    done = Collector()
+    src_t.write(peer, batch, done)
+    [(bid, err)] = done.wait(1)
+    assert err is None
+    expected = np.zeros_like(dst)
+    for s, d in zip(sp, dp):
+        expected[d * page : (d + 1) * page] = src[s * page : (s + 1) * page]
+    assert digest(dst) == digest(expected)
+
+
+def test_numpy_array_plan_batch_and_odd_sizes(make_transport: MakeTransport) -> None:
+    """An (n, 3) uint64 array (the plan's output) is a batch; writes need not be aligned."""
+    src_t, _dst_t, src, dst, rs, rd, peer = pair(make_transport)
+    batch = np.array([[rs.addr + 1, rd.addr + 3, 1], [rs.addr + 17, rd.addr + 100, 999_999]], np.uint64)
+    src_t.write(peer, batch)
+    [c] = src_t.completions(deadline=Deadline.after(5))
+    assert c.error is None
+    assert dst[3] == src[1] and digest(dst[100 : 100 + 999_999]) == digest(src[17 : 17 + 999_999])
+    assert not dst[:3].any() and not dst[4:100].any() and not dst[100 + 999_999 :].any()
+
+
+def test_torch_and_raw_address_registrations(make_transport: MakeTransport) -> None:
+    torch = pytest.importorskip("torch")
+    src_t, dst_t = make_transport(), make_transport()
+    src = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros(4096, dtype=torch.float32)
+    rs = src_t.register(src)
+    keep = np.zeros(src.nbytes, np.uint8)  # (addr, length): the caller keeps the memory alive
+    rd = dst_t.register((int(keep.ctypes.data), int(keep.nbytes)))
+    rd2 = dst_t.register(dst)
+    assert (rs.length, rd.length, rd2.length) == (src.nbytes, keep.nbytes, dst.nbytes)
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+    done = Collector()
+    src_t.write(peer, [(rs.addr, rd.addr, rs.length), (rs.addr, rd2.addr, rs.length)], done)
+    assert done.wait(1)[0][1] is None
+    assert torch.equal(dst, src)
+    assert keep.tobytes() == src.numpy().tobytes()
+
+
+def test_register_rejects_bad_buffers(make_transport: MakeTransport) -> None:
+    t = make_transport()
+    a = np.zeros((64, 64), np.uint8)
+    with pytest.raises(ValueError, match="contiguous"):
+        t.register(a[:, ::2])
+    r = t.register(a)
+    with pytest.raises(ValueError, match="overlaps"):
+        t.register(a[10:20])
+    with pytest.raises(TypeError, match="cannot register"):
+        t.register(object())
+    t.deregister(r)
+    t.register(a[10:20])  # free again once deregistered
+
+
+# ----------------------------------------------------------------------------- many batches, many peers
+
+
+def test_many_concurrent_batches_from_several_threads(make_transport: MakeTransport) -> None:
+    src_t, _dst_t, src, dst, rs, rd, peer = pair(make_transport, nbytes=256 << 10, max_inflight=8)
+    page, threads_n, per_thread = 1024, 4, 64  # 256 batches, each to its own page
+    done = Collector()
+    errors: list[BaseException] = []
+
+    def post(k: int) -> None:
+        try:
+            for i in range(per_thread):
+                p = k * per_thread + i
+                src_t.write(peer, [(rs.addr + p * page, rd.addr + p * page, page)], done, deadline=Deadline.after(10))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    ths = [threading.Thread(target=post, args=(k,)) for k in range(threads_n)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(20)
+    assert not errors
+    got = done.wait(threads_n * per_thread)
+    assert all(e is None for _, e in got)
+    assert len({b for b, _ in got}) == threads_n * per_thread
+    assert digest(dst) == digest(src)
+
+
+def test_completions_in_posting_order_and_empty_batch_is_a_fence(make_transport: MakeTransport) -> None:
+    src_t, _dst_t, src, dst, rs, rd, peer = pair(make_transport, nbytes=4 << 20)
+    done = Collector()
+    ids = [src_t.write(peer, [(rs.addr, rd.addr, 4 << 20)], done, deadline=Deadline.after(5)) for _ in range(5)]
+    fence = src_t.write(peer, [], done, deadline=Deadline.after(5))
+    got = done.wait(6)
+    assert [b for b, _ in got] == ids + [fence]
+    assert all(e is None for _, e in got)
+    assert digest(dst) == digest(src)
+
+
+def test_several_sources_and_sinks_at_once(make_transport: MakeTransport) -> None:
+    sinks = [make_transport() for _ in range(2)]
+    sources = [make_transport() for _ in range(2)]
+    size = 256 << 10
+    dsts = [np.zeros(size * 2, np.uint8) for _ in sinks]
+    rds = [t.register(d) for t, d in zip(sinks, dsts)]
+    srcs = [np.full(size, 10 + i, np.uint8) for i in range(2)]
+    rss = [t.register(s) for t, s in zip(sources, srcs)]
+    done = Collector()
+    for i, s_t in enumerate(sources):
+        for j, d_t in enumerate(sinks):
+            peer = s_t.connect(d_t.endpoint(), deadline=Deadline.after(5))
+            s_t.write(peer, [(rss[i].addr, rds[j].addr + i * size, size)], done)
+    assert all(e is None for _, e in done.wait(4))
+    for d in dsts:
+        assert (d[:size] == 10).all() and (d[size:] == 11).all()
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_source_rejects_ranges_outside_regions_synchronously(make_transport: MakeTransport) -> None:
+    src_t, _dst_t, _src, dst, rs, rd, peer = pair(make_transport, nbytes=4096)
+    done = Collector()
+    with pytest.raises(TransportError, match="local range") as e1:
+        src_t.write(peer, [(rs.addr + 4000, rd.addr, 200)], done)
+    with pytest.raises(TransportError, match="remote range") as e2:
+        src_t.write(peer, [(rs.addr, rd.addr + 4000, 200)], done)
+    with pytest.raises(TransportError, match="length 0"):
+        src_t.write(peer, [(rs.addr, rd.addr, 0)], done)
+    assert e1.value.op == e2.value.op == "write"
+    assert not done.done and not dst.any()
+
+
+def test_sink_refuses_writes_outside_its_regions_and_touches_nothing(make_transport: MakeTransport) -> None:
+    """The source's view of the sink is stale (the sink deregistered a region): the sink must refuse."""
+    src_t, dst_t = make_transport(), make_transport()
+    src = np.full(8192, 0xAB, np.uint8)
+    kept, dropped = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    rs = src_t.register(src)
+    r_kept, r_dropped = dst_t.register(kept), dst_t.register(dropped)
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+    dst_t.deregister(r_dropped)
+    done = Collector()
+    # one valid write then one refused: the whole batch fails and no byte of it lands
+    bad = src_t.write(peer, [(rs.addr, r_kept.addr, 4096), (rs.addr, r_dropped.addr, 4096)], done)
+    good = src_t.write(peer, [(rs.addr, r_kept.addr, 100)], done)  # the connection survives
+    got = dict(done.wait(2))
+    err = got[bad]
+    assert isinstance(err, TransportError) and err.op == "write"
+    assert "outside every region" in str(err) and err.errno == errno.EFAULT
+    assert got[good] is None
+    assert (kept[:100] == 0xAB).all() and not kept[100:].any() and not dropped.any()
+
+
+def test_back_pressure_bounds_batches_in_flight(make_transport: MakeTransport) -> None:
+    src_t, _dst_t, _src, _dst, rs, rd, peer = pair(make_transport, nbytes=4096, max_inflight=2)
+    # queue-mode completions hold their slot until taken, so this is deterministic
+    src_t.write(peer, [(rs.addr, rd.addr, 64)])
+    src_t.write(peer, [(rs.addr, rd.addr, 64)])
+    with pytest.raises(CapacityError):
+        src_t.write(peer, [(rs.addr, rd.addr, 64)])
+    t0 = time.monotonic()
+    with pytest.raises(CapacityError):
+        src_t.write(peer, [(rs.addr, rd.addr, 64)], deadline=Deadline.after(0.2))
+    assert 0.15 <= time.monotonic() - t0 < 3
+    got: list[Completion] = []
+    while len(got) < 2:
+        got += src_t.completions(deadline=Deadline.after(5))
+    assert [c.error for c in got] == [None, None]
+    src_t.write(peer, [(rs.addr, rd.addr, 64)])  # slots free again
+
+
+def test_bad_endpoints_are_clear_errors(make_transport: MakeTransport, transport_name: str) -> None:
+    t, other = make_transport(), make_transport()
+    with pytest.raises(TransportError, match="malformed") as e:
+        t.connect(b"garbage", deadline=Deadline.after(1))
+    assert e.value.op == "endpoint"
+    ep = decode_endpoint(other.endpoint(), expect=transport_name)
+    assert ep.transport == transport_name
+    truncated = other.endpoint()[:-1] if ep.regions else other.endpoint() + b"x"
+    with pytest.raises(TransportError, match="malformed"):
+        t.connect(truncated, deadline=Deadline.after(1))
+
+
+def test_unknown_transport_lists_the_known_ones() -> None:
+    with pytest.raises(StartError, match="known transports: .*tcp"):
+        transport.create("carrier-pigeon")
+
+
+def test_verbs_is_imported_only_when_chosen() -> None:
+    code = "import sys, transport, transport.tcp, transport.plan; assert 'transport.verbs' not in sys.modules and 'pyverbs' not in sys.modules"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=60)
+
+
+# ----------------------------------------------------------------------------- peers that die, close()
+
+
+def _spawn_sink(name: str, nbytes: int, options: dict[str, Any]) -> tuple[Any, Any, bytes]:
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_transport_children.run_sink, args=(child, name, options, nbytes), daemon=True)
+    proc.start()
+    if not parent.poll(30):
+        proc.kill()
+        pytest.fail("the sink child did not start within 30 s")
+    return proc, parent, parent.recv()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_peer_that_disappears_mid_transfer_fails_in_flight_batches(
+    make_transport: MakeTransport, transport_name: str, how: str
+) -> None:
+    """A real child process is the sink; it is SIGKILLed (or SIGSTOPped, a hung peer) mid-transfer."""
+    peer_timeout = 1.0
+    size, batches = 4 << 20, 32
+    opts = {**TRANSPORT_OPTIONS.get(transport_name, {}), "peer_timeout": peer_timeout}
+    proc, pipe, ep = _spawn_sink(transport_name, size, opts)
+    try:
+        src_t = make_transport(peer_timeout=peer_timeout, max_inflight=batches)
+        src = np.ones(size, np.uint8)
+        rs = src_t.register(src)
+        peer = src_t.connect(ep, deadline=Deadline.after(5))
+        remote = peer.remote.regions[0]
+        done = Collector()
+        ids = [src_t.write(peer, [(rs.addr, remote.addr, size)], done) for _ in range(batches)]
+        done.wait(1)  # the transfer is under way
+        os.kill(proc.pid, signal.SIGSTOP)  # freeze it mid-transfer: the rest cannot complete now
+        t0 = time.monotonic()
+        if how == "killed":
+            os.kill(proc.pid, signal.SIGKILL)
+        got = done.wait(batches, seconds=peer_timeout + 5)
+        elapsed = time.monotonic() - t0
+        assert [b for b, _ in got] == ids  # each batch exactly once, in order
+        failed = [e for _, e in got if e is not None]
+        assert failed, "no batch failed although the peer vanished mid-transfer"
+        assert all(isinstance(e, TransportError) and e.op == "write" for e in failed)
+        assert elapsed < peer_timeout + 3
+        with pytest.raises(TransportError, match="unusable"):
+            src_t.write(peer, [(rs.addr, remote.addr, 1)], done)
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        pipe.close()
+
+
+@pytest.mark.slow
+def test_sink_survives_a_source_killed_mid_batch(make_transport: MakeTransport, transport_name: str) -> None:
+    sink = make_transport()
+    dst = np.zeros(8 << 20, np.uint8)
+    rd = sink.register(dst)
+    parent, child = SPAWN.Pipe()
+    opts = {**TRANSPORT_OPTIONS.get(transport_name, {}), "peer_timeout": 5.0, "max_inflight": 64}
+    proc = SPAWN.Process(
+        target=_transport_children.run_source, args=(child, transport_name, opts, sink.endpoint(), 8 << 20, 64), daemon=True
+    )
+    proc.start()
+    try:
+        assert parent.poll(30), "source child did not post in time"
+        proc.kill()
+        proc.join(10)
+        # the sink still serves another source, into the same region
+        src_t = make_transport()
+        src = np.full(4096, 3, np.uint8)
+        rs = src_t.register(src)
+        peer = src_t.connect(sink.endpoint(), deadline=Deadline.after(5))
+        done = Collector()
+        src_t.write(peer, [(rs.addr, rd.addr, 4096)], done)
+        assert done.wait(1)[0][1] is None and (dst[:4096] == 3).all()
+        sink.deregister(rd, deadline=Deadline.after(5))  # nothing is stuck landing into it
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        parent.close()
+
+
+def test_close_with_batches_in_flight_returns_in_time_and_fails_them(make_transport: MakeTransport) -> None:
+    src_t, dst_t, src, dst, rs, rd, peer = pair(make_transport, nbytes=8 << 20, max_inflight=32)
+    done = Collector()
+    ids = [src_t.write(peer, [(rs.addr, rd.addr, 8 << 20)], done) for _ in range(32)]
+    t0 = time.monotonic()
+    src_t.close(deadline=Deadline.after(3))
+    assert time.monotonic() - t0 < 3
+    got = done.wait(32, seconds=1)  # every batch completed exactly once by the time close returned
+    assert sorted(b for b, _ in got) == ids
+    assert any(isinstance(e, TransportError) for _, e in got)
+    src_t.close()  # idempotent
+    with pytest.raises(TransportError):
+        src_t.register(np.zeros(16, np.uint8))
+    assert src_t.regions() == ()
+    dst_t.close(deadline=Deadline.after(3))
+    assert dst_t.regions() == ()
+    # make_transport's teardown asserts that no thread outlived close()
+
+
+def test_sink_close_with_incoming_batches_in_flight(make_transport: MakeTransport) -> None:
+    src_t, dst_t, _src, _dst, rs, rd, peer = pair(make_transport, nbytes=8 << 20, max_inflight=32)
+    done = Collector()
+    for _ in range(32):
+        src_t.write(peer, [(rs.addr, rd.addr, 8 << 20)], done)
+    t0 = time.monotonic()
+    dst_t.close(deadline=Deadline.after(3))
+    assert time.monotonic() - t0 < 3
+    got = done.wait(32, seconds=8)
+    assert len(got) == 32
+
+
+def test_disconnect_fails_in_flight_and_later_writes(make_transport: MakeTransport) -> None:
+    src_t, _dst_t, _src, _dst, rs, rd, peer = pair(make_transport, nbytes=8 << 20, max_inflight=16)
+    done = Collector()
+    for _ in range(16):
+        src_t.write(peer, [(rs.addr, rd.addr, 8 << 20)], done)
+    src_t.disconnect(peer, deadline=Deadline.after(3))
+    assert len(done.wait(16, seconds=1)) == 16
+    src_t.disconnect(peer)  # idempotent
+    with pytest.raises(TransportError):
+        src_t.write(peer, [(rs.addr, rd.addr, 1)], done)
