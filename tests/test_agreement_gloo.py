@@ -1,0 +1,103 @@
+"""The agreement over real torch.distributed gloo groups, one process per rank."""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import pytest
+
+from replica import run_replica
+
+pytestmark = pytest.mark.slow
+
+TWINS = ["pdcore._table", "pdcore._table_py"]
+
+
+def _progress(rank: int, world: int, module: str) -> list:
+    """Every rank registers the same 8 rids; rank k advances them on its own schedule."""
+    import torch.distributed as dist
+
+    from pdcore._spec import Trigger
+    from pdcore.agreement import Agreement
+
+    table = importlib.import_module(module).StateTable(64, bootstrap_timeout=30.0, waiting_timeout=30.0)
+    agreement = Agreement(table)
+    rids = [f"req-{i}" for i in range(8)]
+    for rid in rids:
+        table.register(rid, 0.0)
+    rounds = []
+    for rnd in range(8):
+        step = rnd - rank  # rank k lags k rounds behind the others
+        for rid in table.rids():
+            i = int(rid.split("-")[1])
+            if i == 5 and rank == world - 1 and step == 1:
+                table.update(rid, Trigger.FAIL, 1.0, f"rank {rank} lost its peer")
+            elif step == 0 and i % 2:  # odd rids connect first; even ones jump straight to landed
+                table.update(rid, Trigger.PEERS_CONNECTED, 1.0)
+            elif step == 2:
+                table.update(rid, Trigger.WRITES_LANDED, 1.0)
+        events = agreement.round(1.0, dist.group.WORLD)
+        rounds.append([(type(e).__name__, e.rid, getattr(e, "reason", None)) for e in events])
+    return rounds
+
+
+@pytest.mark.parametrize("module", TWINS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_the_same_events(world: int, module: str) -> None:
+    per_rank = run_replica(_progress, world, module)
+    names = [[[(kind, rid) for kind, rid, _ in rnd] for rnd in rounds] for rounds in per_rank]
+    assert all(n == names[0] for n in names), "ranks disagree"
+    flat = [e for rnd in names[0] for e in rnd]
+    assert len(flat) == len(set(flat)), "an event came twice"
+    for i in range(8):
+        rid = f"req-{i}"
+        mine = [kind for kind, r in flat if r == rid]
+        if i == 5:
+            assert mine[-1] == "Failed"  # one rank's failure fails it everywhere
+        else:
+            assert mine == ["Bootstrapped", "Succeeded"], (rid, mine)
+    # the lagging rank holds everyone back: nothing succeeds before the last rank lands
+    first_success = min(k for k, rnd in enumerate(names[0]) if any(kind == "Succeeded" for kind, _ in rnd))
+    assert first_success == world - 1 + 2
+    # the failing rank names its cause; the others say it failed elsewhere
+    reasons = {
+        rank: next(reason for rnd in rounds for kind, rid, reason in rnd if kind == "Failed")
+        for rank, rounds in enumerate(per_rank)
+    }
+    assert reasons[world - 1] == f"rank {world - 1} lost its peer"
+    assert all(reasons[r] == "failed on another rank of the replica" for r in range(world - 1))
+
+
+def _mismatch(rank: int, world: int, module: str) -> dict:
+    """Rank 1 registers one rid the others never see; the next round must raise everywhere."""
+    import torch.distributed as dist
+
+    from pdcore.agreement import Agreement
+    from pdcore.errors import CollectiveError
+
+    table = importlib.import_module(module).StateTable(32)
+    agreement = Agreement(table)
+    for rid in ("a", "b", "c"):
+        table.register(rid, 0.0)
+    first = agreement.round(0.0, dist.group.WORLD)
+    if rank == 1:
+        table.register("only-on-rank-1", 0.0)
+    started = time.monotonic()
+    try:
+        agreement.round(0.0, dist.group.WORLD)
+    except CollectiveError as exc:
+        return {"first": first, "error": str(exc), "seconds": time.monotonic() - started, "rids": table.rids()}
+    return {"first": first, "error": None}
+
+
+@pytest.mark.parametrize("module", TWINS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_mismatched_registration_raises_on_every_rank_in_one_round(world: int, module: str) -> None:
+    per_rank = run_replica(_mismatch, world, module, timeout=90.0)
+    assert all(r["first"] == [] for r in per_rank)
+    for rank, r in enumerate(per_rank):
+        assert r["error"] is not None, f"rank {rank} did not notice the mismatch"
+        assert "different numbers of live requests" in r["error"]
+        assert f"this rank {4 if rank == 1 else 3}" in r["error"]
+        assert r["rids"] == (["a", "b", "c", "only-on-rank-1"] if rank == 1 else ["a", "b", "c"])  # unchanged
