@@ -1,0 +1,365 @@
+"""Bootstrap server over real HTTP on loopback, its client, and its pure validators."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from pdcore.bootstrap import (
+    MAX_BODY_BYTES,
+    BootstrapClient,
+    BootstrapServer,
+    RankRegistration,
+    Registry,
+    parse_parallel_info,
+    parse_rank_info,
+    parse_rank_path,
+    parse_registration,
+)
+from pdcore.deadline import Deadline, DeadlineExceeded
+from pdcore.errors import LocalProtocolError, RemoteProtocolError, StartError
+
+LAYOUT = {"page_size": 16, "fields": [{"name": "k", "shape": [8, 128]}]}
+
+
+def reg(tp_rank: int = 0, dp_rank: int = 0, **kw: Any) -> RankRegistration:
+    base: dict[str, Any] = dict(
+        session_id=f"p-{dp_rank}-{tp_rank}",
+        epoch=1,
+        endpoint=f"tcp://127.0.0.1:{7000 + 10 * dp_rank + tp_rank}",
+        tp_size=2,
+        dp_size=1,
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        layout=LAYOUT,
+    )
+    base.update(kw)
+    return RankRegistration(**base)
+
+
+def soon(seconds: float = 5.0) -> Deadline:
+    return Deadline.after(seconds)
+
+
+@pytest.fixture
+def server() -> Iterator[BootstrapServer]:
+    srv = BootstrapServer("127.0.0.1", 0, max_body=64 * 1024, request_timeout=2.0)
+    srv.start()
+    yield srv
+    srv.close(soon())
+    assert not any(t.name.startswith("pdcore-bootstrap") for t in threading.enumerate())
+
+
+@pytest.fixture
+def client(server: BootstrapServer) -> BootstrapClient:
+    return BootstrapClient("127.0.0.1", server.port)
+
+
+def raw(port: int, data: bytes, *, shut: bool = True) -> bytes:
+    """Send bytes on a fresh connection and read the whole answer (bounded by a timeout)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_and_json(answer: bytes) -> tuple[int, Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body) if body else None
+
+
+def put(port: int, body: bytes, *, headers: str | None = None) -> tuple[int, Any]:
+    headers = headers if headers is not None else f"Content-Length: {len(body)}\r\n"
+    return status_and_json(raw(port, b"PUT /v1/ranks HTTP/1.1\r\nHost: x\r\n" + headers.encode() + b"\r\n" + body))
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+def test_register_lookup_health(client: BootstrapClient) -> None:
+    assert client.health(soon())
+    assert client.parallel_info(soon()) is None  # nothing registered yet
+    assert client.rank(0, 0, soon()) is None
+    assert client.register(reg(0), soon()) == "created"
+    info = client.parallel_info(soon())
+    assert info is not None and (info.tp_size, info.dp_size, info.registered, info.complete) == (2, 1, 1, False)
+    assert info.layout == LAYOUT
+    assert client.register(reg(1), soon()) == "created"
+    info = client.parallel_info(soon())
+    assert info is not None and info.complete and info.registered == 2
+    rank = client.rank(0, 1, soon())
+    assert rank is not None
+    assert (rank.endpoint, rank.session_id, rank.epoch) == ("tcp://127.0.0.1:7001", "p-0-1", 1)
+
+
+def test_idempotent_and_epochs(client: BootstrapClient) -> None:
+    assert client.register(reg(0), soon()) == "created"
+    assert client.register(reg(0), soon()) == "unchanged"
+    with pytest.raises(LocalProtocolError, match="409.*endpoint"):
+        client.register(reg(0, endpoint="tcp://127.0.0.1:9999"), soon())
+    assert client.register(reg(0, epoch=2, endpoint="tcp://127.0.0.1:9999"), soon()) == "replaced"
+    with pytest.raises(LocalProtocolError, match="409.*epoch"):
+        client.register(reg(0, epoch=1), soon())
+    rank = client.rank(0, 0, soon())
+    assert rank is not None and (rank.epoch, rank.endpoint) == (2, "tcp://127.0.0.1:9999")
+
+
+@pytest.mark.parametrize(
+    ("second", "field"),
+    [
+        (dict(tp_size=4), "tp_size"),
+        (dict(dp_size=2), "dp_size"),
+        (dict(layout={"page_size": 32}), "layout"),
+        (dict(endpoint="tcp://127.0.0.1:7000"), "endpoint"),
+        (dict(session_id="p-0-0"), "session_id"),
+    ],
+)
+def test_conflicts_are_409(server: BootstrapServer, client: BootstrapClient, second: dict[str, Any], field: str) -> None:
+    client.register(reg(0), soon())
+    body = msgspec.json.encode(reg(1, **second))
+    status, payload = put(server.port, body)
+    assert status == 409 and field in payload["error"]
+    assert client.rank(0, 1, soon()) is None  # nothing was stored
+
+
+def test_unknown_rank_404_and_bad_path_400(server: BootstrapServer, client: BootstrapClient) -> None:
+    client.register(reg(0), soon())
+    for path in (b"/v1/ranks/0/1", b"/v1/ranks/3/0"):
+        status, payload = status_and_json(raw(server.port, b"GET " + path + b" HTTP/1.0\r\n\r\n"))
+        assert status == 404 and "no rank" in payload["error"]
+    for path, field in ((b"/v1/ranks/x/0", "dp_rank"), (b"/v1/ranks/0/01", "tp_rank"), (b"/v1/ranks/0/-1", "tp_rank")):
+        status, payload = status_and_json(raw(server.port, b"GET " + path + b" HTTP/1.0\r\n\r\n"))
+        assert status == 400 and field in payload["error"]
+    status, _ = status_and_json(raw(server.port, b"GET /nope HTTP/1.0\r\n\r\n"))
+    assert status == 404
+    status, payload = status_and_json(raw(server.port, b"POST /v1/ranks HTTP/1.0\r\nContent-Length: 0\r\n\r\n"))
+    assert status == 405 and "PUT" in payload["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"", "not JSON"),
+        (b"{", "not JSON"),
+        (b"[]", "Expected `object`"),
+        (msgspec.json.encode({**msgspec.to_builtins(reg(0)), "tp_rank": 2}), "tp_rank"),
+        (msgspec.json.encode({**msgspec.to_builtins(reg(0)), "dp_rank": 1}), "dp_rank"),
+        (msgspec.json.encode({**msgspec.to_builtins(reg(0)), "tp_size": 0}), "$.tp_size"),
+        (msgspec.json.encode({**msgspec.to_builtins(reg(0)), "epoch": -1}), "$.epoch"),
+        (msgspec.json.encode({**msgspec.to_builtins(reg(0)), "endpoint": "10.0.0.1:5"}), "endpoint"),
+        (msgspec.json.encode({**msgspec.to_builtins(reg(0)), "layout": [1]}), "$.layout"),
+        (msgspec.json.encode({**msgspec.to_builtins(reg(0)), "bogus": 1}), "`bogus`"),
+        (msgspec.json.encode({k: v for k, v in msgspec.to_builtins(reg(0)).items() if k != "session_id"}), "session_id"),
+    ],
+)
+def test_malformed_is_400_naming_the_field(server: BootstrapServer, body: bytes, field: str) -> None:
+    status, payload = put(server.port, body)
+    assert status == 400 and field in payload["error"]
+
+
+def test_length_rules(server: BootstrapServer) -> None:
+    status, payload = put(server.port, b"{}", headers="")
+    assert status == 411 and "Content-Length" in payload["error"]
+    status, payload = put(server.port, b"", headers="Content-Length: 999999999\r\n")
+    assert status == 413 and "Content-Length" in payload["error"]
+    big = b" " * (64 * 1024 + 1)
+    status, payload = put(server.port, big)
+    assert status == 413
+    status, payload = put(server.port, b"{}", headers="Content-Length: 1e3\r\n")
+    assert status == 400 and "Content-Length" in payload["error"]
+    status, payload = put(server.port, b"{}", headers="Content-Length: 10\r\n")  # body shorter than promised
+    assert status == 400 and "body" in payload["error"]
+    status, payload = put(server.port, b"{}", headers="Transfer-Encoding: chunked\r\n")
+    assert status == 400
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\x00\xff\xfe garbage \r\n\r\n", b"GET\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"A" * 70000 + b"\r\n\r\n", b"\r\n"],
+    ids=["binary", "no-path", "bad-version", "long-line", "blank"],
+)
+def test_garbage_then_next_request_served(server: BootstrapServer, client: BootstrapClient, garbage: bytes) -> None:
+    answer = raw(server.port, garbage)
+    if answer:  # a blank line is just a closed connection
+        status, payload = status_and_json(answer)
+        assert status in (400, 414, 431, 505) and payload["error"]
+    assert client.health(soon())
+
+
+def test_silent_client_is_cut_by_close() -> None:
+    srv = BootstrapServer("127.0.0.1", 0, request_timeout=60.0)
+    port = srv.start()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"PUT /v1/ranks HTTP/1.0\r\n")  # ... and then nothing
+        BootstrapClient("127.0.0.1", port).health(soon())  # the server is not stuck behind it
+        srv.close(soon(3.0))
+    assert not any(t.name.startswith("pdcore-bootstrap") for t in threading.enumerate())
+    srv.close(soon())  # idempotent
+
+
+def test_request_deadline_on_server() -> None:
+    with BootstrapServer("127.0.0.1", 0, request_timeout=0.3) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+            sock.sendall(b"PUT /v1/ranks HTTP/1.0\r\nContent-Length: 10\r\n\r\n{")  # then a stall
+            assert sock.recv(1) == b""  # the request deadline closed it; nothing was registered
+        assert BootstrapClient("127.0.0.1", srv.port).health(soon())
+
+
+def test_client_deadline_against_a_silent_server() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        client = BootstrapClient("127.0.0.1", port)
+        with pytest.raises(DeadlineExceeded):
+            client.health(Deadline.after(0.2))  # accepted by the backlog, never answered
+        with pytest.raises(DeadlineExceeded):
+            client.health(Deadline.after(0))
+
+
+def test_client_unreachable_raises_oserror() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+    with pytest.raises(OSError):
+        BootstrapClient("127.0.0.1", port).health(soon())
+
+
+def test_client_rejects_a_bad_answer() -> None:
+    answers = [
+        b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\n{bad}",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 17\r\n\r\n{\"tp_size\": true}",
+        b"NOT HTTP\r\n\r\n",
+    ]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            for answer in answers:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(answer)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        client = BootstrapClient("127.0.0.1", port)
+        for _ in answers:
+            with pytest.raises(RemoteProtocolError):
+                client.parallel_info(soon())
+        thread.join(5)
+        assert not thread.is_alive()
+
+
+def test_start_errors() -> None:
+    with BootstrapServer("127.0.0.1", 0) as first:
+        with pytest.raises(StartError, match="cannot bind"):
+            BootstrapServer("127.0.0.1", first.port).start()
+        with pytest.raises(StartError):
+            first.start()
+
+
+def test_close_makes_port_reusable() -> None:
+    srv = BootstrapServer("127.0.0.1", 0)
+    port = srv.start()
+    srv.close(soon())
+    again = BootstrapServer("127.0.0.1", port)
+    assert again.start() == port
+    again.close(soon())
+
+
+def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pdcore.bootstrap import main; sys.exit(main(sys.argv[1:]))",
+         "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(timeout=20), "the CLI did not print its port"
+        line = proc.stdout.readline().decode()
+        assert "listening on 127.0.0.1:" in line, line
+        port = int(line.rsplit(":", 1)[1])
+        assert BootstrapClient("127.0.0.1", port).health(soon())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+# --------------------------------------------------------------------------- pure validators
+
+
+def test_registry_rules() -> None:
+    r = Registry()
+    assert r.parallel_info() is None
+    assert r.register(reg(0, tp_size=1)) == "created"
+    # the only rank may come back with another shape under a newer epoch
+    assert r.register(reg(0, tp_size=2, epoch=2)) == "replaced"
+    assert r.register(reg(1, epoch=7)) == "created"
+    with pytest.raises(RemoteProtocolError, match="tp_size"):
+        r.register(reg(1, tp_size=4, epoch=8))
+    info = r.parallel_info()
+    assert info is not None and info.complete
+    assert r.lookup(0, 1) is not None and r.lookup(1, 0) is None
+
+
+def test_layout_compared_canonically() -> None:
+    r = Registry()
+    r.register(reg(0, layout={"a": 1, "b": [1, 2]}))
+    assert r.register(reg(1, layout={"b": [1, 2], "a": 1})) == "created"  # key order does not matter
+    with pytest.raises(RemoteProtocolError, match="layout"):
+        r.register(reg(1, layout={"b": [1, 2], "a": 1.0}, epoch=2))  # 1 is not 1.0
+
+
+def test_parse_rank_path() -> None:
+    assert parse_rank_path("/v1/ranks/0/3") == (0, 3)
+    assert parse_rank_path("/v1/ranks") is None
+    assert parse_rank_path("/v1/ranks/0/1/2") is None
+    for bad, field in (("/v1/ranks/00/1", "dp_rank"), ("/v1/ranks/1/1024", "tp_rank"), ("/v1/ranks/٣/1", "dp_rank")):
+        with pytest.raises(RemoteProtocolError, match=field):
+            parse_rank_path(bad)
+
+
+def test_parse_responses() -> None:
+    good = b'{"tp_size":2,"dp_size":1,"layout":{},"registered":1,"complete":false}'
+    assert parse_parallel_info(good).registered == 1
+    with pytest.raises(RemoteProtocolError, match="complete"):
+        parse_parallel_info(good.replace(b"false", b"true"))
+    with pytest.raises(RemoteProtocolError, match="registered"):
+        parse_parallel_info(good.replace(b'"registered":1', b'"registered":3'))
+    rank = b'{"dp_rank":0,"tp_rank":1,"endpoint":"tcp://[::1]:5","session_id":"s","epoch":0}'
+    assert parse_rank_info(rank).endpoint == "tcp://[::1]:5"
+    with pytest.raises(RemoteProtocolError, match="endpoint"):
+        parse_rank_info(rank.replace(b"tcp://[::1]:5", b"tcp://::1:5"))
+
+
+def test_deep_json_is_a_protocol_error() -> None:
+    with pytest.raises(RemoteProtocolError):
+        parse_registration(b'{"layout":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
+def test_body_cap_constant() -> None:
+    assert MAX_BODY_BYTES == 1 << 20
