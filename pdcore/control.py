@@ -1,0 +1,491 @@
+"""The control channel: the ZeroMQ I/O edge that carries ``pdcore.wire`` frames.
+
+Socket pattern: each channel binds one **ROUTER** (receive) and opens one
+**DEALER** per peer endpoint it sends to (connect). Why not the reference's
+PUSH/PULL:
+
+- A ROUTER prefixes every frame with the sending connection's routing id,
+  which each DEALER sets to its channel's own bound endpoint. So the receiver
+  learns *who* sent a frame (and where to answer) from the transport, without
+  a reply address inside every message.
+- ``ROUTER_HANDOVER`` lets a restarted peer that comes back with the same
+  identity take the route over at once.
+- One DEALER per endpoint keeps per-peer FIFO (a registration is delivered
+  before the announcements that follow it), as the reference's PUSH did.
+
+Threads: one I/O thread owns every socket (ZMQ sockets are not thread-safe).
+``send`` may be called from any thread: it encodes and validates the message
+(raising ``LocalProtocolError`` to the caller), puts it on a bounded queue and
+wakes the I/O thread through a socket pair; it never blocks. The I/O thread
+sends with ``DONTWAIT`` under ``SNDHWM``; a frame that cannot be sent fails the
+rooms it names through ``on_rooms_failed``. Received frames are decoded; a
+``RemoteProtocolError`` is counted in ``stats.protocol_errors`` and fails the
+rooms it names, and the thread carries on. Callbacks run on the I/O thread and
+must not block; an exception in one is logged and counted, never fatal.
+
+Liveness: every channel sends a ``Heartbeat`` (session id, epoch, seq) to each
+peer it has a DEALER to, every ``heartbeat_interval``. A peer that has sent
+nothing for ``dead_after``, or that comes back with a newer epoch, is reported
+once through ``on_peer_dead`` (``PeerLiveness`` is the sans-IO rule).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, NamedTuple
+
+import zmq
+
+from . import wire
+from .deadline import Deadline, DeadlineExceeded
+from .errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
+
+__all__ = ["ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness"]
+
+log = logging.getLogger("pdcore.control")
+
+_RECV_BATCH: Final = 256  # frames handled per wake before the send queue gets a turn
+
+
+class DeadPeer(NamedTuple):
+    """A peer incarnation that is gone: ``session_id`` is None if it never introduced itself."""
+
+    endpoint: str
+    session_id: str | None
+    epoch: int | None
+    reason: str
+
+
+class PeerLiveness:
+    """Sans-IO liveness rule, keyed by the peer's control endpoint; ``now`` is an argument.
+
+    A peer is tracked from the first time we talk to it or hear from it; any
+    valid frame from it refreshes it; ``Heartbeat``/``Register`` tell its
+    session and epoch. Each incarnation is reported dead at most once.
+    """
+
+    def __init__(self, dead_after: float) -> None:
+        if not dead_after > 0:
+            raise ValueError(f"dead_after must be positive, got {dead_after!r}")
+        self.dead_after = dead_after
+        self._peers: dict[str, list[object]] = {}  # endpoint -> [session_id, epoch, last_heard]
+        self._where: dict[str, str] = {}  # session_id -> endpoint
+
+    def __contains__(self, endpoint: object) -> bool:
+        return endpoint in self._peers
+
+    def track(self, endpoint: str, now: float) -> None:
+        """Start the clock for a peer we talk to (no-op if already tracked)."""
+        self._peers.setdefault(endpoint, [None, None, now])
+
+    def heard(self, endpoint: str, now: float) -> None:
+        entry = self._peers.setdefault(endpoint, [None, None, now])
+        entry[2] = now
+
+    def introduced(self, endpoint: str, session_id: str, epoch: int, now: float) -> list[DeadPeer]:
+        """A frame naming its session and epoch; returns incarnations it replaces."""
+        dead: list[DeadPeer] = []
+        entry = self._peers.get(endpoint)
+        if entry is not None and entry[0] is not None:
+            old_session, old_epoch = entry[0], entry[1]
+            assert isinstance(old_session, str) and isinstance(old_epoch, int)
+            if old_session == session_id and epoch < old_epoch:
+                return dead  # a late frame of an older incarnation proves nothing
+            if old_session != session_id:
+                dead.append(DeadPeer(endpoint, old_session, old_epoch, f"replaced by session {session_id}"))
+                self._where.pop(old_session, None)
+            elif epoch > old_epoch:
+                dead.append(DeadPeer(endpoint, old_session, old_epoch, f"restarted (epoch {old_epoch} -> {epoch})"))
+        moved_from = self._where.get(session_id)
+        if moved_from is not None and moved_from != endpoint:
+            old = self._peers.get(moved_from)
+            if old is not None and isinstance(old[1], int) and old[1] < epoch:
+                del self._peers[moved_from]
+                dead.append(DeadPeer(moved_from, session_id, old[1], f"restarted at {endpoint} (epoch {epoch})"))
+        self._peers[endpoint] = [session_id, epoch, now]
+        self._where[session_id] = endpoint
+        return dead
+
+    def expire(self, now: float) -> list[DeadPeer]:
+        """Peers silent for longer than ``dead_after``; they are forgotten."""
+        limit = now - self.dead_after
+        gone = [ep for ep, entry in self._peers.items() if entry[2] < limit]  # type: ignore[operator]
+        out = []
+        for endpoint in gone:
+            session, epoch, last = self._peers.pop(endpoint)
+            if session is not None and self._where.get(session) == endpoint:  # type: ignore[call-overload]
+                del self._where[session]  # type: ignore[arg-type]
+            out.append(
+                DeadPeer(endpoint, session, epoch, f"no traffic for {now - last:.1f} s")  # type: ignore[arg-type,operator]
+            )
+        return out
+
+    def forget(self, endpoint: str) -> None:
+        entry = self._peers.pop(endpoint, None)
+        if entry is not None and entry[0] is not None and self._where.get(entry[0]) == endpoint:  # type: ignore[call-overload]
+            del self._where[entry[0]]  # type: ignore[arg-type]
+
+
+@dataclass
+class ChannelStats:
+    """Counters, written only by the I/O thread (read them from anywhere)."""
+
+    received: int = 0
+    delivered: int = 0
+    sent: int = 0
+    protocol_errors: int = 0
+    send_failures: int = 0
+    callback_errors: int = 0
+    heartbeats_sent: int = 0
+    peers_dead: int = 0
+
+
+OnMessage = Callable[[str, wire.Message], None]
+OnRoomsFailed = Callable[[tuple[int, ...], str], None]
+OnPeerDead = Callable[[DeadPeer], None]
+
+
+def _format_endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class ControlChannel:
+    """One bound ROUTER, DEALERs to peers, and the I/O thread that runs them."""
+
+    def __init__(
+        self,
+        on_message: OnMessage,
+        *,
+        session_id: str,
+        epoch: int = 0,
+        on_rooms_failed: OnRoomsFailed | None = None,
+        on_peer_dead: OnPeerDead | None = None,
+        host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        heartbeat_interval: float = 1.0,
+        dead_after: float = 10.0,
+        max_queue: int = 4096,
+        sndhwm: int = 1000,
+        linger: float = 1.0,
+        max_peers: int = 1024,
+    ) -> None:
+        wire.encode(wire.Heartbeat(session_id=session_id, epoch=epoch, seq=0))  # validates both, early
+        if not 0 < heartbeat_interval < dead_after:
+            raise ValueError("need 0 < heartbeat_interval < dead_after")
+        self._on_message = on_message
+        self._on_rooms_failed = on_rooms_failed
+        self._on_peer_dead = on_peer_dead
+        self.session_id = session_id
+        self.epoch = epoch
+        self._host = host
+        self._advertise = advertise_host or host
+        self._interval = heartbeat_interval
+        self._liveness = PeerLiveness(dead_after)
+        self._sndhwm = sndhwm
+        self._linger_ms = int(linger * 1000)
+        self._max_peers = max_peers
+        self._outq: queue.Queue[tuple[str, bytes | None, tuple[int, ...]]] = queue.Queue(max_queue)
+        self.stats = ChannelStats()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._endpoint: str | None = None
+        self._stopping = False
+        self._close_deadline = Deadline.never()
+        self._seq = 0
+
+    # ------------------------------------------------------------------ caller side
+
+    @property
+    def endpoint(self) -> str:
+        """``tcp://host:port`` this channel receives on (also its identity towards peers)."""
+        if self._endpoint is None:
+            raise PeerError("control channel: not started")
+        return self._endpoint
+
+    def start(self) -> str:
+        """Bind the ROUTER to a port the OS picks, start the I/O thread; returns the endpoint."""
+        if self._ctx is not None:
+            raise StartError("control channel: start() may be called once")
+        if self._advertise in ("0.0.0.0", "::", ""):
+            raise StartError(f"control channel: bound to wildcard {self._host!r}; pass advertise_host")
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx = ctx
+        router = ctx.socket(zmq.ROUTER)
+        try:
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
+            router.setsockopt(zmq.RCVHWM, 10_000)
+            if ":" in self._host:
+                router.setsockopt(zmq.IPV6, 1)
+            bind_host = f"[{self._host}]" if ":" in self._host else self._host
+            port = router.bind_to_random_port(f"tcp://{bind_host}")
+            endpoint = _format_endpoint(self._advertise, port)
+            wire.check_endpoint(endpoint)
+        except (zmq.ZMQError, LocalProtocolError) as e:
+            router.close(0)
+            ctx.term()
+            raise StartError(f"control channel: cannot bind {self._host!r}: {e}") from e
+        self._router = router
+        self._endpoint = endpoint
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name=f"pdcore-control-{port}", daemon=True)
+        self._thread.start()
+        return endpoint
+
+    def send(self, endpoint: str, msg: wire.Message) -> None:
+        """Queue ``msg`` for the peer at ``endpoint``; never blocks.
+
+        Raises ``LocalProtocolError`` (bad message or endpoint), ``CapacityError``
+        (outgoing queue full: the caller fails the rooms), ``PeerError`` (closed
+        or not started). Frames that cannot leave later fail via ``on_rooms_failed``.
+        """
+        frame = wire.encode(msg)
+        wire.check_endpoint(endpoint)
+        self._enqueue(endpoint, frame, wire.rooms_of(msg))
+
+    def forget(self, endpoint: str) -> None:
+        """Drop the DEALER to ``endpoint`` (queued frames are discarded) and stop watching it."""
+        self._enqueue(endpoint, None, ())
+
+    def _enqueue(self, endpoint: str, frame: bytes | None, rooms: tuple[int, ...]) -> None:
+        if self._thread is None or self._stopping:
+            raise PeerError("control channel: not running")
+        try:
+            self._outq.put_nowait((endpoint, frame, rooms))
+        except queue.Full:
+            raise CapacityError(f"control channel: {self._outq.maxsize} frames already queued") from None
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            assert self._wake_w is not None
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: nothing to wake
+            pass
+
+    def close(self, deadline: Deadline | None = None) -> None:
+        """Stop the I/O thread and close every socket (queued frames get ``linger``). Idempotent.
+
+        Raises ``DeadlineExceeded`` if the thread is alive at the deadline (default 5 s).
+        """
+        deadline = deadline or Deadline.after(5.0)
+        thread = self._thread
+        if thread is None:
+            return
+        if threading.current_thread() is thread:
+            raise RuntimeError("control channel: close() called from a callback")
+        self._close_deadline = deadline
+        self._stopping = True
+        self._wake()
+        thread.join(deadline.remaining())
+        if thread.is_alive():
+            raise DeadlineExceeded("control channel: the I/O thread did not stop by the deadline")
+        for sock in (self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+
+    def __enter__(self) -> ControlChannel:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug in this module, not bad input: say so loudly
+            log.exception("control channel %s: I/O thread failed", self._endpoint)
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
+        assert self._router is not None and self._wake_r is not None
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        next_beat = time.monotonic()
+        while not self._stopping:
+            timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000) + 1)
+            ready = dict(poller.poll(timeout_ms))
+            if self._wake_r.fileno() in ready:
+                self._drain_wake()
+            if self._stopping:
+                break
+            self._flush()
+            if self._router in ready:
+                self._receive()
+            now = time.monotonic()
+            if now >= next_beat:
+                self._tick(now)
+                next_beat = now + self._interval
+
+    def _drain_wake(self) -> None:
+        assert self._wake_r is not None
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                endpoint, frame, rooms = self._outq.get_nowait()
+            except queue.Empty:
+                return
+            if frame is None:
+                self._drop_peer(endpoint)
+            else:
+                self._send_now(endpoint, frame, rooms)
+
+    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._dealers.get(endpoint)
+        if sock is not None:
+            return sock
+        if len(self._dealers) >= self._max_peers:
+            raise CapacityError(f"already connected to {self._max_peers} peers")
+        assert self._ctx is not None and self._endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self._endpoint.encode())
+        sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+        sock.setsockopt(zmq.RCVHWM, 16)  # peers never answer on this socket
+        sock.setsockopt(zmq.LINGER, self._linger_ms)
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        self._dealers[endpoint] = sock
+        self._liveness.track(endpoint, time.monotonic())
+        return sock
+
+    def _drop_peer(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint, None)
+        if sock is not None:
+            sock.close(0)
+        self._liveness.forget(endpoint)
+
+    def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
+        try:
+            self._dealer(endpoint).send(frame, zmq.DONTWAIT)
+        except zmq.Again:
+            reason = f"control channel to {endpoint} is full (peer slow or gone)"
+        except (zmq.ZMQError, CapacityError) as e:
+            reason = f"control channel to {endpoint}: {e}"
+        else:
+            self.stats.sent += 1
+            return True
+        self.stats.send_failures += 1
+        log.warning("%s", reason)
+        if rooms and self._on_rooms_failed is not None:
+            self._call(self._on_rooms_failed, rooms, reason)
+        return False
+
+    def _receive(self) -> None:
+        assert self._router is not None
+        for _ in range(_RECV_BATCH):
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.stats.received += 1
+            try:
+                self._handle(parts)
+            except RemoteProtocolError as e:
+                self._protocol_error(e)
+
+    def _handle(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            rooms: tuple[int, ...] = ()
+            if len(parts) > 2:
+                try:
+                    rooms = wire.rooms_of(wire.decode(parts[-1]))
+                except RemoteProtocolError as e:
+                    rooms = e.rooms
+            raise RemoteProtocolError(f"frame: expected one frame per message, got {len(parts) - 1}", rooms=rooms)
+        ident, data = parts
+        msg = wire.decode(data)
+        try:
+            sender = wire.check_endpoint(ident.decode("ascii"), "sender")
+        except (UnicodeDecodeError, LocalProtocolError) as e:
+            raise RemoteProtocolError(f"sender: routing id is not a control endpoint: {e}", rooms=wire.rooms_of(msg))
+        now = time.monotonic()
+        if isinstance(msg, (wire.Heartbeat, wire.Register)):
+            for dead in self._liveness.introduced(sender, msg.session_id, msg.epoch, now):
+                self._peer_dead(dead, drop=dead.endpoint != sender)
+            if sender not in self._dealers:
+                try:
+                    self._dealer(sender)  # answer its heartbeats, so it can tell we are alive
+                except (zmq.ZMQError, CapacityError) as e:
+                    log.warning("control channel: cannot connect back to %s: %s", sender, e)
+        else:
+            self._liveness.heard(sender, now)
+        if isinstance(msg, wire.Heartbeat):
+            return  # consumed here
+        self.stats.delivered += 1
+        self._call(self._on_message, sender, msg)
+
+    def _protocol_error(self, error: RemoteProtocolError) -> None:
+        self.stats.protocol_errors += 1
+        log.warning("control channel %s: %s (rooms %s)", self._endpoint, error, error.rooms)
+        if error.rooms and self._on_rooms_failed is not None:
+            self._call(self._on_rooms_failed, error.rooms, str(error))
+
+    def _tick(self, now: float) -> None:
+        self._seq += 1
+        beat = wire.encode(wire.Heartbeat(session_id=self.session_id, epoch=self.epoch, seq=self._seq))
+        for endpoint in list(self._dealers):
+            if self._send_now(endpoint, beat, ()):
+                self.stats.heartbeats_sent += 1
+        for dead in self._liveness.expire(now):
+            self._peer_dead(dead, drop=True)
+
+    def _peer_dead(self, dead: DeadPeer, *, drop: bool) -> None:
+        self.stats.peers_dead += 1
+        log.warning("control channel: peer %s (session %s) is dead: %s", dead.endpoint, dead.session_id, dead.reason)
+        if drop:
+            self._drop_peer(dead.endpoint)
+        if self._on_peer_dead is not None:
+            self._call(self._on_peer_dead, dead)
+
+    def _call(self, fn: Callable[..., object], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self.stats.callback_errors += 1
+            log.exception("control channel: callback %r failed", getattr(fn, "__qualname__", fn))
+
+    def _shutdown(self) -> None:
+        """On the I/O thread: last flush, bounded linger, close sockets, end the context."""
+        try:
+            self._flush()
+        except Exception:
+            log.exception("control channel: final flush failed")
+        remaining_ms = self._close_deadline.remaining() * 1000 - 50  # leave the join a margin
+        linger = self._linger_ms if remaining_ms >= self._linger_ms else max(0, int(remaining_ms))
+        for sock in self._dealers.values():
+            sock.close(linger)
+        self._dealers.clear()
+        if self._router is not None:
+            self._router.close(0)
+        if self._ctx is not None:
+            self._ctx.term()

@@ -1,0 +1,248 @@
+"""The ZeroMQ control channel over real loopback sockets; no sleeps, a deadline on every wait."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from pdcore import wire
+from pdcore.control import ControlChannel, DeadPeer, PeerLiveness
+from pdcore.deadline import Deadline
+from pdcore.errors import LocalProtocolError, PeerError, StartError
+
+WAIT = 5.0  # seconds: every wait in this file is bounded by it
+
+
+class Inbox:
+    """Collects what a channel's callbacks report, for the test thread to wait on."""
+
+    def __init__(self) -> None:
+        self.messages: queue.Queue[tuple[str, wire.Message]] = queue.Queue()
+        self.failed: queue.Queue[tuple[tuple[int, ...], str]] = queue.Queue()
+        self.dead: queue.Queue[DeadPeer] = queue.Queue()
+
+    def channel(self, session_id: str, **kw: Any) -> ControlChannel:
+        kw.setdefault("heartbeat_interval", 0.05)
+        kw.setdefault("dead_after", 5.0)
+        return ControlChannel(
+            lambda sender, msg: self.messages.put((sender, msg)),
+            session_id=session_id,
+            on_rooms_failed=lambda rooms, reason: self.failed.put((rooms, reason)),
+            on_peer_dead=self.dead.put,
+            **kw,
+        )
+
+    def next_message(self) -> tuple[str, wire.Message]:
+        return self.messages.get(timeout=WAIT)
+
+
+def control_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("pdcore-control")]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ControlChannel, Inbox, ControlChannel, Inbox]]:
+    a_in, b_in = Inbox(), Inbox()
+    a, b = a_in.channel("prefill-0"), b_in.channel("decode-0")
+    a.start()
+    b.start()
+    yield a, a_in, b, b_in
+    a.close(Deadline.after(WAIT))
+    b.close(Deadline.after(WAIT))
+    assert control_threads() == []
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[Any]:
+    """A hand-driven DEALER, for sending what a well-behaved channel never would."""
+    ctx = zmq.Context()
+    socks: list[zmq.Socket[bytes]] = []
+
+    def make(endpoint: str, ident: bytes = b"tcp://127.0.0.1:9") -> zmq.Socket[bytes]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, ident)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDTIMEO, int(WAIT * 1000))
+        sock.connect(endpoint)
+        socks.append(sock)
+        return sock
+
+    yield make
+    for sock in socks:
+        sock.close()
+    ctx.term()
+
+
+def test_exchange_both_ways(pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox]) -> None:
+    a, a_in, b, b_in = pair
+    register = wire.Register(
+        session_id="decode-0", epoch=0, endpoint=b"qp", regions=(), layout={"page": 16}, tp_size=1, tp_rank=0
+    )
+    announce = wire.Announce(room=11, session_id="decode-0", epoch=0, page_ids=(3, 4), request_pool_index=2)
+    b.send(a.endpoint, register)
+    b.send(a.endpoint, announce)
+    assert a_in.next_message() == (b.endpoint, register)  # FIFO per peer: registration first
+    assert a_in.next_message() == (b.endpoint, announce)
+    status = wire.Status(room=11, state=5, rank=0, first_token=42, cached_tokens=3, first_token_logprob=-0.1)
+    a.send(b.endpoint, status)  # answer to the sender's identity
+    assert b_in.next_message() == (a.endpoint, status)
+    b.send(a.endpoint, wire.Abort(room=11, reason="timeout"))
+    assert a_in.next_message()[1] == wire.Abort(room=11, reason="timeout")
+    a.send(b.endpoint, wire.AbortAck(room=11, rank=0))
+    assert b_in.next_message()[1] == wire.AbortAck(room=11, rank=0)
+    assert a.stats.protocol_errors == b.stats.protocol_errors == 0
+
+
+def test_bad_frames_are_counted_and_the_thread_lives_on(
+    pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox], raw_dealer: Any
+) -> None:
+    a, a_in, _, _ = pair
+    sock = raw_dealer(a.endpoint)
+    good = wire.Status(room=9, state=5, rank=0)
+    body = msgspec.msgpack.decode(wire.encode(wire.Status(room=7, state=5, rank=0))[3:])
+    sock.send(b"\x00\xffgarbage")
+    sock.send(wire.MAGIC + b"\x02" + msgspec.msgpack.encode(body))  # another protocol version, room 7
+    sock.send(wire.MAGIC + b"\x01" + msgspec.msgpack.encode({**body, "room": 8, "state": 99}))  # malformed, room 8
+    sock.send_multipart([b"extra", wire.encode(wire.Abort(room=10))])  # two frames in one message, room 10
+    sock.send(b"")
+    stranger = raw_dealer(a.endpoint, ident=b"\x00anonymous")
+    stranger.send(wire.encode(wire.Abort(room=12)))  # an identity that is not an endpoint, room 12
+    failed = {a_in.failed.get(timeout=WAIT)[0] for _ in range(4)}
+    assert failed == {(7,), (8,), (10,), (12,)}
+    sock.send(wire.encode(good))
+    sender, msg = a_in.next_message()
+    assert (sender, msg) == ("tcp://127.0.0.1:9", good)
+    assert a.stats.protocol_errors == 6
+    assert a_in.messages.empty()
+
+
+def test_reasons_name_the_field(pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox], raw_dealer: Any) -> None:
+    a, a_in, _, _ = pair
+    body = msgspec.msgpack.decode(wire.encode(wire.Status(room=5, state=5, rank=0))[3:])
+    raw_dealer(a.endpoint).send(wire.MAGIC + b"\x01" + msgspec.msgpack.encode({**body, "rank": -4}))
+    rooms, reason = a_in.failed.get(timeout=WAIT)
+    assert rooms == (5,) and "$.rank" in reason
+
+
+def test_a_failing_callback_is_counted_not_fatal(raw_dealer: Any) -> None:
+    seen: queue.Queue[wire.Message] = queue.Queue()
+
+    def on_message(sender: str, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Abort) and msg.room == 1:
+            raise RuntimeError("scheduler bug")
+        seen.put(msg)
+
+    with ControlChannel(on_message, session_id="p") as channel:
+        sock = raw_dealer(channel.endpoint)
+        sock.send(wire.encode(wire.Abort(room=1)))
+        sock.send(wire.encode(wire.Abort(room=2)))
+        assert seen.get(timeout=WAIT) == wire.Abort(room=2)
+        assert channel.stats.callback_errors == 1
+    assert control_threads() == []
+
+
+def test_send_validates_in_the_callers_thread(pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox]) -> None:
+    a, _, b, _ = pair
+    with pytest.raises(LocalProtocolError, match="state"):
+        a.send(b.endpoint, wire.Status(room=1, state=8, rank=0))
+    with pytest.raises(LocalProtocolError, match="endpoint"):
+        a.send("tcp://nowhere", wire.Abort(room=1))
+
+
+def test_full_peer_fails_the_rooms() -> None:
+    inbox = Inbox()
+    with socket.socket() as silent:  # bound, never listening: connects are refused, frames stay queued
+        silent.bind(("127.0.0.1", 0))
+        port = silent.getsockname()[1]
+        with inbox.channel("d", sndhwm=2, linger=0) as channel:
+            for room in range(1, 51):
+                channel.send(f"tcp://127.0.0.1:{port}", wire.Abort(room=room))
+            rooms, reason = inbox.failed.get(timeout=WAIT)
+            assert "full" in reason and rooms[0] in range(1, 51)
+            assert channel.stats.send_failures >= 1
+    assert control_threads() == []
+
+
+def test_dead_peer_is_reported_with_its_session() -> None:
+    a_in, b_in = Inbox(), Inbox()
+    with a_in.channel("prefill-0", dead_after=0.5) as a:
+        b = b_in.channel("decode-7", epoch=3, dead_after=0.5)
+        b.start()
+        b.send(a.endpoint, wire.Heartbeat(session_id="decode-7", epoch=3, seq=0))
+        b.send(a.endpoint, wire.Abort(room=1))
+        assert a_in.next_message()[1] == wire.Abort(room=1)  # the heartbeat is consumed, not delivered
+        b.close(Deadline.after(WAIT))
+        dead = a_in.dead.get(timeout=WAIT)
+        assert (dead.endpoint, dead.session_id, dead.epoch) == (b.endpoint, "decode-7", 3)
+        assert "no traffic" in dead.reason
+    assert control_threads() == []
+
+
+def test_restart_with_a_newer_epoch_reports_the_old_incarnation() -> None:
+    a_in, b_in = Inbox(), Inbox()
+    with a_in.channel("prefill-0") as a, b_in.channel("decode-7", epoch=1) as old:
+        register = wire.Register(session_id="decode-7", epoch=1, endpoint=b"e", regions=(), layout={}, tp_size=1, tp_rank=0)
+        old.send(a.endpoint, register)
+        assert a_in.next_message()[0] == old.endpoint
+        with b_in.channel("decode-7", epoch=2) as new:
+            new.send(a.endpoint, msgspec.structs.replace(register, epoch=2))
+            dead = a_in.dead.get(timeout=WAIT)
+            assert (dead.endpoint, dead.session_id, dead.epoch) == (old.endpoint, "decode-7", 1)
+            assert "restarted" in dead.reason
+            assert a_in.next_message()[0] == new.endpoint
+    assert control_threads() == []
+
+
+def test_close_within_deadline_leaves_nothing() -> None:
+    inbox = Inbox()
+    channel = inbox.channel("p", linger=10.0)
+    channel.start()
+    channel.send("tcp://127.0.0.1:1", wire.Abort(room=1))  # a peer that is not there: linger would wait
+    deadline = Deadline.after(0.5)
+    channel.close(deadline)
+    assert not deadline.expired()
+    assert control_threads() == []
+    channel.close()  # idempotent
+    with pytest.raises(PeerError):
+        channel.send("tcp://127.0.0.1:1", wire.Abort(room=1))
+
+
+def test_lifecycle_errors() -> None:
+    channel = ControlChannel(lambda s, m: None, session_id="p")
+    with pytest.raises(PeerError):
+        channel.send("tcp://127.0.0.1:1", wire.Abort(room=1))
+    with pytest.raises(PeerError):
+        channel.endpoint
+    channel.close()  # never started: nothing to do
+    with pytest.raises(StartError, match="advertise_host"):
+        ControlChannel(lambda s, m: None, session_id="p", host="0.0.0.0").start()
+    with pytest.raises(LocalProtocolError, match="session_id"):
+        ControlChannel(lambda s, m: None, session_id="has space")
+    with pytest.raises(ValueError):
+        ControlChannel(lambda s, m: None, session_id="p", heartbeat_interval=2.0, dead_after=1.0)
+
+
+def test_liveness_rules() -> None:
+    live = PeerLiveness(dead_after=10.0)
+    live.track("tcp://h:1", now=0.0)
+    assert live.expire(now=9.0) == []
+    live.heard("tcp://h:1", now=9.0)
+    assert live.introduced("tcp://h:1", "s", 1, now=9.5) == []
+    assert live.introduced("tcp://h:1", "s", 0, now=9.6) == []  # stale epoch: ignored
+    [dead] = live.introduced("tcp://h:1", "s", 2, now=10.0)
+    assert (dead.session_id, dead.epoch) == ("s", 1)
+    [dead] = live.introduced("tcp://h:1", "t", 0, now=11.0)
+    assert dead.session_id == "s" and "replaced" in dead.reason
+    [dead] = live.introduced("tcp://h:2", "t", 5, now=12.0)  # session t moved to another endpoint
+    assert dead.endpoint == "tcp://h:1" and dead.session_id == "t"
+    assert "tcp://h:1" not in live
+    [dead] = live.expire(now=30.0)
+    assert (dead.endpoint, dead.session_id, dead.epoch) == ("tcp://h:2", "t", 5)
+    assert live.expire(now=60.0) == []  # reported once
