@@ -92,6 +92,7 @@ cdef class StateTable:
     cdef Py_ssize_t _n_free
     cdef int64_t _next_seq
     cdef uint64_t _fp_sum
+    cdef double _next_deadline  # no deadline before this: the fold can skip its pass
     cdef object _buffer
     cdef uint8_t[::1] _buf
 
@@ -119,6 +120,7 @@ cdef class StateTable:
         self._n_free = capacity
         self._next_seq = 0
         self._fp_sum = 0
+        self._next_deadline = math.inf
         self._buffer = np.full(capacity + 2 * FP, FREE, dtype=np.uint8)
         self._buf = self._buffer
 
@@ -165,7 +167,7 @@ cdef class StateTable:
             self._rid_of[slot] = rid
             self._local[slot] = S_BOOTSTRAPPING
             self._agreed[slot] = S_BOOTSTRAPPING
-            self._deadline[slot] = now + self._timeouts[1]
+            self._arm(slot, now + self._timeouts[1])
             self._hash[slot] = h
             self._fp_sum += self._hash[slot]
             self._seq[slot] = self._next_seq
@@ -221,8 +223,13 @@ cdef class StateTable:
             return False
         self._local[slot] = new
         if TIMERS[new] != TIMERS[old]:
-            self._deadline[slot] = now + self._timeouts[TIMERS[new]]
+            self._arm(slot, now + self._timeouts[TIMERS[new]])
         return new == S_FAILED
+
+    cdef inline void _arm(self, Py_ssize_t slot, double at) noexcept:
+        self._deadline[slot] = at
+        if at < self._next_deadline:
+            self._next_deadline = at
 
     def state(self, rid):
         """This rank's local state of ``rid``."""
@@ -248,11 +255,19 @@ cdef class StateTable:
     cdef int _fold(self, double now) except -1:
         cdef Py_ssize_t slot, n = 0, k
         cdef uint8_t timer
+        cdef double* deadline = &self._deadline[0]
+        cdef int64_t* due = &self._changed[0]
+        cdef double later = math.inf
+        if now < self._next_deadline:
+            return 0
         with nogil:
             for slot in range(self._capacity):
-                if self._deadline[slot] <= now:
-                    self._changed[n] = slot
+                if deadline[slot] <= now:
+                    due[n] = slot
                     n += 1
+                elif deadline[slot] < later:
+                    later = deadline[slot]
+        self._next_deadline = later
         for k in range(n):
             slot = self._changed[k]
             timer = TIMERS[self._local[slot]]
@@ -289,19 +304,32 @@ cdef class StateTable:
         cdef uint8_t value, previous
         cdef bint consistent = True
         cdef list events = []
+        cdef const uint8_t* buf = &self._buf[0]
+        cdef const uint8_t* agreed = &self._agreed[0]
+        cdef const int64_t* seq = &self._seq[0]
+        cdef int64_t* changed = &self._changed[0]
+        cdef uint64_t word_a, word_b
         with self._lock:
             with nogil:
                 for j in range(FP):
-                    if self._buf[cap + j] + self._buf[cap + FP + j] != 255:
+                    if buf[cap + j] + buf[cap + FP + j] != 255:
                         consistent = False
-                for slot in range(cap):
-                    value = self._buf[slot]
-                    previous = self._agreed[slot]
+                slot = 0
+                while slot < cap:
+                    if slot + 8 <= cap:  # skip unchanged runs eight slots at a time
+                        memcpy(&word_a, buf + slot, 8)
+                        memcpy(&word_b, agreed + slot, 8)
+                        if word_a == word_b:
+                            slot += 8
+                            continue
+                    value = buf[slot]
+                    previous = agreed[slot]
                     if previous != FREE and value != previous:
                         if value > S_SUCCESS:
                             consistent = False
-                        self._changed[n] = (self._seq[slot] << 21) | slot
+                        changed[n] = (seq[slot] << 21) | slot
                         n += 1
+                    slot += 1
             if not consistent:
                 self._raise_mismatch()
             if n > 1:
