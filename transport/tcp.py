@@ -73,7 +73,21 @@ _DESC = np.dtype([("addr", "<u8"), ("length", "<u8")])
 _ACK = struct.Struct("<QIiI")
 _MAX_MSG = 4096
 _IOV_CHUNK = 512  # below IOV_MAX (1024 on Linux)
+_SEND_GATHER = 4 * _IOV_CHUNK  # buffers of queued batches the sender sends in one go
 _DISCARD_CHUNK = 1 << 20
+
+
+# Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO = one poll interval): a call
+# that waited that long raises BlockingIOError (EAGAIN), a "tick" on which the loops check for
+# stop and stalls. Python-level socket timeouts would add a poll() before every recv/send.
+_TICK = (BlockingIOError, TimeoutError)
+
+
+def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class _PeerGone(Exception):
@@ -105,7 +119,7 @@ def _recv_exact(
     while got < n:
         try:
             k = sock.recv_into(view[got:])
-        except TimeoutError:
+        except _TICK:
             if stop.is_set():
                 raise _PeerGone("transport closing", None) from None
             if got == 0 and idle is not None:
@@ -130,7 +144,7 @@ def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: thre
     while i < n:
         try:
             got = sock.recvmsg_into(views[i : i + _IOV_CHUNK])[0]
-        except TimeoutError:
+        except _TICK:
             if stop.is_set():
                 raise _PeerGone("transport closing", None) from None
             if time.monotonic() - last >= stall:
@@ -154,15 +168,13 @@ def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: thre
 def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], bool]) -> None:
     """Send every buffer in order (gather writes, no copies). Mutates ``bufs``.
 
-    ``sock`` has a timeout (its file description is non-blocking, shared with
-    the ack reader's dup); after each send or timeout ``on_progress(sent)``
-    returns False to give up.
+    After each send or tick ``on_progress(sent)`` returns False to give up.
     """
     i, n = 0, len(bufs)
     while i < n:
         try:
             sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK])
-        except TimeoutError:
+        except _TICK:
             sent = 0
         if not on_progress(sent):
             raise _PeerGone("gave up sending", None)
@@ -325,9 +337,8 @@ class TcpTransport(Transport):
                     op="connect",
                 )
             _tune(sock, self._peer_timeout)
-            sock.settimeout(self._poll)
-            ack_sock = sock.dup()
-            ack_sock.settimeout(self._poll)
+            _kernel_timeouts(sock, self._poll)
+            ack_sock = sock.dup()  # the ack reader's handle: same socket, same kernel timeouts
         except _PeerGone as e:
             sock.close()
             raise TransportError(f"handshake with {host}:{port} failed: {e}", op="connect", errno=e.errno) from e
@@ -438,48 +449,29 @@ class TcpTransport(Transport):
                 p.lock.wait_for(lambda: p.unsent or p.error is not None)
                 if p.error is not None:
                     return
-                item = p.unsent.popleft()
-                p.unacked.append(item)
+                # take every batch queued so far (up to a bound): one gather send for all of them
+                items: list[_Pending] = []
+                nbufs = 0
+                while p.unsent and (not items or nbufs + len(p.unsent[0].bufs) <= _SEND_GATHER):
+                    item = p.unsent.popleft()
+                    items.append(item)
+                    p.unacked.append(item)
+                    nbufs += len(item.bufs)
+            bufs = [b for item in items for b in item.bufs] if len(items) > 1 else items[0].bufs
             try:
-                _send_views(sock, item.bufs, progress)
+                _send_views(sock, bufs, progress)
             except _PeerGone:
                 return  # failed elsewhere (ack reader, disconnect, close)
             except OSError as e:
                 self._fail_peer(p, TransportError(f"sending to peer failed: {e}", op="write", errno=e.errno))
                 return
-            item.bufs = []  # drop the views: the memory may be deregistered once acked
+            for item in items:
+                item.bufs = []  # drop the views: the memory may be deregistered once acked
 
     def _ack_loop(self, p: _TcpPeer) -> None:
         sock = p.ack_sock
         assert sock is not None
-        while True:
-            try:
-                head = self._recv_ack_head(p, sock)
-                seq, status, err, msg_len = _ACK.unpack(head)
-                if msg_len > _MAX_MSG:
-                    raise _PeerGone(f"ack message of {msg_len} bytes", errno_mod.EPROTO)
-                msg = _recv_exact(sock, msg_len, stop=self._stop, stall=self._peer_timeout).decode("utf-8", "replace")
-            except _PeerGone as e:
-                self._fail_peer(p, TransportError(f"peer lost: {e}", op="write", errno=e.errno))
-                return
-            with p.deliver:
-                with p.lock:
-                    if p.error is not None:
-                        return
-                    if not p.unacked or p.unacked[0].seq != seq:
-                        bad = TransportError(f"peer acked batch {seq} out of order", op="write", errno=errno_mod.EPROTO)
-                        item = None
-                    else:
-                        item = p.unacked.popleft()
-                        p.last_progress = time.monotonic()
-                if item is None:
-                    self._fail_peer(p, bad)
-                    return
-                error = None if status == 0 else TransportError(f"peer refused the batch: {msg}", op="write", errno=err or None)
-                self._deliver(p, item, error)
-
-    def _recv_ack_head(self, p: _TcpPeer, sock: socket.socket) -> bytes:
-        """Wait for the next ack; declare the peer dead after ``peer_timeout`` without progress."""
+        reader = _Reader(sock, self._stop, self._peer_timeout)
 
         def idle() -> None:
             with p.lock:
@@ -489,7 +481,27 @@ class TcpTransport(Transport):
             if stalled:
                 raise _PeerGone(f"no progress for {self._peer_timeout:g} s", errno_mod.ETIMEDOUT)
 
-        return _recv_exact(sock, _ACK.size, stop=self._stop, stall=self._peer_timeout, idle=idle)
+        while True:
+            try:
+                seq, status, err, msg_len = _ACK.unpack(reader.read(_ACK.size, idle))
+                if msg_len > _MAX_MSG:
+                    raise _PeerGone(f"ack message of {msg_len} bytes", errno_mod.EPROTO)
+                msg = reader.read(msg_len, None).decode("utf-8", "replace") if msg_len else ""
+            except _PeerGone as e:
+                self._fail_peer(p, TransportError(f"peer lost: {e}", op="write", errno=e.errno))
+                return
+            with p.deliver:
+                with p.lock:
+                    if p.error is not None:
+                        return
+                    item = p.unacked.popleft() if p.unacked and p.unacked[0].seq == seq else None
+                    if item is not None:
+                        p.last_progress = time.monotonic()
+                if item is None:
+                    self._fail_peer(p, TransportError(f"peer acked batch {seq} out of order", op="write", errno=errno_mod.EPROTO))
+                    return
+                error = None if status == 0 else TransportError(f"peer refused the batch: {msg}", op="write", errno=err or None)
+                self._deliver(p, item, error)
 
     def _deliver(self, p: _TcpPeer, item: _Pending, error: TransportError | None) -> None:
         def release() -> None:
@@ -558,7 +570,7 @@ class TcpTransport(Transport):
 
     def _sink_loop(self, sid: int, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self._poll)
+            _kernel_timeouts(conn, self._poll)
             _tune(conn, self._peer_timeout)
             magic, version, want, _source = _HELLO.unpack(
                 _recv_exact(conn, _HELLO.size, stop=self._stop, stall=self._peer_timeout)
@@ -684,6 +696,45 @@ class TcpTransport(Transport):
 
     def __repr__(self) -> str:
         return f"<TcpTransport {self._address.decode()} regions={len(self._regions)} peers={len(self._peers)}>"
+
+
+class _Reader:
+    """Buffered reads of small messages (acks): one recv can bring many of them."""
+
+    def __init__(self, sock: socket.socket, stop: threading.Event, stall: float) -> None:
+        self._sock, self._stop, self._stall = sock, stop, stall
+        self._buf = bytearray(64 * 1024)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+
+    def read(self, n: int, idle: Callable[[], None] | None) -> bytes:
+        """``n`` bytes; on a tick with nothing buffered call ``idle`` (raises to give up), else stall rules."""
+        last = time.monotonic()
+        while self._end - self._start < n:
+            if self._start and (self._end == self._start or len(self._buf) - self._start < n):
+                rest = self._end - self._start
+                self._buf[:rest] = self._buf[self._start : self._end]
+                self._start, self._end = 0, rest
+            try:
+                k = self._sock.recv_into(self._view[self._end :])
+            except _TICK:
+                if self._stop.is_set():
+                    raise _PeerGone("transport closing", None) from None
+                if self._end == self._start and idle is not None:
+                    idle()
+                    last = time.monotonic()
+                elif time.monotonic() - last >= self._stall:
+                    raise _PeerGone(f"peer sent nothing for {self._stall:g} s", errno_mod.ETIMEDOUT) from None
+                continue
+            except OSError as e:
+                raise _PeerGone(f"connection broke: {e}", e.errno) from e
+            if k == 0:
+                raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
+            self._end += k
+            last = time.monotonic()
+        out = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        return out
 
 
 def _no_op() -> None:
