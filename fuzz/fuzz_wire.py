@@ -1,0 +1,57 @@
+"""Invariant: pdcore.wire.decode(frame) returns a Message or raises RemoteProtocolError, nothing else.
+
+Also: a decoded message re-encodes, and decodes back to an equal message. Each
+input is fed whole and split in two, both raw and behind a valid frame header
+(so mutations reach the msgpack body). Run: python fuzz/fuzz_wire.py -max_total_time=20
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from _harness import feed_whole_and_split, instrumented, main  # noqa: E402
+
+with instrumented():
+    from pdcore import wire
+    from pdcore.errors import RemoteProtocolError
+
+HEADER = wire.MAGIC + bytes([wire.PROTOCOL_VERSION])
+
+SEEDS = [
+    wire.encode(m)
+    for m in (
+        wire.Register(
+            session_id="decode-0", epoch=3, endpoint=b"qp\x00", layout={"page": 16, "f": [{"k": [8, 1.5]}, None, True]},
+            regions=(wire.Region(addr=4096, length=1 << 20, key=7),), tp_size=2, tp_rank=1,
+        ),
+        wire.Announce(room=2**63, session_id="decode-0", epoch=3, page_ids=(0, 1, 70000), request_pool_index=5),
+        wire.Status(room=1, state=5, rank=3, first_token=9, cached_tokens=2, first_token_logprob=-1.5,
+                    spec_candidate_ids=(4, 5), reason="r"),
+        wire.Status(room=1, state=0, rank=0),
+        wire.Abort(room=12, reason="gone"),
+        wire.AbortAck(room=12, rank=1),
+        wire.Heartbeat(session_id="p", epoch=1, seq=99),
+    )
+]  # fmt: skip
+
+
+def check(frame: bytes) -> None:
+    try:
+        msg = wire.decode(frame)
+    except RemoteProtocolError as e:
+        assert all(type(r) is int and 0 <= r < 2**64 for r in e.rooms), e.rooms
+        return
+    again = wire.encode(msg)  # a LocalProtocolError here would mean decode let a bad message through
+    assert wire.decode(again) == msg, (msg, again)
+
+
+def test_one_input(data: bytes) -> None:
+    feed_whole_and_split(check, data)
+    feed_whole_and_split(check, HEADER + data)
+
+
+if __name__ == "__main__":
+    main("wire", test_one_input, SEEDS + [s[len(HEADER) :] for s in SEEDS])
