@@ -226,6 +226,8 @@ class _TcpPeer(PeerHandle):
     unacked: deque[_Pending] = field(default_factory=deque)
     slots: int = 0
     seq: int = 0
+    sending: bool = False  # a thread is sending (the sender, or a writer on the fast path)
+    outbuf: list[Any] | None = None  # the unsent rest of a fast-path send
     error: TransportError | None = None
     last_progress: float = 0.0
     threads: list[threading.Thread] = field(default_factory=list)
@@ -429,8 +431,40 @@ class TcpTransport(Transport):
             if not p.unsent and not p.unacked:
                 p.last_progress = time.monotonic()
             p.unsent.append(_Pending(batch_id, p.seq, bufs, on_done))
-            p.lock.notify_all()
+            direct = not p.sending and p.outbuf is None
+            if direct:  # nobody is sending: send from this thread, without waiting, what fits now
+                p.sending = True
+                out = _take(p)
+            else:
+                p.lock.notify_all()
+        if direct:
+            self._send_direct(p, out)
         return batch_id
+
+    def _send_direct(self, p: _TcpPeer, bufs: list[Any]) -> None:
+        """The fast path: a non-blocking send from the caller's thread; the sender thread gets the rest."""
+        sock = p.sock
+        assert sock is not None
+        i, n = 0, len(bufs)
+        try:
+            while i < n:
+                sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], socket.MSG_DONTWAIT)
+                p.last_progress = time.monotonic()
+                while sent:
+                    v = bufs[i]
+                    if sent >= len(v):
+                        sent -= len(v)
+                        i += 1
+                    else:
+                        bufs[i] = v[sent:]
+                        sent = 0
+        except OSError:
+            pass  # EAGAIN: the sender thread waits for room; anything else: it meets the error too
+        with p.lock:
+            p.outbuf = bufs[i:] if i < n else None
+            p.sending = False
+            if p.outbuf is not None or p.unsent:
+                p.lock.notify_all()
 
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
         return self._queue.get(max_items, deadline)
@@ -446,18 +480,14 @@ class TcpTransport(Transport):
 
         while True:
             with p.lock:
-                p.lock.wait_for(lambda: p.unsent or p.error is not None)
+                p.lock.wait_for(lambda: p.error is not None or (not p.sending and (p.outbuf is not None or p.unsent)))
                 if p.error is not None:
                     return
-                # take every batch queued so far (up to a bound): one gather send for all of them
-                items: list[_Pending] = []
-                nbufs = 0
-                while p.unsent and (not items or nbufs + len(p.unsent[0].bufs) <= _SEND_GATHER):
-                    item = p.unsent.popleft()
-                    items.append(item)
-                    p.unacked.append(item)
-                    nbufs += len(item.bufs)
-            bufs = [b for item in items for b in item.bufs] if len(items) > 1 else items[0].bufs
+                p.sending = True
+                if p.outbuf is not None:  # the rest of a send the fast path started
+                    bufs, p.outbuf = p.outbuf, None
+                else:
+                    bufs = _take(p)
             try:
                 _send_views(sock, bufs, progress)
             except _PeerGone:
@@ -465,8 +495,9 @@ class TcpTransport(Transport):
             except OSError as e:
                 self._fail_peer(p, TransportError(f"sending to peer failed: {e}", op="write", errno=e.errno))
                 return
-            for item in items:
-                item.bufs = []  # drop the views: the memory may be deregistered once acked
+            finally:
+                with p.lock:
+                    p.sending = False
 
     def _ack_loop(self, p: _TcpPeer) -> None:
         sock = p.ack_sock
@@ -696,6 +727,18 @@ class TcpTransport(Transport):
 
     def __repr__(self) -> str:
         return f"<TcpTransport {self._address.decode()} regions={len(self._regions)} peers={len(self._peers)}>"
+
+
+def _take(p: _TcpPeer) -> list[Any]:
+    """Move queued batches (up to a bound) to unacked; return their buffers for one gather send. Holds ``p.lock``."""
+    items: list[_Pending] = []
+    nbufs = 0
+    while p.unsent and (not items or nbufs + len(p.unsent[0].bufs) <= _SEND_GATHER):
+        item = p.unsent.popleft()
+        items.append(item)
+        p.unacked.append(item)
+        nbufs += len(item.bufs)
+    return [b for item in items for b in item.bufs]
 
 
 class _Reader:
