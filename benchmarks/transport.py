@@ -25,8 +25,10 @@ comes from ``benchmarks/_ib_write_bw.py: measure(device, size, iters)``
 (imported only then; ``--option device=NAME`` names the device).
 
 Units: ``gbps`` and ``floor_gbps`` are gigabits per second (1e9 bit/s).
-Each figure is the median of ``repeats`` timed runs. ``--quick`` keeps the
-whole run under 45 s.
+Each figure is the median of 3 timed runs (1 for rows over 512 MiB); the runs
+of one row alternate between the transport, the floor and Mooncake so that
+load from elsewhere on a shared machine hits them alike. ``--quick`` keeps
+the whole run under 45 s.
 """
 
 from __future__ import annotations
@@ -114,14 +116,21 @@ def _sink_main(conn: Connection, name: str, options: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- measurements
 
 
-def _median_rate(run: Any, nbytes: int, repeats: int) -> float:
-    """Median throughput of ``run()`` moving ``nbytes``, in gigabits per second."""
-    times = []
+def _interleaved(runs: list[Any], nbytes: int, repeats: int) -> list[float]:
+    """Median throughput (gigabits per second) of each ``run()`` moving ``nbytes``.
+
+    The runs alternate (a, b, c, a, b, c, ...) so that load from elsewhere on a
+    shared machine hits all of them alike; a ``None`` run yields ``None``.
+    """
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return nbytes * 8 / statistics.median(times) / 1e9
+        for i, run in enumerate(runs):
+            if run is None:
+                continue
+            t0 = time.perf_counter()
+            run()
+            times[i].append(time.perf_counter() - t0)
+    return [nbytes * 8 / statistics.median(t) / 1e9 if t else None for t in times]
 
 
 def _post_pipelined(t: Any, peer: Any, batch: np.ndarray, nbatches: int) -> None:
@@ -171,17 +180,19 @@ class Bench:
 
     # -- the three ways to move a batch --------------------------------------------------
 
-    def transport_rate(self, batch: np.ndarray, nbatches: int, repeats: int) -> float:
+    def transport_run(self, batch: np.ndarray, nbatches: int) -> Any:
         _post_pipelined(self.t, self.peer, batch, 1)  # warm
-        nbytes = int(batch[:, 2].sum()) * nbatches
-        return _median_rate(lambda: _post_pipelined(self.t, self.peer, batch, nbatches), nbytes, repeats)
+        return lambda: _post_pipelined(self.t, self.peer, batch, nbatches)
 
-    def floor_rate(self, batch: np.ndarray, nbatches: int, repeats: int) -> float:
+    def floor_run(self, batch: np.ndarray, nbatches: int) -> Any:
         if self.args.transport == "verbs":
             from benchmarks import _ib_write_bw  # the verbs floor: written alongside the verbs transport
 
             size = int(batch[0, 2]) if len(batch) else 0
-            return float(_ib_write_bw.measure(self.options.get("device"), size, len(batch) * nbatches))
+            nbytes = int(batch[:, 2].sum()) * nbatches
+            gbps = float(_ib_write_bw.measure(self.options.get("device"), size, len(batch) * nbatches))
+            seconds = nbytes * 8 / (gbps * 1e9)
+            return lambda: time.sleep(seconds)  # replays the measured time inside the interleaving
         if self.raw is None:
             self.raw = socket.create_connection(("127.0.0.1", self.floor_port))
             self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -200,10 +211,9 @@ class Bench:
             if raw.recv(1) != b"k":
                 raise ConnectionError("floor receiver went away")
 
-        nbytes = int(batch[:, 2].sum()) * nbatches
-        return _median_rate(run, nbytes, repeats)
+        return run
 
-    def mooncake_rate(self, batch: np.ndarray, nbatches: int, repeats: int) -> float | None:
+    def mooncake_run(self, batch: np.ndarray, nbatches: int) -> Any:
         if self.mooncake is None:
             return None
         e, target = self.mooncake, self.mooncake_target
@@ -219,7 +229,7 @@ class Bench:
                     raise RuntimeError(f"mooncake batch_transfer_sync_write returned {rc}")
 
         e.batch_transfer_sync_write(target, locs[:1], rems[:1], lens[:1])  # warm: connect
-        return _median_rate(run, int(batch[:, 2].sum()) * nbatches, repeats)
+        return run
 
     def start_mooncake(self) -> None:
         if self.args.transport != "tcp" or self.args.no_mooncake:
@@ -312,11 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                 if quick and batch_bytes > row_bytes:
                     continue  # 1 MiB x 1024 pages = 1 GiB per batch: full run only
                 reps = repeats if batch_bytes * nbatches <= 512 * MiB else 1
-                gbps = b.transport_rate(batch, nbatches, reps)
-                floor = b.floor_rate(batch, nbatches, reps)
+                runs = [b.transport_run(batch, nbatches), b.floor_run(batch, nbatches), b.mooncake_run(batch, nbatches)]
+                gbps, floor, mc = _interleaved(runs, batch_bytes * nbatches, reps)
                 common = {"page_bytes": page_bytes, "pages": pages, "writes_naive": pages, "writes_coalesced": pages}
                 rows.append({"transport": args.transport, "kind": "pages", **common, "gbps": gbps, "floor_gbps": floor, "ratio": gbps / floor})
-                mc = b.mooncake_rate(batch, nbatches, reps)
                 if mc is not None:
                     rows.append({"transport": "mooncake-tcp", "kind": "pages", **common, "gbps": mc, "floor_gbps": floor, "ratio": mc / floor})
         src_l, dst_l = b.kv_layouts()
@@ -331,9 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                 coalesced = plan_mod.plan(src_l, dst_l, sp, dp)
                 nbytes = int(coalesced[:, 2].sum())
                 nbatches = max(1, (row_bytes // 2) // nbytes)
-                gbps = b.transport_rate(coalesced, nbatches, repeats)
-                gbps_naive = b.transport_rate(naive, nbatches, repeats)
-                floor = b.floor_rate(coalesced, nbatches, repeats)
+                runs = [b.transport_run(coalesced, nbatches), b.transport_run(naive, nbatches), b.floor_run(coalesced, nbatches)]
+                gbps, gbps_naive, floor = _interleaved(runs, nbytes * nbatches, repeats)
                 rows.append({
                     "transport": args.transport, "kind": kind, "page_bytes": KV_TOKENS_PER_PAGE * KV_BYTES_PER_TOKEN,
                     "pages": pages, "buffers": KV_BUFFERS, "gbps": gbps, "gbps_naive": gbps_naive, "floor_gbps": floor,
@@ -346,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "transport": args.transport,
         "plan_implementation": plan_mod.IMPLEMENTATION,
-        "units": "gbps and floor_gbps are 1e9 bit/s; each the median of up to 3 timed runs",
+        "units": "gbps and floor_gbps are 1e9 bit/s; each the median of up to 3 timed runs, interleaved",
         "floor": "plain blocking sockets, one sendall/recv_into per write, same writes, between two processes",
         "median_ratio_pages_ge_64KiB": statistics.median(big) if big else None,
         "min_ratio_pages_ge_64KiB": min(big) if big else None,
