@@ -413,7 +413,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
-        """Forget a region. Writes into it that already started landing finish first (up to ``deadline``)."""
+        """Forget a region. Writes into it that already started landing finish first (up to ``deadline``).
+
+        Deregistering a region that batches in flight still *read from* is the
+        caller's bug (the transport may still read it): wait for their completions.
+        """
 
     @abc.abstractmethod
     def regions(self) -> tuple[Region, ...]:
