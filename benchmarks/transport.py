@@ -190,7 +190,8 @@ class Bench:
 
             size = int(batch[0, 2]) if len(batch) else 0
             nbytes = int(batch[:, 2].sum()) * nbatches
-            gbps = float(_ib_write_bw.measure(self.options.get("device"), size, len(batch) * nbatches))
+            device = self.options.get("device") or getattr(self.t, "device_name", None)
+            gbps = float(_ib_write_bw.measure(device, size, len(batch) * nbatches))
             seconds = nbytes * 8 / (gbps * 1e9)
             return lambda: time.sleep(seconds)  # replays the measured time inside the interleaving
         if self.raw is None:

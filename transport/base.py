@@ -310,9 +310,14 @@ def buffer_span(buf: Any) -> tuple[int, int, Any]:
     return addr, length, owner
 
 
-def byte_view(addr: int, length: int) -> memoryview:
-    """A writable ``memoryview`` of raw memory (the caller guarantees it is mapped and alive)."""
-    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+def byte_view(addr: int, length: int, owner: Any = None) -> memoryview:
+    """A writable ``memoryview`` of raw memory that keeps ``owner`` alive (every slice of it does too).
+
+    With ``owner=None`` the caller guarantees the memory stays mapped and alive.
+    """
+    raw = (ctypes.c_char * length).from_address(addr)
+    raw._pdcore_owner = owner  # type: ignore[attr-defined]  # a ctypes object keeps what it references
+    return memoryview(raw).cast("B")
 
 
 def as_batch(batch: Batch) -> np.ndarray:

@@ -295,7 +295,7 @@ class TcpTransport(Transport):
         addr, length, owner = buffer_span(buf)
         region = Region(addr, length, next(self._keys))
         self._regions.add(region)
-        self._locals[region.key] = _Local(region, byte_view(addr, length), owner)
+        self._locals[region.key] = _Local(region, byte_view(addr, length, owner), owner)
         return region
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
