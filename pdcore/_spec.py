@@ -24,12 +24,31 @@ arms it (``now + timeout``); the owner folds expiries into FAILED with
 ``Trigger.TIMEOUT`` *before* each reduction, so ranks that cross a deadline in
 different rounds still agree (any 0 wins the MIN).
 
-Every round the replica reduces the local states with MIN, so the agreed state
-is the least advanced state any rank holds. Events follow the agreed value and
-are emitted in progress order (``events_for``): BOOTSTRAPPED first, even when
-the agreed value jumped past it, then one terminal event (SUCCEEDED at SUCCESS,
-FAILED at FAILED). A terminal event frees the request's slot on every rank in
-the same round, so each event is emitted at most once.
+Fence before free. A failed request's memory may be reused only once no write
+into or out of it can still land, on any rank. Triggers in ``ARMS_FENCE``
+(destination pages announced, writes posted) arm a slot's fence; a rank whose
+failed slot has an armed fence must confirm it (``Fence.DONE``: the source
+acknowledged that its writes drained, or the connection is torn down) before
+its failure counts as settled. A slot that never armed its fence has nothing
+to wait for.
+
+The reduction code. The replica reduces one byte per slot (``code``), not the
+bare state, so that the fence rides in the same collective:
+
+    0 FAILING  failed here or elsewhere; not yet settled on some rank
+    1 FAILED   failed and settled on every rank: the Failed event
+    s + 1      the live state s (BOOTSTRAPPING 2 ... SUCCESS 6)
+    255 FREE   an unused slot, neutral under MIN
+
+Every round the replica reduces the codes with MIN, so the agreed state is the
+least advanced state any rank holds; any FAILING wins, and FAILED needs every
+rank settled. An agreed FAILING moves every rank's local state to FAILED (it
+stops work and opens its own fence if armed) without an event. Events follow
+the agreed code and are emitted in progress order (``events_for``):
+BOOTSTRAPPED first, even when the agreed value jumped past it, then one
+terminal event (SUCCEEDED at SUCCESS, FAILED at FAILED). A terminal event frees
+the request's slot on every rank in the same round, so each event is emitted
+at most once.
 """
 
 from __future__ import annotations
@@ -44,9 +63,14 @@ __all__ = [
     "EventKind",
     "TRANSITIONS",
     "TIMERS",
+    "ARMS_FENCE",
+    "Fence",
     "FREE",
-    "LIVE_STATES",
-    "next_state",
+    "CODE_FAILING",
+    "CODE_FAILED",
+    "CODE_SUCCESS",
+    "code_of",
+    "state_of_code",
     "events_for",
 ]
 
@@ -78,6 +102,14 @@ class Timer(IntEnum):
     NONE = 0
     BOOTSTRAP = 1  # registered, peers not yet connected
     WAITING = 2  # destination announced or writes in flight, not yet landed
+
+
+class Fence(IntEnum):
+    """Whether a slot's failure must wait for its writes to drain."""
+
+    NONE = 0  # nothing was announced or posted: nothing can land
+    ARMED = 1  # something may still land; the owner must confirm the fence
+    DONE = 2  # confirmed: nothing can land any more
 
 
 class EventKind(IntEnum):
@@ -118,30 +150,49 @@ TIMERS: Final[tuple[Timer, ...]] = (
     Timer.NONE,  # SUCCESS
 )
 
-#: A free slot's value in the reduced vector: neutral under MIN.
+#: Triggers after which something may land in or leave the request's memory.
+#: They arm the fence when fired on a live state; on FAILED they change nothing
+#: (the caller sees FAILED returned and must not announce or post).
+ARMS_FENCE: Final[frozenset[Trigger]] = frozenset({Trigger.PAGES_ANNOUNCED, Trigger.WRITES_POSTED})
+
+#: A free slot's code in the reduced vector: neutral under MIN.
 FREE: Final[int] = 255
-LIVE_STATES: Final[int] = len(State)
+CODE_FAILING: Final[int] = 0
+CODE_FAILED: Final[int] = 1
+CODE_SUCCESS: Final[int] = S.SUCCESS + 1
 
 
-def next_state(state: int, trigger: int) -> State:
-    """The table lookup, with the checks both twins make before it."""
-    return TRANSITIONS[state][trigger]  # type: ignore[index]
+def code_of(state: int, fence: int, agreed: int) -> int:
+    """The byte a rank contributes to the MIN for one live slot.
+
+    A failed slot reports FAILED only once this rank saw the replica agree on
+    FAILING (so every rank has stopped) and its own fence is not open; until
+    then it reports FAILING, which holds every rank's Failed event back.
+    """
+    if state != S.FAILED:
+        return state + 1
+    return CODE_FAILED if fence != Fence.ARMED and agreed == CODE_FAILING else CODE_FAILING
+
+
+def state_of_code(code: int) -> State:
+    return S.FAILED if code <= CODE_FAILED else State(code - 1)
 
 
 def events_for(previous: int, agreed: int) -> tuple[EventKind, ...]:
-    """Events for an agreed value moving from ``previous`` to ``agreed``, in order.
+    """Events for the agreed code moving from ``previous`` to ``agreed``, in order.
 
-    ``previous`` is the highest agreed value already acted on (BOOTSTRAPPING at
-    registration). Each state crossed yields its event once: BOOTSTRAPPED when
-    the value first reaches or passes BOOTSTRAPPED, then the terminal event.
+    ``previous`` is the highest agreed code already acted on (BOOTSTRAPPING's at
+    registration, or FAILING). Each state crossed yields its event once:
+    BOOTSTRAPPED when the code first reaches or passes BOOTSTRAPPED's, then the
+    terminal event. FAILING yields none: the failure is not settled yet.
     """
-    if agreed == previous:
+    if agreed == previous or agreed == CODE_FAILING:
         return ()
-    if agreed == S.FAILED:
+    if agreed == CODE_FAILED:
         return (EventKind.FAILED,)
     kinds: tuple[EventKind, ...] = ()
-    if previous < S.BOOTSTRAPPED <= agreed:
+    if previous < S.BOOTSTRAPPED + 1 <= agreed:
         kinds = (EventKind.BOOTSTRAPPED,)
-    if agreed == S.SUCCESS:
+    if agreed == CODE_SUCCESS:
         kinds += (EventKind.SUCCEEDED,)
     return kinds

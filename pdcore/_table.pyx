@@ -30,35 +30,54 @@ cdef enum:
     FP = 12
     S_FAILED = 0
     S_BOOTSTRAPPING = 1
-    S_BOOTSTRAPPED = 2
-    S_SUCCESS = 5
+    T_ABORT = 6
     T_TIMEOUT = 5
+    F_NONE = 0
+    F_ARMED = 1
+    F_DONE = 2
+    C_FAILING = 0
+    C_FAILED = 1
+    C_BOOTSTRAPPED = 3
+    C_SUCCESS = 6
     FREE = 255
 
 cdef uint8_t TRANSITIONS[N_STATES][N_TRIGGERS]
 cdef uint8_t TIMERS[N_STATES]
+cdef bint ARMS[N_TRIGGERS]
 
 
 cdef void _load_spec() except *:
-    assert len(State) == N_STATES and len(Trigger) == N_TRIGGERS
-    assert State.SUCCESS == S_SUCCESS and Trigger.TIMEOUT == T_TIMEOUT and _spec.FREE == FREE
-    assert FINGERPRINT_BYTES == FP
+    assert len(State) == N_STATES and len(Trigger) == N_TRIGGERS and _spec.FREE == FREE
+    assert (Trigger.TIMEOUT, Trigger.ABORT) == (T_TIMEOUT, T_ABORT) and FINGERPRINT_BYTES == FP
+    assert (_spec.CODE_FAILING, _spec.CODE_FAILED, _spec.CODE_SUCCESS) == (C_FAILING, C_FAILED, C_SUCCESS)
+    assert _spec.code_of(State.BOOTSTRAPPED, 0, FREE) == C_BOOTSTRAPPED
+    assert tuple(_spec.Fence) == (F_NONE, F_ARMED, F_DONE)
     cdef int s, t
     for s in range(N_STATES):
         TIMERS[s] = _spec.TIMERS[s]
         for t in range(N_TRIGGERS):
             TRANSITIONS[s][t] = _spec.TRANSITIONS[s][t]
+    for t in range(N_TRIGGERS):
+        ARMS[t] = t in _spec.ARMS_FENCE
 
 
 _load_spec()
 
 
 def compiled_spec():
-    """The C copy of the grid and timers, for the test that checks it equals ``_spec``."""
+    """The C copy of the grid, timers and fence triggers, for the test that checks it equals ``_spec``."""
     return (
         tuple(tuple(TRANSITIONS[s][t] for t in range(N_TRIGGERS)) for s in range(N_STATES)),
         tuple(TIMERS[s] for s in range(N_STATES)),
+        frozenset(t for t in range(N_TRIGGERS) if ARMS[t]),
     )
+
+
+cdef inline uint8_t _code_of(uint8_t state, uint8_t fence, uint8_t agreed) noexcept nogil:
+    """``_spec.code_of``."""
+    if state != S_FAILED:
+        return state + 1
+    return C_FAILED if fence != F_ARMED and agreed == C_FAILING else C_FAILING
 
 
 cdef int _cmp_i64(const void* a, const void* b) noexcept nogil:
@@ -82,7 +101,10 @@ cdef class StateTable:
     cdef dict _slots
     cdef list _rid_of
     cdef dict _reasons
+    cdef list _fencing
     cdef uint8_t[::1] _local
+    cdef uint8_t[::1] _fence
+    cdef uint8_t[::1] _code
     cdef uint8_t[::1] _agreed
     cdef double[::1] _deadline
     cdef uint64_t[::1] _hash
@@ -110,7 +132,10 @@ cdef class StateTable:
         self._slots = {}
         self._rid_of = [None] * capacity
         self._reasons = {}
+        self._fencing = []
         self._local = np.full(capacity, FREE, dtype=np.uint8)
+        self._fence = np.zeros(capacity, dtype=np.uint8)
+        self._code = np.full(capacity, FREE, dtype=np.uint8)
         self._agreed = np.full(capacity, FREE, dtype=np.uint8)
         self._deadline = np.full(capacity, math.inf, dtype=np.float64)
         self._hash = np.zeros(capacity, dtype=np.uint64)
@@ -166,7 +191,8 @@ cdef class StateTable:
             self._slots[rid] = slot
             self._rid_of[slot] = rid
             self._local[slot] = S_BOOTSTRAPPING
-            self._agreed[slot] = S_BOOTSTRAPPING
+            self._agreed[slot] = S_BOOTSTRAPPING + 1
+            self._code[slot] = S_BOOTSTRAPPING + 1
             self._arm(slot, now + self._timeouts[1])
             self._hash[slot] = h
             self._fp_sum += self._hash[slot]
@@ -189,6 +215,8 @@ cdef class StateTable:
         del self._slots[self._rid_of[slot]]
         self._rid_of[slot] = None
         self._local[slot] = FREE
+        self._fence[slot] = F_NONE
+        self._code[slot] = FREE
         self._agreed[slot] = FREE
         self._deadline[slot] = math.inf
         self._fp_sum -= self._hash[slot]
@@ -215,16 +243,45 @@ cdef class StateTable:
                 self._reasons[slot] = reason or Trigger(trigger).name.lower()
             return State(self._local[slot])
 
-    cdef bint _apply(self, Py_ssize_t slot, int trigger, double now) noexcept:
-        """One table step; true when it moved the slot into FAILED (the caller keeps the reason)."""
+    cdef int _apply(self, Py_ssize_t slot, int trigger, double now) except -1:
+        """One table step; 1 when it moved the slot into FAILED (the caller keeps the reason)."""
         cdef uint8_t old = self._local[slot]
         cdef uint8_t new = TRANSITIONS[old][trigger]
-        if new == old:
-            return False
-        self._local[slot] = new
-        if TIMERS[new] != TIMERS[old]:
-            self._arm(slot, now + self._timeouts[TIMERS[new]])
-        return new == S_FAILED
+        cdef int failed = 0
+        if ARMS[trigger] and old != S_FAILED and self._fence[slot] == F_NONE:
+            self._fence[slot] = F_ARMED
+        if new != old:
+            self._local[slot] = new
+            if TIMERS[new] != TIMERS[old]:
+                self._arm(slot, now + self._timeouts[TIMERS[new]])
+            if new == S_FAILED:
+                failed = 1
+                if self._fence[slot] == F_ARMED:
+                    self._fencing.append(self._rid_of[slot])
+        self._code[slot] = _code_of(new, self._fence[slot], self._agreed[slot])
+        return failed
+
+    def fenced(self, rid):
+        """Confirm that nothing can land in or leave ``rid``'s memory any more (it must have failed)."""
+        cdef Py_ssize_t slot
+        with self._lock:
+            slot = self._slot_of(rid)
+            if self._local[slot] != S_FAILED:
+                raise LocalProtocolError(
+                    f"rid {rid!r} is {State(self._local[slot]).name}, not FAILED: nothing to fence"
+                )
+            self._fence[slot] = F_DONE
+            self._code[slot] = _code_of(S_FAILED, F_DONE, self._agreed[slot])
+
+    def take_fencing(self):
+        """Failed rids whose armed fence the owner must now close, each returned once."""
+        with self._lock:
+            out, self._fencing = self._fencing, []
+            return out
+
+    def fence(self, rid):
+        with self._lock:
+            return _spec.Fence(self._fence[self._slot_of(rid)])
 
     cdef inline void _arm(self, Py_ssize_t slot, double at) noexcept:
         self._deadline[slot] = at
@@ -237,9 +294,9 @@ cdef class StateTable:
             return State(self._local[self._slot_of(rid)])
 
     def agreed(self, rid):
-        """The highest state the replica agreed on for ``rid`` so far."""
+        """The highest state the replica agreed on for ``rid`` so far (FAILED once it is failing)."""
         with self._lock:
-            return State(self._agreed[self._slot_of(rid)])
+            return _spec.state_of_code(self._agreed[self._slot_of(rid)])
 
     def slot(self, rid):
         with self._lock:
@@ -284,7 +341,7 @@ cdef class StateTable:
             self._fold(now)
             count = len(self._slots)
             with nogil:
-                memcpy(&self._buf[0], &self._local[0], cap)
+                memcpy(&self._buf[0], &self._code[0], cap)
                 for j in range(8):
                     fp[j] = (self._fp_sum >> (8 * j)) & 0xFF
                 for j in range(4):
@@ -325,7 +382,7 @@ cdef class StateTable:
                     value = buf[slot]
                     previous = agreed[slot]
                     if previous != FREE and value != previous:
-                        if value > S_SUCCESS:
+                        if value > C_SUCCESS:
                             consistent = False
                         changed[n] = (seq[slot] << 21) | slot
                         n += 1
@@ -339,14 +396,19 @@ cdef class StateTable:
                 value = self._buf[slot]
                 previous = self._agreed[slot]
                 rid = self._rid_of[slot]
-                if value == S_FAILED:
+                if value == C_FAILING:  # the replica stops this request: fail here too, no event yet
+                    self._agreed[slot] = C_FAILING
+                    if self._apply(slot, T_ABORT, 0.0):
+                        self._reasons[slot] = FAILED_ELSEWHERE
+                    continue
+                if value == C_FAILED:
                     events.append(Failed(rid, self._reasons.get(slot, FAILED_ELSEWHERE)))
                 else:
-                    if previous < S_BOOTSTRAPPED <= value:
+                    if previous < C_BOOTSTRAPPED <= value:
                         events.append(Bootstrapped(rid))
-                    if value == S_SUCCESS:
+                    if value == C_SUCCESS:
                         events.append(Succeeded(rid))
-                if value == S_FAILED or value == S_SUCCESS:
+                if value == C_FAILED or value == C_SUCCESS:
                     self._free_slot(slot)
                 elif value > previous:
                     self._agreed[slot] = value

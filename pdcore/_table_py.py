@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from . import _spec
-from ._spec import FREE, State, Timer, Trigger
+from ._spec import CODE_FAILING, FREE, Fence, State, Timer, Trigger, code_of, state_of_code
 from .errors import CapacityError, CollectiveError, LocalProtocolError
 from .events import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded
 
@@ -44,9 +44,10 @@ class StateTable:
     """Per-request transfer states of one rank, and its half of the replica agreement.
 
     ``register``/``remove``/``encode``/``decode`` belong to the scheduler thread
-    (every rank calls them in the same order); ``update`` may be called from any
-    thread. A round is ``encode(now)`` (fold deadlines, fill ``buffer``), an
-    all-reduce MIN of ``buffer`` across the replica, then ``decode()``.
+    (every rank calls them in the same order); ``update``, ``fenced`` and
+    ``take_fencing`` may be called from any thread. A round is ``encode(now)``
+    (fold deadlines, fill ``buffer`` with the codes of ``_spec``), an all-reduce
+    MIN of ``buffer`` across the replica, then ``decode()``.
     """
 
     def __init__(self, capacity: int, *, bootstrap_timeout: float = 120.0, waiting_timeout: float = 300.0) -> None:
@@ -61,7 +62,10 @@ class StateTable:
         self._slots: dict[str, int] = {}  # insertion order = registration order
         self._rid_of: list[str | None] = [None] * capacity
         self._local = [FREE] * capacity
-        self._agreed = [FREE] * capacity
+        self._fence = [Fence.NONE] * capacity
+        self._code = [FREE] * capacity  # what this rank contributes to the MIN
+        self._agreed = [FREE] * capacity  # the last agreed code acted on
+        self._fencing: list[str] = []
         self._deadline = [math.inf] * capacity
         self._hash = [0] * capacity
         self._reasons: dict[int, str] = {}
@@ -108,7 +112,8 @@ class StateTable:
             self._slots[rid] = slot
             self._rid_of[slot] = rid
             self._local[slot] = State.BOOTSTRAPPING
-            self._agreed[slot] = State.BOOTSTRAPPING
+            self._agreed[slot] = code_of(State.BOOTSTRAPPING, Fence.NONE, FREE)
+            self._refresh(slot)
             self._deadline[slot] = now + self._timeouts[Timer.BOOTSTRAP]
             self._hash[slot] = rid_hash(rid, slot)
             self._fp_sum = (self._fp_sum + self._hash[slot]) & _M64
@@ -131,6 +136,8 @@ class StateTable:
         del self._slots[rid]
         self._rid_of[slot] = None
         self._local[slot] = FREE
+        self._fence[slot] = Fence.NONE
+        self._code[slot] = FREE
         self._agreed[slot] = FREE
         self._deadline[slot] = math.inf
         self._fp_sum = (self._fp_sum - self._hash[slot]) & _M64
@@ -155,13 +162,39 @@ class StateTable:
     def _apply(self, slot: int, trigger: int, now: float, reason: str) -> None:
         old = self._local[slot]
         new = _spec.TRANSITIONS[old][trigger]
-        if new == old:
-            return
-        self._local[slot] = new
-        if _spec.TIMERS[new] != _spec.TIMERS[old]:
-            self._deadline[slot] = now + self._timeouts[_spec.TIMERS[new]]
-        if new == State.FAILED:
-            self._reasons[slot] = reason
+        if trigger in _spec.ARMS_FENCE and old != State.FAILED and self._fence[slot] == Fence.NONE:
+            self._fence[slot] = Fence.ARMED
+        if new != old:
+            self._local[slot] = new
+            if _spec.TIMERS[new] != _spec.TIMERS[old]:
+                self._deadline[slot] = now + self._timeouts[_spec.TIMERS[new]]
+            if new == State.FAILED:
+                self._reasons[slot] = reason
+                if self._fence[slot] == Fence.ARMED:
+                    self._fencing.append(self._rid_of[slot])  # type: ignore[arg-type]
+        self._refresh(slot)
+
+    def _refresh(self, slot: int) -> None:
+        self._code[slot] = code_of(self._local[slot], self._fence[slot], self._agreed[slot])
+
+    def fenced(self, rid: str) -> None:
+        """Confirm that nothing can land in or leave ``rid``'s memory any more (it must have failed)."""
+        with self._lock:
+            slot = self._slot_of(rid)
+            if self._local[slot] != State.FAILED:
+                raise LocalProtocolError(f"rid {rid!r} is {State(self._local[slot]).name}, not FAILED: nothing to fence")
+            self._fence[slot] = Fence.DONE
+            self._refresh(slot)
+
+    def take_fencing(self) -> list[str]:
+        """Failed rids whose armed fence the owner must now close, each returned once."""
+        with self._lock:
+            out, self._fencing = self._fencing, []
+            return out
+
+    def fence(self, rid: str) -> Fence:
+        with self._lock:
+            return Fence(self._fence[self._slot_of(rid)])
 
     def state(self, rid: str) -> State:
         """This rank's local state of ``rid``."""
@@ -169,9 +202,9 @@ class StateTable:
             return State(self._local[self._slot_of(rid)])
 
     def agreed(self, rid: str) -> State:
-        """The highest state the replica agreed on for ``rid`` so far."""
+        """The highest state the replica agreed on for ``rid`` so far (FAILED once it is failing)."""
         with self._lock:
-            return State(self._agreed[self._slot_of(rid)])
+            return state_of_code(self._agreed[self._slot_of(rid)])
 
     def slot(self, rid: str) -> int:
         with self._lock:
@@ -185,18 +218,17 @@ class StateTable:
             self._fold(now)
 
     def _fold(self, now: float) -> None:
-        for slot in self._slots.values():
-            if self._deadline[slot] <= now:
-                timer = _spec.TIMERS[self._local[slot]]
-                seconds = self._timeouts[timer]
-                self._apply(slot, Trigger.TIMEOUT, now, f"{Timer(timer).name.lower()} timeout after {seconds:g} s")
+        for slot in sorted(slot for slot in self._slots.values() if self._deadline[slot] <= now):  # slot order
+            timer = _spec.TIMERS[self._local[slot]]
+            seconds = self._timeouts[timer]
+            self._apply(slot, Trigger.TIMEOUT, now, f"{Timer(timer).name.lower()} timeout after {seconds:g} s")
 
     def encode(self, now: float) -> np.ndarray:
         """Fold deadlines, then fill and return ``buffer`` for the all-reduce MIN."""
         with self._lock:
             self._fold(now)
             cap = self._capacity
-            self._buffer[:cap] = self._local
+            self._buffer[:cap] = self._code
             fp = self._fingerprint()
             self._buffer[cap : cap + FINGERPRINT_BYTES] = list(fp)
             self._buffer[cap + FINGERPRINT_BYTES :] = [255 - b for b in fp]
@@ -220,6 +252,10 @@ class StateTable:
                 previous = self._agreed[slot]
                 if value == previous:
                     continue
+                if value == CODE_FAILING:  # the replica stops this request: fail here too, no event yet
+                    self._agreed[slot] = CODE_FAILING
+                    self._apply(slot, Trigger.ABORT, 0.0, FAILED_ELSEWHERE)
+                    continue
                 for kind in _spec.events_for(previous, value):
                     if kind == _spec.EventKind.BOOTSTRAPPED:
                         events.append(Bootstrapped(rid))
@@ -227,7 +263,7 @@ class StateTable:
                         events.append(Succeeded(rid))
                     else:
                         events.append(Failed(rid, self._reasons.get(slot, FAILED_ELSEWHERE)))
-                if value in (State.FAILED, State.SUCCESS):
+                if value in (_spec.CODE_FAILED, _spec.CODE_SUCCESS):
                     self._free_slot(slot)
                 elif value > previous:
                     self._agreed[slot] = value
@@ -238,7 +274,7 @@ class StateTable:
         lo = self._buffer[cap : cap + FINGERPRINT_BYTES]
         hi_inv = self._buffer[cap + FINGERPRINT_BYTES :]
         if all(int(a) + int(b) == 255 for a, b in zip(lo, hi_inv)):
-            live_over_range = [slot for slot in self._slots.values() if self._buffer[slot] > State.SUCCESS]
+            live_over_range = [slot for slot in self._slots.values() if self._buffer[slot] > _spec.CODE_SUCCESS]
             if not live_over_range:
                 return
         raise CollectiveError(_mismatch_message(self._fingerprint(), bytes(lo), bytes(255 - int(b) for b in hi_inv)))

@@ -13,9 +13,10 @@ FAILING = {Trigger.FAIL, Trigger.TIMEOUT, Trigger.ABORT}
 def test_compiled_grid_is_the_spec() -> None:
     from pdcore import _table
 
-    grid, timers = _table.compiled_spec()
+    grid, timers, arms = _table.compiled_spec()
     assert grid == tuple(tuple(int(s) for s in row) for row in _spec.TRANSITIONS)
     assert timers == tuple(int(t) for t in _spec.TIMERS)
+    assert arms == {int(t) for t in _spec.ARMS_FENCE}
 
 
 def test_every_pair_has_an_entry() -> None:
@@ -43,10 +44,30 @@ def test_only_live_unfinished_states_carry_timers() -> None:
     assert _spec.TIMERS[State.WAITING_FOR_INPUT] == _spec.TIMERS[State.TRANSFERRING] == _spec.Timer.WAITING
 
 
+def code(state: State) -> int:
+    return _spec.code_of(state, _spec.Fence.NONE, _spec.FREE)
+
+
+def test_codes_keep_progress_order_and_put_failure_below_it() -> None:
+    codes = [code(s) for s in State if s != State.FAILED]
+    assert codes == sorted(codes) and codes[0] > _spec.CODE_FAILED > _spec.CODE_FAILING
+    assert code(State.SUCCESS) == _spec.CODE_SUCCESS < _spec.FREE
+    assert all(_spec.state_of_code(code(s)) == s for s in State if s != State.FAILED)
+
+
+def test_a_failure_settles_only_after_the_replica_saw_it_and_the_fence_closed() -> None:
+    F, Fence = State.FAILED, _spec.Fence
+    assert _spec.code_of(F, Fence.NONE, code(State.BOOTSTRAPPED)) == _spec.CODE_FAILING  # not seen yet
+    assert _spec.code_of(F, Fence.NONE, _spec.CODE_FAILING) == _spec.CODE_FAILED
+    assert _spec.code_of(F, Fence.ARMED, _spec.CODE_FAILING) == _spec.CODE_FAILING  # fence still open
+    assert _spec.code_of(F, Fence.DONE, _spec.CODE_FAILING) == _spec.CODE_FAILED
+
+
 def test_events_cover_skipped_states_in_order() -> None:
-    assert events_for(State.BOOTSTRAPPING, State.SUCCESS) == (EventKind.BOOTSTRAPPED, EventKind.SUCCEEDED)
-    assert events_for(State.BOOTSTRAPPING, State.TRANSFERRING) == (EventKind.BOOTSTRAPPED,)
-    assert events_for(State.BOOTSTRAPPED, State.SUCCESS) == (EventKind.SUCCEEDED,)
-    assert events_for(State.BOOTSTRAPPING, State.FAILED) == (EventKind.FAILED,)
-    assert events_for(State.WAITING_FOR_INPUT, State.FAILED) == (EventKind.FAILED,)
-    assert events_for(State.BOOTSTRAPPED, State.WAITING_FOR_INPUT) == ()
+    assert events_for(code(State.BOOTSTRAPPING), code(State.SUCCESS)) == (EventKind.BOOTSTRAPPED, EventKind.SUCCEEDED)
+    assert events_for(code(State.BOOTSTRAPPING), code(State.TRANSFERRING)) == (EventKind.BOOTSTRAPPED,)
+    assert events_for(code(State.BOOTSTRAPPED), code(State.SUCCESS)) == (EventKind.SUCCEEDED,)
+    assert events_for(code(State.BOOTSTRAPPED), code(State.WAITING_FOR_INPUT)) == ()
+    assert events_for(code(State.BOOTSTRAPPING), _spec.CODE_FAILING) == ()  # not settled: no event yet
+    assert events_for(_spec.CODE_FAILING, _spec.CODE_FAILED) == (EventKind.FAILED,)
+    assert events_for(code(State.WAITING_FOR_INPUT), _spec.CODE_FAILED) == (EventKind.FAILED,)

@@ -8,7 +8,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from pdcore._spec import FREE, State, Trigger
+from pdcore._spec import CODE_FAILING, FREE, Fence, State, Trigger
 from pdcore.errors import CapacityError, CollectiveError, LocalProtocolError
 from pdcore.events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
 
@@ -39,7 +39,7 @@ def test_free_slots_are_neutral_in_the_buffer(table_impl: ModuleType) -> None:
     t.register("a", 0.0)
     buf = t.encode(0.0)
     assert buf is t.buffer and buf.dtype == np.uint8
-    assert list(buf[:4]) == [State.BOOTSTRAPPING, FREE, FREE, FREE]
+    assert list(buf[:4]) == [State.BOOTSTRAPPING + 1, FREE, FREE, FREE]  # the reduction code of _spec
     fp = buf[4:]
     assert len(fp) == 2 * table_impl.FINGERPRINT_BYTES
     assert all(int(a) + int(b) == 255 for a, b in zip(fp[: len(fp) // 2], fp[len(fp) // 2 :]))
@@ -67,6 +67,7 @@ def test_failed_is_sticky_and_keeps_the_first_reason(table_impl: ModuleType) -> 
     assert t.update("a", Trigger.FAIL, 0.0, "qp error") == State.FAILED
     assert t.update("a", Trigger.WRITES_LANDED, 0.0) == State.FAILED
     assert t.update("a", Trigger.ABORT, 0.0, "later reason") == State.FAILED
+    assert solo_round(t) == []  # the replica learns of the failure; nothing was armed
     events = solo_round(t)
     assert events == [Failed("a")] and events[0].reason == "qp error"
     assert "a" not in t and not t.has_in_flight()
@@ -77,6 +78,7 @@ def test_a_failure_after_local_success_still_wins(table_impl: ModuleType) -> Non
     t.register("a", 0.0)
     t.update("a", Trigger.WRITES_LANDED, 0.0)
     t.update("a", Trigger.ABORT, 0.0, "aborted by peer")
+    assert solo_round(t) == []
     assert solo_round(t) == [Failed("a")]
 
 
@@ -109,6 +111,7 @@ def test_bootstrap_deadline_is_folded_before_the_round(table_impl: ModuleType) -
     t.register("b", 5.0)
     t.update("b", Trigger.PEERS_CONNECTED, 6.0)  # BOOTSTRAPPED carries no timer
     assert solo_round(t, 9.99) == [Bootstrapped("b")]
+    assert solo_round(t, 10.0) == [] and t.state("a") == State.FAILED
     events = solo_round(t, 10.0)
     assert events == [Failed("a")] and events[0].reason == "bootstrap timeout after 10 s"
     assert solo_round(t, 1e9) == [] and t.rids() == ["b"]
@@ -120,7 +123,10 @@ def test_waiting_deadline_spans_waiting_and_transferring(table_impl: ModuleType)
     t.update("a", Trigger.PAGES_ANNOUNCED, 5.0)  # arms WAITING at 25
     t.update("a", Trigger.WRITES_POSTED, 15.0)  # TRANSFERRING shares the budget: still 25
     assert solo_round(t, 24.9) == [Bootstrapped("a")]
-    events = solo_round(t, 25.0)
+    assert solo_round(t, 25.0) == [] and t.take_fencing() == ["a"]  # pages were announced: fence first
+    assert solo_round(t, 99.0) == []
+    t.fenced("a")
+    events = solo_round(t, 99.0)
     assert events == [Failed("a")] and events[0].reason == "waiting timeout after 20 s"
 
 
@@ -137,9 +143,59 @@ def test_failed_elsewhere_has_a_generic_reason(table_impl: ModuleType) -> None:
     t = table_impl.StateTable(2)
     t.register("a", 0.0)
     buf = t.encode(0.0)
-    buf[0] = State.FAILED  # as if another rank's MIN brought a failure
-    events = t.decode()
+    buf[0] = CODE_FAILING  # as if another rank's MIN brought a failure
+    assert t.decode() == [] and t.state("a") == State.FAILED  # this rank stops too
+    events = solo_round(t)
     assert events == [Failed("a")] and events[0].reason == FAILED_ELSEWHERE
+
+
+# -- fence before free --------------------------------------------------------------------
+
+
+def test_announced_pages_hold_the_failure_until_fenced(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(4)
+    t.register("a", 0.0)
+    t.register("b", 0.0)
+    t.update("a", Trigger.PAGES_ANNOUNCED, 0.0)
+    assert t.fence("a") == Fence.ARMED and t.fence("b") == Fence.NONE
+    t.update("a", Trigger.FAIL, 0.0, "peer sent garbage")
+    t.update("b", Trigger.FAIL, 0.0)
+    assert t.take_fencing() == ["a"] and t.take_fencing() == []
+    assert solo_round(t) == []  # the first round spreads both failures
+    assert solo_round(t) == [Failed("b")]  # b had nothing to fence
+    assert solo_round(t) == [] == solo_round(t)  # a waits for its fence, however many rounds pass
+    assert "a" in t and "b" not in t
+    t.fenced("a")
+    assert solo_round(t) == [Failed("a")]
+    assert not t.has_in_flight()
+
+
+def test_an_agreed_failure_opens_this_ranks_fence(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    t.update("a", Trigger.WRITES_POSTED, 0.0)
+    buf = t.encode(0.0)
+    buf[0] = CODE_FAILING  # another rank failed
+    assert t.decode() == [] and t.take_fencing() == ["a"]
+    assert t.encode(0.0)[0] == CODE_FAILING  # held until this rank's writes drained
+    t.fenced("a")
+    assert t.encode(0.0)[0] == 1 and t.decode() == [Failed("a")]
+
+
+def test_arming_triggers_on_a_failed_slot_change_nothing(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    t.update("a", Trigger.FAIL, 0.0)
+    assert t.update("a", Trigger.WRITES_POSTED, 0.0) == State.FAILED  # the caller must not post
+    assert t.fence("a") == Fence.NONE and t.take_fencing() == []
+
+
+def test_fencing_a_live_request_is_refused(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    with pytest.raises(LocalProtocolError, match="'a' is BOOTSTRAPPING, not FAILED"):
+        t.fenced("a")
+    assert t.fence("a") == Fence.NONE
 
 
 # -- bad input: a clear error naming the culprit, the table unchanged ------------------

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pdcore import _table, _table_py
-from pdcore._spec import State, Trigger
+from pdcore._spec import CODE_FAILED, CODE_FAILING, CODE_SUCCESS, Fence, State, Trigger
 from pdcore.errors import PdError
 from pdcore.events import Bootstrapped, Failed, Succeeded
 
@@ -55,6 +55,7 @@ class Replica(RuleBasedStateMachine):
         self.live: list[str] = []  # registration order, as the model sees it
         self.emitted: dict[str, list[str]] = {}  # rid -> event names in this incarnation
         self.ever_failed: set[tuple[int, str]] = set()
+        self.fencing: list[list[str]] = [[] for _ in range(ranks)]
 
     # -- the scheduler's calls: identical on every rank -------------------------------
 
@@ -119,54 +120,72 @@ class Replica(RuleBasedStateMachine):
 
     @rule()
     def round(self) -> None:
-        locals_before = {
-            rid: [pure.state(rid) for _, pure in self.ranks] for rid in self.live
-        }  # before the fold: the fold may only lower them to FAILED
         agreed_before = {rid: self.ranks[0][1].agreed(rid) for rid in self.live}
+        slot = {rid: self.ranks[0][1].slot(rid) for rid in self.live}
+        reduced = None
         for twin in (0, 1):
             buffers = [pair[twin].encode(self.now) for pair in self.ranks]
             reduced = np.minimum.reduce([b.copy() for b in buffers])
             for b in buffers:
                 b[:] = reduced
-        folded = {rid: [pure.state(rid) for _, pure in self.ranks] for rid in self.live}
+        # after the fold, before the decode: what each rank held when it reduced
+        held = {rid: [(pure.state(rid), pure.fence(rid)) for _, pure in self.ranks] for rid in self.live}
         results = [[outcome(pair[twin].decode) for pair in self.ranks] for twin in (0, 1)]
         for rank_results in results:
             assert len({r[0] for r in rank_results}) == 1  # all ranks raise or none
         assert [detailed(r[1]) for r in results[0]] == [detailed(r[1]) for r in results[1]], "twins differ"
         per_rank = [r[1] for r in results[0]]
         assert all(events == per_rank[0] for events in per_rank), "ranks emitted different events"
-        self.check_events(per_rank[0], locals_before, folded, agreed_before)
+        self.check_events(per_rank[0], {rid: int(reduced[slot[rid]]) for rid in self.live}, held, agreed_before)
 
-    def check_events(self, events: list, locals_before: dict, folded: dict, agreed_before: dict) -> None:
+    def check_events(self, events: list, code: dict, held: dict, agreed_before: dict) -> None:
         order = [e.rid for e in events]
         assert order == sorted(order, key=self.live.index), "events not in registration order"
         for event in events:
             rid = event.rid
-            low = min(folded[rid])
+            states = [state for state, _ in held[rid]]
             seen = self.emitted[rid]
             assert not seen or seen[-1] == "Bootstrapped", f"event after a terminal event for {rid}"
             if isinstance(event, Bootstrapped):
                 assert "Bootstrapped" not in seen
-                assert low >= State.BOOTSTRAPPED
+                assert min(states) >= State.BOOTSTRAPPED
             elif isinstance(event, Succeeded):
-                assert all(s == State.SUCCESS for s in folded[rid])
+                assert all(s == State.SUCCESS for s in states)
                 assert seen == ["Bootstrapped"], "Succeeded without Bootstrapped before it"
             else:
                 assert isinstance(event, Failed)
-                assert low == State.FAILED and State.FAILED in folded[rid]
-                assert any(s == State.FAILED for s in folded[rid])
+                # settled everywhere: every rank failed, saw the failure agreed, and closed its fence
+                assert all(s == State.FAILED and f != Fence.ARMED for s, f in held[rid])
+                assert agreed_before[rid] == State.FAILED
             seen.append(type(event).__name__)
         for rid in list(self.live):
-            low = min(folded[rid])
-            if low in (State.FAILED, State.SUCCESS):
+            if code[rid] in (CODE_FAILED, CODE_SUCCESS):
                 assert self.emitted[rid][-1] in ("Failed", "Succeeded"), f"{rid} agreed terminal, no event"
                 self.live.remove(rid)
                 self.ever_failed = {(k, r) for k, r in self.ever_failed if r != rid}
-            else:
-                for compiled, pure in self.ranks:
-                    assert compiled.agreed(rid) == pure.agreed(rid) == max(low, agreed_before[rid])
-                if low >= State.BOOTSTRAPPED:
-                    assert self.emitted[rid] == ["Bootstrapped"]
+                continue
+            assert not self.emitted[rid] or self.emitted[rid] == ["Bootstrapped"]
+            for compiled, pure in self.ranks:
+                assert compiled.agreed(rid) == pure.agreed(rid)
+                if code[rid] == CODE_FAILING:  # the replica stops the request on every rank
+                    assert pure.state(rid) == State.FAILED and pure.agreed(rid) == State.FAILED
+                elif agreed_before[rid] != State.FAILED:
+                    assert pure.agreed(rid) == max(State(code[rid] - 1), agreed_before[rid])
+            if code[rid] - 1 >= State.BOOTSTRAPPED:
+                assert self.emitted[rid] == ["Bootstrapped"]
+
+    @rule(data=st.data())
+    def close_fences(self, data) -> None:
+        """A rank's I/O side drains the rids it must fence and confirms some of them."""
+        k = data.draw(st.integers(0, len(self.ranks) - 1), label="rank")
+        compiled, pure = self.ranks[k]
+        pending = pure.take_fencing()
+        assert compiled.take_fencing() == pending
+        self.fencing[k].extend(pending)
+        for rid in list(self.fencing[k]):
+            if data.draw(st.booleans(), label=f"fence {rid}"):
+                self.fencing[k].remove(rid)
+                assert outcome(lambda: compiled.fenced(rid)) == outcome(lambda: pure.fenced(rid))
 
     # -- always ----------------------------------------------------------------------------
 
@@ -179,6 +198,7 @@ class Replica(RuleBasedStateMachine):
             assert compiled.has_in_flight() == pure.has_in_flight() == bool(self.live)
             for rid in self.live:
                 assert compiled.state(rid) == pure.state(rid)
+                assert compiled.fence(rid) == pure.fence(rid)
                 assert compiled.slot(rid) == pure.slot(rid) == self.ranks[0][0].slot(rid)
                 if (k, rid) in self.ever_failed:
                     assert pure.state(rid) == State.FAILED
