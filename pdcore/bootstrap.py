@@ -474,7 +474,8 @@ class _Server(ThreadingHTTPServer):
         self.registry = Registry()
         self.lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._live: dict[threading.Thread, socket.socket] = {}
+        self._live: dict[threading.Thread, socket.socket] = {}  # handlers still on their socket
+        self._handlers: set[threading.Thread] = set()  # every handler not yet joined
         self._live_lock = threading.Lock()
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, _Handler)
@@ -498,11 +499,14 @@ class _Server(ThreadingHTTPServer):
         )
         with self._live_lock:
             self._live[thread] = request
+            self._handlers = {t for t in self._handlers if t.is_alive()}
+            self._handlers.add(thread)
         try:
             thread.start()
         except BaseException:
             with self._live_lock:
                 self._live.pop(thread, None)
+                self._handlers.discard(thread)
             self._slots.release()
             self.shutdown_request(request)
             raise
@@ -513,10 +517,10 @@ class _Server(ThreadingHTTPServer):
         except Exception:
             log.exception("bootstrap: request from %s failed", client_address)
         finally:
-            self.shutdown_request(request)
             with self._live_lock:
                 self._live.pop(threading.current_thread(), None)
-            self._slots.release()
+            self._slots.release()  # before the close, so a client that saw EOF finds the slot free
+            self.shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.exception("bootstrap: error serving %s", client_address)
@@ -524,13 +528,14 @@ class _Server(ThreadingHTTPServer):
     def cut_connections(self) -> list[threading.Thread]:
         """Wake every handler blocked on its socket; return the threads to join."""
         with self._live_lock:
-            live = list(self._live.items())
-        for _, sock in live:
+            live = list(self._live.values())
+            threads = list(self._handlers)
+        for sock in live:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        return [t for t, _ in live]
+        return threads
 
 
 class BootstrapServer:

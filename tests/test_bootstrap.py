@@ -213,6 +213,19 @@ def test_silent_client_is_cut_by_close() -> None:
     srv.close(soon())  # idempotent
 
 
+def test_connection_cap_answers_503() -> None:
+    with BootstrapServer("127.0.0.1", 0, max_connections=1, request_timeout=60.0) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as hog:
+            hog.sendall(b"GET /health HTTP/1.0\r\n")  # holds the only slot
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as late:
+                answer = late.recv(4096)  # answered at accept, before any request byte
+            assert answer.startswith(b"HTTP/1.0 503 ")
+            hog.sendall(b"\r\n")
+            answer = b"".join(iter(lambda: hog.recv(4096), b""))  # to EOF: the handler is done
+            assert b" 200 " in answer
+        assert BootstrapClient("127.0.0.1", srv.port).health(soon())  # the slot was given back
+
+
 def test_request_deadline_on_server() -> None:
     with BootstrapServer("127.0.0.1", 0, request_timeout=0.3) as srv:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:

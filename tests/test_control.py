@@ -14,8 +14,8 @@ import zmq
 
 from pdcore import wire
 from pdcore.control import ControlChannel, DeadPeer, PeerLiveness
-from pdcore.deadline import Deadline
-from pdcore.errors import LocalProtocolError, PeerError, StartError
+from pdcore.deadline import Deadline, DeadlineExceeded
+from pdcore.errors import CapacityError, LocalProtocolError, PeerError, StartError
 
 WAIT = 5.0  # seconds: every wait in this file is bounded by it
 
@@ -205,7 +205,7 @@ def test_close_within_deadline_leaves_nothing() -> None:
     channel = inbox.channel("p", linger=10.0)
     channel.start()
     channel.send("tcp://127.0.0.1:1", wire.Abort(room=1))  # a peer that is not there: linger would wait
-    deadline = Deadline.after(0.5)
+    deadline = Deadline.after(1.0)
     channel.close(deadline)
     assert not deadline.expired()
     assert control_threads() == []
@@ -246,3 +246,25 @@ def test_liveness_rules() -> None:
     [dead] = live.expire(now=30.0)
     assert (dead.endpoint, dead.session_id, dead.epoch) == ("tcp://h:2", "t", 5)
     assert live.expire(now=60.0) == []  # reported once
+
+
+def test_stuck_callback_bounds_the_queue_and_close(raw_dealer: Any) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def on_message(sender: str, msg: wire.Message) -> None:
+        entered.set()
+        release.wait(WAIT)  # a misbehaving scheduler callback (bounded, so the test cannot hang)
+
+    channel = ControlChannel(on_message, session_id="p", max_queue=2)
+    channel.start()
+    raw_dealer(channel.endpoint).send(wire.encode(wire.Abort(room=1)))
+    assert entered.wait(WAIT)  # the I/O thread is now stuck in the callback
+    channel.send("tcp://127.0.0.1:1", wire.Abort(room=2))
+    channel.send("tcp://127.0.0.1:1", wire.Abort(room=3))
+    with pytest.raises(CapacityError):
+        channel.send("tcp://127.0.0.1:1", wire.Abort(room=4))  # bounded queue: the caller is told, not blocked
+    with pytest.raises(DeadlineExceeded):
+        channel.close(Deadline.after(0.1))
+    release.set()
+    channel.close(Deadline.after(WAIT))
+    assert control_threads() == []
