@@ -6,7 +6,6 @@ synchronisation (events and deadlines), so the suite stays fast.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import multiprocessing as mp
 import os
@@ -191,11 +190,11 @@ def test_several_sources_and_sinks_at_once(make_transport: MakeTransport) -> Non
 def test_source_rejects_ranges_outside_regions_synchronously(make_transport: MakeTransport) -> None:
     src_t, _dst_t, _src, dst, rs, rd, peer = pair(make_transport, nbytes=4096)
     done = Collector()
-    with pytest.raises(TransportError, match="local range") as e1:
+    with pytest.raises(TransportError) as e1:  # a local range outside the local region
         src_t.write(peer, [(rs.addr + 4000, rd.addr, 200)], done)
-    with pytest.raises(TransportError, match="remote range") as e2:
+    with pytest.raises(TransportError) as e2:  # a remote range outside the announced region
         src_t.write(peer, [(rs.addr, rd.addr + 4000, 200)], done)
-    with pytest.raises(TransportError, match="length 0"):
+    with pytest.raises(TransportError):  # an empty write
         src_t.write(peer, [(rs.addr, rd.addr, 0)], done)
     assert e1.value.op == e2.value.op == "write"
     assert not done.done and not dst.any()
@@ -217,7 +216,7 @@ def test_sink_refuses_writes_outside_its_regions_and_touches_nothing(make_transp
     got = dict(done.wait(2))
     err = got[bad]
     assert isinstance(err, TransportError) and err.op == "write"
-    assert "outside every region" in str(err) and err.errno == errno.EFAULT
+    # (the TCP wording and errno are checked in test_transport_tcp.py)
     assert got[good] is None
     assert (kept[:100] == 0xAB).all() and not kept[100:].any() and not dropped.any()
 
@@ -306,7 +305,7 @@ def test_peer_that_disappears_mid_transfer_fails_in_flight_batches(
         assert failed, "no batch failed although the peer vanished mid-transfer"
         assert all(isinstance(e, TransportError) and e.op == "write" for e in failed)
         assert elapsed < peer_timeout + 3
-        with pytest.raises(TransportError, match="unusable"):
+        with pytest.raises(TransportError):  # the peer is dead: later writes fail at once
             src_t.write(peer, [(rs.addr, remote.addr, 1)], done)
     finally:
         if proc.is_alive():
@@ -387,3 +386,28 @@ def test_disconnect_fails_in_flight_and_later_writes(make_transport: MakeTranspo
     src_t.disconnect(peer)  # idempotent
     with pytest.raises(TransportError):
         src_t.write(peer, [(rs.addr, rd.addr, 1)], done)
+
+
+def test_callbacks_may_post_and_a_raising_callback_is_reported(make_transport: MakeTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    src_t, _dst_t, src, dst, rs, rd, peer = pair(make_transport, nbytes=64 << 10, max_inflight=2)
+    page, n = 1024, 64
+    done = threading.Event()
+    hooked: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: hooked.append(args.exc_value))
+
+    def chain(k: int) -> Any:
+        def on_done(_bid: int, err: TransportError | None) -> None:
+            assert err is None
+            if k + 1 < n:
+                src_t.write(peer, [(rs.addr + (k + 1) * page, rd.addr + (k + 1) * page, page)], chain(k + 1))
+            else:
+                done.set()
+            if k == 3:
+                raise RuntimeError("a buggy callback")
+
+        return on_done
+
+    src_t.write(peer, [(rs.addr, rd.addr, page)], chain(0))
+    assert done.wait(10)
+    assert digest(dst) == digest(src)
+    assert len(hooked) == 1 and isinstance(hooked[0], RuntimeError)
