@@ -179,6 +179,20 @@ def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: thre
                 got = 0
 
 
+def _skip(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes (already received) from ``views``, in place."""
+    i = 0
+    while n and i < len(views):
+        v = views[i]
+        if n >= len(v):
+            n -= len(v)
+            i += 1
+        else:
+            views[i] = v[n:]
+            n = 0
+    del views[:i]
+
+
 def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], bool]) -> None:
     """Send every buffer in order (gather writes, no copies). Mutates ``bufs``.
 
@@ -282,6 +296,7 @@ class TcpTransport(Transport):
         self._peer_ids = itertools.count(1)
         self._landing: Counter[int] = Counter()  # region key -> sink threads landing into it now
         self._landing_cond = threading.Condition()
+        self._deregistering = 0  # deregister() calls waiting on _landing_cond
         self._peers: dict[int, _TcpPeer] = {}
         self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}
         self._lock = threading.Lock()
@@ -312,8 +327,12 @@ class TcpTransport(Transport):
             return
         deadline = deadline or Deadline.after(self._peer_timeout)
         with self._landing_cond:
-            self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
-            busy = self._landing[region.key]
+            self._deregistering += 1
+            try:
+                self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
+            finally:
+                self._deregistering -= 1
+            busy = self._landing.pop(region.key, 0)
         self._locals.pop(region.key, None)
         if busy:
             raise TransportError(
@@ -648,9 +667,17 @@ class TcpTransport(Transport):
                         conn.sendall(b"".join(acks))
                         acks.clear()
                         acked_bytes = 0
-                if len(head) < _FRAME.size:
-                    rest = _recv_exact(conn, _FRAME.size - len(head), stop=self._stop, stall=stall, idle=None if head else _no_op)
-                    head += rest
+                if not head:
+                    try:  # the common case, one call; the helper handles ticks and short reads
+                        head = conn.recv(_FRAME.size)
+                    except _TICK:
+                        head = None
+                    if head == b"":
+                        return
+                if head is None or len(head) < _FRAME.size:
+                    head = head or b""
+                    idle = None if head else _no_op
+                    head += _recv_exact(conn, _FRAME.size - len(head), stop=self._stop, stall=stall, idle=idle)
                 seq, count, _ = _FRAME.unpack(head)
                 if count > self._max_batch_writes:
                     return  # the stream cannot be trusted past a frame this broken
@@ -675,14 +702,16 @@ class TcpTransport(Transport):
 
         Returns the ack's status, errno and message, and the payload size."""
         views: list[memoryview] = []
-        keys: set[int] = set()
+        keys: list[int] = []
         refused = ""
+        total = 0
         locals_ = self._locals
         find = self._regions.find
         last: Region | None = None
+        view = memoryview(b"")
         with self._landing_cond:
             for i, (addr, length) in enumerate(_DESC_PAIR.iter_unpack(desc)):
-                if last is None or not (last.addr <= addr and addr + length <= last.addr + last.length):
+                if last is None or not (last.addr <= addr and addr + length <= last.addr + last.length) or not length:
                     last = find(addr, length) if length else None
                     if last is None:
                         refused = (
@@ -690,9 +719,12 @@ class TcpTransport(Transport):
                             "which is outside every region registered at the sink"
                         )
                         break
-                    keys.add(last.key)
+                    if last.key not in keys:
+                        keys.append(last.key)
+                    view = locals_[last.key].view
                 off = addr - last.addr
-                views.append(locals_[last.key].view[off : off + length])
+                views.append(view[off : off + length])
+                total += length
             if not refused:
                 for k in keys:
                     self._landing[k] += 1
@@ -701,13 +733,21 @@ class TcpTransport(Transport):
             self._discard(conn, total)
             return 1, errno_mod.EFAULT, refused, total
         try:
+            got = conn.recvmsg_into(views)[0] if len(views) <= _IOV_CHUNK else 0  # the common case, one call
+            if got != total:
+                _skip(views, got)
+                _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)
+        except _TICK:
             _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)
+        except OSError as e:
+            raise _PeerGone(f"connection broke mid-batch: {e}", e.errno) from e
         finally:
             with self._landing_cond:
                 for k in keys:
                     self._landing[k] -= 1
-                self._landing_cond.notify_all()
-        return 0, 0, "", sum(len(v) for v in views)
+                if self._deregistering:
+                    self._landing_cond.notify_all()
+        return 0, 0, "", total
 
     def _discard(self, conn: socket.socket, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK) or 1))
