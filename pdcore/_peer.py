@@ -1,0 +1,301 @@
+"""What the prefill and decode peers share: resources, the worker thread, tombstones, the round.
+
+Threads of a peer (DESIGN §2):
+
+- the **scheduler thread** calls ``register``/``poll``/``abort_room``/... They
+  touch the state table and enqueue work; they never wait on the network.
+- the **worker thread** runs that work in order: bootstrap lookups, transport
+  connects, planning and posting writes, fences. Each item is bounded by a
+  deadline; an exception fails the rooms the item concerns and nothing more.
+- the control channel's **I/O thread** decodes frames and hands them to the
+  worker; the transport's threads report completions (``on_done``) that only
+  update the table and queue frames.
+
+Everything here is bounded: the work queue, the tombstones, every wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import transport as transport_mod
+from transport.plan import Layout
+
+from . import wire
+from .agreement import Agreement
+from .config import PeerConfig
+from .control import ControlChannel, DeadPeer
+from .deadline import Deadline
+from .errors import CapacityError, PdError, PeerError, StartError
+from .events import BootstrapInfo, Event
+from .table import StateTable
+
+__all__ = ["TransferPeer", "Tombstones"]
+
+log = logging.getLogger("pdcore.peer")
+
+_TICK = 0.05  # the worker's period for deadlines when idle
+
+
+class TransferPeer(Protocol):
+    """The scheduler's view of a peer (the seed's ``TransferPeer``)."""
+
+    def register(self, rid: str, bootstrap: BootstrapInfo) -> None: ...
+    def poll(self, replica: object = None) -> list[Event]: ...
+    def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None: ...
+    def has_in_flight(self) -> bool: ...
+    def abort_room(self, rid: str, room: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class Tombstones:
+    """Rooms that ended here, remembered for ``ttl`` seconds so late frames get a clear answer.
+
+    Bounded: past ``limit`` entries the oldest go first. ``now`` is an argument.
+    """
+
+    def __init__(self, ttl: float, limit: int) -> None:
+        self._ttl = ttl
+        self._limit = limit
+        self._rooms: OrderedDict[int, tuple[float, str]] = OrderedDict()
+
+    def add(self, room: int, reason: str, now: float) -> None:
+        self._rooms.pop(room, None)
+        self._rooms[room] = (now + self._ttl, reason)
+        while len(self._rooms) > self._limit:
+            self._rooms.popitem(last=False)
+
+    def get(self, room: int) -> str | None:
+        entry = self._rooms.get(room)
+        return None if entry is None else entry[1]
+
+    def pop(self, room: int) -> str | None:
+        entry = self._rooms.pop(room, None)
+        return None if entry is None else entry[1]
+
+    def expire(self, now: float) -> None:
+        while self._rooms:
+            room, (until, _) = next(iter(self._rooms.items()))
+            if until > now:
+                return
+            del self._rooms[room]
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+
+def kv_layout(regions: list[Any], config: PeerConfig) -> Layout:
+    return Layout([r.addr for r in regions], config.page_bytes_per_buffer, config.num_pages)
+
+
+def layout_json(layout: Layout) -> dict[str, Any]:
+    """What a peer needs to plan writes into our cache (and what the bootstrap server compares)."""
+    return {"bases": list(layout.bases), "page_bytes": list(layout.page_bytes), "num_pages": layout.num_pages}
+
+
+class PeerBase:
+    """Resources and threads of one rank's peer; ``PrefillPeer``/``DecodePeer`` add the protocol."""
+
+    ROLE = "peer"
+
+    def __init__(self, config: PeerConfig) -> None:
+        self._config = config
+        self.session_id = f"{self.ROLE}-{os.urandom(6).hex()}"
+        self.epoch = time.time_ns() // 1000  # a restarted rank comes back with a larger epoch
+        self._table = StateTable(
+            config.capacity, bootstrap_timeout=config.bootstrap_timeout, waiting_timeout=config.waiting_timeout
+        )
+        self._agreement = Agreement(self._table)
+        self._lock = threading.RLock()
+        self._work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(4 * config.max_pending)
+        self._stop = threading.Event()
+        self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.capacity)
+        self._owned = contextlib.ExitStack()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
+
+    # -- start and stop -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Transport, registered cache, control channel, worker thread; a half-built peer unwinds."""
+        cfg = self._config
+        options = dict(cfg.transport_options)
+        if cfg.transport == "tcp":
+            options.setdefault("host", cfg.host)
+        with contextlib.ExitStack() as stack:
+            self._transport = transport_mod.create(cfg.transport, **options)
+            stack.callback(self._transport.close)
+            regions = []
+            for i, (buf, page) in enumerate(zip(cfg.kv_buffers, cfg.page_bytes_per_buffer)):
+                region = self._transport.register(buf)
+                if region.length < page * cfg.num_pages:
+                    raise StartError(
+                        f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}"
+                    )
+                regions.append(region)
+            self._layout = kv_layout(regions, cfg)
+            self._channel = ControlChannel(
+                self._on_frame,
+                session_id=self.session_id,
+                epoch=self.epoch,
+                on_rooms_failed=self._on_rooms_failed,
+                on_peer_dead=self._on_peer_dead,
+                host=cfg.host,
+                heartbeat_interval=cfg.heartbeat_interval,
+                dead_after=cfg.dead_after,
+            )
+            self._channel.start()
+            stack.callback(self._channel.close)
+            self._thread = threading.Thread(target=self._run, name=f"pdcore-{self.ROLE}-worker", daemon=True)
+            self._thread.start()
+            stack.callback(self._join_worker)
+            self._owned = stack.pop_all()
+
+    def _join_worker(self, deadline: Deadline | None = None) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join((deadline or Deadline.after(5.0)).remaining())
+            if thread.is_alive():
+                raise PeerError(f"{self.ROLE} peer: the worker thread did not stop by the deadline")
+
+    @property
+    def port(self) -> int:
+        """The control socket's port."""
+        return int(self._channel.endpoint.rsplit(":", 1)[1])
+
+    @property
+    def control_endpoint(self) -> str:
+        return self._channel.endpoint
+
+    def close(self) -> None:
+        """Tell peers about rooms still in flight, stop every thread, free the cache registration."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._farewell()
+        except Exception:  # best effort: closing must go on
+            log.exception("%s peer: telling peers about in-flight rooms failed", self.ROLE)
+        self._owned.close()
+
+    def __enter__(self) -> PeerBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the worker ------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue work for the worker thread; never blocks. ``CapacityError`` when the queue is full."""
+        if self._stop.is_set():
+            raise PeerError(f"{self.ROLE} peer: closed")
+        try:
+            self._work.put_nowait((fn, args))
+        except queue.Full:
+            raise CapacityError(f"{self.ROLE} peer: {self._work.maxsize} work items already queued") from None
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                fn, args = self._work.get(timeout=max(0.0, next_tick - time.monotonic()))
+            except queue.Empty:
+                pass
+            else:
+                self._guarded(fn, *args)
+            now = time.monotonic()
+            if now >= next_tick:
+                self._guarded(self._tick, now)
+                next_tick = now + _TICK
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a bug of ours or an unexpected failure: logged, counted, never fatal
+            self.stats["work_errors"] += 1
+            log.exception("%s peer: work item %s failed", self.ROLE, getattr(fn, "__name__", fn))
+
+    def _tick(self, now: float) -> None:
+        with self._lock:
+            self._tombstones.expire(now)
+
+    # -- the table -------------------------------------------------------------------------
+
+    def _fire(self, rid: str, trigger: int, reason: str = "") -> int | None:
+        """Fire a trigger for ``rid`` if it is still tracked; returns the new state or None."""
+        try:
+            return int(self._table.update(rid, trigger, time.monotonic(), reason))
+        except PdError:  # the request ended meanwhile (a race with the scheduler thread)
+            return None
+
+    def _fenced(self, rid: str) -> None:
+        try:
+            self._table.fenced(rid)
+        except PdError:
+            pass
+
+    def poll(self, replica: object = None) -> list[Event]:
+        """The transfers whose state the replica agreed changed; every rank calls it in the same rounds."""
+        if self._closed:
+            raise PeerError(f"{self.ROLE} peer: closed")
+        events = self._agreement.round(time.monotonic(), replica)
+        for rid in self._table.take_fencing():
+            try:
+                self._submit(self._close_fence, rid)
+            except PdError:  # no worker to fence with: the connection goes down with it
+                self._fenced(rid)
+        return self._settle(events) if events else events
+
+    def has_in_flight(self) -> bool:
+        """A transfer is still tracked: it may yet read or write the cache."""
+        return self._table.has_in_flight()
+
+    # -- role hooks -----------------------------------------------------------------------
+
+    def _settle(self, events: list[Event]) -> list[Event]:
+        raise NotImplementedError
+
+    def _close_fence(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def _on_message(self, sender: str, msg: wire.Message) -> None:
+        raise NotImplementedError
+
+    def _peer_lost(self, dead: DeadPeer) -> None:
+        raise NotImplementedError
+
+    def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
+        raise NotImplementedError
+
+    def _farewell(self) -> None:
+        raise NotImplementedError
+
+    # -- control-channel callbacks: hand over to the worker, never block --------------------
+
+    def _on_frame(self, sender: str, msg: wire.Message) -> None:
+        try:
+            self._submit(self._on_message, sender, msg)
+        except PdError as e:
+            self._on_rooms_failed(wire.rooms_of(msg), f"{self.ROLE} peer overloaded: {e}")
+
+    def _on_rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
+        self.stats["protocol_errors"] += 1
+        with self._lock:
+            self._rooms_failed(rooms, reason)
+
+    def _on_peer_dead(self, dead: DeadPeer) -> None:
+        try:
+            self._submit(self._peer_lost, dead)
+        except PdError:
+            log.error("%s peer: could not queue the loss of %s", self.ROLE, dead.endpoint)

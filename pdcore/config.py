@@ -1,0 +1,98 @@
+"""Configuration of the transfer peers: validated when built, so a bad value fails at start.
+
+Every timeout is in seconds. Defaults follow the reference deployment's
+(bootstrap 120 s, waiting 300 s) except where its defaults hid failures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import StartError
+
+__all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """What both peers need: the KV cache memory, the replica's shape, the knobs.
+
+    ``kv_buffers`` are the cache's buffers (one per layer and K/V, say): numpy
+    arrays or contiguous CPU tensors, each holding ``num_pages`` pages of
+    ``page_bytes`` bytes (one value for all buffers, or one per buffer). They
+    are registered with the transport; the peer keeps them alive.
+    """
+
+    kv_buffers: Sequence[Any]
+    page_bytes: Sequence[int] | int
+    num_pages: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    host: str = "127.0.0.1"
+    transport: str = "tcp"
+    transport_options: Mapping[str, Any] = field(default_factory=dict)
+    capacity: int = 4096
+    bootstrap_timeout: float = 120.0
+    waiting_timeout: float = 300.0
+    heartbeat_interval: float = 1.0
+    dead_after: float = 10.0
+    fence_timeout: float = 30.0
+    tombstone_ttl: float = 60.0
+    start_timeout: float = 30.0
+    max_pending: int = 4096
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> StartError:
+            return StartError(f"{type(self).__name__}.{name}: {why}")
+
+        if not self.kv_buffers:
+            raise bad("kv_buffers", "at least one buffer is needed")
+        if self.num_pages < 1:
+            raise bad("num_pages", f"must be positive, got {self.num_pages}")
+        sizes = self.page_bytes_per_buffer
+        if len(sizes) != len(self.kv_buffers) or any(s < 1 for s in sizes):
+            raise bad("page_bytes", f"one positive size or one per buffer ({len(self.kv_buffers)}), got {self.page_bytes}")
+        if not 1 <= self.tp_size <= 1024 or not 0 <= self.tp_rank < self.tp_size:
+            raise bad("tp_rank", f"need 0 <= tp_rank < tp_size <= 1024, got {self.tp_rank}/{self.tp_size}")
+        if not 1 <= self.capacity <= 1 << 20:
+            raise bad("capacity", f"must be in 1..{1 << 20}, got {self.capacity}")
+        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "dead_after",
+                     "fence_timeout", "tombstone_ttl", "start_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise bad(name, f"must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_interval >= self.dead_after:
+            raise bad("heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
+        if self.max_pending < 1:
+            raise bad("max_pending", f"must be positive, got {self.max_pending}")
+
+    @property
+    def page_bytes_per_buffer(self) -> tuple[int, ...]:
+        if isinstance(self.page_bytes, int):
+            return (self.page_bytes,) * len(self.kv_buffers)
+        return tuple(int(b) for b in self.page_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(PeerConfig):
+    """A prefill rank: it registers with its deployment's bootstrap server."""
+
+    bootstrap_host: str
+    bootstrap_port: int
+    dp_size: int = 1
+    dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.bootstrap_port < 65536:
+            raise StartError(f"PrefillConfig.bootstrap_port: {self.bootstrap_port} is not a TCP port")
+        if not 1 <= self.dp_size <= 1024 or not 0 <= self.dp_rank < self.dp_size:
+            raise StartError(f"PrefillConfig.dp_rank: need 0 <= dp_rank < dp_size, got {self.dp_rank}/{self.dp_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(PeerConfig):
+    """A decode rank: it finds each request's prefill ranks through the request's bootstrap info."""

@@ -1,0 +1,326 @@
+"""The decode side: ``DecodePeer`` (a ``TransferPeer``) and its ``DecodeInbox``.
+
+Per request, on this rank: the scheduler registers it (BOOTSTRAPPING); the
+worker looks up the request's prefill deployment on its bootstrap server
+(cached per deployment, bounded by deadlines, retried until the bootstrap
+timeout), finds the prefill rank that pairs with this one (same TP rank, DP
+group ``room % dp_size``), sends it ``Register`` once per session, and the
+request is connected (BOOTSTRAPPED). The scheduler allocates pages and
+announces them through the inbox (WAITING_FOR_INPUT, the fence armed); the
+prefill rank's ``Status`` with the first token lands it (SUCCESS).
+
+Fence before free: a failed request whose pages were announced is reported
+``Failed`` (and its pages handed back) only after its prefill rank
+acknowledged with ``AbortAck`` that no write to the room is in flight, or the
+prefill rank is gone (its heartbeats stopped, or it did not acknowledge within
+``fence_timeout``: then it is dropped as dead).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from ._peer import PeerBase, layout_json
+from ._spec import State, Trigger
+from .bootstrap import BootstrapClient, ParallelInfo
+from .config import DecodeConfig
+from .control import DeadPeer
+from .deadline import Deadline, DeadlineExceeded
+from .errors import LocalProtocolError, PdError
+from .events import BootstrapInfo, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
+
+__all__ = ["DecodePeer", "DecodeInbox"]
+
+log = logging.getLogger("pdcore.decode")
+
+_LOOKUP_SLICE = 2.0  # seconds one bootstrap lookup may take before the worker moves on
+_RETRY = 0.1  # seconds between lookups of a deployment that is not up yet
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    room: int
+    server: tuple[str, int]
+    source: str | None = None  # the prefill rank's control endpoint
+    request_pool_index: int = -1
+    landed: wire.Status | None = None
+    retry_at: float = 0.0
+    fence_until: float | None = None
+
+
+@dataclass(eq=False)
+class _Deployment:
+    """A prefill deployment as its bootstrap server describes it."""
+
+    info: ParallelInfo | None = None
+    ranks: dict[tuple[int, int], str] | None = None
+
+
+class DecodePeer(PeerBase):
+    """A decode rank's PD transfer peer."""
+
+    ROLE = "decode"
+
+    def __init__(self, config: DecodeConfig) -> None:
+        super().__init__(config)
+        self._requests: dict[str, _Request] = {}
+        self._by_source: dict[tuple[str, int], _Request] = {}
+        self._deployments: dict[tuple[str, int], _Deployment] = {}
+        self._registered: set[str] = set()  # prefill endpoints that have our Register
+        self._waiting: dict[str, _Request] = {}  # bootstrap lookups to retry
+
+    @classmethod
+    def start(cls, config: DecodeConfig) -> tuple[DecodePeer, DecodeInbox]:
+        """Start the transport, register the cache, open the control socket and start the threads."""
+        peer = cls(config)
+        peer._start()
+        return peer, DecodeInbox(peer)
+
+    # -- the scheduler's calls ------------------------------------------------------------
+
+    def register(self, rid: str, bootstrap: BootstrapInfo) -> None:
+        """Track an admitted request; its prefill rank is looked up off the scheduler thread."""
+        with self._lock:
+            self._table.register(rid, time.monotonic())
+            request = _Request(rid, bootstrap.room, (bootstrap.host, bootstrap.port))
+            self._requests[rid] = request
+        try:
+            self._submit(self._bootstrap, request)
+        except PdError as e:
+            self._fire(rid, Trigger.FAIL, str(e))
+
+    def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
+        """Prefill role only: usage travels from prefill to decode. Here it changes nothing."""
+
+    def abort_room(self, rid: str, room: int) -> None:
+        """Fail ``rid`` now (its prefill rank is told, and the pages wait for the fence)."""
+        self._fire(rid, Trigger.ABORT, f"aborted by the decode scheduler (room {room})")
+
+    def _announce(self, rid: str, page_ids: tuple[int, ...], request_pool_index: int) -> None:
+        try:
+            self._submit(self._send_announce, rid, page_ids, request_pool_index)
+        except PdError as e:
+            self._fire(rid, Trigger.FAIL, str(e))
+
+    # -- worker: bootstrap ------------------------------------------------------------------
+
+    def _bootstrap(self, request: _Request) -> None:
+        if self._requests.get(request.rid) is not request:
+            return
+        try:
+            source = self._find_source(request)
+        except (OSError, DeadlineExceeded) as e:
+            log.debug("decode peer: bootstrap %s:%d not reachable yet: %s", *request.server, e)
+            source = None
+        except PdError as e:
+            self._fire(request.rid, Trigger.FAIL, f"bootstrap {request.server[0]}:{request.server[1]}: {e}")
+            return
+        if source is None:  # not up yet: the table's bootstrap timeout bounds the retries
+            request.retry_at = time.monotonic() + _RETRY
+            self._waiting[request.rid] = request
+            return
+        if source not in self._registered:
+            cfg = self._config
+            self._channel.send(
+                source,
+                wire.Register(
+                    session_id=self.session_id,
+                    epoch=self.epoch,
+                    endpoint=self._transport.endpoint(),
+                    regions=tuple(wire.Region(addr=r.addr, length=r.length, key=r.key) for r in self._transport.regions()),
+                    layout=layout_json(self._layout),
+                    tp_size=cfg.tp_size,
+                    tp_rank=cfg.tp_rank,
+                ),
+            )
+            self._registered.add(source)
+        with self._lock:
+            request.source = source
+            self._by_source[(source, request.room)] = request
+        self._fire(request.rid, Trigger.PEERS_CONNECTED)
+
+    def _find_source(self, request: _Request) -> str | None:
+        """The control endpoint of the prefill rank that pairs with this one for ``request``."""
+        deployment = self._deployments.setdefault(request.server, _Deployment())
+        client = BootstrapClient(*request.server)
+        if deployment.info is None or not deployment.info.complete:
+            deployment.info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
+            deployment.ranks = {}
+            if deployment.info is None or not deployment.info.complete:
+                return None
+        info = deployment.info
+        cfg = self._config
+        if info.tp_size != cfg.tp_size:
+            raise LocalProtocolError(f"prefill tp size {info.tp_size} differs from decode tp size {cfg.tp_size}")
+        if list(info.layout.get("page_bytes", [])) != list(self._layout.page_bytes):
+            raise LocalProtocolError(f"prefill page sizes {info.layout.get('page_bytes')} differ from this cache's")
+        key = (request.room % info.dp_size, cfg.tp_rank)
+        assert deployment.ranks is not None
+        if key not in deployment.ranks:
+            rank = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
+            if rank is None:
+                return None
+            deployment.ranks[key] = rank.endpoint
+        return deployment.ranks[key]
+
+    # -- worker: announcing ------------------------------------------------------------------
+
+    def _send_announce(self, rid: str, page_ids: tuple[int, ...], request_pool_index: int) -> None:
+        request = self._requests.get(rid)
+        if request is None:
+            return
+        if request.source is None:
+            self._fire(rid, Trigger.FAIL, "pages announced before the request was bootstrapped")
+            return
+        if self._fire(rid, Trigger.PAGES_ANNOUNCED) in (None, State.FAILED):
+            return  # failed meanwhile: announce nothing
+        request.request_pool_index = request_pool_index
+        try:
+            self._channel.send(
+                request.source,
+                wire.Announce(
+                    room=request.room,
+                    session_id=self.session_id,
+                    epoch=self.epoch,
+                    page_ids=page_ids,
+                    request_pool_index=request_pool_index,
+                ),
+            )
+        except PdError as e:
+            self._fire(rid, Trigger.FAIL, f"announcing the pages failed: {e}")
+
+    # -- worker: messages from prefill ranks ------------------------------------------------------
+
+    def _on_message(self, sender: str, msg: wire.Message) -> None:
+        if isinstance(msg, (wire.Status, wire.Abort, wire.AbortAck)):
+            request = self._by_source.get((sender, msg.room))
+            if request is None:
+                log.debug("decode peer: %s for unknown room %d from %s", type(msg).__name__, msg.room, sender)
+                return
+            if isinstance(msg, wire.AbortAck):
+                self._fenced(request.rid)
+            elif isinstance(msg, wire.Abort) or msg.state == State.FAILED:
+                self._fire(request.rid, Trigger.FAIL, f"prefill failed the room: {msg.reason}")
+            elif msg.state == State.SUCCESS:
+                if msg.first_token is None:
+                    self._fire(request.rid, Trigger.FAIL, "prefill reported a landing without a first token")
+                    return
+                request.landed = msg
+                self._fire(request.rid, Trigger.WRITES_LANDED)
+        else:
+            log.warning("decode peer: unexpected %s from %s", type(msg).__name__, sender)
+
+    def _close_fence(self, rid: str) -> None:
+        request = self._requests.get(rid)
+        if request is None:
+            return
+        if request.source is None:
+            self._fenced(rid)  # nothing was announced to anyone
+            return
+        request.fence_until = time.monotonic() + self._config.fence_timeout
+        try:
+            self._channel.send(request.source, wire.Abort(room=request.room, reason="failed on the decode replica"))
+        except PdError as e:
+            log.warning("decode peer: cannot ask %s to stop room %d: %s", request.source, request.room, e)
+
+    # -- failures from outside -------------------------------------------------------------------
+
+    def _peer_lost(self, dead: DeadPeer) -> None:
+        self._lose_source(dead.endpoint, f"prefill peer lost: {dead.reason}")
+
+    def _lose_source(self, endpoint: str, reason: str) -> None:
+        """The prefill rank is gone: its rooms fail, and with it gone nothing more lands (the fence)."""
+        self._registered.discard(endpoint)
+        for deployment in self._deployments.values():
+            if deployment.ranks and endpoint in deployment.ranks.values():
+                deployment.info, deployment.ranks = None, None  # look it up afresh: it may come back elsewhere
+        with self._lock:
+            bound = [r for r in self._requests.values() if r.source == endpoint]
+        for request in bound:
+            self._fire(request.rid, Trigger.FAIL, reason)
+            self._fenced(request.rid)
+
+    def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
+        wanted = set(rooms)
+        for request in list(self._requests.values()):
+            if request.room in wanted:
+                self._fire(request.rid, Trigger.FAIL, reason)
+
+    def _tick(self, now: float) -> None:
+        super()._tick(now)
+        for rid, request in list(self._waiting.items()):
+            if request.retry_at <= now:
+                del self._waiting[rid]
+                self._bootstrap(request)
+        overdue = {
+            r.source
+            for r in list(self._requests.values())
+            if r.fence_until is not None and r.fence_until <= now and r.source is not None
+        }
+        for endpoint in overdue:
+            log.warning("decode peer: %s did not acknowledge an abort in time: dropping it", endpoint)
+            self._channel.forget(endpoint)
+            self._lose_source(endpoint, "prefill rank did not acknowledge an abort in time")
+
+    def _farewell(self) -> None:
+        for request in list(self._requests.values()):
+            if request.source is not None:
+                try:
+                    self._channel.send(request.source, wire.Abort(room=request.room, reason="decode peer closed"))
+                except PdError:
+                    pass
+
+    # -- the round -----------------------------------------------------------------------------
+
+    def _settle(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, (Succeeded, Failed)):
+                with self._lock:
+                    request = self._requests.pop(event.rid)
+                    self._waiting.pop(event.rid, None)
+                    if request.source is not None:
+                        self._by_source.pop((request.source, request.room), None)
+                if isinstance(event, Succeeded):
+                    landed = request.landed
+                    assert landed is not None and landed.first_token is not None  # checked when it arrived
+                    event = RemotePrefillDone(
+                        RemotePrefill(
+                            rid=event.rid,
+                            bootstrap_token=landed.first_token,
+                            cached_tokens=landed.cached_tokens,
+                            bootstrap_logprob=landed.first_token_logprob,
+                            spec_candidate_ids=landed.spec_candidate_ids,
+                            request_pool_index=request.request_pool_index,
+                        )
+                    )
+            out.append(event)
+        return out
+
+
+class DecodeInbox:
+    """The decode scheduler's side: announce an admitted request's destination pages."""
+
+    def __init__(self, peer: DecodePeer) -> None:
+        self._peer = peer
+
+    def announce(self, rid: str, page_ids: Any, request_pool_index: int) -> None:
+        """Ask ``rid``'s prefill rank to write its KV into ``page_ids`` (prompt order). Never blocks.
+
+        The pages belong to the transfer until the request's ``RemotePrefillDone``
+        or ``Failed`` event.
+        """
+        pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        num_pages = self._peer._config.num_pages
+        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+            raise LocalProtocolError(f"announce({rid!r}): page ids must be in 0..{num_pages - 1}")
+        if request_pool_index < 0:
+            raise LocalProtocolError(f"announce({rid!r}): request_pool_index {request_pool_index} is negative")
+        self._peer._announce(rid, tuple(int(p) for p in pages), int(request_pool_index))

@@ -1,0 +1,444 @@
+"""The prefill side: ``PrefillPeer`` (a ``TransferPeer``) and its ``PrefillOutbox``.
+
+Per room, on this rank: the scheduler registers the request (BOOTSTRAPPING);
+the decode rank that pairs with this one (same TP rank, DP group ``room %
+dp_size``) sends ``Register`` once per session and ``Announce`` per room; the
+announcement connects the room (BOOTSTRAPPED). The model executor hands the
+prefilled pages to the outbox; the worker plans coalesced writes, posts them
+(TRANSFERRING, the fence armed) and, when the transport confirms every byte
+landed, sends ``Status`` with the first token to the decode rank (SUCCESS).
+
+A decode ``Abort`` fails the room and is acknowledged only once no write of
+this rank to the room is in flight (fence before free). Rooms that ended stay
+as tombstones for ``tombstone_ttl`` so late frames get a clear answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from transport.plan import Layout, PlanError, plan
+
+from . import wire
+from ._peer import PeerBase, layout_json
+from ._spec import State, Trigger
+from .bootstrap import BootstrapClient, RankRegistration
+from .config import PrefillConfig
+from .control import DeadPeer
+from .deadline import Deadline, DeadlineExceeded
+from .errors import LocalProtocolError, PdError, StartError
+from .events import BootstrapInfo, Event, Failed, Succeeded
+
+__all__ = ["PrefillPeer", "PrefillOutbox"]
+
+log = logging.getLogger("pdcore.prefill")
+
+
+@dataclass(eq=False)
+class _Room:
+    rid: str
+    room: int
+    dst: str | None = None  # the decode rank's control endpoint
+    dst_pages: tuple[int, ...] = ()
+    cached_tokens: int = 0
+    logprob: float | None = None
+    inflight: int = 0  # batches posted and not completed
+    ack_to: set[str] = field(default_factory=set)  # decode ranks owed an AbortAck once drained
+    told: bool = False  # the decode rank heard of this room's end
+
+
+@dataclass(eq=False)
+class _Sink:
+    """A decode rank that registered with us."""
+
+    session_id: str
+    epoch: int
+    layout: Layout | None
+    handle: Any | None  # transport PeerHandle
+    error: str = ""
+
+
+class PrefillPeer(PeerBase):
+    """A prefill rank's PD transfer peer."""
+
+    ROLE = "prefill"
+
+    def __init__(self, config: PrefillConfig) -> None:
+        super().__init__(config)
+        self._rooms: dict[int, _Room] = {}
+        self._by_rid: dict[str, _Room] = {}
+        self._pending: OrderedDict[int, tuple[str, wire.Announce, float]] = OrderedDict()
+        self._sinks: dict[str, _Sink] = {}
+
+    @classmethod
+    def start(cls, config: PrefillConfig) -> tuple[PrefillPeer, PrefillOutbox]:
+        """Start the transport, register the cache, open the control socket, start the threads and
+        register with the bootstrap server (retrying until ``config.start_timeout``)."""
+        peer = cls(config)
+        peer._start()
+        try:
+            peer._register_with_bootstrap(Deadline.after(config.start_timeout))
+        except BaseException:
+            peer.close()
+            raise
+        return peer, PrefillOutbox(peer)
+
+    def _register_with_bootstrap(self, deadline: Deadline) -> None:
+        cfg = self._config
+        assert isinstance(cfg, PrefillConfig)
+        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port)
+        registration = RankRegistration(
+            session_id=self.session_id,
+            epoch=self.epoch,
+            endpoint=self.control_endpoint,
+            tp_size=cfg.tp_size,
+            dp_size=cfg.dp_size,
+            tp_rank=cfg.tp_rank,
+            dp_rank=cfg.dp_rank,
+            layout={"page_bytes": list(self._layout.page_bytes), "num_pages": self._layout.num_pages},
+        )
+        last: Exception | None = None
+        while not deadline.expired():
+            try:
+                client.register(registration, Deadline.after(min(2.0, deadline.remaining())).earliest(deadline))
+                return
+            except (OSError, DeadlineExceeded) as e:  # the server may not be up yet: retry
+                last = e
+                time.sleep(min(0.1, deadline.remaining()))
+            except PdError as e:
+                raise StartError(f"prefill peer: the bootstrap server refused this rank: {e}") from e
+        raise StartError(f"prefill peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
+
+    # -- the scheduler's calls ------------------------------------------------------------
+
+    def register(self, rid: str, bootstrap: BootstrapInfo) -> None:
+        """Track an admitted request, before the scheduler can plan it."""
+        room = bootstrap.room
+        with self._lock:
+            if room in self._rooms:
+                raise LocalProtocolError(f"room {room} is already held by rid {self._rooms[room].rid!r}", rooms=(room,))
+            self._table.register(rid, time.monotonic())
+            entry = _Room(rid, room)
+            self._rooms[room] = entry
+            self._by_rid[rid] = entry
+            aborted = self._tombstones.pop(room)
+            pending = self._pending.pop(room, None)
+        if aborted is not None:
+            self._fire(rid, Trigger.ABORT, f"room {room} ended before it registered here: {aborted}")
+        elif pending is not None:
+            self._submit_or_fail(rid, self._adopt, entry, pending[0], pending[1])
+
+    def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
+        """A committed prompt's usage, sent to the decode node with the completion."""
+        if cached_tokens < 0:
+            raise LocalProtocolError(f"record_usage({rid!r}): cached_tokens {cached_tokens} is negative")
+        with self._lock:
+            entry = self._by_rid.get(rid)
+            if entry is None:
+                raise LocalProtocolError(f"rid {rid!r} is not registered")
+            entry.cached_tokens = int(cached_tokens)
+            entry.logprob = None if bootstrap_logprob is None else float(bootstrap_logprob)
+
+    def abort_room(self, rid: str, room: int) -> None:
+        """EPD: tell the decode node waiting on ``room`` that ``rid`` failed before it could register.
+
+        Best effort: a decode rank that already announced hears now; one that
+        announces later is answered from the tombstone.
+        """
+        with self._lock:
+            entry = self._rooms.get(room)
+        if entry is not None:
+            self._fire(entry.rid, Trigger.ABORT, "aborted by the prefill scheduler")
+            return
+        try:
+            self._submit(self._abort_unregistered, room, f"request {rid!r} failed before it reached prefill")
+        except PdError as e:
+            log.warning("abort_room(%r, %d) dropped: %s", rid, room, e)
+
+    def _abort_unregistered(self, room: int, reason: str) -> None:
+        with self._lock:
+            pending = self._pending.pop(room, None)
+            self._tombstones.add(room, reason, time.monotonic())
+        if pending is not None:
+            self._tell(pending[0], wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+
+    # -- the outbox's call ------------------------------------------------------------------
+
+    def _hand_over(self, rid: str, page_ids: np.ndarray, first_token: int, candidates: tuple[int, ...] | None) -> None:
+        self._submit_or_fail(rid, self._send, rid, page_ids, first_token, candidates)
+
+    def _submit_or_fail(self, rid: str, fn: Any, *args: Any) -> None:
+        try:
+            self._submit(fn, *args)
+        except PdError as e:
+            self._fire(rid, Trigger.FAIL, str(e))
+
+    # -- worker: messages from decode ranks ---------------------------------------------------
+
+    def _on_message(self, sender: str, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Register):
+            self._on_register(sender, msg)
+        elif isinstance(msg, wire.Announce):
+            self._on_announce(sender, msg)
+        elif isinstance(msg, wire.Abort):
+            self._on_abort(sender, msg)
+        else:
+            log.warning("prefill peer: unexpected %s from %s", type(msg).__name__, sender)
+
+    def _on_register(self, sender: str, msg: wire.Register) -> None:
+        cfg = self._config
+        old = self._sinks.get(sender)
+        if old is not None and (old.session_id, old.epoch) == (msg.session_id, msg.epoch):
+            return  # idempotent
+        if old is not None:
+            self._lose_sink(sender, f"decode rank {sender} re-registered (session {msg.session_id})")
+        error = ""
+        layout = None
+        if (msg.tp_size, msg.tp_rank) != (cfg.tp_size, cfg.tp_rank):
+            error = f"decode rank {msg.tp_rank}/{msg.tp_size} cannot pair with prefill rank {cfg.tp_rank}/{cfg.tp_size}"
+        else:
+            try:
+                layout = Layout(msg.layout["bases"], msg.layout["page_bytes"], msg.layout["num_pages"])
+                if layout.page_bytes != self._layout.page_bytes:
+                    error = f"decode layout {layout.page_bytes} differs from this cache's {self._layout.page_bytes}"
+            except (KeyError, TypeError, ValueError) as e:
+                error = f"decode layout is malformed: {e}"
+        handle = None
+        if not error:
+            try:
+                handle = self._transport.connect(msg.endpoint, deadline=Deadline.after(cfg.start_timeout))
+            except PdError as e:
+                error = f"cannot connect the transport to {sender}: {e}"
+        if error:
+            log.warning("prefill peer: %s", error)
+        self._sinks[sender] = _Sink(msg.session_id, msg.epoch, layout, handle, error)
+
+    def _on_announce(self, sender: str, msg: wire.Announce) -> None:
+        room = msg.room
+        with self._lock:
+            entry = self._rooms.get(room)
+            ended = None if entry is not None else self._tombstones.get(room)
+            if entry is None and ended is None:
+                if len(self._pending) >= self._config.max_pending:
+                    ended = f"prefill rank has {len(self._pending)} announcements waiting already"
+                else:
+                    self._pending[room] = (sender, msg, time.monotonic() + self._config.bootstrap_timeout)
+                    return
+        if entry is None:
+            self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=ended or ""))
+            return
+        self._adopt(entry, sender, msg)
+
+    def _adopt(self, entry: _Room, sender: str, msg: wire.Announce) -> None:
+        sink = self._sinks.get(sender)
+        with self._lock:
+            if entry.dst is not None:
+                reason = f"room {entry.room} was announced twice ({entry.dst} and {sender})"
+            elif sink is None or sink.error:
+                reason = sink.error if sink else f"decode rank {sender} announced before registering"
+            else:
+                entry.dst = sender
+                entry.dst_pages = msg.page_ids
+                reason = ""
+        if reason:
+            self._tell(sender, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+            self._fire(entry.rid, Trigger.FAIL, reason)
+            return
+        self._fire(entry.rid, Trigger.PEERS_CONNECTED)
+
+    def _on_abort(self, sender: str, msg: wire.Abort) -> None:
+        with self._lock:
+            entry = self._rooms.get(msg.room)
+            if entry is None:  # nothing of ours is in flight to it: acknowledge now
+                self._pending.pop(msg.room, None)
+                self._tombstones.add(msg.room, f"aborted by decode: {msg.reason}", time.monotonic())
+            else:
+                entry.ack_to.add(sender)
+                entry.told = True
+        if entry is None:
+            self._tell(sender, wire.AbortAck(room=msg.room, rank=self._config.tp_rank))
+            return
+        self._fire(entry.rid, Trigger.ABORT, f"aborted by decode: {msg.reason}")
+        self._drained(entry)
+
+    # -- worker: sending --------------------------------------------------------------------
+
+    def _send(self, rid: str, page_ids: np.ndarray, first_token: int, candidates: tuple[int, ...] | None) -> None:
+        with self._lock:
+            entry = self._by_rid.get(rid)
+        if entry is None:
+            return  # the request ended meanwhile
+        sink = self._sinks.get(entry.dst) if entry.dst else None
+        if sink is None or sink.handle is None:
+            self._fail(entry, "pages handed over before a decode rank announced the room")
+            return
+        dst = np.asarray(entry.dst_pages, dtype=np.int64)
+        if len(page_ids) < len(dst):
+            self._fail(entry, f"decode announced {len(dst)} pages, prefill handed over only {len(page_ids)}")
+            return
+        try:  # decode may hold a prefix already: write the tail
+            batch = plan(self._layout, sink.layout, page_ids[len(page_ids) - len(dst) :], dst)
+        except PlanError as e:
+            self._fail(entry, f"cannot plan the transfer: {e}")
+            return
+        if self._fire(rid, Trigger.WRITES_POSTED) in (None, State.FAILED):
+            return  # failed meanwhile: post nothing
+        with self._lock:
+            entry.inflight += 1
+        done = functools.partial(self._landed, entry, first_token, candidates)
+        try:
+            self._transport.write(sink.handle, batch, done, deadline=Deadline.after(self._config.fence_timeout))
+        except PdError as e:
+            with self._lock:
+                entry.inflight -= 1
+            self._fail(entry, f"posting the writes failed: {e}")
+            self._drained(entry)
+
+    def _landed(self, entry: _Room, first_token: int, candidates: tuple[int, ...] | None, _batch: int, error: Any) -> None:
+        """Transport thread: the batch completed. Only table updates and queued frames here."""
+        with self._lock:
+            entry.inflight -= 1
+        if error is not None:
+            self._fail(entry, f"transfer failed: {error}")
+        elif entry.dst is not None:
+            self._tell(
+                entry.dst,
+                wire.Status(
+                    room=entry.room,
+                    state=State.SUCCESS,
+                    rank=self._config.tp_rank,
+                    first_token=first_token,
+                    cached_tokens=entry.cached_tokens,
+                    first_token_logprob=entry.logprob,
+                    spec_candidate_ids=candidates,
+                ),
+            )
+            self._fire(entry.rid, Trigger.WRITES_LANDED)
+        self._drained(entry)
+
+    def _fail(self, entry: _Room, reason: str) -> None:
+        """Fail the room here and tell its decode rank at once."""
+        self._fire(entry.rid, Trigger.FAIL, reason)
+        self._notify_failed(entry, reason)
+
+    def _notify_failed(self, entry: _Room, reason: str) -> None:
+        with self._lock:
+            dst, already = entry.dst, entry.told
+            entry.told = True
+        if dst is not None and not already:
+            self._tell(dst, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+
+    def _drained(self, entry: _Room) -> None:
+        """If the room failed and nothing of it is in flight: close the fence, acknowledge aborts."""
+        with self._lock:
+            if entry.inflight or self._by_rid.get(entry.rid) is not entry:
+                return
+            acks, entry.ack_to = entry.ack_to, set()
+        try:
+            if self._table.state(entry.rid) != State.FAILED:
+                return
+        except PdError:
+            return
+        self._fenced(entry.rid)
+        for endpoint in acks:
+            self._tell(endpoint, wire.AbortAck(room=entry.room, rank=self._config.tp_rank))
+
+    def _close_fence(self, rid: str) -> None:
+        with self._lock:
+            entry = self._by_rid.get(rid)
+        if entry is not None:
+            self._notify_failed(entry, "failed on the prefill replica")
+            self._drained(entry)
+
+    def _tell(self, endpoint: str, msg: wire.Message) -> None:
+        try:
+            self._channel.send(endpoint, msg)
+        except PdError as e:
+            log.warning("prefill peer: cannot tell %s about room %s: %s", endpoint, wire.rooms_of(msg), e)
+
+    # -- failures from outside -----------------------------------------------------------
+
+    def _peer_lost(self, dead: DeadPeer) -> None:
+        self._lose_sink(dead.endpoint, f"decode peer lost: {dead.reason}")
+
+    def _lose_sink(self, endpoint: str, reason: str) -> None:
+        sink = self._sinks.pop(endpoint, None)
+        with self._lock:
+            bound = [e for e in self._rooms.values() if e.dst == endpoint]
+            for room in [r for r, (s, _, _) in self._pending.items() if s == endpoint]:
+                del self._pending[room]
+        for entry in bound:
+            entry.told = True  # nobody to tell
+            self._fire(entry.rid, Trigger.FAIL, reason)
+        if sink is not None and sink.handle is not None:
+            self._transport.disconnect(sink.handle)  # fails what is in flight, promptly
+        for entry in bound:
+            self._drained(entry)
+
+    def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
+        for room in rooms:
+            entry = self._rooms.get(room)
+            if entry is not None:
+                self._fire(entry.rid, Trigger.FAIL, reason)
+
+    def _tick(self, now: float) -> None:
+        super()._tick(now)
+        with self._lock:
+            expired = []
+            while self._pending:
+                room, (sender, _, until) = next(iter(self._pending.items()))
+                if until > now:
+                    break
+                del self._pending[room]
+                expired.append((room, sender))
+        for room, sender in expired:
+            reason = f"prefill never registered room {room} within {self._config.bootstrap_timeout:g} s"
+            self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+
+    def _farewell(self) -> None:
+        with self._lock:
+            live = list(self._rooms.values())
+        for entry in live:
+            self._notify_failed(entry, "prefill peer closed")
+
+    # -- the round ---------------------------------------------------------------------------
+
+    def _settle(self, events: list[Event]) -> list[Event]:
+        now = time.monotonic()
+        for event in events:
+            if isinstance(event, (Succeeded, Failed)):
+                with self._lock:
+                    entry = self._by_rid.pop(event.rid)
+                    del self._rooms[entry.room]
+                    if isinstance(event, Failed):  # late frames for it get a clear answer
+                        self._tombstones.add(entry.room, event.reason, now)
+                if isinstance(event, Failed):
+                    self._notify_failed(entry, event.reason)
+        return events
+
+
+class PrefillOutbox:
+    """The model executor's side of a prefill peer: hand over a request's prefilled pages."""
+
+    def __init__(self, peer: PrefillPeer) -> None:
+        self._peer = peer
+
+    def send(
+        self, rid: str, page_ids: Any, first_token: int, spec_candidate_ids: Any = None
+    ) -> None:
+        """Write ``rid``'s KV ``page_ids`` (in prompt order) to its decode rank, then send the first token.
+
+        Never blocks; the pages must stay unchanged until the request's
+        ``Succeeded`` or ``Failed`` event.
+        """
+        pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        if first_token < 0:
+            raise LocalProtocolError(f"send({rid!r}): first_token {first_token} is negative")
+        candidates = None if spec_candidate_ids is None else tuple(int(c) for c in spec_candidate_ids)
+        self._peer._hand_over(rid, pages, int(first_token), candidates)
