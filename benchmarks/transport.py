@@ -25,7 +25,7 @@ comes from ``benchmarks/_ib_write_bw.py: measure(device, size, iters)``
 (imported only then; ``--option device=NAME`` names the device).
 
 Units: ``gbps`` and ``floor_gbps`` are gigabits per second (1e9 bit/s).
-Each figure is the median of 3 timed runs (1 for rows over 512 MiB); the runs
+Each figure is the median of 5 timed runs (1 for rows over 512 MiB); the runs
 of one row alternate between the transport, the floor and Mooncake so that
 load from elsewhere on a shared machine hits them alike. ``--quick`` keeps
 the whole run under 45 s.
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     page_sizes = [4 * KiB, 64 * KiB, 1 * MiB]
     batch_pages = [1, 16, 1024] if quick else [1, 4, 16, 64, 256, 1024]
     row_bytes = 48 * MiB if quick else 256 * MiB
-    repeats = 3
+    repeats = 5
     started = time.monotonic()
     rng = np.random.default_rng(1)
     b = Bench(args)
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "transport": args.transport,
         "plan_implementation": plan_mod.IMPLEMENTATION,
-        "units": "gbps and floor_gbps are 1e9 bit/s; each the median of up to 3 timed runs, interleaved",
+        "units": "gbps and floor_gbps are 1e9 bit/s; each the median of up to 5 timed runs, interleaved",
         "floor": "plain blocking sockets, one sendall/recv_into per write, same writes, between two processes",
         "median_ratio_pages_ge_64KiB": statistics.median(big) if big else None,
         "min_ratio_pages_ge_64KiB": min(big) if big else None,
