@@ -152,3 +152,14 @@ def test_the_chooser(env: dict[str, str], code: str, expect: str) -> None:
     full_env = {k: v for k, v in os.environ.items() if k != "PDCORE_PURE_PYTHON"} | env
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == expect
+
+
+def test_stub_matches_the_twin() -> None:
+    """``_plan.pyi`` declares the pure twin's public functions with the same parameters."""
+    import ast
+    from pathlib import Path
+
+    stub = ast.parse((Path(_plan_py.__file__).parent / "_plan.pyi").read_text())
+    declared = {n.name: [a.arg for a in n.args.args] for n in stub.body if isinstance(n, ast.FunctionDef)}
+    for name in ("count_runs", "plan", "naive_plan"):
+        assert declared[name] == list(inspect.signature(getattr(_plan_py, name)).parameters), name
