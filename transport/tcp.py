@@ -201,7 +201,7 @@ def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], 
     i, n = 0, len(bufs)
     while i < n:
         try:
-            sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK])
+            sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], socket.MSG_NOSIGNAL)
         except _TICK:
             sent = 0
         if not on_progress(sent):
@@ -486,7 +486,7 @@ class TcpTransport(Transport):
         i, n = 0, len(bufs)
         try:
             while i < n:
-                sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], socket.MSG_DONTWAIT)
+                sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
                 p.last_progress = time.monotonic()
                 while sent:
                     v = bufs[i]
