@@ -664,7 +664,7 @@ class TcpTransport(Transport):
                         if not head:
                             return
                     if not head:
-                        conn.sendall(b"".join(acks))
+                        conn.sendall(b"".join(acks), socket.MSG_NOSIGNAL)
                         acks.clear()
                         acked_bytes = 0
                 if not head:
@@ -687,7 +687,7 @@ class TcpTransport(Transport):
                 acks.append(_ACK.pack(seq, status, err, len(body)) + body)
                 acked_bytes += nbytes
                 if len(acks) >= _ACK_GATHER or acked_bytes >= _ACK_GATHER_BYTES:
-                    conn.sendall(b"".join(acks))
+                    conn.sendall(b"".join(acks), socket.MSG_NOSIGNAL)
                     acks.clear()
                     acked_bytes = 0
         except (_PeerGone, OSError):
