@@ -73,6 +73,9 @@ class Plan:
     #: fill and check page contents (off for throughput benchmarks: then only the transfer is timed)
     verify: bool = True
     tombstone_ttl: float = 60.0
+    #: each rank's result gets "pages": rid -> its page ids (prefill: source pages in hand-over order,
+    #: decode: destination pages in announce order), so benchmarks can replay the same writes
+    record_pages: bool = False
 
 
 def make_requests(n: int, *, seed: int = 0, max_pages: int = 16, prefill: int = 1, decode: int = 1) -> list[Request]:
@@ -161,6 +164,7 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
     aborts = plan.prefill_abort.get(index, set())
     pages = Pages(plan.num_pages)
     held: dict[str, list[int]] = {}
+    sent: dict[str, list[int]] = {}  # plan.record_pages
     log: list[tuple[str, str, float]] = []
     waiting: deque[Request] = deque()
     deadline = time.monotonic() + plan.timeout
@@ -187,6 +191,8 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
                     break
                 waiting.popleft()
                 held[r.rid] = got
+                if plan.record_pages:
+                    sent[r.rid] = got
                 if plan.verify:
                     data = pattern(r.rid, rank, r.pages * plan.page_bytes)
                     for layer, buf in enumerate(cache):
@@ -195,7 +201,7 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
                 peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
                 outbox.send(r.rid, got, first_token(r.rid), [first_token(r.rid) % 97])
             time.sleep(0.001)  # a real scheduler runs a forward pass here
-        out.put(("done", "prefill", index, rank, {"log": log, **_leftovers(peer)}))
+        out.put(("done", "prefill", index, rank, {"log": log, "pages": sent, **_leftovers(peer)}))
     finally:
         peer.close()
 
@@ -215,6 +221,7 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
     started: dict[str, float] = {}
     log: list[tuple[str, str, float]] = []
     results: dict[str, Any] = {"ok": 0, "failed": 0, "bytes": 0, "mismatched": [], "latency": [], "tokens_bad": []}
+    results["pages"] = {}  # plan.record_pages
     admit = deque(mine)
     blocked: deque[Request] = deque()
     live = 0
@@ -254,6 +261,8 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                     break
                 blocked.popleft()
                 held[r.rid] = got
+                if plan.record_pages:
+                    results["pages"][r.rid] = got
                 if r.rid not in stall:
                     inbox.announce(r.rid, got, request_pool_index=len(r.rid))
             now = time.monotonic()
