@@ -1,0 +1,48 @@
+# The two commands of the README, and what they need. Everything installs into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pdcore-installed
+
+.PHONY: demo test test-pure fuzz rdma bench bench-quick clean
+
+# torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
+$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx transport/*.pyx)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,fuzz]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m pdcore demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-pure
+
+# The same behaviour with every compiled module swapped for its pure-Python twin.
+test-pure: $(STAMP)
+	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport
+	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
+
+fuzz: $(STAMP)
+	bash fuzz/run.sh 20
+
+# Real RDMA: soft-RoCE in a qemu guest (ci/rxe-vm.sh); see README "RDMA".
+rdma: $(STAMP)
+	bash ci/link-pyverbs.sh $(VENV)
+	bash ci/rxe-vm.sh bash ci/rdma-tests.sh
+
+bench-quick: $(STAMP)
+	$(PY) benchmarks/agreement.py --quick
+	$(PY) benchmarks/transport.py --quick
+	$(PY) benchmarks/pd.py --quick
+
+bench: $(STAMP)
+	$(PY) benchmarks/agreement.py
+	$(PY) benchmarks/transport.py
+	$(PY) benchmarks/pd.py
+
+clean:
+	rm -rf build $(VENV) pdcore/*.c pdcore/*.so transport/*.c transport/*.so
