@@ -66,10 +66,21 @@ class Plan:
     fence_timeout: float = 10.0
     #: replicas to kill: (role, index) -> kill once that many requests are done overall
     kill: dict[tuple[str, int], int] = field(default_factory=dict)
-    #: prefill replica index -> rids it aborts (abort_room) instead of serving
+    #: prefill replica index -> rids it aborts (abort_room) instead of registering them
     prefill_abort: dict[int, set[str]] = field(default_factory=dict)
-    #: decode replica index -> rids it never announces (so they time out waiting)
+    #: prefill replica index -> rids it registers and aborts (abort_room) once they are Bootstrapped
+    #: (the decode rank announced its pages) instead of sending them
+    prefill_abort_bootstrapped: dict[int, set[str]] = field(default_factory=dict)
+    #: decode replica index -> rids whose KV never comes: decode announces the pages, prefill holds the
+    #: request and never sends, so decode's waiting timer (``waiting_timeout``) fails it and decode's abort
+    #: fails it on prefill. (Not announcing would time nothing out: Bootstrapped carries no timer.)
     decode_stall: dict[int, set[str]] = field(default_factory=dict)
+    #: seconds of "forward pass" per request on a prefill rank: it hands over at most one request per
+    #: step (0: as fast as pages allow), so a run can be caught mid-transfer
+    prefill_step: float = 0.0
+    #: each rank waits (bounded by tombstone_ttl + 2 s) for its tombstones to expire before it reports
+    #: its leftovers, so a short ``tombstone_ttl`` shows whether anything outlives its TTL
+    await_tombstones: bool = False
     #: fill and check page contents (off for throughput benchmarks: then only the transfer is timed)
     verify: bool = True
     tombstone_ttl: float = 60.0
@@ -144,9 +155,24 @@ def _knobs(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _leftovers(peer: Any) -> dict[str, Any]:
-    """What a peer still holds at the end of a run: all of it should be empty or expiring."""
-    return {"in_flight": peer.has_in_flight(), "tracked": len(peer._table), "tombstones": len(peer._tombstones)}
+def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
+    """What a peer still holds at the end of a run: all of it should be empty or expiring.
+
+    ``maps`` counts the role's bookkeeping (rooms, pending announcements, requests, lookups to
+    retry); with ``plan.await_tombstones`` the rank first waits for its tombstones' TTL to pass
+    (no collective meanwhile: every rank of the replica left its loop in the same round).
+    """
+    if plan.await_tombstones:
+        until = time.monotonic() + plan.tombstone_ttl + 2.0
+        while len(peer._tombstones) and time.monotonic() < until:
+            time.sleep(0.05)  # the worker expires tombstones on its own tick
+    names = ("_rooms", "_by_rid", "_pending", "_requests", "_by_source", "_waiting")
+    return {
+        "in_flight": peer.has_in_flight(),
+        "tracked": len(peer._table),
+        "tombstones": len(peer._tombstones),
+        "maps": {name[1:]: len(getattr(peer, name)) for name in names if hasattr(peer, name)},
+    }
 
 
 def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out: Any) -> None:
@@ -162,12 +188,15 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
     mine = [r for r in plan.requests if r.prefill == index]
     by_rid = {r.rid: r for r in mine}
     aborts = plan.prefill_abort.get(index, set())
+    late_aborts = plan.prefill_abort_bootstrapped.get(index, set())
+    stalled = {rid for rids in plan.decode_stall.values() for rid in rids}
     pages = Pages(plan.num_pages)
     held: dict[str, list[int]] = {}
     sent: dict[str, list[int]] = {}  # plan.record_pages
     log: list[tuple[str, str, float]] = []
     waiting: deque[Request] = deque()
     deadline = time.monotonic() + plan.timeout
+    next_step = 0.0
     try:
         for r in mine:
             if r.rid in aborts:
@@ -180,17 +209,23 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
             for event in peer.poll(group):
                 log.append((type(event).__name__, event.rid, time.time()))
                 if isinstance(event, Bootstrapped):
-                    waiting.append(by_rid[event.rid])
+                    if event.rid in late_aborts:
+                        peer.abort_room(event.rid, by_rid[event.rid].room)
+                        log.append(("Aborted", event.rid, time.time()))
+                    elif event.rid not in stalled:  # a stalled request is held until decode gives up
+                        waiting.append(by_rid[event.rid])
                 else:
                     pages.give(held.pop(event.rid, []))
                     done += 1
-            while waiting:  # "compute" the prefill when pages are free
+            while waiting and time.monotonic() >= next_step:  # "compute" the prefill when pages are free
                 r = waiting[0]
                 got = pages.take(r.pages)
                 if got is None:
                     break
                 waiting.popleft()
                 held[r.rid] = got
+                if plan.prefill_step:
+                    next_step = time.monotonic() + plan.prefill_step
                 if plan.record_pages:
                     sent[r.rid] = got
                 if plan.verify:
@@ -201,7 +236,7 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
                 peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
                 outbox.send(r.rid, got, first_token(r.rid), [first_token(r.rid) % 97])
             time.sleep(0.001)  # a real scheduler runs a forward pass here
-        out.put(("done", "prefill", index, rank, {"log": log, "pages": sent, **_leftovers(peer)}))
+        out.put(("done", "prefill", index, rank, {"log": log, "pages": sent, **_leftovers(peer, plan)}))
     finally:
         peer.close()
 
@@ -215,7 +250,6 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
     out.put(("ready", "decode", index, rank, os.getpid()))
     mine = [r for r in plan.requests if r.decode == index]
     by_rid = {r.rid: r for r in mine}
-    stall = plan.decode_stall.get(index, set())
     pages = Pages(plan.num_pages)
     held: dict[str, list[int]] = {}
     started: dict[str, float] = {}
@@ -263,14 +297,13 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                 held[r.rid] = got
                 if plan.record_pages:
                     results["pages"][r.rid] = got
-                if r.rid not in stall:
-                    inbox.announce(r.rid, got, request_pool_index=len(r.rid))
+                inbox.announce(r.rid, got, request_pool_index=len(r.rid))
             now = time.monotonic()
             if rank == 0 and now - last_report > 0.25:
                 out.put(("progress", "decode", index, rank, (results["ok"], results["failed"])))
                 last_report = now
             time.sleep(0.001)
-        results.update(log=log, unfinished=len(admit) + live, **_leftovers(peer))
+        results.update(log=log, unfinished=len(admit) + live, **_leftovers(peer, plan))
         out.put(("done", "decode", index, rank, results))
     finally:
         peer.close()
@@ -319,11 +352,27 @@ def _logs_agree(ranks: dict[tuple[int, int], dict[str, Any]]) -> bool:
     return all(all(log == logs[0] for log in logs) for logs in by_replica.values())
 
 
+def _context() -> Any:
+    """Where ranks start: a fork server that imported pdcore (and so torch) once.
+
+    A spawned rank re-imports torch, a second or more of CPU each, which dominates a run of a few
+    hundred requests on a small machine; a fork of the server costs milliseconds. The server is a
+    fresh single-threaded process (not a fork of this one, whose threads a fork would not carry),
+    so forking it is safe. Spawn where there is no fork server.
+    """
+    try:
+        ctx = mp.get_context("forkserver")
+    except ValueError:
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(["pdcore.demo"])
+    return ctx
+
+
 def run(plan: Plan, *, progress: Any = None) -> Outcome:
     """Run the plan; every wait is bounded by ``plan.timeout`` (plus start-up)."""
     from .bootstrap import BootstrapServer
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     servers = [BootstrapServer() for _ in plan.prefill_tp]
     ports = [s.start() for s in servers]
