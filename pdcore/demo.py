@@ -162,6 +162,7 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
     retry); with ``plan.await_tombstones`` the rank first waits for its tombstones' TTL to pass
     (no collective meanwhile: every rank of the replica left its loop in the same round).
     """
+    at_end = len(peer._tombstones)
     if plan.await_tombstones:
         until = time.monotonic() + plan.tombstone_ttl + 2.0
         while len(peer._tombstones) and time.monotonic() < until:
@@ -170,6 +171,7 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
     return {
         "in_flight": peer.has_in_flight(),
         "tracked": len(peer._table),
+        "tombstones_at_end": at_end,
         "tombstones": len(peer._tombstones),
         "maps": {name[1:]: len(getattr(peer, name)) for name in names if hasattr(peer, name)},
     }
@@ -195,6 +197,7 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
     sent: dict[str, list[int]] = {}  # plan.record_pages
     log: list[tuple[str, str, float]] = []
     waiting: deque[Request] = deque()
+    ended: set[str] = set()
     deadline = time.monotonic() + plan.timeout
     next_step = 0.0
     try:
@@ -216,9 +219,13 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
                         waiting.append(by_rid[event.rid])
                 else:
                     pages.give(held.pop(event.rid, []))
+                    ended.add(event.rid)  # it may still wait for compute: a scheduler drops it
                     done += 1
             while waiting and time.monotonic() >= next_step:  # "compute" the prefill when pages are free
                 r = waiting[0]
+                if r.rid in ended:
+                    waiting.popleft()
+                    continue
                 got = pages.take(r.pages)
                 if got is None:
                     break
@@ -258,6 +265,7 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
     results["pages"] = {}  # plan.record_pages
     admit = deque(mine)
     blocked: deque[Request] = deque()
+    ended: set[str] = set()
     live = 0
     deadline = time.monotonic() + plan.timeout
     last_report = 0.0
@@ -274,6 +282,7 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                     blocked.append(by_rid[event.rid])
                     continue
                 live -= 1
+                ended.add(event.rid)  # it may still wait for pages: a scheduler drops it
                 got = held.pop(event.rid, [])
                 if isinstance(event, RemotePrefillDone):
                     results["latency"].append(time.monotonic() - started[event.rid])
@@ -290,6 +299,9 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                 pages.give(got)
             while blocked:
                 r = blocked[0]
+                if r.rid in ended:
+                    blocked.popleft()
+                    continue
                 got = pages.take(r.pages)
                 if got is None:
                     break
