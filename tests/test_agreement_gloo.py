@@ -14,6 +14,14 @@ pytestmark = pytest.mark.slow
 TWINS = ["pdcore._table", "pdcore._table_py"]
 
 
+def _progress_both(rank: int, world: int) -> dict:
+    return {module: _progress(rank, world, module) for module in TWINS}
+
+
+def _mismatch_both(rank: int, world: int) -> dict:
+    return {module: _mismatch(rank, world, module) for module in TWINS}
+
+
 def _progress(rank: int, world: int, module: str) -> list:
     """Every rank registers the same 8 rids; rank k advances them on its own schedule."""
     import torch.distributed as dist
@@ -42,10 +50,17 @@ def _progress(rank: int, world: int, module: str) -> list:
     return rounds
 
 
+@pytest.fixture(scope="module", params=[2, 4])
+def progress_runs(request: pytest.FixtureRequest) -> tuple[int, dict]:
+    """Both twins in one process group per world size (one spawn, two checks)."""
+    per_rank = run_replica(_progress_both, request.param)
+    return request.param, {m: [r[m] for r in per_rank] for m in TWINS}
+
+
 @pytest.mark.parametrize("module", TWINS)
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_rank_gets_the_same_events(world: int, module: str) -> None:
-    per_rank = run_replica(_progress, world, module)
+def test_every_rank_gets_the_same_events(progress_runs: tuple[int, dict], module: str) -> None:
+    world, runs = progress_runs
+    per_rank = runs[module]
     names = [[[(kind, rid) for kind, rid, _ in rnd] for rnd in rounds] for rounds in per_rank]
     assert all(n == names[0] for n in names), "ranks disagree"
     flat = [e for rnd in names[0] for e in rnd]
@@ -91,10 +106,15 @@ def _mismatch(rank: int, world: int, module: str) -> dict:
     return {"first": first, "error": None}
 
 
+@pytest.fixture(scope="module", params=[2, 4])
+def mismatch_runs(request: pytest.FixtureRequest) -> dict:
+    per_rank = run_replica(_mismatch_both, request.param, timeout=90.0)
+    return {m: [r[m] for r in per_rank] for m in TWINS}
+
+
 @pytest.mark.parametrize("module", TWINS)
-@pytest.mark.parametrize("world", [2, 4])
-def test_mismatched_registration_raises_on_every_rank_in_one_round(world: int, module: str) -> None:
-    per_rank = run_replica(_mismatch, world, module, timeout=90.0)
+def test_mismatched_registration_raises_on_every_rank_in_one_round(mismatch_runs: dict, module: str) -> None:
+    per_rank = mismatch_runs[module]
     assert all(r["first"] == [] for r in per_rank)
     for rank, r in enumerate(per_rank):
         assert r["error"] is not None, f"rank {rank} did not notice the mismatch"
