@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure fuzz rdma bench bench-quick clean
+.PHONY: demo test test-pure fuzz rdma mooncake bench bench-quick clean
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 $(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx transport/*.pyx)
@@ -34,12 +34,16 @@ rdma: $(STAMP)
 	bash ci/link-pyverbs.sh $(VENV)
 	bash ci/rxe-vm.sh bash ci/rdma-tests.sh
 
-bench-quick: $(STAMP)
+# Mooncake's TCP transport runs beside ours in benchmarks/transport.py when it installs.
+mooncake: $(STAMP)
+	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda || echo "mooncake did not install: its rows are left out"
+
+bench-quick: $(STAMP) mooncake
 	$(PY) benchmarks/agreement.py --quick
 	$(PY) benchmarks/transport.py --quick
 	$(PY) benchmarks/pd.py --quick
 
-bench: $(STAMP)
+bench: $(STAMP) mooncake
 	$(PY) benchmarks/agreement.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/pd.py

@@ -46,7 +46,10 @@ from typing import Any
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# This file is named transport.py: its own folder must not shadow the transport package.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
