@@ -71,3 +71,17 @@ def test_events_cover_skipped_states_in_order() -> None:
     assert events_for(code(State.BOOTSTRAPPING), _spec.CODE_FAILING) == ()  # not settled: no event yet
     assert events_for(_spec.CODE_FAILING, _spec.CODE_FAILED) == (EventKind.FAILED,)
     assert events_for(code(State.WAITING_FOR_INPUT), _spec.CODE_FAILED) == (EventKind.FAILED,)
+
+
+def test_twins_and_stub_expose_the_same_api() -> None:
+    import ast
+    import pathlib
+
+    from pdcore import _table, _table_py
+
+    public = lambda cls: {n for n in dir(cls) if not n.startswith("_")} | ({"__len__", "__contains__"} & set(dir(cls)))  # noqa: E731
+    assert public(_table.StateTable) == public(_table_py.StateTable)
+    stub = ast.parse(pathlib.Path(_table.__file__).with_name("_table.pyi").read_text())
+    (cls,) = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "StateTable"]
+    stubbed = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
+    assert stubbed == public(_table_py.StateTable)
