@@ -61,6 +61,7 @@ class _Deployment:
 
     info: ParallelInfo | None = None
     ranks: dict[tuple[int, int], str] | None = None
+    next_try: float = 0.0  # one lookup per _RETRY while it is down, however many requests wait
 
 
 class DecodePeer(PeerBase):
@@ -151,6 +152,10 @@ class DecodePeer(PeerBase):
         deployment = self._deployments.setdefault(request.server, _Deployment())
         client = BootstrapClient(*request.server)
         if deployment.info is None or not deployment.info.complete:
+            now = time.monotonic()
+            if now < deployment.next_try:
+                return None
+            deployment.next_try = now + _RETRY
             deployment.info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
             deployment.ranks = {}
             if deployment.info is None or not deployment.info.complete:
