@@ -24,6 +24,9 @@
 #   RXE_VM_SMP      guest vCPUs (default: nproc)
 #   RXE_VM_ACCEL    tcg (default) or kvm. KVM hangs after SeaBIOS on this machine type
 #                   (PVM flavour of /dev/kvm), so it is opt-in.
+#   RXE_VM_WORK_CACHE  9p cache mode of the shared current directory: loose (default; 4-10x
+#                   faster imports than mmap, safe because the host does not touch the directory
+#                   while the guest runs, and the guest syncs before power-off) or mmap
 #   RXE_VM_KERNEL   a linux-image-*-amd64 ABI such as 6.1.0-57-amd64 (default: the
 #                   cached one, else what linux-image-amd64 depends on now). Never a
 #                   -cloud- kernel: it has no RDMA_RXE and no NET_9P.
@@ -45,6 +48,7 @@ cache=${RXE_VM_CACHE:-/var/cache/pdcore-rxe-vm}
 mem=${RXE_VM_MEM:-4096}
 smp=${RXE_VM_SMP:-$(nproc)}
 accel=${RXE_VM_ACCEL:-tcg}
+workcache=${RXE_VM_WORK_CACHE:-loose}
 [[ $timeout_s =~ ^[0-9]+$ && $mem =~ ^[0-9]+$ && $smp =~ ^[0-9]+$ ]] || die "RXE_VM_TIMEOUT, RXE_VM_MEM and RXE_VM_SMP must be integers"
 t0=$SECONDS
 
@@ -168,7 +172,7 @@ kver=$(uname -r)
 mkdir -p /newroot/lib/modules/$kver
 mount -o bind /newroot$moddir /newroot/lib/modules/$kver
 mkdir -p /newroot$workdir
-mount -t 9p -o trans=virtio,version=9p2000.L,cache=mmap,msize=512000 work /newroot$workdir || { say "cannot mount the work dir"; finish; }
+mount -t 9p -o trans=virtio,version=9p2000.L,cache=$workcache,msize=512000 work /newroot$workdir || { say "cannot mount the work dir"; finish; }
 printf '#!/bin/sh\nexec /bin/chroot /newroot /sbin/modprobe "$@"\n' > /bin/modprobe-chroot
 chmod +x /bin/modprobe-chroot
 echo /bin/modprobe-chroot > /proc/sys/kernel/modprobe
@@ -224,7 +228,7 @@ trap 'log "interrupted"; exit 125' INT TERM
     printf ' %q' "$@"
     printf '\n'
 } >"$ctl/cmd.sh"
-printf 'moddir=%q\nworkdir=%q\n' "$moddir" "$workdir" >"$ctl/params"
+printf 'moddir=%q\nworkdir=%q\nworkcache=%q\n' "$moddir" "$workdir" "$workcache" >"$ctl/params"
 
 case $accel in
     tcg) accel_args=(-accel tcg,thread=multi,tb-size=512 -cpu max) ;;

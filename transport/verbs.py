@@ -1,0 +1,1097 @@
+"""The verbs transport: one-sided RDMA WRITEs over RC queue pairs, through pyverbs.
+
+The only module of the package that imports pyverbs. ``transport.create("verbs")``
+imports it; where pyverbs or an RDMA device is missing, building the transport
+raises ``StartError`` saying what to install or load. See ``transport/base.py``
+for the contract; this module adds the verbs resources, a small connection
+handshake and two threads.
+
+Resources
+---------
+One device context and one protection domain per transport. ``register`` makes
+one memory region (MR) with local-write and remote-write access; a region's
+``key`` is the MR's rkey. Each connected peer (source side) owns one RC queue
+pair and its own completion queue (so one peer's flushes can never overrun
+another's CQ); the sink side owns one RC QP per connected source, all on one
+small CQ (a sink posts nothing, so it never gets a completion).
+
+Device, port and GID: ``device`` by name (default: the first device with an
+active port), ``ib_port`` (default: its first active port), ``gid_index``
+(default: on Ethernet ports the RoCE v2 GID, preferring an IPv4-mapped one, then
+a global one, then a link-local one; on InfiniBand ports index 0).
+
+Endpoint and handshake
+----------------------
+``endpoint()`` is the common encoding of ``transport.base`` with ``address`` =
+``_ADDR`` (GID, LID, active MTU, link layer) followed by ``host:port`` of the
+transport's handshake listener, and one ``(addr, length, rkey)`` per region.
+A QP is per peer, so its QPN and PSN cannot be known before the peer exists:
+``connect`` creates the source QP, then exchanges QPN, PSN, GID, LID and MTU
+with the sink over one short TCP connection (``_HELLO``/``_REPLY``); the sink
+creates its QP, moves it to RTS and answers with its own QPN and PSN; the path
+MTU is the smaller active MTU of the two. The TCP connection then stays open
+as a liveness signal and nothing else: when either side closes it, the other
+tears its QP down (a sink frees the QP of a source that went away; a source
+fails its batches at once instead of waiting for RC retries).
+
+Writes and completions
+----------------------
+``write`` validates every write against the local regions and the peer's last
+endpoint, then posts the batch as a chain of RDMA WRITE work requests (one SGE
+each) with ``ibv_post_send``. Selective signalling: a WR is signalled if it
+ends its batch, ends a post (the send queue is full), or is every
+``max_send_wr // 4``-th; never more than ``max_send_wr`` WRs are outstanding on
+the QP, and the rest of a long batch is posted as completions retire earlier
+WRs. An empty batch posts one zero-length RDMA WRITE: the RC queue completes it
+after every earlier WR, which makes it the fence the contract asks for.
+
+The completion thread polls the CQs of the peers with work in flight
+(pyverbs 44 exposes neither the completion channel's fd nor a GIL-free wait,
+so it polls with a short back-off and sleeps on a condition when nothing is in
+flight), retires WRs, completes batches in order and posts what waits. A
+work completion with an error status fails the batch that holds that WR with
+``TransportError`` naming the status (``IBV_WC_REM_ACCESS_ERR`` for a target
+the sink no longer has registered, ``IBV_WC_RETRY_EXC_ERR`` for a peer that
+stopped answering, ...); the QP is then in the error state, so every later
+batch in flight fails too, the peer is torn down and ``write`` to it raises at
+once until the caller ``connect``\\ s again. A peer with batches in flight and
+no completion for ``peer_timeout`` seconds is failed the same way (``ETIMEDOUT``);
+the QP's own ack timeout and retry count are set to give up well before that.
+
+Deregistering a sink region revokes its rkey at once: a write still in flight
+into it fails with ``IBV_WC_REM_ACCESS_ERR`` (the sink's hardware checks it,
+not the sink's CPU). Don't deregister a *source* region while a batch reads
+from it (that batch fails with a local protection error).
+
+Threads: ``pdcore-verbs-cq`` (completions, posting, watchdog) and
+``pdcore-verbs-cm`` (listener, handshakes, liveness sockets). ``close()``
+fails every batch in flight, moves every QP to the error state, joins both
+threads, then destroys QPs, CQs, MRs, the PD and the context, in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import itertools
+import logging
+import os
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pdcore.deadline import Deadline
+from pdcore.errors import CapacityError, StartError, TransportError
+
+from .base import (
+    Batch,
+    Completion,
+    CompletionQueue,
+    Endpoint,
+    OnDone,
+    PeerHandle,
+    Region,
+    RegionTable,
+    Transport,
+    as_batch,
+    buffer_span,
+    decode_endpoint,
+    encode_endpoint,
+    new_instance_id,
+)
+
+__all__ = ["INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
+
+INSTALL_HINT = (
+    "install rdma-core's Python bindings and a verbs provider: on Debian/Ubuntu "
+    "`apt-get install python3-pyverbs rdma-core ibverbs-providers` (Python 3.11 on bookworm; "
+    "`bash ci/link-pyverbs.sh` exposes it to a virtualenv)"
+)
+DEVICE_HINT = (
+    "load an RDMA driver or create a soft-RoCE device, e.g. "
+    "`rdma link add rxe0 type rxe netdev eth0` (module rdma_rxe), or use transport 'tcp'"
+)
+
+
+def _import_pyverbs() -> Any:
+    """Import pyverbs without letting its ``logging.basicConfig`` reconfigure the application's root logger."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        import pyverbs.enums as enums
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.cq import CQ, cqe_status_to_str
+        from pyverbs.device import Context, get_device_list
+        from pyverbs.mr import MR
+        from pyverbs.pd import PD
+        from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
+        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+        from pyverbs.wr import SGE, SendWR
+    finally:
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
+    return type(
+        "_Pyverbs",
+        (),
+        {
+            "e": enums,
+            "GID": GID,
+            "AHAttr": AHAttr,
+            "GlobalRoute": GlobalRoute,
+            "CQ": CQ,
+            "status_str": staticmethod(cqe_status_to_str),
+            "Context": Context,
+            "get_device_list": staticmethod(get_device_list),
+            "MR": MR,
+            "PD": PD,
+            "Error": PyverbsError,
+            "RDMAError": PyverbsRDMAError,
+            "QP": QP,
+            "QPAttr": QPAttr,
+            "QPCap": QPCap,
+            "QPInitAttr": QPInitAttr,
+            "SGE": SGE,
+            "SendWR": SendWR,
+        },
+    )
+
+
+try:
+    _pv: Any = _import_pyverbs()
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as _e:  # pragma: no cover - depends on the machine
+    _pv = None
+    _IMPORT_ERROR = _e
+
+
+_MAGIC = b"PDTV"
+_VERSION = 1
+#: endpoint ``address``: GID, LID, active MTU (ibv_mtu), link layer; then ``host:port`` (ASCII)
+_ADDR = struct.Struct("<16sHBB")
+#: source → sink: magic, version, sink instance, source instance, QPN, PSN, GID, LID, MTU
+_HELLO = struct.Struct("<4sB16s16sII16sHB")
+#: sink → source: magic, version, status, QPN, PSN, path MTU, errno
+_REPLY = struct.Struct("<4sBBIIBi")
+_OK, _WRONG_INSTANCE, _QP_FAILED = 0, 1, 2
+_IPV4_MAPPED = bytes(10) + b"\xff\xff"
+_HOP_LIMIT = 64
+_IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
+
+
+def _wc_status_names() -> dict[int, str]:
+    if _pv is None:
+        return {}
+    names = {getattr(_pv.e, n): n for n in dir(_pv.e) if n.startswith("IBV_WC_") and n.endswith("_ERR")}
+    names[_pv.e.IBV_WC_SUCCESS] = "IBV_WC_SUCCESS"
+    return names
+
+
+_WC_NAMES = _wc_status_names()
+
+
+def wc_status_name(status: int) -> str:
+    """``"IBV_WC_REM_ACCESS_ERR (remote access error)"`` for a work-completion status."""
+    name = _WC_NAMES.get(status, f"IBV_WC status {status}")
+    return f"{name} ({_pv.status_str(status)})" if _pv is not None else name
+
+
+def _wc_errno(status: int) -> int:
+    e = _pv.e
+    return {
+        e.IBV_WC_REM_ACCESS_ERR: errno_mod.EFAULT,
+        e.IBV_WC_LOC_PROT_ERR: errno_mod.EFAULT,
+        e.IBV_WC_LOC_ACCESS_ERR: errno_mod.EFAULT,
+        e.IBV_WC_RETRY_EXC_ERR: errno_mod.ETIMEDOUT,
+        e.IBV_WC_RESP_TIMEOUT_ERR: errno_mod.ETIMEDOUT,
+        e.IBV_WC_RNR_RETRY_EXC_ERR: errno_mod.ETIMEDOUT,
+        e.IBV_WC_WR_FLUSH_ERR: errno_mod.ECANCELED,
+    }.get(status, errno_mod.EIO)
+
+
+def _gid_str(raw: bytes) -> str:
+    return ":".join(raw[i : i + 2].hex() for i in range(0, 16, 2))
+
+
+def _gid_bytes(gid: Any) -> bytes:
+    return bytes.fromhex(str(gid.gid).replace(":", ""))
+
+
+def _rdma_errno(e: BaseException) -> int | None:
+    err = getattr(e, "error_code", None)
+    return int(err) if isinstance(err, int) and err > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Device:
+    name: str
+    port: int
+    gid_index: int
+    gid: bytes
+    lid: int
+    mtu: int
+    link_layer: int
+    max_qp_wr: int
+    max_cqe: int
+
+
+def _pick_gid(ctx: Any, port: int, gid_tbl_len: int, ethernet: bool) -> int | None:
+    """The GID index to use on ``port``: RoCE v2 (IPv4-mapped > global > link-local) on Ethernet, else 0."""
+    e = _pv.e
+    entries: list[tuple[int, bytes, int]] = []  # (index, gid, type)
+    try:
+        for g in ctx.query_gid_table(max(1, gid_tbl_len)):
+            if g.port_num != port:
+                continue
+            raw = bytes.fromhex(g.gid_str().replace(":", ""))
+            entries.append((g.gid_index, raw, g.gid_type))
+        v2 = e.IBV_GID_TYPE_ROCE_V2
+    except (_pv.Error, AttributeError):  # older kernels: no gid table ioctl; walk the table
+        entries = []
+        for i in range(gid_tbl_len):
+            try:
+                raw = _gid_bytes(ctx.query_gid(port, i))
+                kind = ctx.query_gid_type(port, i)
+            except _pv.Error:
+                continue
+            entries.append((i, raw, kind))
+        v2 = e.IBV_GID_TYPE_SYSFS_ROCE_V2
+    entries = [x for x in entries if any(x[1])]
+    if not ethernet:
+        return entries[0][0] if entries else None
+    ranked = sorted(
+        (x for x in entries if x[2] == v2),
+        key=lambda x: (not x[1].startswith(_IPV4_MAPPED), x[1].startswith(b"\xfe\x80"), x[0]),
+    )
+    return ranked[0][0] if ranked else None
+
+
+def _open_device(name: str | None, ib_port: int | None, gid_index: int | None) -> tuple[Any, _Device]:
+    """Open the device and choose port and GID; ``StartError`` says what is missing."""
+    e = _pv.e
+    try:
+        devices = [d.name.decode() for d in _pv.get_device_list()]
+    except _pv.Error as ex:
+        devices = []
+        why = str(ex)
+    else:
+        why = "the device list is empty"
+    if not devices:
+        raise StartError(f"verbs transport: no RDMA device ({why}); {DEVICE_HINT}")
+    if name is not None and name not in devices:
+        raise StartError(f"verbs transport: no RDMA device named {name!r}; devices here: {', '.join(devices)}")
+    problems = []
+    for dev in [name] if name is not None else devices:
+        ctx = _pv.Context(name=dev)
+        try:
+            attr = ctx.query_device()
+            ports = [ib_port] if ib_port is not None else list(range(1, attr.phys_port_cnt + 1))
+            for port in ports:
+                try:
+                    pa = ctx.query_port(port)
+                except _pv.Error as ex:
+                    problems.append(f"{dev} port {port}: {ex}")
+                    continue
+                if pa.state != e.IBV_PORT_ACTIVE:
+                    problems.append(f"{dev} port {port} is not active (state {pa.state})")
+                    continue
+                ethernet = pa.link_layer == e.IBV_LINK_LAYER_ETHERNET
+                idx = gid_index if gid_index is not None else _pick_gid(ctx, port, pa.gid_tbl_len, ethernet)
+                if idx is None:
+                    problems.append(f"{dev} port {port} has no usable {'RoCE v2 ' if ethernet else ''}GID")
+                    continue
+                try:
+                    gid = _gid_bytes(ctx.query_gid(port, idx))
+                except _pv.Error as ex:
+                    problems.append(f"{dev} port {port} GID index {idx}: {ex}")
+                    continue
+                if not any(gid):
+                    problems.append(f"{dev} port {port} GID index {idx} is empty")
+                    continue
+                info = _Device(dev, port, idx, gid, pa.lid, pa.active_mtu, pa.link_layer, attr.max_qp_wr, attr.max_cqe)
+                return ctx, info
+        except BaseException:
+            ctx.close()
+            raise
+        ctx.close()
+    raise StartError(f"verbs transport: no usable port: {'; '.join(problems)}; {DEVICE_HINT}")
+
+
+def describe_device(device: str | None = None, ib_port: int | None = None, gid_index: int | None = None) -> tuple[str, int, int]:
+    """``(device, port, gid_index)`` that ``create("verbs", ...)`` with these options would use; ``StartError`` if none."""
+    if _pv is None:
+        raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
+    ctx, info = _open_device(device, ib_port, gid_index)
+    ctx.close()
+    return info.name, info.port, info.gid_index
+
+
+def unavailable_reason(device: str | None = None) -> str | None:
+    """Why ``create("verbs", device=device)`` cannot work here, or None if it can (for test skips)."""
+    if _pv is None:
+        return f"pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}"
+    try:
+        ctx, _ = _open_device(device, None, None)
+    except StartError as ex:
+        return str(ex)
+    ctx.close()
+    return None
+
+
+# ---------------------------------------------------------------------- per-peer state
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    batch_id: int
+    wrs: list[tuple[int, int, int, int, int]]  # (local addr, lkey, remote addr, rkey, length); [] = fence
+    on_done: OnDone | None
+    posted: int = 0  # WRs of this batch posted so far
+    last_wr: int = 0  # wr_id of its last WR, once all are posted
+
+
+@dataclass(eq=False, slots=True)
+class _VerbsPeer(PeerHandle):
+    qp: Any = None
+    cq: Any = None
+    sge: Any = None  # reused for every WR (SendWR copies it); guarded by ``lock``
+    sock: socket.socket | None = None
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    deliver: threading.RLock = field(default_factory=threading.RLock)
+    unposted: deque[_Batch] = field(default_factory=deque)  # not every WR posted yet (head may be partly posted)
+    inflight: deque[_Batch] = field(default_factory=deque)  # every batch not completed, in order
+    slots: int = 0  # batches holding an in-flight slot
+    next_wr: int = 1
+    retired: int = 0  # every wr_id <= retired has completed
+    since_signal: int = 0
+    error: TransportError | None = None
+    last_progress: float = 0.0
+
+
+@dataclass(eq=False, slots=True)
+class _SinkConn:
+    sock: socket.socket
+    qp: Any
+
+
+class VerbsTransport(Transport):
+    """RDMA WRITEs over RC QPs (pyverbs). Options:
+
+    ``device`` (default: the first device with an active port), ``ib_port``, ``gid_index``
+    (default: chosen as the module docstring says); ``host``/``port``/``advertise_host`` of the
+    handshake listener (default 127.0.0.1, any port, ``host``); ``max_inflight`` (64 batches per
+    peer); ``peer_timeout`` (10 s without a completion while batches are in flight = dead peer);
+    ``max_send_wr`` (1024 outstanding WRs per QP, capped by the device); ``qp_timeout`` (the ack
+    timeout exponent, 4.096 us * 2**n; default: derived from ``peer_timeout``) and ``retry_cnt``
+    (6; 7 would mean "retry forever" on rxe).
+    """
+
+    name: ClassVar[str] = "verbs"
+
+    def __init__(
+        self,
+        *,
+        device: str | None = None,
+        ib_port: int | None = None,
+        gid_index: int | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        max_inflight: int = 64,
+        peer_timeout: float = 10.0,
+        max_send_wr: int = 1024,
+        qp_timeout: int | None = None,
+        retry_cnt: int = 6,
+    ) -> None:
+        if _pv is None:
+            raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
+        if max_inflight < 1 or peer_timeout <= 0 or max_send_wr < 2 or not 0 <= retry_cnt <= 7:
+            raise StartError(
+                f"verbs transport: max_inflight ({max_inflight}) and peer_timeout ({peer_timeout}) must be "
+                f"positive, max_send_wr ({max_send_wr}) at least 2, retry_cnt ({retry_cnt}) in 0..7"
+            )
+        if qp_timeout is None:
+            # ack timeout * (retries + 1) well inside peer_timeout: the QP reports a dead peer first
+            budget = peer_timeout / 2 / (retry_cnt + 1)
+            qp_timeout = max(n for n in range(8, 21) if 4.096e-6 * 2**n <= budget or n == 8)
+        if not 1 <= qp_timeout <= 31:
+            raise StartError(f"verbs transport: qp_timeout ({qp_timeout}) must be in 1..31")
+        self._max_inflight = max_inflight
+        self._peer_timeout = float(peer_timeout)
+        self._qp_timeout = qp_timeout
+        self._retry_cnt = retry_cnt
+        self._instance = new_instance_id()
+        self._regions = RegionTable()
+        self._mrs: dict[int, Any] = {}  # rkey -> MR
+        self._owners: dict[int, Any] = {}  # rkey -> what keeps the memory alive
+        self._batch_ids = itertools.count(1)
+        self._peer_ids = itertools.count(1)
+        self._peers: dict[int, _VerbsPeer] = {}
+        self._sinks: dict[int, _SinkConn] = {}  # fileno -> accepted source
+        self._lock = threading.Lock()
+        self._work = threading.Condition()  # wakes the completion thread
+        self._stop = threading.Event()
+        self._closed = False
+        self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
+        e = _pv.e
+        self._access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+
+        with contextlib.ExitStack() as stack:
+            try:
+                self._ctx, self._dev = _open_device(device, ib_port, gid_index)
+                stack.callback(self._ctx.close)
+                self._pd = _pv.PD(self._ctx)
+                stack.callback(self._pd.close)
+                self._sink_cq = _pv.CQ(self._ctx, 16)
+                stack.callback(self._sink_cq.close)
+            except _pv.Error as ex:
+                raise StartError(f"verbs transport: cannot open the device: {ex}") from ex
+            self._max_send_wr = max(2, min(max_send_wr, self._dev.max_qp_wr, self._dev.max_cqe - 1))
+            self._signal_every = max(1, self._max_send_wr // 4)
+            try:
+                self._listener = socket.create_server((host, port), backlog=128)
+            except OSError as ex:
+                raise StartError(f"verbs transport: cannot listen on {host}:{port}: {ex}") from ex
+            stack.callback(self._listener.close)
+            self._listener.setblocking(False)
+            hostport = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
+            self._address = (
+                _ADDR.pack(self._dev.gid, self._dev.lid, self._dev.mtu, self._dev.link_layer) + hostport.encode()
+            )
+            self._hostport = hostport
+            self._wake_r, self._wake_w = socket.socketpair()
+            stack.callback(self._wake_r.close)
+            stack.callback(self._wake_w.close)
+            self._wake_r.setblocking(False)
+            self._sel = selectors.DefaultSelector()
+            stack.callback(self._sel.close)
+            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+            self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+            self._cm_pending: deque[tuple[socket.socket, Any]] = deque()  # sockets for the cm thread to watch
+            self._cq_thread = threading.Thread(target=self._cq_loop, name="pdcore-verbs-cq", daemon=True)
+            self._cm_thread = threading.Thread(target=self._cm_loop, name="pdcore-verbs-cm", daemon=True)
+            self._cq_thread.start()
+            stack.callback(self._stop_threads)
+            self._cm_thread.start()
+            self._owned = stack.pop_all()
+
+    @property
+    def device(self) -> str:
+        """``"rxe0/1 gid 1"``: the device, port and GID index in use."""
+        return f"{self._dev.name}/{self._dev.port} gid {self._dev.gid_index}"
+
+    @property
+    def device_name(self) -> str:
+        return self._dev.name
+
+    @property
+    def gid_index(self) -> int:
+        return self._dev.gid_index
+
+    # ------------------------------------------------------------------ registrations
+
+    def register(self, buf: Any) -> Region:
+        self._check_open("register")
+        addr, length, owner = buffer_span(buf)
+        if self._regions.find(addr, 1) is not None or self._regions.find(addr + length - 1, 1) is not None:
+            raise ValueError(f"[{addr:#x}, +{length}) overlaps a registered region")
+        try:
+            mr = _pv.MR(self._pd, length, self._access, address=addr)
+        except _pv.Error as ex:
+            raise TransportError(f"registering [{addr:#x}, +{length}) failed: {ex}", op="register", errno=_rdma_errno(ex)) from ex
+        region = Region(addr, length, mr.rkey)
+        try:
+            self._regions.add(region)
+        except ValueError:
+            mr.close()
+            raise
+        self._mrs[mr.rkey] = mr
+        self._owners[mr.rkey] = owner
+        return region
+
+    def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
+        if not self._regions.remove(region):
+            return
+        mr = self._mrs.pop(region.key, None)
+        self._owners.pop(region.key, None)
+        if mr is not None:
+            try:
+                mr.close()
+            except _pv.Error as ex:
+                raise TransportError(f"deregistering {region} failed: {ex}", op="deregister", errno=_rdma_errno(ex)) from ex
+
+    def regions(self) -> tuple[Region, ...]:
+        return self._regions.snapshot()
+
+    def endpoint(self) -> bytes:
+        return encode_endpoint(Endpoint(self.name, self._instance, self._address, self._regions.snapshot()))
+
+    # ------------------------------------------------------------------ QPs
+
+    def _make_qp(self, cq: Any) -> Any:
+        cap = _pv.QPCap(max_send_wr=self._max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = _pv.QPInitAttr(qp_type=_pv.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+        return _pv.QP(self._pd, init)
+
+    def _to_rts(self, qp: Any, *, rqpn: int, rpsn: int, lpsn: int, gid: bytes, lid: int, mtu: int) -> None:
+        attr = _pv.QPAttr(port_num=self._dev.port, path_mtu=mtu)
+        attr.qp_access_flags = self._access
+        attr.pkey_index = 0
+        attr.dest_qp_num = rqpn
+        attr.rq_psn = rpsn
+        attr.sq_psn = lpsn
+        attr.max_dest_rd_atomic = 1
+        attr.max_rd_atomic = 1
+        attr.min_rnr_timer = 12
+        attr.timeout = self._qp_timeout
+        attr.retry_cnt = self._retry_cnt
+        attr.rnr_retry = min(self._retry_cnt, 6)
+        gr = _pv.GlobalRoute(dgid=_pv.GID(_gid_str(gid)), sgid_index=self._dev.gid_index, hop_limit=_HOP_LIMIT)
+        attr.ah_attr = _pv.AHAttr(port_num=self._dev.port, is_global=1, dlid=lid, gr=gr)
+        qp.to_rts(attr)
+
+    @staticmethod
+    def _qp_to_error(qp: Any) -> None:
+        attr = _pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR)
+        with contextlib.suppress(_pv.Error):
+            qp.modify(attr, _pv.e.IBV_QP_STATE)
+
+    # ------------------------------------------------------------------ source side
+
+    def connect(self, peer_endpoint: bytes, *, deadline: Deadline) -> PeerHandle:
+        self._check_open("connect")
+        remote = decode_endpoint(peer_endpoint, expect=self.name)
+        if len(remote.address) <= _ADDR.size:
+            raise TransportError(f"verbs endpoint address of {len(remote.address)} bytes is too short", op="connect")
+        gid, lid, mtu, link_layer = _ADDR.unpack_from(remote.address)
+        host, _, port_s = remote.address[_ADDR.size :].decode("ascii", "replace").rpartition(":")
+        try:
+            port = int(port_s)
+        except ValueError:
+            raise TransportError(f"verbs endpoint address {remote.address!r} has no host:port", op="connect") from None
+        if link_layer != self._dev.link_layer:
+            raise TransportError(
+                f"peer link layer {link_layer} differs from ours ({self._dev.link_layer}): no route", op="connect"
+            )
+        psn = int.from_bytes(os.urandom(3), "little")
+        with contextlib.ExitStack() as stack:
+            try:
+                cq = _pv.CQ(self._ctx, self._max_send_wr + 16)
+                stack.callback(cq.close)
+                qp = self._make_qp(cq)
+                stack.callback(qp.close)
+            except _pv.Error as ex:
+                raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
+            try:
+                sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
+            except OSError as ex:
+                raise TransportError(f"cannot reach the peer's handshake listener {host}:{port}: {ex}", op="connect", errno=ex.errno) from ex
+            stack.callback(sock.close)
+            try:
+                sock.settimeout(max(deadline.remaining(), 1e-3))
+                sock.sendall(
+                    _HELLO.pack(_MAGIC, _VERSION, remote.instance, self._instance, qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
+                )
+                reply = _recv_exact(sock, _REPLY.size)
+            except OSError as ex:
+                raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
+            magic, version, status, rqpn, rpsn, path_mtu, err = _REPLY.unpack(reply)
+            if magic != _MAGIC or version != _VERSION:
+                raise TransportError(f"{host}:{port} does not speak pdcore verbs v{_VERSION}", op="connect")
+            if status == _WRONG_INSTANCE:
+                raise TransportError(f"{host}:{port} is another transport instance than the endpoint names (restarted?)", op="connect")
+            if status != _OK:
+                raise TransportError(f"the peer could not set up its QP (errno {err})", op="connect", errno=err or None)
+            try:
+                self._to_rts(qp, rqpn=rqpn, rpsn=rpsn, lpsn=psn, gid=gid, lid=lid, mtu=min(path_mtu, self._dev.mtu))
+            except _pv.Error as ex:
+                raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
+            sock.setblocking(False)
+            sge = _pv.SGE(0, 0, 0)
+            stack.callback(sge.close)
+            peer = _VerbsPeer(next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, sge=sge, sock=sock)
+            peer.last_progress = time.monotonic()
+            with self._lock:
+                if self._closed:
+                    raise TransportError("transport is closed", op="connect")
+                self._peers[peer.id] = peer
+            stack.pop_all()
+        self._watch(sock, peer)
+        return peer
+
+    def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
+        remote = decode_endpoint(peer_endpoint, expect=self.name)
+        if remote.instance != peer.remote.instance:
+            raise TransportError("refresh: the endpoint is of another transport instance", op="refresh")
+        peer.remote, peer.regions = remote, RegionTable(remote.regions)
+
+    def disconnect(self, peer: PeerHandle, *, deadline: Deadline | None = None) -> None:
+        p = self._own(peer, "disconnect")
+        self._fail_peer(p, TransportError("peer disconnected", op="disconnect", errno=errno_mod.ECANCELED))
+        with self._lock:
+            self._peers.pop(p.id, None)
+
+    def write(
+        self,
+        peer: PeerHandle,
+        batch: Batch,
+        on_done: OnDone | None = None,
+        *,
+        deadline: Deadline | None = None,
+    ) -> int:
+        p = self._own(peer, "write")
+        arr = as_batch(batch)
+        wrs: list[tuple[int, int, int, int, int]] = []
+        remote = p.regions
+        local = self._regions
+        for la, ra, n in arr.tolist():
+            loc = local.find(la, n)
+            if loc is None:
+                raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
+            rem = remote.find(ra, n)
+            if rem is None:
+                raise TransportError(f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write")
+            mr = self._mrs.get(loc.key)
+            if mr is None:
+                raise TransportError(f"local range [{la:#x}, +{n}) was deregistered", op="write")
+            if n > 1 << 31:
+                raise TransportError(f"a single write is at most 2 GiB, got {n} bytes", op="write")
+            wrs.append((la, mr.lkey, ra, rem.key, n))
+        with p.lock:
+            self._check_usable(p)
+            if p.slots >= self._max_inflight:
+                if deadline is None:
+                    raise CapacityError(
+                        f"{self._max_inflight} batches already in flight to this peer "
+                        "(queue-mode batches hold their slot until completions() takes them)"
+                    )
+                p.lock.wait_for(lambda: p.slots < self._max_inflight or p.error is not None, timeout=deadline.remaining())
+                self._check_usable(p)
+                if p.slots >= self._max_inflight:
+                    raise CapacityError(f"{self._max_inflight} batches still in flight to this peer at the deadline")
+            p.slots += 1
+            batch_id = next(self._batch_ids)
+            b = _Batch(batch_id, wrs, on_done)
+            if not p.inflight:
+                p.last_progress = time.monotonic()
+            p.inflight.append(b)
+            p.unposted.append(b)
+            failure = self._post_locked(p)
+        if failure is not None:
+            self._fail_peer(p, failure)
+        else:
+            with self._work:
+                self._work.notify()
+        return batch_id
+
+    def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
+        return self._queue.get(max_items, deadline)
+
+    def _post_locked(self, p: _VerbsPeer) -> TransportError | None:
+        """Post waiting WRs while the send queue has room (holding ``p.lock``); an error means: fail the peer."""
+        if p.qp is None or p.error is not None:
+            return None
+        room = self._max_send_wr - (p.next_wr - 1 - p.retired)
+        if room <= 0 or not p.unposted:
+            return None
+        e = _pv.e
+        chain: list[Any] = []
+        sge = p.sge
+        try:
+            while p.unposted and room > 0:
+                b = p.unposted[0]
+                items = b.wrs or [(0, 0, 0, 0, 0)]  # the fence: one zero-length WRITE
+                while b.posted < len(items) and room > 0:
+                    la, lkey, ra, rkey, n = items[b.posted]
+                    b.posted += 1
+                    room -= 1
+                    wr_id = p.next_wr
+                    p.next_wr += 1
+                    p.since_signal += 1
+                    last = b.posted == len(items)
+                    signal = last or room == 0 or p.since_signal >= self._signal_every
+                    if signal:
+                        p.since_signal = 0
+                    sge.addr, sge.length, sge.lkey = la, n, lkey
+                    wr = _pv.SendWR(
+                        wr_id=wr_id,
+                        opcode=e.IBV_WR_RDMA_WRITE,
+                        num_sge=1,
+                        sg=[sge],
+                        send_flags=e.IBV_SEND_SIGNALED if signal else 0,
+                    )
+                    if n == 0:
+                        wr.num_sge = 0
+                    wr.set_wr_rdma(rkey, ra)
+                    if chain:
+                        chain[-1].next_wr = wr
+                    chain.append(wr)
+                    if last:
+                        b.last_wr = wr_id
+                if b.posted == len(items):
+                    p.unposted.popleft()
+            # a signalled WR must end the chain: it is what frees the room for the rest
+            if not chain[-1].send_flags & e.IBV_SEND_SIGNALED:
+                chain[-1].send_flags = e.IBV_SEND_SIGNALED
+                p.since_signal = 0
+            try:
+                p.qp.post_send(chain[0])
+            except _pv.Error as ex:
+                return TransportError(f"ibv_post_send failed: {ex}", op="write", errno=_rdma_errno(ex))
+            return None
+        finally:
+            for wr in chain:
+                wr.close()  # a SendWR owns malloc'd memory that pyverbs 44 frees only in close(), once
+
+    # ------------------------------------------------------------------ completions
+
+    def _cq_loop(self) -> None:
+        idle_polls = 0
+        next_watchdog = time.monotonic()
+        while not self._stop.is_set():
+            with self._work:  # write() appends, then notifies under this lock: no lost wake-up
+                with self._lock:
+                    active = [p for p in self._peers.values() if p.inflight and p.cq is not None]
+                if not active:
+                    if not self._stop.is_set():
+                        self._work.wait(_IDLE_WAIT)
+                    idle_polls = 0
+                    continue
+            progressed = False
+            for p in active:
+                progressed |= self._reap(p)
+            now = time.monotonic()
+            if now >= next_watchdog:
+                next_watchdog = now + min(0.05, self._peer_timeout / 10)
+                for p in active:
+                    if p.inflight and p.error is None and now - p.last_progress > self._peer_timeout:
+                        self._fail_peer(
+                            p,
+                            TransportError(
+                                f"no completion from the peer for {self._peer_timeout:g} s", op="write", errno=errno_mod.ETIMEDOUT
+                            ),
+                        )
+            if progressed:
+                idle_polls = 0
+            else:
+                idle_polls += 1
+                # pyverbs 44 cannot wait for a completion event without holding the GIL: back off instead
+                time.sleep(0 if idle_polls < 8 else min(1e-3, 2e-5 * idle_polls))
+
+    def _reap(self, p: _VerbsPeer) -> bool:
+        """Poll one peer's CQ; complete, fail and post as the completions say. True if it found any."""
+        e = _pv.e
+        done: list[_Batch] = []
+        failure: TransportError | None = None
+        with p.deliver:
+            with p.lock:
+                if p.cq is None or p.error is not None:
+                    return False
+                try:
+                    _n, wcs = p.cq.poll(64)
+                except _pv.Error as ex:
+                    wcs = []
+                    failure = TransportError(f"polling the CQ failed: {ex}", op="write", errno=_rdma_errno(ex))
+                for wc in wcs:
+                    if wc.status == e.IBV_WC_SUCCESS:
+                        p.retired = max(p.retired, wc.wr_id)
+                        continue
+                    failure = self._wc_failure(p, wc.wr_id, wc.status, wc.vendor_err)
+                    break
+                if wcs:
+                    p.last_progress = time.monotonic()
+                while p.inflight and p.inflight[0].last_wr and p.inflight[0].last_wr <= p.retired:
+                    done.append(p.inflight.popleft())
+                if failure is None and p.unposted:
+                    failure = self._post_locked(p)
+            for b in done:
+                self._deliver(p, b, None)
+            if failure is not None:
+                self._fail_peer(p, failure)
+        return bool(wcs) or failure is not None
+
+    def _wc_failure(self, p: _VerbsPeer, wr_id: int, status: int, vendor_err: int) -> TransportError:
+        which = next((b.batch_id for b in p.inflight if b.last_wr == 0 or b.last_wr >= wr_id), None)
+        return TransportError(
+            f"RDMA WRITE failed: work completion {wc_status_name(status)} (vendor error {vendor_err:#x}) "
+            f"on QP {p.qp.qp_num if p.qp is not None else '?'}, batch {which}",
+            op="write",
+            errno=_wc_errno(status),
+        )
+
+    def _deliver(self, p: _VerbsPeer, b: _Batch, error: TransportError | None) -> None:
+        def release() -> None:
+            with p.lock:
+                p.slots -= 1
+                p.lock.notify_all()
+
+        if b.on_done is None:
+            self._queue.put(Completion(b.batch_id, error), release)
+            return
+        release()
+        try:
+            b.on_done(b.batch_id, error)
+        except Exception:
+            exc_type, exc, tb = sys.exc_info()
+            threading.excepthook(threading.ExceptHookArgs((exc_type, exc, tb, threading.current_thread())))
+
+    def _fail_peer(self, p: _VerbsPeer, error: TransportError) -> None:
+        """Fail every batch in flight to ``p`` (in order), tear its QP down, close its socket. Idempotent.
+
+        The first failing batch gets ``error``; the later ones an error that names it as the cause.
+        """
+        with p.deliver:
+            with p.lock:
+                first = p.error is None
+                if first:
+                    p.error = error
+                p.closed = True
+                items = list(p.inflight)
+                p.inflight.clear()
+                p.unposted.clear()
+                qp, cq, sge, sock = p.qp, p.cq, p.sge, p.sock
+                p.qp = p.cq = p.sge = p.sock = None
+                if sge is not None:
+                    sge.close()
+                if qp is not None:
+                    self._qp_to_error(qp)
+                    with contextlib.suppress(_pv.Error):
+                        qp.close()
+                if cq is not None:
+                    with contextlib.suppress(_pv.Error):
+                        cq.close()
+                p.lock.notify_all()
+            if sock is not None:
+                self._unwatch(sock)
+            cause = p.error
+            for i, b in enumerate(items):
+                err = cause if i == 0 else TransportError(
+                    f"not completed: an earlier batch to this peer failed: {cause}", op=cause.op, errno=cause.errno
+                )
+                self._deliver(p, b, err)
+
+    # ------------------------------------------------------------------ sink side + liveness (cm thread)
+
+    def _watch(self, sock: socket.socket, what: Any) -> None:
+        with self._lock:
+            self._cm_pending.append((sock, what))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"w")
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._cm_pending.append((sock, None))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"u")
+
+    def _cm_loop(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(timeout=1.0):
+                if self._stop.is_set():
+                    return
+                what = key.data
+                if what == "wake":
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                    self._cm_apply_pending()
+                elif what == "listen":
+                    self._cm_accept()
+                elif isinstance(what, _VerbsPeer):
+                    if _closed_by_peer(key.fileobj):
+                        self._sel_drop(key.fileobj)
+                        self._fail_peer(
+                            what, TransportError("the peer closed the connection", op="write", errno=errno_mod.ECONNRESET)
+                        )
+                elif isinstance(what, _SinkConn):
+                    if _closed_by_peer(key.fileobj):
+                        self._drop_sink(what)
+
+    def _cm_apply_pending(self) -> None:
+        while True:
+            with self._lock:
+                if not self._cm_pending:
+                    return
+                sock, what = self._cm_pending.popleft()
+            if what is None:
+                self._sel_drop(sock)
+                sock.close()
+            elif sock.fileno() >= 0:
+                self._sel.register(sock, selectors.EVENT_READ, what)
+
+    def _sel_drop(self, sock: Any) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+
+    def _cm_accept(self) -> None:
+        try:
+            conn, _addr = self._listener.accept()
+        except OSError:
+            return
+        try:
+            conn.settimeout(min(5.0, self._peer_timeout))
+            magic, version, want, _src, qpn, psn, gid, lid, mtu = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            if magic != _MAGIC or version != _VERSION:
+                conn.close()
+                return
+            if want != self._instance:
+                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _WRONG_INSTANCE, 0, 0, 0, 0))
+                conn.close()
+                return
+            mypsn = int.from_bytes(os.urandom(3), "little")
+            path_mtu = min(mtu, self._dev.mtu)
+            qp = None
+            try:
+                qp = self._make_qp(self._sink_cq)
+                self._to_rts(qp, rqpn=qpn, rpsn=psn, lpsn=mypsn, gid=gid, lid=lid, mtu=path_mtu)
+            except _pv.Error as ex:
+                if qp is not None:
+                    qp.close()
+                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _QP_FAILED, 0, 0, 0, _rdma_errno(ex) or errno_mod.EIO))
+                conn.close()
+                return
+            try:
+                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0))
+            except OSError:
+                qp.close()
+                raise
+            conn.setblocking(False)
+        except (OSError, struct.error):
+            conn.close()
+            return
+        sink = _SinkConn(conn, qp)
+        with self._lock:
+            if self._closed:
+                qp.close()
+                conn.close()
+                return
+            self._sinks[conn.fileno()] = sink
+        self._sel.register(conn, selectors.EVENT_READ, sink)
+
+    def _drop_sink(self, sink: _SinkConn) -> None:
+        with self._lock:
+            self._sinks.pop(sink.sock.fileno(), None)
+        self._sel_drop(sink.sock)
+        self._qp_to_error(sink.qp)
+        with contextlib.suppress(_pv.Error):
+            sink.qp.close()
+        sink.sock.close()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, *, deadline: Deadline | None = None) -> None:
+        deadline = deadline or Deadline.after(5.0)
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        if not first:
+            if self._cq_thread.is_alive() or self._cm_thread.is_alive():
+                self._join(deadline)
+            return
+        for p in peers:
+            self._fail_peer(p, TransportError("transport closed with the batch in flight", op="close", errno=errno_mod.ECANCELED))
+        self._join(deadline)
+        alive = [t.name for t in (self._cq_thread, self._cm_thread) if t.is_alive()]
+        if alive:
+            # the threads may still touch the CQs and QPs: leave the verbs objects alone rather than crash
+            raise TransportError(f"close: threads still running at the deadline: {alive}", op="close")
+        with self._lock:
+            sinks = list(self._sinks.values())
+            self._sinks.clear()
+            pending = list(self._cm_pending)
+            self._cm_pending.clear()
+        for sink in sinks:
+            self._qp_to_error(sink.qp)
+        errors = []
+        for sink in sinks:
+            try:
+                sink.qp.close()
+            except _pv.Error as ex:
+                errors.append(ex)
+            sink.sock.close()
+        for sock, _what in pending:
+            sock.close()
+        for region in self._regions.clear():
+            mr = self._mrs.pop(region.key, None)
+            self._owners.pop(region.key, None)
+            if mr is not None:
+                try:
+                    mr.close()
+                except _pv.Error as ex:
+                    errors.append(ex)
+        try:
+            self._owned.close()  # selector, wake pair, listener, sink CQ, PD, context (reverse order)
+        except _pv.Error as ex:
+            errors.append(ex)
+        if errors:
+            raise TransportError(f"close: freeing verbs resources failed: {errors[0]}", op="close", errno=_rdma_errno(errors[0]))
+
+    def _stop_threads(self) -> None:
+        self._stop.set()
+        with self._work:
+            self._work.notify_all()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _join(self, deadline: Deadline) -> None:
+        self._stop_threads()
+        me = threading.current_thread()
+        for t in (self._cq_thread, self._cm_thread):
+            if t is not me and t.ident is not None:
+                t.join(deadline.remaining())
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise TransportError("transport is closed", op=op)
+
+    @staticmethod
+    def _check_usable(p: _VerbsPeer) -> None:
+        if p.error is not None:
+            raise TransportError(f"peer is unusable until it is connected again: {p.error}", op="write", errno=p.error.errno)
+        if p.closed:
+            raise TransportError("peer is disconnected", op="write", errno=errno_mod.ENOTCONN)
+
+    def _own(self, peer: PeerHandle, op: str) -> _VerbsPeer:
+        if not isinstance(peer, _VerbsPeer) or self._peers.get(peer.id) is not peer:
+            if isinstance(peer, _VerbsPeer) and peer.closed:
+                return peer  # write() on it raises a clear "unusable" error; disconnect is idempotent
+            raise TransportError("not a peer of this transport", op=op)
+        return peer
+
+    def __repr__(self) -> str:
+        return f"<VerbsTransport {self.device} {self._hostport} regions={len(self._regions)} peers={len(self._peers)}>"
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Read exactly ``n`` bytes (the socket's timeout bounds each wait); EOF raises ``ConnectionResetError``."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError(errno_mod.ECONNRESET, "peer closed the connection during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def _closed_by_peer(sock: Any) -> bool:
+    """A liveness socket became readable: True if it reached EOF or broke (it never carries data)."""
+    try:
+        data = sock.recv(64)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    del data  # EOF, or a byte after the handshake, which breaks the protocol: either way the peer is gone
+    return True
