@@ -87,6 +87,9 @@ class Plan:
     #: each rank's result gets "pages": rid -> its page ids (prefill: source pages in hand-over order,
     #: decode: destination pages in announce order), so benchmarks can replay the same writes
     record_pages: bool = False
+    #: touch every page of each rank's cache before the rank reports ready, as a resident KV cache is;
+    #: otherwise the first write into each decode page also pays its page fault inside the timed run
+    prefault: bool = False
 
 
 def make_requests(n: int, *, seed: int = 0, max_pages: int = 16, prefill: int = 1, decode: int = 1) -> list[Request]:
@@ -137,7 +140,11 @@ def _join(store: str, rank: int, world: int) -> Any:
 
 
 def _cache(plan: Plan) -> list[np.ndarray]:
-    return [np.zeros(plan.num_pages * plan.page_bytes, np.uint8) for _ in range(plan.layers)]
+    bufs = [np.zeros(plan.num_pages * plan.page_bytes, np.uint8) for _ in range(plan.layers)]
+    if plan.prefault:
+        for buf in bufs:
+            buf.fill(0)
+    return bufs
 
 
 def _knobs(plan: Plan) -> dict[str, Any]:
