@@ -184,6 +184,8 @@ _OK, _WRONG_INSTANCE, _QP_FAILED = 0, 1, 2
 _IPV4_MAPPED = bytes(10) + b"\xff\xff"
 _HOP_LIMIT = 64
 _IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
+_SHALLOW = 4  # batches in flight up to which every batch end is signalled (lowest latency)
+_BATCHES_PER_SIGNAL = 8  # beyond that, one signalled batch end in this many
 
 
 def _wc_status_names() -> dict[int, str]:
@@ -371,6 +373,8 @@ class _VerbsPeer(PeerHandle):
     next_wr: int = 1
     retired: int = 0  # every wr_id <= retired has completed
     since_signal: int = 0
+    unsignalled_batches: int = 0
+    last_signalled: int = 0  # wr_id of the last signalled WR posted
     error: TransportError | None = None
     last_progress: float = 0.0
 
@@ -647,11 +651,10 @@ class VerbsTransport(Transport):
         deadline: Deadline | None = None,
     ) -> int:
         p = self._own(peer, "write")
-        arr = as_batch(batch)
         wrs: list[tuple[int, int, int, int, int]] = []
         remote = p.regions
         local = self._regions
-        for la, ra, n in arr.tolist():
+        for la, ra, n in _rows(batch):
             loc = local.find(la, n)
             if loc is None:
                 raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
@@ -694,17 +697,27 @@ class VerbsTransport(Transport):
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
         return self._queue.get(max_items, deadline)
 
-    def _post_locked(self, p: _VerbsPeer) -> TransportError | None:
-        """Post waiting WRs while the send queue has room (holding ``p.lock``); an error means: fail the peer."""
+    def _post_locked(self, p: _VerbsPeer, *, flush: bool = False) -> TransportError | None:
+        """Post waiting WRs while the send queue has room (holding ``p.lock``); an error means: fail the peer.
+
+        Signalling: a WR is signalled if the send queue is full after it, every ``max_send_wr // 4``-th
+        WR, and at a batch end while few batches are in flight (or every ``_BATCHES_PER_SIGNAL``-th
+        batch end when many are). A batch whose end is unsignalled completes when a later signalled
+        WR does (an RC queue completes in order); if nothing later is signalled, the completion
+        thread posts a signalled zero-length WRITE (``flush=True``) once the CQ has caught up.
+        """
         if p.qp is None or p.error is not None:
             return None
         room = self._max_send_wr - (p.next_wr - 1 - p.retired)
-        if room <= 0 or not p.unposted:
+        if room <= 0 or not (p.unposted or flush):
             return None
         e = _pv.e
         chain: list[Any] = []
         sge = p.sge
+        deep = len(p.inflight) > _SHALLOW
         try:
+            if flush and not p.unposted:
+                p.unposted.append(_Batch(0, [], None))  # a bare fence WR, owned by no batch
             while p.unposted and room > 0:
                 b = p.unposted[0]
                 items = b.wrs or [(0, 0, 0, 0, 0)]  # the fence: one zero-length WRITE
@@ -716,9 +729,17 @@ class VerbsTransport(Transport):
                     p.next_wr += 1
                     p.since_signal += 1
                     last = b.posted == len(items)
-                    signal = last or room == 0 or p.since_signal >= self._signal_every
+                    if last:
+                        p.unsignalled_batches += 1
+                    signal = (
+                        room == 0
+                        or p.since_signal >= self._signal_every
+                        or (last and (not deep or n == 0 or p.unsignalled_batches >= _BATCHES_PER_SIGNAL))
+                    )
                     if signal:
                         p.since_signal = 0
+                        p.unsignalled_batches = 0
+                        p.last_signalled = wr_id
                     sge.addr, sge.length, sge.lkey = la, n, lkey
                     wr = _pv.SendWR(
                         wr_id=wr_id,
@@ -737,10 +758,6 @@ class VerbsTransport(Transport):
                         b.last_wr = wr_id
                 if b.posted == len(items):
                     p.unposted.popleft()
-            # a signalled WR must end the chain: it is what frees the room for the rest
-            if not chain[-1].send_flags & e.IBV_SEND_SIGNALED:
-                chain[-1].send_flags = e.IBV_SEND_SIGNALED
-                p.since_signal = 0
             try:
                 p.qp.post_send(chain[0])
             except _pv.Error as ex:
@@ -803,6 +820,9 @@ class VerbsTransport(Transport):
                     if wc.status == e.IBV_WC_SUCCESS:
                         p.retired = max(p.retired, wc.wr_id)
                         continue
+                    if wc.status != e.IBV_WC_WR_FLUSH_ERR:
+                        # RC completes in order: every WR before the failing one has landed
+                        p.retired = max(p.retired, wc.wr_id - 1)
                     failure = self._wc_failure(p, wc.wr_id, wc.status, wc.vendor_err)
                     break
                 if wcs:
@@ -811,6 +831,8 @@ class VerbsTransport(Transport):
                     done.append(p.inflight.popleft())
                 if failure is None and p.unposted:
                     failure = self._post_locked(p)
+                if failure is None and p.inflight and not p.unposted and p.retired >= p.last_signalled:
+                    failure = self._post_locked(p, flush=True)  # the tail was unsignalled: make it complete
             for b in done:
                 self._deliver(p, b, None)
             if failure is not None:
@@ -1070,6 +1092,20 @@ class VerbsTransport(Transport):
 
     def __repr__(self) -> str:
         return f"<VerbsTransport {self.device} {self._hostport} regions={len(self._regions)} peers={len(self._peers)}>"
+
+
+def _rows(batch: Batch) -> list[tuple[int, int, int]] | list[list[int]]:
+    """The batch's ``(local, remote, length)`` rows; plain int triples skip numpy (cheaper per small batch)."""
+    if isinstance(batch, (list, tuple)):
+        try:
+            if all(
+                type(la) is int and type(ra) is int and type(n) is int and la >= 0 and ra >= 0 and n > 0
+                for la, ra, n in batch
+            ):
+                return list(batch)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            pass  # not triples: as_batch says what is wrong
+    return as_batch(batch).tolist()  # type: ignore[no-any-return]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
