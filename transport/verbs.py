@@ -441,6 +441,7 @@ class VerbsTransport(Transport):
         self._sinks: dict[int, _SinkConn] = {}  # fileno -> accepted source
         self._lock = threading.Lock()
         self._work = threading.Condition()  # wakes the completion thread
+        self._posts = 0  # bumped under _work by every write(): the completion thread waits for a change
         self._stop = threading.Event()
         self._closed = False
         self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
@@ -691,6 +692,7 @@ class VerbsTransport(Transport):
             self._fail_peer(p, failure)
         else:
             with self._work:
+                self._posts += 1
                 self._work.notify()
         return batch_id
 
@@ -781,6 +783,7 @@ class VerbsTransport(Transport):
                         self._work.wait(_IDLE_WAIT)
                     idle_polls = 0
                     continue
+                seen = self._posts
             progressed = False
             for p in active:
                 progressed |= self._reap(p)
@@ -799,8 +802,14 @@ class VerbsTransport(Transport):
                 idle_polls = 0
             else:
                 idle_polls += 1
-                # pyverbs 44 cannot wait for a completion event without holding the GIL: back off instead
-                time.sleep(0 if idle_polls < 8 else min(1e-3, 2e-5 * idle_polls))
+                # pyverbs 44 cannot wait for a completion event without holding the GIL: back off, but
+                # wake at once when a write posts (on soft-RoCE its completion is often there already)
+                if idle_polls < 8:
+                    time.sleep(0)
+                else:
+                    with self._work:
+                        if self._posts == seen and not self._stop.is_set():
+                            self._work.wait(min(1e-3, 2e-5 * idle_polls))
 
     def _reap(self, p: _VerbsPeer) -> bool:
         """Poll one peer's CQ; complete, fail and post as the completions say. True if it found any."""
