@@ -383,7 +383,7 @@ def _context() -> Any:
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
-    ctx.set_forkserver_preload(["pdcore.demo"])
+    ctx.set_forkserver_preload(["pdcore.demo", "pdcore.prefill", "pdcore.decode"])  # pdcore imports lazily
     return ctx
 
 
