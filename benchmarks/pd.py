@@ -33,7 +33,9 @@ replaying exactly the writes of the e2e run just before it: the plan records
 each request's source and destination pages (``Plan.record_pages``), and the
 floor posts, in the prefill's hand-over order, the same coalesced batches the
 prefill peer posts (``transport.plan.plan`` per request, one batch per
-request), pipelined up to the transport's in-flight bound. For 2P2D the
+request), pipelined up to the transport's in-flight bound (``benchmarks/transport.py``'s
+helpers time one repeated batch in one registered buffer, so the floor here
+has its own small source and sink). For 2P2D the
 floor is the two (prefill, decode) pairs in parallel, each its own source
 and sink process, timed from the first start to the last completion.
 ``ratio_e2e_vs_floor`` = e2e GB/s / floor GB/s (medians); the target is
@@ -54,11 +56,11 @@ copies.
 
 ``poll`` rows: the scheduler-thread cost of ``poll()`` with ``--poll-requests``
 (8,192) requests in flight: a ``PrefillPeer`` (capacity = that many, started
-against an in-process bootstrap server) holding them all, ~1% of them
-changing state every round (half get ``PEERS_CONNECTED``, those already
-bootstrapped get ``WRITES_LANDED``, i.e. a Bootstrapped or a Succeeded event
-each), finished requests replaced by new registrations between rounds (not
-timed). Beside it, in the same rounds and with the same workload, the bare
+against an in-process bootstrap server) holding them all, a rotating ~1% of
+them changing state every round, as the worker would make them
+(``PEERS_CONNECTED`` if not yet bootstrapped, else ``WRITES_LANDED``: a
+Bootstrapped or a Succeeded event each), finished requests replaced by new
+registrations between rounds (not timed). Beside it, in the same rounds and with the same workload, the bare
 agreement round (``Agreement.round`` on a bare ``StateTable`` of the same
 size); the two alternate which goes first. ``world`` 1 is in-process with
 ``replica=None``; ``world`` 2 is a 2-rank gloo replica in two processes, each
