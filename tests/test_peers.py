@@ -1,0 +1,175 @@
+"""The peers in one process (a prefill and a decode rank, real sockets and threads).
+
+The centre is fence before free (DESIGN §5, ``_spec``): a decode room whose
+pages were announced is reported ``Failed`` (its pages handed back to the
+scheduler) only once prefill acknowledged that no write to it is in flight.
+Prefill's writes are held in flight here by wrapping its transport's
+``write``, so the window in which a wrong peer would free too early stays
+open for as long as the test looks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pdcore._spec import State
+from pdcore.errors import PdError
+from pd_pair import Pair, frames_in, through_worker, token
+
+
+@pytest.fixture
+def make_pair() -> Any:
+    pairs: list[Pair] = []
+
+    def make(**knobs: Any) -> Pair:
+        pairs.append(Pair(**knobs))
+        return pairs[-1]
+
+    yield make
+    for pair in pairs:
+        pair.close()
+
+
+def _hold_writes(peer: Any, rid: str | None = None) -> tuple[list[tuple[Any, ...]], Any]:
+    """Make ``peer``'s transport keep the batches posted for ``rid`` (None: all) in flight.
+
+    Returns (held, release). A prefill batch's completion callback is bound to its room's entry,
+    which names the rid; other batches go through.
+    """
+    transport = peer._transport
+    real = transport.write
+    held: list[tuple[Any, ...]] = []
+
+    def write(handle: Any, batch: Any, on_done: Any = None, *, deadline: Any = None) -> int:
+        entry = getattr(on_done, "args", (None,))[0]
+        if rid is not None and getattr(entry, "rid", None) != rid:
+            return real(handle, batch, on_done, deadline=deadline)
+        held.append((handle, batch, on_done, deadline))
+        return -len(held)
+
+    transport.write = write
+
+    def release() -> None:
+        del transport.write  # back to the class's method
+        for handle, batch, on_done, deadline in held:
+            real(handle, batch, on_done, deadline=deadline)
+
+    return held, release
+
+
+def _failed(peer: Any, rid: str) -> bool:
+    """The room failed on this rank (and is still tracked: its end not yet reported)."""
+    try:
+        return peer._table.state(rid) == State.FAILED
+    except PdError:
+        return False
+
+
+def test_requests_move_and_land_intact(make_pair: Any) -> None:
+    pair = make_pair()
+    rids = [f"r{i}" for i in range(8)]
+    for i, rid in enumerate(rids):
+        pair.register(rid, room=1000 + i)
+    pair.drive(rids)
+    for rid in rids:
+        assert pair.ended("prefill", rid) == "Succeeded" and pair.ended("decode", rid) == "RemotePrefillDone"
+        assert pair.events["decode"].index(("Bootstrapped", rid)) < pair.events["decode"].index(("RemotePrefillDone", rid))
+        assert pair.landed_intact(rid), rid
+        remote = pair.landed[rid]
+        assert (remote.bootstrap_token, remote.cached_tokens, remote.bootstrap_logprob) == (token(rid), 1, -0.5)
+    assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
+
+
+@pytest.mark.parametrize("how", ["decode-abort", "decode-timeout", "prefill-abort"])
+def test_decode_frees_announced_pages_only_after_prefill_drained(make_pair: Any, how: str) -> None:
+    """While a prefill write to the room is in flight, no side reports the room Failed; once it
+    drains, prefill acknowledges, both fail it, and the write landed before decode let go."""
+    timeout = 1.0 if how == "decode-timeout" else 30.0
+    pair = make_pair(decode={"waiting_timeout": timeout})
+    rid, room = "victim", 4242
+    bystander = "bystander"
+    pair.register(rid, room)
+    pair.pump(lambda: pair.seen("decode", "Bootstrapped", rid), "decode to bootstrap")
+    pair.announce(rid)
+    pair.pump(lambda: pair.seen("prefill", "Bootstrapped", rid), "prefill to hear the announcement")
+    held, release = _hold_writes(pair.prefill, rid)
+    pair.send(rid)
+    pair.pump(lambda: bool(held), "prefill to post its writes")
+
+    if how == "decode-abort":
+        pair.decode.abort_room(rid, room)
+    elif how == "prefill-abort":
+        pair.prefill.abort_room(rid, room)
+    entry = pair.prefill._by_rid[rid]
+    # decode failed the room and asked prefill to stop; prefill failed it too but owes the
+    # acknowledgement until its write drains
+    pair.pump(lambda: bool(pair.ended("decode", rid)) or (_failed(pair.decode, rid) and bool(entry.ack_to)),
+              "decode's abort to reach prefill", timeout=timeout + 15)
+    assert not pair.ended("decode", rid), "decode freed the pages while a prefill write was in flight"
+    assert _failed(pair.prefill, rid)
+    # Anything prefill sent about the room by now has reached decode's worker: the marker passes
+    # prefill's worker, then 3 frames (heartbeats, one every 50 ms, same FIFO socket) reach decode,
+    # then a marker passes decode's worker.
+    through_worker(pair.prefill)
+    frames_in(pair.decode, 3, "prefill's heartbeats")
+    through_worker(pair.decode)
+    pair.rounds(3)
+    assert not pair.ended("decode", rid), "decode freed the pages while a prefill write was in flight"
+    assert not pair.ended("prefill", rid), "prefill reported the room ended with its write in flight"
+    assert pair.decode.has_in_flight() and pair.prefill.has_in_flight()
+    # other rooms are not held up by the fence
+    pair.register(bystander, room + 1)
+    pair.drive([bystander])
+    assert pair.ended("decode", bystander) == "RemotePrefillDone" and pair.landed_intact(bystander)
+    assert not pair.ended("decode", rid)
+
+    release()
+    pair.pump(lambda: bool(pair.ended("decode", rid)) and bool(pair.ended("prefill", rid)), "both sides to end the room")
+    assert pair.ended("decode", rid) == "Failed" and pair.ended("prefill", rid) == "Failed"
+    # the held write completed before decode reported Failed: its bytes are in the pages
+    assert pair.landed_intact(rid)
+    assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
+
+
+def test_decode_abort_before_any_write_is_acknowledged_at_once(make_pair: Any) -> None:
+    """Nothing in flight: prefill acknowledges at once and both sides fail the room (no fence wait)."""
+    pair = make_pair()
+    rid, room = "early", 77
+    pair.register(rid, room)
+    pair.pump(lambda: pair.seen("decode", "Bootstrapped", rid), "decode to bootstrap")
+    pair.announce(rid)
+    pair.pump(lambda: pair.seen("prefill", "Bootstrapped", rid), "prefill to hear the announcement")
+    pair.decode.abort_room(rid, room)
+    pair.pump(lambda: bool(pair.ended("decode", rid)) and bool(pair.ended("prefill", rid)), "both sides to fail it")
+    assert pair.ended("decode", rid) == "Failed" and pair.ended("prefill", rid) == "Failed"
+    # a late hand-over of the ended room posts nothing
+    held, release = _hold_writes(pair.prefill)
+    pair.outbox.send(rid, pair.pages(rid, "prefill"), token(rid))
+    through_worker(pair.prefill)
+    assert held == []
+    release()
+    assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
+
+
+def test_prefill_abort_of_an_unregistered_room_answers_the_later_announcement(make_pair: Any) -> None:
+    pair = make_pair()
+    rid, room = "never", 99
+    pair.register(rid, room, prefill=False)
+    pair.prefill.abort_room(rid, room)
+    through_worker(pair.prefill)  # the tombstone is in place
+    pair.pump(lambda: pair.seen("decode", "Bootstrapped", rid), "decode to bootstrap")
+    pair.announce(rid)
+    pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to hear of the abort")
+    assert pair.ended("decode", rid) == "Failed"
+    assert len(pair.prefill._tombstones) == 1 and not pair.prefill._pending
+
+
+def test_tombstones_expire_after_their_ttl(make_pair: Any) -> None:
+    pair = make_pair(prefill={"tombstone_ttl": 0.3})
+    for i in range(5):
+        pair.prefill.abort_room(f"gone{i}", 500 + i)
+    through_worker(pair.prefill)
+    assert len(pair.prefill._tombstones) == 5
+    pair.pump(lambda: len(pair.prefill._tombstones) == 0, "the tombstones to expire", timeout=5.0)
