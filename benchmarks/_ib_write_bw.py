@@ -55,16 +55,21 @@ def _listening(port: int) -> bool:
 
 
 def _parse_bw_average(out: str) -> float:
-    """The ``BW average[Gb/sec]`` column of perftest's result row."""
+    """The ``BW average`` column of perftest's result row, in Gbit/s (from MB/sec = 2**20 B/s, or Gb/sec)."""
     lines = out.splitlines()
     for i, line in enumerate(lines):
         if "BW average" in line:
             head = [t for t in line.replace("#", " ").split() if t != "BW"]  # "BW peak[..]" is one column
-            col = next((i for i, t in enumerate(head) if t.startswith("average[")), 3)
+            col = next((k for k, t in enumerate(head) if t.startswith("average[")), 3)
+            unit = head[col] if col < len(head) else "average[MB/sec]"
             for row in lines[i + 1 :]:
                 cells = row.split()
                 if len(cells) > col and cells[0].isdigit():
-                    return float(cells[col])
+                    value = float(cells[col])
+                    gbits = value if "Gb/sec" in unit else value * 2**20 * 8 / 1e9
+                    if gbits <= 0:
+                        raise RuntimeError(f"ib_write_bw reported no bandwidth:\n{out}")
+                    return gbits
     raise RuntimeError(f"no 'BW average' row in ib_write_bw output:\n{out}")
 
 
@@ -78,7 +83,7 @@ def measure(device: str, size: int, iters: int, *, gid_index: int | None = None,
         ib_port = port if ib_port is None else ib_port
     tcp_port = _free_port()
     common = [_BIN, "-d", device, "-i", str(ib_port), "-x", str(gid_index), "-s", str(size), "-n", str(iters),
-              "-p", str(tcp_port), "-F", "--report_gbits"]
+              "-p", str(tcp_port), "-F"]  # MB/sec: two decimals of MB/s keep small rates nonzero
     deadline = time.monotonic() + timeout
     server = subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -540,8 +540,8 @@ class VerbsTransport(Transport):
 
     # ------------------------------------------------------------------ QPs
 
-    def _make_qp(self, cq: Any) -> Any:
-        cap = _pv.QPCap(max_send_wr=self._max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+    def _make_qp(self, cq: Any, send_wr: int) -> Any:
+        cap = _pv.QPCap(max_send_wr=send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
         init = _pv.QPInitAttr(qp_type=_pv.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
         return _pv.QP(self._pd, init)
 
@@ -590,7 +590,7 @@ class VerbsTransport(Transport):
             try:
                 cq = _pv.CQ(self._ctx, self._max_send_wr + 16)
                 stack.callback(cq.close)
-                qp = self._make_qp(cq)
+                qp = self._make_qp(cq, self._max_send_wr)
                 stack.callback(qp.close)
             except _pv.Error as ex:
                 raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
@@ -979,7 +979,7 @@ class VerbsTransport(Transport):
             path_mtu = min(mtu, self._dev.mtu)
             qp = None
             try:
-                qp = self._make_qp(self._sink_cq)
+                qp = self._make_qp(self._sink_cq, 1)  # a sink QP only answers; it posts nothing
                 self._to_rts(qp, rqpn=qpn, rpsn=psn, lpsn=mypsn, gid=gid, lid=lid, mtu=path_mtu)
             except _pv.Error as ex:
                 if qp is not None:
