@@ -196,6 +196,7 @@ class ControlChannel:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._senders: dict[bytes, str] = {}  # routing ids already validated (checked once, not per frame)
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -425,10 +426,17 @@ class ControlChannel:
             raise RemoteProtocolError(f"frame: expected one frame per message, got {len(parts) - 1}", rooms=rooms)
         ident, data = parts
         msg = wire.decode(data)
-        try:
-            sender = wire.check_endpoint(ident.decode("ascii"), "sender")
-        except (UnicodeDecodeError, LocalProtocolError) as e:
-            raise RemoteProtocolError(f"sender: routing id is not a control endpoint: {e}", rooms=wire.rooms_of(msg))
+        sender = self._senders.get(ident)
+        if sender is None:
+            try:
+                sender = wire.check_endpoint(ident.decode("ascii"), "sender")
+            except (UnicodeDecodeError, LocalProtocolError) as e:
+                raise RemoteProtocolError(
+                    f"sender: routing id is not a control endpoint: {e}", rooms=wire.rooms_of(msg)
+                ) from None
+            if len(self._senders) >= 2 * self._max_peers:  # bounded: forget them all, they re-validate
+                self._senders.clear()
+            self._senders[ident] = sender
         now = time.monotonic()
         if isinstance(msg, (wire.Heartbeat, wire.Register)):
             for dead in self._liveness.introduced(sender, msg.session_id, msg.epoch, now):

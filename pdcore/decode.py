@@ -92,10 +92,30 @@ class DecodePeer(PeerBase):
             self._table.register(rid, time.monotonic())
             request = _Request(rid, bootstrap.room, (bootstrap.host, bootstrap.port))
             self._requests[rid] = request
+        source = self._known_source(request)
+        if source is not None:  # the common case: a deployment we already talk to
+            self._connected(request, source)
+            return
         try:
             self._submit(self._bootstrap, request)
         except PdError as e:
             self._fire(rid, Trigger.FAIL, str(e))
+
+    def _known_source(self, request: _Request) -> str | None:
+        """The paired prefill rank if it is cached and already has our Register; never does I/O."""
+        deployment = self._deployments.get(request.server)
+        info = deployment.info if deployment is not None else None
+        ranks = deployment.ranks if deployment is not None else None
+        if info is None or not info.complete or ranks is None:
+            return None
+        source = ranks.get((request.room % info.dp_size, self._config.tp_rank))
+        return source if source in self._registered else None
+
+    def _connected(self, request: _Request, source: str) -> None:
+        with self._lock:
+            request.source = source
+            self._by_source[(source, request.room)] = request
+        self._fire(request.rid, Trigger.PEERS_CONNECTED)
 
     def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
         """Prefill role only: usage travels from prefill to decode. Here it changes nothing."""
@@ -104,11 +124,6 @@ class DecodePeer(PeerBase):
         """Fail ``rid`` now (its prefill rank is told, and the pages wait for the fence)."""
         self._fire(rid, Trigger.ABORT, f"aborted by the decode scheduler (room {room})")
 
-    def _announce(self, rid: str, page_ids: tuple[int, ...], request_pool_index: int) -> None:
-        try:
-            self._submit(self._send_announce, rid, page_ids, request_pool_index)
-        except PdError as e:
-            self._fire(rid, Trigger.FAIL, str(e))
 
     # -- worker: bootstrap ------------------------------------------------------------------
 
@@ -142,10 +157,7 @@ class DecodePeer(PeerBase):
                 ),
             )
             self._registered.add(source)
-        with self._lock:
-            request.source = source
-            self._by_source[(source, request.room)] = request
-        self._fire(request.rid, Trigger.PEERS_CONNECTED)
+        self._connected(request, source)
 
     def _find_source(self, request: _Request) -> str | None:
         """The control endpoint of the prefill rank that pairs with this one for ``request``."""
@@ -175,9 +187,10 @@ class DecodePeer(PeerBase):
             deployment.ranks[key] = rank.endpoint
         return deployment.ranks[key]
 
-    # -- worker: announcing ------------------------------------------------------------------
+    # -- announcing ------------------------------------------------------------------------
 
-    def _send_announce(self, rid: str, page_ids: tuple[int, ...], request_pool_index: int) -> None:
+    def _announce(self, rid: str, page_ids: tuple[int, ...], request_pool_index: int) -> None:
+        """On the caller's thread: a table update and a queued frame, nothing that waits."""
         request = self._requests.get(rid)
         if request is None:
             return
@@ -322,10 +335,10 @@ class DecodeInbox:
         The pages belong to the transfer until the request's ``RemotePrefillDone``
         or ``Failed`` event.
         """
-        pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        pages = tuple(map(int, page_ids.tolist() if isinstance(page_ids, np.ndarray) else page_ids))
         num_pages = self._peer._config.num_pages
-        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        if pages and (min(pages) < 0 or max(pages) >= num_pages):
             raise LocalProtocolError(f"announce({rid!r}): page ids must be in 0..{num_pages - 1}")
         if request_pool_index < 0:
             raise LocalProtocolError(f"announce({rid!r}): request_pool_index {request_pool_index} is negative")
-        self._peer._announce(rid, tuple(int(p) for p in pages), int(request_pool_index))
+        self._peer._announce(rid, pages, int(request_pool_index))

@@ -32,7 +32,7 @@ from .bootstrap import BootstrapClient, RankRegistration
 from .config import PrefillConfig
 from .control import DeadPeer
 from .deadline import Deadline, DeadlineExceeded
-from .errors import LocalProtocolError, PdError, StartError
+from .errors import CapacityError, LocalProtocolError, PdError, StartError
 from .events import BootstrapInfo, Event, Failed, Succeeded
 
 __all__ = ["PrefillPeer", "PrefillOutbox"]
@@ -171,7 +171,9 @@ class PrefillPeer(PeerBase):
     # -- the outbox's call ------------------------------------------------------------------
 
     def _hand_over(self, rid: str, page_ids: np.ndarray, first_token: int, candidates: tuple[int, ...] | None) -> None:
-        self._submit_or_fail(rid, self._send, rid, page_ids, first_token, candidates)
+        """Post on the caller's thread when the transport has room; else the worker waits for room."""
+        if not self._send(rid, page_ids, first_token, candidates, wait=False):
+            self._submit_or_fail(rid, self._send, rid, page_ids, first_token, candidates)
 
     def _submit_or_fail(self, rid: str, fn: Any, *args: Any) -> None:
         try:
@@ -269,36 +271,57 @@ class PrefillPeer(PeerBase):
 
     # -- worker: sending --------------------------------------------------------------------
 
-    def _send(self, rid: str, page_ids: np.ndarray, first_token: int, candidates: tuple[int, ...] | None) -> None:
+    def _send(
+        self,
+        rid: str,
+        page_ids: np.ndarray,
+        first_token: int,
+        candidates: tuple[int, ...] | None,
+        wait: bool = True,
+    ) -> bool:
+        """Plan and post ``rid``'s writes; False only when not ``wait``-ing and the peer is at its bound.
+
+        The worker waits (up to ``fence_timeout``) for room; the outbox's caller never does.
+        """
         with self._lock:
             entry = self._by_rid.get(rid)
         if entry is None:
-            return  # the request ended meanwhile
+            return True  # the request ended meanwhile
         sink = self._sinks.get(entry.dst) if entry.dst else None
         if sink is None or sink.handle is None:
             self._fail(entry, "pages handed over before a decode rank announced the room")
-            return
-        dst = np.asarray(entry.dst_pages, dtype=np.int64)
+            return True
+        dst = entry.dst_pages
         if len(page_ids) < len(dst):
             self._fail(entry, f"decode announced {len(dst)} pages, prefill handed over only {len(page_ids)}")
-            return
+            return True
         try:  # decode may hold a prefix already: write the tail
             batch = plan(self._layout, sink.layout, page_ids[len(page_ids) - len(dst) :], dst)
         except PlanError as e:
             self._fail(entry, f"cannot plan the transfer: {e}")
-            return
+            return True
         if self._fire(rid, Trigger.WRITES_POSTED) in (None, State.FAILED):
-            return  # failed meanwhile: post nothing
+            return True  # failed meanwhile: post nothing
         with self._lock:
             entry.inflight += 1
         done = functools.partial(self._landed, entry, first_token, candidates)
         try:
-            self._transport.write(sink.handle, batch, done, deadline=Deadline.after(self._config.fence_timeout))
+            self._transport.write(
+                sink.handle, batch, done, deadline=Deadline.after(self._config.fence_timeout) if wait else None
+            )
+        except CapacityError:
+            with self._lock:
+                entry.inflight -= 1
+            if not wait:
+                return False  # the worker posts it, waiting for room
+            self._fail(entry, f"the transport had no room for {self._config.fence_timeout:g} s")
+            self._drained(entry)
         except PdError as e:
             with self._lock:
                 entry.inflight -= 1
             self._fail(entry, f"posting the writes failed: {e}")
             self._drained(entry)
+        return True
 
     def _landed(self, entry: _Room, first_token: int, candidates: tuple[int, ...] | None, _batch: int, error: Any) -> None:
         """Transport thread: the batch completed. Only table updates and queued frames here."""
@@ -437,7 +460,7 @@ class PrefillOutbox:
         Never blocks; the pages must stay unchanged until the request's
         ``Succeeded`` or ``Failed`` event.
         """
-        pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        pages = page_ids if isinstance(page_ids, np.ndarray) else np.fromiter(page_ids, np.int64)
         if first_token < 0:
             raise LocalProtocolError(f"send({rid!r}): first_token {first_token} is negative")
         candidates = None if spec_candidate_ids is None else tuple(int(c) for c in spec_candidate_ids)
