@@ -58,7 +58,7 @@ log "pytest exited $rc after $((SECONDS - t0))s"
 
 # Benchmark (prints; never fails the step). Quick by default: ib_write_bw (the floor) and the verbs
 # transport on the same device, 1000 x 64 KiB each, ~30 s under TCG. PDCORE_RDMA_BENCH=full runs
-# benchmarks/transport.py --transport verbs --quick as well (several minutes under TCG).
+# benchmarks/transport.py --transport verbs --quick as well (~6 min under TCG: too long for every run).
 bench=${PDCORE_RDMA_BENCH:-quick}
 if [[ $bench != 0 ]]; then
     t0=$SECONDS
