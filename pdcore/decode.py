@@ -248,6 +248,19 @@ class DecodePeer(PeerBase):
         except PdError as e:
             log.warning("decode peer: cannot ask %s to stop room %d: %s", request.source, request.room, e)
 
+    def _abort_unannounced(self, request: _Request) -> None:
+        """A room that failed here before its pages were announced armed no fence, so no ``Abort``
+        went to its prefill rank: tell it (best effort), or its room waits there for its bootstrap
+        timer. Prefill answers with an ``AbortAck`` for a room this rank no longer tracks (ignored)."""
+        if request.source not in self._registered:  # lost, or never sent our Register
+            return
+        try:
+            self._channel.send(
+                request.source, wire.Abort(room=request.room, reason="failed on the decode replica before announcing")
+            )
+        except PdError as e:
+            log.debug("decode peer: cannot tell %s that room %d failed: %s", request.source, request.room, e)
+
     # -- failures from outside -------------------------------------------------------------------
 
     def _peer_lost(self, dead: DeadPeer) -> None:
@@ -306,6 +319,8 @@ class DecodePeer(PeerBase):
                     self._waiting.pop(event.rid, None)
                     if request.source is not None:
                         self._by_source.pop((request.source, request.room), None)
+                if isinstance(event, Failed) and request.source is not None and request.fence_until is None:
+                    self._abort_unannounced(request)
                 if isinstance(event, Succeeded):
                     landed = request.landed
                     assert landed is not None and landed.first_token is not None  # checked when it arrived
