@@ -73,6 +73,7 @@ class Pair:
         self.landed: dict[str, Any] = {}
         self.rooms: dict[str, int] = {}
         self._slot: dict[str, int] = {}
+        self._acted: dict[str, set[str]] = {"prefill": set(), "decode": set()}  # announced / sent
 
     # -- the schedulers ----------------------------------------------------------------------
 
@@ -93,9 +94,11 @@ class Pair:
         return list(range(first, first + PAGES_PER_REQUEST))
 
     def announce(self, rid: str) -> None:
+        self._acted["decode"].add(rid)
         self.inbox.announce(rid, self.pages(rid, "decode"), request_pool_index=self._slot[rid])
 
     def send(self, rid: str) -> None:
+        self._acted["prefill"].add(rid)
         pages = self.pages(rid, "prefill")
         for layer, buf in enumerate(self.p_cache):
             buf.reshape(PAGES, PAGE)[pages] = np.roll(data(rid), layer).reshape(PAGES_PER_REQUEST, PAGE)
@@ -149,6 +152,10 @@ class Pair:
                 elif event.rid not in held:
                     self.send(event.rid)
 
+        for side in ("decode", "prefill"):  # what was Bootstrapped before, while nobody acted
+            for rid in sorted(wanted):
+                if self.seen(side, "Bootstrapped", rid) and not self.ended(side, rid) and rid not in self._acted[side]:
+                    act(side, Bootstrapped(rid))
         self.on_event = act  # type: ignore[method-assign]
         try:
             self.pump(lambda: all(self.ended(side, rid) for side in self.events for rid in wanted),

@@ -173,3 +173,18 @@ def test_tombstones_expire_after_their_ttl(make_pair: Any) -> None:
     through_worker(pair.prefill)
     assert len(pair.prefill._tombstones) == 5
     pair.pump(lambda: len(pair.prefill._tombstones) == 0, "the tombstones to expire", timeout=5.0)
+
+
+def test_decode_failure_before_announcing_is_heard_by_prefill(make_pair: Any) -> None:
+    """Decode knows the room's prefill rank once it is Bootstrapped; if the room fails there before
+    its pages were announced (no fence, so no fence's Abort), prefill must still hear of it rather
+    than hold the room until its own bootstrap timer (30 s here, beyond the wait)."""
+    pair = make_pair()
+    rid, room = "unannounced", 31337
+    pair.register(rid, room)
+    pair.pump(lambda: pair.seen("decode", "Bootstrapped", rid), "decode to bootstrap")
+    pair.decode.abort_room(rid, room)
+    pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room")
+    pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to hear that decode failed the room", timeout=10.0)
+    assert pair.ended("prefill", rid) == "Failed"
+    assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()

@@ -1,0 +1,206 @@
+"""Bad input from outside, sent to running peers and a running bootstrap server.
+
+Control frames go in through a raw ZeroMQ DEALER to a peer's control port (the
+way a broken or hostile peer would send them); HTTP garbage goes in through a
+raw socket to the bootstrap server. Each must get a clear error (a counter, a
+status code and a message naming the problem), lose nothing else: every thread
+stays alive, only a room a bad frame names fails, and the transfers around it
+complete with every byte.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from pdcore import wire
+from pdcore.bootstrap import BootstrapClient
+from pdcore.deadline import Deadline
+from pd_pair import Pair, through_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+HEADER = wire.MAGIC + bytes([wire.PROTOCOL_VERSION])
+FAKE_PEER = "tcp://127.0.0.1:9"  # a well-formed endpoint nobody listens on
+
+
+@pytest.fixture
+def pair() -> Any:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def _body(**fields: Any) -> bytes:
+    return msgspec.msgpack.encode(fields)
+
+
+def _bad_frames(live_room: int) -> list[tuple[str, list[bytes], tuple[int, ...]]]:
+    """(what, zmq parts, rooms the frame names) for each malformed or foreign frame."""
+    good = wire.encode(wire.Abort(room=123456789, reason="x"))
+    return [
+        ("not a pdcore frame", [b"GET / HTTP/1.1\r\n\r\n"], ()),
+        ("header only, truncated", [b"pd"], ()),
+        ("empty frame", [b""], ()),
+        ("protocol version 2", [wire.MAGIC + b"\x02" + good[3:]], (123456789,)),
+        ("version 0 naming a room", [wire.MAGIC + b"\x00" + _body(type="abort", room=987654321)], (987654321,)),
+        ("body not msgpack", [HEADER + b"\xc1\xc1\xc1"], ()),
+        ("unknown message type", [HEADER + _body(type="shutdown", room=5)], (5,)),
+        ("room of the wrong type", [HEADER + _body(type="abort", room="five")], ()),
+        ("negative room", [HEADER + _body(type="abort", room=-1)], ()),
+        ("unknown field", [HEADER + _body(type="abort", room=11, reason="", extra=1)], (11,)),
+        ("status state out of range", [HEADER + _body(type="status", room=12, state=9, rank=0)], (12,)),
+        ("two frames in one message", [good, good], (123456789,)),
+        # an announcement naming a live room, with a page twice: that room (and only it) fails
+        ("announce with a duplicate page", [HEADER + _body(type="announce", room=live_room, session_id="s", epoch=1,
+                                                          page_ids=[1, 1], request_pool_index=0)], (live_room,)),
+    ]
+
+
+def _dealer(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def _wait(cond: Any, what: str, pair: Pair, timeout: float = 15.0) -> None:
+    pair.pump(cond, what, timeout)
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_malformed_control_frames_fail_only_what_they_name(pair: Pair, side: str) -> None:
+    rids = [f"ok{i}" for i in range(6)]
+    victim = "victim"
+    for i, rid in enumerate(rids):
+        pair.register(rid, room=2000 + i)
+    pair.register(victim, room=2999)
+    pair.pump(lambda: all(pair.seen("decode", "Bootstrapped", rid) for rid in [*rids, victim]), "decode to bootstrap")
+    peer = getattr(pair, side)
+    before = (peer._channel.stats.protocol_errors, peer.stats["protocol_errors"])
+    frames = _bad_frames(live_room=2999)
+    if side == "decode":  # decode takes no announcements: a bad status for its live room instead
+        frames[-1] = ("status naming a live room, state out of range",
+                      [HEADER + _body(type="status", room=2999, state=17, rank=0)], (2999,))
+    ctx = zmq.Context()
+    try:
+        sock = _dealer(ctx, peer.control_endpoint, FAKE_PEER.encode())
+        for _, parts, _ in frames:
+            sock.send_multipart(parts)
+        # a sender whose routing id is no control endpoint: refused, naming the sender
+        junk = _dealer(ctx, peer.control_endpoint, b"\xffnot an endpoint")
+        junk.send(wire.encode(wire.Abort(room=2998, reason="spoof")))
+        expected = len(frames) + 1
+        _wait(lambda: peer._channel.stats.protocol_errors - before[0] >= expected, "every bad frame counted", pair)
+        # ... while a real transfer runs on the same peers
+        pair.drive(rids)
+    finally:
+        ctx.destroy(linger=0)
+    assert peer._channel.stats.protocol_errors - before[0] == expected
+    assert peer._channel.stats.internal_errors == 0 and peer._channel.stats.callback_errors == 0
+    naming = sum(1 for _, _, rooms in frames if rooms) + 1  # + the spoofed sender's
+    assert peer.stats["protocol_errors"] - before[1] == naming, "each frame naming a room reaches the peer once"
+    assert peer.stats["work_errors"] == 0
+    # the named live room failed (on both sides: the other peer hears of it); nothing else did
+    pair.drive([victim], hold=[victim], timeout=10.0)  # prefill's own timers are 30 s away
+    assert pair.ended("prefill", victim) == "Failed" and pair.ended("decode", victim) == "Failed"
+    for rid in rids:
+        assert pair.ended("prefill", rid) == "Succeeded" and pair.ended("decode", rid) == "RemotePrefillDone"
+        assert pair.landed_intact(rid), rid
+    # every thread is alive and the peer still serves: a new request goes through
+    for p in (pair.prefill, pair.decode):
+        assert p._thread.is_alive() and p._channel._thread.is_alive()
+    pair.register("after", room=3000)
+    pair.drive(["after"])
+    assert pair.ended("decode", "after") == "RemotePrefillDone" and pair.landed_intact("after")
+
+
+def _http(port: int, raw: bytes, *, half_close: bool = True) -> tuple[int | None, dict[str, Any] | None]:
+    """Send raw bytes, read the answer to the end (bounded); (status, JSON body) or (None, None)."""
+    deadline = Deadline.after(10.0)
+    with socket.create_connection(("127.0.0.1", port), timeout=10.0) as sock:
+        sock.sendall(raw)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while not deadline.expired():
+            sock.settimeout(max(0.01, deadline.remaining()))
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    data = b"".join(chunks)
+    if not data:
+        return None, None
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body) if body else None
+
+
+def _registration(pair: Pair, **changes: Any) -> bytes:
+    reg = {
+        "session_id": "intruder", "epoch": 1, "endpoint": "tcp://127.0.0.1:9", "tp_size": 1, "dp_size": 1,
+        "tp_rank": 0, "dp_rank": 0, "layout": {"page_bytes": [4096, 4096], "num_pages": 64},
+    }
+    reg.update(changes)
+    return json.dumps(reg).encode()
+
+
+def test_garbage_http_to_the_bootstrap_server_gets_clear_errors(pair: Pair) -> None:
+    port = pair.port
+    endpoint = pair.prefill.control_endpoint
+
+    def put(body: bytes) -> bytes:
+        return b"PUT /v1/ranks HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    cases: list[tuple[str, bytes, int, str]] = [
+        ("binary junk", b"\x00\x01\x02\xff\xfe garbage\r\n\r\n", 400, ""),
+        ("unknown path", b"GET /v2/everything HTTP/1.0\r\n\r\n", 404, "path"),
+        ("rank path not numbers", b"GET /v1/ranks/x/0 HTTP/1.0\r\n\r\n", 400, ""),
+        ("unknown rank", b"GET /v1/ranks/0/7 HTTP/1.0\r\n\r\n", 404, "no rank"),
+        ("wrong method", b"DELETE /v1/ranks HTTP/1.0\r\n\r\n", 405, "method"),
+        ("no Content-Length", b"PUT /v1/ranks HTTP/1.0\r\n\r\n", 411, "Content-Length"),
+        ("Content-Length not a number", b"PUT /v1/ranks HTTP/1.0\r\nContent-Length: ten\r\n\r\n", 400, "Content-Length"),
+        ("body over the cap", b"PUT /v1/ranks HTTP/1.0\r\nContent-Length: 99999999\r\n\r\n", 413, "Content-Length"),
+        ("short body", b"PUT /v1/ranks HTTP/1.0\r\nContent-Length: 100\r\n\r\n{", 400, "body"),
+        ("body not JSON", put(b"{not json"), 400, ""),
+        ("registration missing a field", put(b'{"session_id": "x"}'), 400, ""),
+        ("registration with a bad endpoint", put(_registration(pair, endpoint="http://evil")), 400, "endpoint"),
+        # a well-formed registration that contradicts the registered rank's slot (tp size): refused
+        ("conflicting replica shape", put(_registration(pair, tp_size=2, tp_rank=1)), 409, ""),
+        ("another session in a taken slot", put(_registration(pair)), 409, ""),
+    ]
+    for what, raw, status, word in cases:
+        got, body = _http(port, raw)
+        assert got == status, f"{what}: expected {status}, got {got} ({body})"
+        assert body is not None and body.get("status") == status and body.get("error"), f"{what}: no error text"
+        assert word.lower() in body["error"].lower(), f"{what}: {body['error']!r} does not name {word!r}"
+    # a request cut in the middle and a connection that says nothing: answered or dropped, no harm
+    got, _ = _http(port, b"GET /heal")
+    assert got in (None, 400, 404), got
+    with socket.create_connection(("127.0.0.1", port), timeout=5.0):
+        pass
+    # the server still serves, the registry is untouched, its thread is alive
+    client = BootstrapClient("127.0.0.1", port)
+    assert client.health(Deadline.after(5.0))
+    info = client.parallel_info(Deadline.after(5.0))
+    assert info is not None and (info.tp_size, info.dp_size) == (1, 1)
+    rank = client.rank(0, 0, Deadline.after(5.0))
+    assert rank is not None and rank.endpoint == endpoint
+    assert pair.server._thread.is_alive()
+    # and transfers that look the prefill rank up afresh go through
+    rids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        pair.register(rid, room=4000 + i)
+    pair.drive(rids)
+    assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
+    through_worker(pair.decode)
