@@ -295,6 +295,8 @@ class PeerBase:
             self._rooms_failed(rooms, reason)
 
     def _on_peer_dead(self, dead: DeadPeer) -> None:
+        if self._stop.is_set():
+            return  # closing: nothing left to fail
         try:
             self._submit(self._peer_lost, dead)
         except PdError:
