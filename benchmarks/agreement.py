@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 SIZES = (64, 1024, 8192)
@@ -59,7 +60,7 @@ def _sync(group, world: int) -> None:
         dist.barrier(group=group)
 
 
-def bench_library(n: int, rounds: int, group, world: int) -> list[float]:
+def library_rounds(n: int, group, world: int) -> Iterator[float]:
     from pdcore._spec import Trigger
     from pdcore.agreement import Agreement
     from pdcore.table import StateTable
@@ -73,9 +74,8 @@ def bench_library(n: int, rounds: int, group, world: int) -> list[float]:
     per_round = _workload(n)
     rids = [f"req-{i}" for i in range(n)]
     index = {rid: i for i, rid in enumerate(rids)}
-    times = []
     cursor = 0
-    for k in range(rounds):
+    while True:
         # I/O threads' work (not timed): 1% move on; those already bootstrapped land
         for j in range(per_round):
             rid = rids[(cursor + j) % n]
@@ -84,7 +84,7 @@ def bench_library(n: int, rounds: int, group, world: int) -> list[float]:
         _sync(group, world)
         t0 = time.perf_counter()
         events = agreement.round(1.0, group if world > 1 else None)
-        times.append(time.perf_counter() - t0)
+        yield time.perf_counter() - t0
         # the scheduler admits new requests in place of the finished ones (not timed)
         for e in events:
             if type(e).__name__ == "Succeeded":
@@ -93,10 +93,9 @@ def bench_library(n: int, rounds: int, group, world: int) -> list[float]:
                 index[rids[i]] = i
                 table.register(rids[i], 1.0)
                 serial += 1
-    return times
 
 
-def bench_reference(n: int, rounds: int, group, world: int) -> list[float]:
+def reference_rounds(n: int, group, world: int) -> Iterator[float]:
     import torch
     import torch.distributed as dist
 
@@ -105,9 +104,8 @@ def bench_reference(n: int, rounds: int, group, world: int) -> list[float]:
     pollers = [ReferencePoller(f"req-{i}") for i in range(n)]
     serial = n
     per_round = _workload(n)
-    times = []
     cursor = 0
-    for k in range(rounds):
+    while True:
         for j in range(per_round):
             p = pollers[(cursor + j) % len(pollers)]
             p.value = 5 if p.emitted >= 2 else 2
@@ -134,39 +132,40 @@ def bench_reference(n: int, rounds: int, group, world: int) -> list[float]:
                 events.append(Succeeded(p.rid))
                 done.append(i)
             p.emitted = max(p.emitted, value)
-        times.append(time.perf_counter() - t0)
+        yield time.perf_counter() - t0
         for i in done:
             pollers[i] = ReferencePoller(f"req-{serial}")
             serial += 1
-    return times
 
 
-def bench_floor(n: int, rounds: int, group, world: int) -> list[float]:
+def floor_rounds(n: int, group, world: int) -> Iterator[float]:
     import torch
     import torch.distributed as dist
 
     tensor = torch.full((n,), 3, dtype=torch.uint8)
-    times = []
-    for _ in range(rounds):
+    while True:
         _sync(group, world)
         t0 = time.perf_counter()
         if world > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
-        times.append(time.perf_counter() - t0)
-    return times
+        yield time.perf_counter() - t0
 
 
-METHODS = {"library": bench_library, "reference": bench_reference, "floor": bench_floor}
+METHODS = {"library": library_rounds, "reference": reference_rounds, "floor": floor_rounds}
 
 
 def measure(world: int, rounds: int, repeats: int, group=None) -> list[dict]:
-    """Medians per (N, method), the methods interleaved ``repeats`` times."""
+    """Medians per (N, method); the methods take turns round by round, so noise hits all alike."""
     rows = []
+    names = list(METHODS)
     for n in SIZES:
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
-        for _ in range(repeats):
-            for name, fn in METHODS.items():
-                samples[name] += fn(n, rounds, group, world)[rounds // 10 :]  # drop warm-up
+        gens = {name: fn(n, group, world) for name, fn in METHODS.items()}
+        for k in range(rounds * repeats):
+            for name in names[k % 3 :] + names[: k % 3]:  # rotate who goes first
+                dt = next(gens[name])
+                if k >= rounds // 10:  # drop warm-up
+                    samples[name].append(dt)
         med = {m: statistics.median(s) * 1e6 for m, s in samples.items()}
         rows.append(
             {
