@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
 import sys
 import tempfile
 import time
@@ -336,6 +336,21 @@ def _verify(plan: Plan, cache: list[np.ndarray], rid: str, rank: int, got: list[
     )
 
 
+class _ToRunner:
+    """A rank's own pipe to the runner (``out.put(msg)``).
+
+    Not one ``multiprocessing.Queue`` shared by every rank: its write lock is shared too, and a
+    rank killed (``Plan.kill``) while its feeder thread held it would block every other rank's
+    reports for good. A killed rank here breaks only its own pipe.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def put(self, msg: Any) -> None:
+        self._conn.send(msg)
+
+
 def _rank_main(target: Any, *args: Any) -> None:
     out = args[-1]
     try:
@@ -392,7 +407,7 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
     from .bootstrap import BootstrapServer
 
     ctx = _context()
-    out = ctx.Queue()
+    pipes: dict[Any, tuple[str, int, int]] = {}  # the runner's end of each rank's pipe
     servers = [BootstrapServer() for _ in plan.prefill_tp]
     ports = [s.start() for s in servers]
     procs: dict[tuple[str, int], list[Any]] = {}
@@ -406,12 +421,16 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
                 store = os.path.join(tmp, f"{role}-{index}")
                 procs[(role, index)] = []
                 for rank in range(tp):
+                    reader, writer = ctx.Pipe(duplex=False)
+                    out = _ToRunner(writer)
                     if role == "prefill":
                         args = (_prefill_rank, plan, index, rank, ports[index], store, out)
                     else:
                         args = (_decode_rank, plan, index, rank, ports, store, out)
                     p = ctx.Process(target=_rank_main, args=args, daemon=True)
                     p.start()
+                    writer.close()  # the rank holds the only writer: its exit is our EOF
+                    pipes[reader] = (role, index, rank)
                     procs[(role, index)].append(p)
         expected = sum(len(v) for v in procs.values())
         ready = 0
@@ -419,14 +438,20 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
         done_total = {index: 0 for index in range(len(plan.decode_tp))}
         hard_deadline = started + plan.timeout + 60.0
         try:
+            inbox: deque[Any] = deque()
             while finished < expected and time.monotonic() < hard_deadline:
-                try:
-                    msg = out.get(timeout=0.5)
-                except queue.Empty:
-                    if all(not p.is_alive() for ps in procs.values() for p in ps):
-                        break
-                    continue
-                kind, role, index, rank, payload = msg
+                if not inbox:
+                    for reader in mp_connection.wait(list(pipes), timeout=0.5):
+                        try:
+                            inbox.append(reader.recv())
+                        except (EOFError, OSError):  # the rank exited or was killed
+                            del pipes[reader]
+                            reader.close()
+                    if not inbox:
+                        if not pipes or all(not p.is_alive() for ps in procs.values() for p in ps):
+                            break
+                        continue
+                kind, role, index, rank, payload = inbox.popleft()
                 if kind == "ready":
                     ready += 1
                     if ready == expected:
@@ -456,6 +481,8 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
                         p.join(timeout=5)
             for s in servers:
                 s.close()
+            for reader in pipes:
+                reader.close()
     if finished < expected:
         errors.append(f"only {finished} of {expected} ranks reported within the deadline")
     return Outcome(results["prefill"], results["decode"], errors, time.monotonic() - started, killed_at)
