@@ -690,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in polls:
             print(f"{r['world']:>5} {r['events_per_round']:>12.1f} {r['peer_poll_us']:>10.1f} {r['bare_round_us']:>11.1f} "
                   f"{r['peer_overhead_us']:>9.1f} {r['peer_vs_bare']:>9.2f}x")
-    print(json.dumps(summary, indent=1))
+    print(f"implementation: table {summary['table_implementation']}, plan {summary['plan_implementation']}; "
+          f"{summary['seconds']} s (--json for every field)")
     return 0
 
 
