@@ -131,7 +131,8 @@ def test_2p_tp2_to_2d_tp2_moves_every_byte_with_identical_events() -> None:
 
 
 def _kill_plan(role: str) -> tuple[Plan, set[str], set[str]]:
-    """Two replicas on the side that survives' other side; replica 1 of ``role`` is killed mid-run.
+    """Two replicas of ``role`` and one of the other side, paired with both; replica 1 of ``role``
+    is killed mid-run.
 
     Half of the victim replica's rooms are held by prefill (``decode_stall``): they are announced
     and bootstrapped on both sides but nothing is written, so when the victim dies only the
