@@ -26,7 +26,7 @@ import numpy as np
 from transport.plan import Layout, PlanError, plan
 
 from . import wire
-from ._peer import PeerBase, layout_json
+from ._peer import PeerBase
 from ._spec import State, Trigger
 from .bootstrap import BootstrapClient, RankRegistration
 from .config import PrefillConfig

@@ -282,7 +282,6 @@ def test_mismatched_count_is_named(table_impl: ModuleType) -> None:
     t = table_impl.StateTable(4)
     t.register("a", 0.0)
     buf = t.encode(0.0)
-    fp = table_impl.FINGERPRINT_BYTES
     buf[t.capacity + 8] = 0  # some rank holds 0 live requests: min count byte 0
     with pytest.raises(CollectiveError, match="different numbers of live requests \\(this rank 1"):
         t.decode()

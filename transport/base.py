@@ -68,6 +68,7 @@ import bisect
 import ctypes
 import os
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -77,7 +78,7 @@ from typing import Any, ClassVar, NamedTuple, TypeAlias
 import numpy as np
 
 from pdcore.deadline import Deadline
-from pdcore.errors import CapacityError, TransportError
+from pdcore.errors import TransportError
 
 __all__ = [
     "Batch",
@@ -395,6 +396,30 @@ class CompletionQueue:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def deliver(queue: CompletionQueue, peer: Any, batch_id: int, on_done: OnDone | None, error: TransportError | None) -> None:
+    """Report one batch's completion and free its in-flight slot (``peer.slots`` under ``peer.lock``, a Condition).
+
+    Queue mode keeps the slot until the completion is taken, so the queue stays
+    bounded. A callback's exception is the caller's bug: it goes to
+    ``threading.excepthook`` and the transport thread carries on.
+    """
+
+    def release() -> None:
+        with peer.lock:
+            peer.slots -= 1
+            peer.lock.notify_all()
+
+    if on_done is None:
+        queue.put(Completion(batch_id, error), release)
+        return
+    release()
+    try:
+        on_done(batch_id, error)
+    except Exception:
+        exc_type, exc, tb = sys.exc_info()
+        threading.excepthook(threading.ExceptHookArgs((exc_type, exc, tb, threading.current_thread())))
 
 
 class Transport(abc.ABC):

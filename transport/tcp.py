@@ -40,7 +40,6 @@ import itertools
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -67,6 +66,7 @@ from .base import (
     buffer_span,
     byte_view,
     decode_endpoint,
+    deliver,
     encode_endpoint,
     new_instance_id,
 )
@@ -573,20 +573,7 @@ class TcpTransport(Transport):
                 self._deliver(p, item, error)
 
     def _deliver(self, p: _TcpPeer, item: _Pending, error: TransportError | None) -> None:
-        def release() -> None:
-            with p.lock:
-                p.slots -= 1
-                p.lock.notify_all()
-
-        if item.on_done is None:
-            self._queue.put(Completion(item.batch_id, error), release)
-            return
-        release()
-        try:
-            item.on_done(item.batch_id, error)
-        except Exception:
-            exc_type, exc, tb = sys.exc_info()
-            threading.excepthook(threading.ExceptHookArgs((exc_type, exc, tb, threading.current_thread())))
+        deliver(self._queue, p, item.batch_id, item.on_done, error)
 
     def _fail_peer(self, p: _TcpPeer, error: TransportError) -> None:
         """Fail every batch in flight to ``p`` (in order) and shut its socket. Idempotent."""

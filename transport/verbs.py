@@ -79,7 +79,6 @@ import os
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 from collections import deque
@@ -102,6 +101,7 @@ from .base import (
     as_batch,
     buffer_span,
     decode_endpoint,
+    deliver,
     encode_endpoint,
     new_instance_id,
 )
@@ -858,20 +858,7 @@ class VerbsTransport(Transport):
         )
 
     def _deliver(self, p: _VerbsPeer, b: _Batch, error: TransportError | None) -> None:
-        def release() -> None:
-            with p.lock:
-                p.slots -= 1
-                p.lock.notify_all()
-
-        if b.on_done is None:
-            self._queue.put(Completion(b.batch_id, error), release)
-            return
-        release()
-        try:
-            b.on_done(b.batch_id, error)
-        except Exception:
-            exc_type, exc, tb = sys.exc_info()
-            threading.excepthook(threading.ExceptHookArgs((exc_type, exc, tb, threading.current_thread())))
+        deliver(self._queue, p, b.batch_id, b.on_done, error)
 
     def _fail_peer(self, p: _VerbsPeer, error: TransportError) -> None:
         """Fail every batch in flight to ``p`` (in order), tear its QP down, close its socket. Idempotent.
