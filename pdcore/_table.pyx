@@ -20,7 +20,7 @@ from . import _spec
 from ._spec import State, Timer, Trigger
 from .errors import CapacityError, CollectiveError, LocalProtocolError
 from .events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
-from ._table_py import FINGERPRINT_BYTES, MAX_CAPACITY, _mismatch_message, rid_hash
+from ._table_py import FINGERPRINT_BYTES, MAX_CAPACITY, _mismatch_message, check_config, rid_hash
 
 __all__ = ["StateTable", "FINGERPRINT_BYTES", "MAX_CAPACITY", "rid_hash"]
 
@@ -119,11 +119,7 @@ cdef class StateTable:
     cdef uint8_t[::1] _buf
 
     def __init__(self, Py_ssize_t capacity, *, double bootstrap_timeout=120.0, double waiting_timeout=300.0):
-        if not 0 < capacity <= MAX_CAPACITY:
-            raise ValueError(f"capacity must be in 1..{MAX_CAPACITY}, got {capacity!r}")
-        for name, value in (("bootstrap_timeout", bootstrap_timeout), ("waiting_timeout", waiting_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        check_config(capacity, bootstrap_timeout, waiting_timeout)
         self._capacity = capacity
         self._timeouts[0] = math.inf
         self._timeouts[1] = bootstrap_timeout

@@ -26,6 +26,15 @@ MAX_CAPACITY = 1 << 20
 _M64 = (1 << 64) - 1
 
 
+def check_config(capacity: int, bootstrap_timeout: float, waiting_timeout: float) -> None:
+    """The constructor's checks, shared by both twins."""
+    if not 0 < capacity <= MAX_CAPACITY:
+        raise ValueError(f"capacity must be in 1..{MAX_CAPACITY}, got {capacity!r}")
+    for name, value in (("bootstrap_timeout", bootstrap_timeout), ("waiting_timeout", waiting_timeout)):
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
 def rid_hash(rid: str, slot: int) -> int:
     """A process-independent 64-bit hash of (slot, rid): FNV-1a, then a splitmix64 finaliser.
 
@@ -51,11 +60,7 @@ class StateTable:
     """
 
     def __init__(self, capacity: int, *, bootstrap_timeout: float = 120.0, waiting_timeout: float = 300.0) -> None:
-        if not 0 < capacity <= MAX_CAPACITY:
-            raise ValueError(f"capacity must be in 1..{MAX_CAPACITY}, got {capacity!r}")
-        for name, value in (("bootstrap_timeout", bootstrap_timeout), ("waiting_timeout", waiting_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        check_config(capacity, bootstrap_timeout, waiting_timeout)
         self._capacity = capacity
         self._timeouts = (math.inf, float(bootstrap_timeout), float(waiting_timeout))
         self._lock = threading.Lock()
