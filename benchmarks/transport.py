@@ -377,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['transport']:14} {r['kind']:14} {r['page_bytes']:>8} {r['pages']:>6} {r['gbps']:8.2f} "
                 f"{r['floor_gbps']:8.2f} {r['ratio']:6.2f} {r['writes_naive']:>7} {r['writes_coalesced']:>7}"
             )
-        print(json.dumps(summary, indent=1))
+        print(
+            f"{summary['transport']} vs floor ({summary['floor']}), pages >= 64 KiB: median "
+            f"{summary['median_ratio_pages_ge_64KiB']:.2f}, min {summary['min_ratio_pages_ge_64KiB']:.2f} "
+            f"(target {summary['target_ratio']}); {summary['seconds']:.0f} s; --json for every field"
+        )
     return 0
 
 
