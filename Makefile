@@ -23,7 +23,7 @@ test: $(STAMP)
 
 # The same behaviour with every compiled module swapped for its pure-Python twin.
 test-pure: $(STAMP)
-	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport
+	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport tests/test_peers.py tests/test_peers_dp.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
 
 fuzz: $(STAMP)

@@ -85,3 +85,15 @@ def test_twins_and_stub_expose_the_same_api() -> None:
     (cls,) = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "StateTable"]
     stubbed = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
     assert stubbed == public(_table_py.StateTable)
+
+
+def test_the_chooser_follows_the_environment() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "import pdcore.table as t; print(t.IMPLEMENTATION, t.StateTable.__module__)"
+    for env, expected in (({"PDCORE_PURE_PYTHON": "1"}, "python pdcore._table_py"), ({}, "cython pdcore._table")):
+        environ = {k: v for k, v in os.environ.items() if k != "PDCORE_PURE_PYTHON"} | env
+        out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=60)
+        assert out.stdout.split() == expected.split(), out.stderr
