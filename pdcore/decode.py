@@ -275,6 +275,7 @@ class DecodePeer(PeerBase):
         with self._lock:
             bound = [r for r in self._requests.values() if r.source == endpoint]
         for request in bound:
+            request.fence_until = None  # settled here: no abort is owed any more
             self._fire(request.rid, Trigger.FAIL, reason)
             self._fenced(request.rid)
 
