@@ -2,15 +2,13 @@
 
 The table is sans-IO; this module is the only one that calls the collective.
 The reduced tensor shares the table's buffer (``torch.from_numpy``), so the
-only copy per round is the table's own copy of its local states.
+only copy per round is the table's own copy of its codes. torch is imported
+on the first round that has a group: a replica of one rank never needs it.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from .errors import CollectiveError
 from .events import Event
@@ -26,17 +24,27 @@ class Agreement:
     replica must call ``round`` in the same scheduler rounds.
     """
 
-    __slots__ = ("_table", "_tensor", "_group", "_world")
+    __slots__ = ("_table", "_tensor", "_group", "_world", "_dist")
 
     def __init__(self, table: Any) -> None:
         self._table = table
-        self._tensor = torch.from_numpy(table.buffer)
+        self._tensor: Any = None
         self._group: object = None
         self._world = 1
+        self._dist: Any = None
 
     def _world_size(self, replica: object) -> int:
         if replica is not self._group:
-            self._world = 1 if replica is None else dist.get_world_size(replica)  # type: ignore[arg-type]
+            if replica is None:
+                self._world = 1
+            else:
+                if self._dist is None:
+                    import torch
+                    import torch.distributed as dist
+
+                    self._dist = dist
+                    self._tensor = torch.from_numpy(self._table.buffer)
+                self._world = self._dist.get_world_size(replica)
             self._group = replica
         return self._world
 
@@ -44,8 +52,9 @@ class Agreement:
         """One agreement round; identical events in identical order on every rank."""
         self._table.encode(now)
         if self._world_size(replica) > 1:
+            dist = self._dist
             try:
-                dist.all_reduce(self._tensor, op=dist.ReduceOp.MIN, group=replica)  # type: ignore[arg-type]
+                dist.all_reduce(self._tensor, op=dist.ReduceOp.MIN, group=replica)
             except RuntimeError as exc:  # gloo reports peer loss and timeouts this way
                 raise CollectiveError(f"all-reduce MIN over the replica failed: {exc}") from exc
         return self._table.decode()
