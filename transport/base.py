@@ -341,17 +341,6 @@ def as_batch(batch: Batch) -> np.ndarray:
     return arr
 
 
-def check_batch(batch: np.ndarray, local: RegionTable, remote: RegionTable) -> None:
-    """Raise ``TransportError(op="write")`` unless every write is inside one local and one remote region."""
-    for la, ra, n in batch.tolist():
-        if local.find(la, n) is None:
-            raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
-        if remote.find(ra, n) is None:
-            raise TransportError(
-                f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write"
-            )
-
-
 @dataclass(eq=False, slots=True)
 class PeerHandle:
     """A connected peer, as returned by ``connect``; pass it back to ``write``/``disconnect``.
