@@ -206,14 +206,26 @@ def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], 
             sent = 0
         if not on_progress(sent):
             raise _PeerGone("gave up sending", None)
-        while sent:
-            v = bufs[i]
-            if sent >= len(v):
-                sent -= len(v)
-                i += 1
-            else:
-                bufs[i] = v[sent:]
-                sent = 0
+        i = _advance(bufs, i, sent)
+
+
+def _advance(bufs: list[Any], i: int, sent: int) -> int:
+    """The index of the first view not wholly sent once ``sent`` more bytes left; trims that view in place.
+
+    Empty views are stepped over: ``sendmsg`` of only empty views sends 0 bytes,
+    so a sender waiting for them to go would spin forever (an empty batch's
+    descriptor list is one).
+    """
+    n = len(bufs)
+    while i < n and (sent or not len(bufs[i])):
+        v = bufs[i]
+        if sent >= len(v):
+            sent -= len(v)
+            i += 1
+        else:
+            bufs[i] = v[sent:]
+            sent = 0
+    return i
 
 
 def _tune(sock: socket.socket, peer_timeout: float) -> None:
@@ -488,14 +500,7 @@ class TcpTransport(Transport):
             while i < n:
                 sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
                 p.last_progress = time.monotonic()
-                while sent:
-                    v = bufs[i]
-                    if sent >= len(v):
-                        sent -= len(v)
-                        i += 1
-                    else:
-                        bufs[i] = v[sent:]
-                        sent = 0
+                i = _advance(bufs, i, sent)
         except OSError:
             pass  # EAGAIN: the sender thread waits for room; anything else: it meets the error too
         with p.lock:

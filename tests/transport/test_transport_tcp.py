@@ -94,3 +94,21 @@ def test_connect_to_a_restarted_peer_fails_clearly(sink: transport.Transport) ->
             other.connect(wrong, deadline=Deadline.after(5))
     finally:
         other.close()
+
+
+def test_an_empty_batch_on_an_idle_peer_completes() -> None:
+    """Regression: the caller's direct send of an empty batch (a header and an empty descriptor
+    list) spun forever on the empty view; it must complete like any other batch."""
+    src_t, dst_t = transport.create("tcp", peer_timeout=2.0), transport.create("tcp", peer_timeout=2.0)
+    try:
+        dst_t.register(np.zeros(4096, np.uint8))
+        peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+        posted = threading.Event()
+        writer = threading.Thread(target=lambda: (src_t.write(peer, []), posted.set()), daemon=True)
+        writer.start()
+        assert posted.wait(5), "write() of an empty batch did not return"
+        (completion,) = src_t.completions(deadline=Deadline.after(5))
+        assert completion.error is None
+    finally:
+        src_t.close(deadline=Deadline.after(5))
+        dst_t.close(deadline=Deadline.after(5))
