@@ -169,14 +169,7 @@ def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: thre
         if got == 0:
             raise _PeerGone("peer closed the connection mid-batch", errno_mod.ECONNRESET)
         last = time.monotonic()
-        while got:
-            v = views[i]
-            if got >= len(v):
-                got -= len(v)
-                i += 1
-            else:
-                views[i] = v[got:]
-                got = 0
+        i = _advance(views, i, got)
 
 
 def _skip(views: list[memoryview], n: int) -> None:
