@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pdcore.deadline import Deadline
 
 REQUIRE_RDMA = os.environ.get("PDCORE_REQUIRE_RDMA") == "1"
 DEVICE = os.environ.get("PDCORE_RDMA_DEVICE") or None
@@ -76,22 +74,9 @@ def verbs_device() -> str | None:
 @pytest.fixture
 def make_verbs(verbs_device: str | None) -> Iterator[Any]:
     """Build verbs transports (fast timeouts); all are closed after the test, and no thread may outlive them."""
-    import transport
+    from _transport_support import transport_maker
 
-    before = set(threading.enumerate())
-    made: list[Any] = []
-
-    def make(**options: Any) -> Any:
-        opts = {"peer_timeout": 5.0, **({"device": verbs_device} if verbs_device else {}), **options}
-        t = transport.create("verbs", **opts)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close(deadline=Deadline.after(5.0))
-    leaked = [th.name for th in set(threading.enumerate()) - before if th.is_alive()]
-    assert not leaked, f"threads left behind after close(): {leaked}"
+    yield from transport_maker("verbs", {"peer_timeout": 5.0, **({"device": verbs_device} if verbs_device else {})})
 
 
 _skipped_rdma: list[str] = []

@@ -17,27 +17,11 @@ from pdcore.deadline import Deadline
 from pdcore.errors import CapacityError, StartError, TransportError
 from transport.base import Endpoint, Region, decode_endpoint, encode_endpoint
 
+from _transport_support import Collector  # tests/rdma/conftest.py puts tests/transport on the path
+
 pytestmark = pytest.mark.rdma
 
-
-class Collector:
-    """Records completions from callbacks; ``wait(n)`` blocks until n arrived or the deadline passes."""
-
-    def __init__(self) -> None:
-        self.done: list[tuple[int, TransportError | None]] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, batch_id: int, error: TransportError | None) -> None:
-        with self._cond:
-            self.done.append((batch_id, error))
-            self._cond.notify_all()
-
-    def wait(self, n: int, seconds: float = 20.0) -> list[tuple[int, TransportError | None]]:
-        deadline = Deadline.after(seconds)
-        with self._cond:
-            ok = self._cond.wait_for(lambda: len(self.done) >= n, timeout=deadline.remaining())
-            assert ok, f"only {len(self.done)} of {n} completions within {seconds} s"
-            return list(self.done)
+SLOW = 20.0  # seconds a completion may take on soft-RoCE under emulation
 
 
 def _with_regions(endpoint: bytes, regions: list[Region]) -> bytes:
@@ -82,7 +66,7 @@ def test_single_write_lands_exactly(make_verbs: Any) -> None:
     dst = np.zeros(1 << 20, np.uint8)
     rs, rd = src_t.register(src), dst_t.register((int(dst.ctypes.data), int(dst.nbytes)))
     peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
-    done = Collector()
+    done = Collector(SLOW)
     bid = src_t.write(peer, [(rs.addr + 5, rd.addr + 1000, 300_001)], done)
     assert done.wait(1) == [(bid, None)]
     assert np.array_equal(dst[1000 : 1000 + 300_001], src[5 : 5 + 300_001])
@@ -113,7 +97,7 @@ def test_chained_writes_across_several_regions_land_exactly(make_verbs: Any, max
         batch.append((rss[si].addr + s_off, rds[di].addr + d_off, n))
         expected[di][d_off : d_off + n] = srcs[si][s_off : s_off + n]
     assert len(batch) > 100 and (max_send_wr > 100 or len(batch) > 4 * max_send_wr)
-    done = Collector()
+    done = Collector(SLOW)
     first = src_t.write(peer, batch, done)
     fence = src_t.write(peer, [], done)  # an empty batch completes after the one before it
     got = done.wait(2)
@@ -157,7 +141,7 @@ def test_two_peers_at_once(make_verbs: Any) -> None:
     dsts = [np.zeros(size, np.uint8) for _ in sinks]
     rds = [t.register(d) for t, d in zip(sinks, dsts)]
     peers = [src_t.connect(t.endpoint(), deadline=Deadline.after(10)) for t in sinks]
-    done = Collector()
+    done = Collector(SLOW)
     errors: list[BaseException] = []
 
     def post(k: int) -> None:
@@ -203,7 +187,7 @@ def test_write_outside_the_peers_regions_fails_its_batch_with_the_wc_status(make
     good_peer = src_t.connect(good_sink.endpoint(), deadline=Deadline.after(10))
     if how == "deregistered":
         bad_sink.deregister(r_bad)
-    done = Collector()
+    done = Collector(SLOW)
     ok_first = src_t.write(bad_peer, [(rs.addr, r_bad.addr, 1024)], done) if how == "bounds" else None
     bad = src_t.write(bad_peer, [(rs.addr, target, 4096)], done)
     try:  # the error completion may already be in: then this raises at once instead
@@ -222,7 +206,7 @@ def test_write_outside_the_peers_regions_fails_its_batch_with_the_wc_status(make
     with pytest.raises(TransportError, match="unusable"):  # fail fast until reconnected
         src_t.write(bad_peer, [(rs.addr, r_bad.addr, 64)], done)
     # the other peer is not disturbed
-    more = Collector()
+    more = Collector(SLOW)
     src_t.write(good_peer, [(rs.addr, r_good.addr, good_dst.nbytes)], more)
     assert more.wait(1) == [(more.done[0][0], None)] and (good_dst == 0x5A).all()
 
@@ -248,7 +232,7 @@ def test_peer_torn_down_mid_batch_gives_an_error_completion_not_a_hang(make_verb
     dst = np.zeros(size, np.uint8)
     rs, rd = src_t.register(src), dst_t.register(dst)
     peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
-    done = Collector()
+    done = Collector(SLOW)
     ids = [src_t.write(peer, [(rs.addr, rd.addr, size)], done) for _ in range(8)]
     done.wait(1)  # under way
     t0 = time.monotonic()
@@ -271,7 +255,7 @@ def test_reconnect_after_failure_works(make_verbs: Any) -> None:
     rs, rd = src_t.register(src), dst_t.register(dst)
     stale = _with_regions(dst_t.endpoint(), [Region(rd.addr, rd.length * 2, rd.key)])
     peer = src_t.connect(stale, deadline=Deadline.after(10))
-    done = Collector()
+    done = Collector(SLOW)
     src_t.write(peer, [(rs.addr, rd.addr + rd.length, 4096)], done)
     assert isinstance(done.wait(1)[0][1], TransportError)
     with pytest.raises(TransportError, match="unusable"):
@@ -290,7 +274,7 @@ def test_sink_close_fails_the_source_fast(make_verbs: Any) -> None:
     src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
     rs, rd = src_t.register(src), dst_t.register(dst)
     peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
-    done = Collector()
+    done = Collector(SLOW)
     for _ in range(16):
         src_t.write(peer, [(rs.addr, rd.addr, size)], done)
     t0 = time.monotonic()
@@ -306,7 +290,7 @@ def test_close_fails_everything_in_flight_within_its_deadline(make_verbs: Any) -
     src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
     rs, rd = src_t.register(src), dst_t.register(dst)
     peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
-    done = Collector()
+    done = Collector(SLOW)
     ids = [src_t.write(peer, [(rs.addr, rd.addr, size)], done) for _ in range(32)]
     t0 = time.monotonic()
     src_t.close(deadline=Deadline.after(3))

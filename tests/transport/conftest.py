@@ -6,18 +6,12 @@ The list of transports lives in ``_transport_support.TRANSPORTS``.
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Any
 
 import pytest
 
-import transport
-from pdcore.deadline import Deadline
-from transport.base import Transport
-
-from _transport_support import TRANSPORT_OPTIONS, TRANSPORTS, MakeTransport
+from _transport_support import TRANSPORT_OPTIONS, TRANSPORTS, MakeTransport, transport_maker
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -46,20 +40,7 @@ def transport_name(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def make_transport(transport_name: str) -> Iterator[MakeTransport]:
     """Build transports of the parametrised kind; all are closed after the test, and no thread may outlive them."""
-    before = set(threading.enumerate())
-    made: list[Transport] = []
-
-    def make(**options: Any) -> Transport:
-        opts = {**TRANSPORT_OPTIONS.get(transport_name, {}), "peer_timeout": 5.0, **options}
-        t = transport.create(transport_name, **opts)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close(deadline=Deadline.after(5.0))
-    leaked = [th.name for th in set(threading.enumerate()) - before if th.is_alive()]
-    assert not leaked, f"threads left behind after close(): {leaked}"
+    yield from transport_maker(transport_name, {**TRANSPORT_OPTIONS.get(transport_name, {}), "peer_timeout": 5.0})
 
 
 @pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])

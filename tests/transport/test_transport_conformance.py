@@ -25,28 +25,9 @@ from pdcore.errors import CapacityError, StartError, TransportError
 from transport.base import Completion, PeerHandle, Region, Transport, decode_endpoint
 
 import _transport_children
-from _transport_support import TRANSPORT_OPTIONS, MakeTransport
+from _transport_support import TRANSPORT_OPTIONS, Collector, MakeTransport
 
 SPAWN = mp.get_context("spawn")
-
-
-class Collector:
-    """Records completions from callbacks; ``wait(n)`` blocks until n arrived or the deadline passes."""
-
-    def __init__(self) -> None:
-        self.done: list[tuple[int, TransportError | None]] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, batch_id: int, error: TransportError | None) -> None:
-        with self._cond:
-            self.done.append((batch_id, error))
-            self._cond.notify_all()
-
-    def wait(self, n: int, seconds: float = 10.0) -> list[tuple[int, TransportError | None]]:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: len(self.done) >= n, timeout=seconds)
-            assert ok, f"only {len(self.done)} of {n} completions within {seconds} s"
-            return list(self.done)
 
 
 def pair(make: MakeTransport, nbytes: int = 1 << 20, **options: Any) -> tuple[Transport, Transport, np.ndarray, np.ndarray, Region, Region, PeerHandle]:
