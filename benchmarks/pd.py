@@ -96,6 +96,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow the package
     sys.path.insert(0, ROOT)
 
+from benchmarks._pipeline import post_pipelined  # noqa: E402
+
 TARGET_RATIO = 0.7
 CONFIGS = (("1P1D", 1, 1), ("2P2D", 2, 2))
 
@@ -115,27 +117,6 @@ def _floor_sink(conn: Connection, layers: int, buffer_bytes: int) -> None:
         conn.recv()  # "stop"
     finally:
         t.close()
-
-
-def _post_all(t: Any, peer: Any, batches: list[np.ndarray]) -> None:
-    """Post every batch in order, pipelined up to the transport's in-flight bound; wait for all."""
-    from pdcore.deadline import Deadline
-    from pdcore.errors import CapacityError
-
-    posted = done = 0
-    deadline = Deadline.after(300)
-    while done < len(batches):
-        while posted < len(batches):
-            try:
-                t.write(peer, batches[posted])
-            except CapacityError:
-                break
-            posted += 1
-        for c in t.completions(deadline=deadline):
-            if c.error is not None:
-                raise c.error
-            done += 1
-        deadline.check("floor batch completions")
 
 
 def _floor_source(conn: Connection, layers: int, page_bytes: int, num_pages: int, sink: dict[str, Any]) -> None:
@@ -159,13 +140,13 @@ def _floor_source(conn: Connection, layers: int, page_bytes: int, num_pages: int
                 break
             if cmd == "load":  # [(source pages, destination pages)] per request, in hand-over order
                 batches = [plan(src, dst, np.asarray(s, np.int64), np.asarray(d, np.int64)) for s, d in arg]
-                _post_all(t, peer, batches[: min(8, len(batches))])  # warm: connection and buffers
+                post_pipelined(t, peer, batches[: min(8, len(batches))], 300, "floor batch completions")  # warm: connection and buffers
                 conn.send((sum(int(b[:, 2].sum()) for b in batches), sum(len(b) for b in batches)))
             elif cmd == "go":
                 while time.monotonic() < arg:  # start with the other pairs
                     time.sleep(0.0005)
                 t0 = time.monotonic()
-                _post_all(t, peer, batches)
+                post_pipelined(t, peer, batches, 300, "floor batch completions")
                 conn.send((t0, time.monotonic()))
     finally:
         t.close()

@@ -55,8 +55,8 @@ if ROOT not in sys.path:
 
 import transport  # noqa: E402
 from pdcore.deadline import Deadline  # noqa: E402
-from pdcore.errors import CapacityError  # noqa: E402
 from transport import plan as plan_mod  # noqa: E402
+from benchmarks._pipeline import post_pipelined  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 BUF_BYTES = 128 * MiB  # one registered buffer per side
@@ -136,23 +136,6 @@ def _interleaved(runs: list[Any], nbytes: int, repeats: int) -> list[float]:
     return [nbytes * 8 / statistics.median(t) / 1e9 if t else None for t in times]
 
 
-def _post_pipelined(t: Any, peer: Any, batch: np.ndarray, nbatches: int) -> None:
-    posted = done = 0
-    deadline = Deadline.after(120)
-    while done < nbatches:
-        while posted < nbatches:
-            try:
-                t.write(peer, batch)
-            except CapacityError:
-                break
-            posted += 1
-        for c in t.completions(deadline=deadline):
-            if c.error is not None:
-                raise c.error
-            done += 1
-        deadline.check("benchmark batch completions")
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -184,8 +167,8 @@ class Bench:
     # -- the three ways to move a batch --------------------------------------------------
 
     def transport_run(self, batch: np.ndarray, nbatches: int) -> Any:
-        _post_pipelined(self.t, self.peer, batch, 1)  # warm
-        return lambda: _post_pipelined(self.t, self.peer, batch, nbatches)
+        post_pipelined(self.t, self.peer, [batch], 120, "benchmark batch completions")  # warm
+        return lambda: post_pipelined(self.t, self.peer, [batch] * nbatches, 120, "benchmark batch completions")
 
     def floor_run(self, batch: np.ndarray, nbatches: int) -> Any:
         if self.args.transport == "verbs":
