@@ -124,6 +124,22 @@ class Pages:
     def give(self, pages: list[int]) -> None:
         self._free.extend(pages)
 
+    def admit(
+        self, queue: deque[Request], ended: set[str], held: dict[str, list[int]]
+    ) -> tuple[Request, list[int]] | None:
+        """The first queued request still live, with its pages (recorded in ``held``), if they fit;
+        requests that ended while they queued are dropped, as a scheduler would."""
+        while queue and queue[0].rid in ended:
+            queue.popleft()
+        if not queue:
+            return None
+        got = self.take(queue[0].pages)
+        if got is None:
+            return None
+        r = queue.popleft()
+        held[r.rid] = got
+        return r, got
+
 
 # ------------------------------------------------------------------------------ ranks
 
@@ -228,16 +244,11 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
                     pages.give(held.pop(event.rid, []))
                     ended.add(event.rid)  # it may still wait for compute: a scheduler drops it
                     done += 1
-            while waiting and time.monotonic() >= next_step:  # "compute" the prefill when pages are free
-                r = waiting[0]
-                if r.rid in ended:
-                    waiting.popleft()
-                    continue
-                got = pages.take(r.pages)
-                if got is None:
+            while time.monotonic() >= next_step:  # "compute" the prefill when pages are free
+                admitted = pages.admit(waiting, ended, held)
+                if admitted is None:
                     break
-                waiting.popleft()
-                held[r.rid] = got
+                r, got = admitted
                 if plan.prefill_step:
                     next_step = time.monotonic() + plan.prefill_step
                 if plan.record_pages:
@@ -304,16 +315,8 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                     assert isinstance(event, Failed)
                     results["failed"] += 1
                 pages.give(got)
-            while blocked:
-                r = blocked[0]
-                if r.rid in ended:
-                    blocked.popleft()
-                    continue
-                got = pages.take(r.pages)
-                if got is None:
-                    break
-                blocked.popleft()
-                held[r.rid] = got
+            while (admitted := pages.admit(blocked, ended, held)) is not None:
+                r, got = admitted
                 if plan.record_pages:
                     results["pages"][r.rid] = got
                 inbox.announce(r.rid, got, request_pool_index=len(r.rid))
