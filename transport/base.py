@@ -27,6 +27,35 @@ Theory of operation
 4. ``close()`` fails every batch still in flight, stops every thread and frees
    every registration. It is idempotent and returns within its deadline.
 
+Grants: the sink is the authority over its memory
+-------------------------------------------------
+A region registered with ``require_grant=True`` takes remote writes only
+through a **grant**: ``grant(source, ranges)`` (on the sink) gives the source
+transport named by its ``instance`` the right to write into ``ranges`` and
+returns a :class:`Grant` whose ``key`` the sink sends to the source (over the
+control channel); the source names it in ``write(..., grant=key)``.
+``revoke(grant)`` takes the right back: **after it returns, no byte written
+through that grant lands**, whatever the source does next (pauses, resumes,
+keeps sending). Revoking is how a sink closes a fence without trusting the
+source: a source's "my writes drained" is a fast path, never the guarantee.
+How each transport keeps the promise:
+
+- ``tcp``: the sink checks every write of a frame against the live grant it
+  names (same source instance, every write inside the grant's ranges) before
+  it lands a byte; a frame that fails the check fails its batch and lands
+  nothing. ``revoke`` removes the grant, then waits for a frame landing through
+  it to finish; a frame still landing at the deadline (a paused or stalled
+  source) has its connection cut, and ``revoke`` returns once the sink thread
+  has stopped writing into memory.
+- ``verbs``: writes carry the region's rkey and the device, not the sink's
+  CPU, checks them, so the grant cannot be checked per write without memory
+  windows. This transport moves the sink queue pair of the grant's source to
+  the error state (``revoke_method``): in-flight and later writes of that
+  source fail, all of its rooms with them, and it must connect again. A
+  ``revoke(..., settled=True)`` (the caller knows every write through the
+  grant completed at the source, e.g. it reported success) only forgets the
+  grant.
+
 Guarantees every transport gives (the conformance suite in
 ``tests/transport/`` checks them):
 
@@ -82,6 +111,7 @@ from pdcore.errors import TransportError
 
 __all__ = [
     "Batch",
+    "Grant",
     "Completion",
     "CompletionQueue",
     "Endpoint",
@@ -126,6 +156,86 @@ class Region:
     def contains(self, addr: int, length: int) -> bool:
         """True if ``[addr, addr + length)`` lies inside this region."""
         return self.addr <= addr and addr + length <= self.addr + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A sink's permission for one source transport to write into ``ranges`` of the sink's regions.
+
+    ``key`` (a non-zero u64, unique per sink) is what the source names in
+    ``write(..., grant=key)``; ``source`` is the source transport's ``instance``;
+    ``ranges`` are ``(addr, length)`` pairs sorted by address, not overlapping.
+    """
+
+    key: int
+    source: bytes
+    ranges: tuple[tuple[int, int], ...]
+
+
+def grant_ranges(ranges: Any) -> tuple[tuple[int, int], ...]:
+    """Normalise grant ranges: ``(addr, length)`` pairs (or an ``(n, 2)`` int array), sorted, merged
+    where they touch; ``ValueError`` for an empty range or overlapping ones."""
+    if isinstance(ranges, np.ndarray):
+        rows = [(int(a), int(n)) for a, n in ranges.reshape(-1, 2).tolist()]
+    else:
+        rows = [(int(a), int(n)) for a, n in ranges]
+    rows.sort()
+    out: list[tuple[int, int]] = []
+    for addr, length in rows:
+        if addr <= 0 or length <= 0 or addr + length > _U64_MAX + 1:
+            raise ValueError(f"a grant range needs a non-null address and a positive length, got ({addr:#x}, {length})")
+        if out and addr < out[-1][0] + out[-1][1]:
+            raise ValueError(f"grant ranges overlap at {addr:#x}")
+        if out and addr == out[-1][0] + out[-1][1]:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((addr, length))
+    return tuple(out)
+
+
+class GrantTable:
+    """A sink's live grants, by key; ``check`` is O(log ranges) per write. Callers hold their own lock."""
+
+    def __init__(self) -> None:
+        self._grants: dict[int, tuple[Grant, list[int]]] = {}
+        self._keys = iter(range(1, _U64_MAX))
+
+    def add(self, source: bytes, ranges: Any) -> Grant:
+        if len(source) != 16:
+            raise ValueError(f"a grant names a source transport instance of 16 bytes, got {len(source)}")
+        normal = grant_ranges(ranges)
+        if not normal:
+            raise ValueError("a grant needs at least one range")
+        g = Grant(next(self._keys), bytes(source), normal)
+        self._grants[g.key] = (g, [a for a, _ in normal])
+        return g
+
+    def pop(self, key: int) -> Grant | None:
+        entry = self._grants.pop(key, None)
+        return None if entry is None else entry[0]
+
+    def get(self, key: int) -> Grant | None:
+        entry = self._grants.get(key)
+        return None if entry is None else entry[0]
+
+    def check(self, key: int, source: bytes, addr: int, length: int) -> str:
+        """'' if ``[addr, addr + length)`` may be written by ``source`` through grant ``key``; else why not."""
+        entry = self._grants.get(key)
+        if entry is None:
+            return f"grant {key} is not live at the sink (revoked, or never granted)"
+        g, starts = entry
+        if g.source != source:
+            return f"grant {key} was given to another source"
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0 or addr + length > g.ranges[i][0] + g.ranges[i][1]:
+            return f"[{addr:#x}, +{length}) is outside grant {key}"
+        return ""
+
+    def of_source(self, source: bytes) -> list[Grant]:
+        return [g for g, _ in self._grants.values() if g.source == source]
+
+    def __len__(self) -> int:
+        return len(self._grants)
 
 
 class Completion(NamedTuple):
@@ -426,9 +536,33 @@ class Transport(abc.ABC):
     #: Registry name (``"tcp"``, ``"verbs"``).
     name: ClassVar[str]
 
+    @property
     @abc.abstractmethod
-    def register(self, buf: Any) -> Region:
-        """Register memory (see :func:`buffer_span`); ``ValueError`` if it overlaps a registered region."""
+    def instance(self) -> bytes:
+        """16 random bytes naming this transport object: what a sink names in ``grant(source, ...)``."""
+
+    @abc.abstractmethod
+    def register(self, buf: Any, *, require_grant: bool = False) -> Region:
+        """Register memory (see :func:`buffer_span`); ``ValueError`` if it overlaps a registered region.
+
+        With ``require_grant`` remote writes into it need a live :class:`Grant` (see the module docstring).
+        """
+
+    @abc.abstractmethod
+    def grant(self, source: bytes, ranges: Any) -> Grant:
+        """Let the source transport ``source`` (its ``instance``) write into ``ranges`` (``(addr, length)``
+        pairs inside registered regions); ``ValueError`` for ranges outside them."""
+
+    @abc.abstractmethod
+    def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
+        """Take a grant back: once this returns, nothing written through it lands. Idempotent.
+
+        Waits (up to ``deadline``, default 1 s) for a write landing through the
+        grant to finish, then stops it by force (see the module docstring);
+        ``TransportError(op="revoke")`` only if even that could not be confirmed.
+        ``settled=True``: every write through the grant already completed at the
+        source, so a transport may skip an expensive enforcement (verbs).
+        """
 
     @abc.abstractmethod
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
@@ -466,8 +600,12 @@ class Transport(abc.ABC):
         on_done: OnDone | None = None,
         *,
         deadline: Deadline | None = None,
+        grant: int = 0,
     ) -> int:
-        """Post a batch; return its id. See the module docstring for validation, order and back-pressure."""
+        """Post a batch; return its id. See the module docstring for validation, order and back-pressure.
+
+        ``grant`` is the key of the sink's :class:`Grant` the writes go through (0: none, for regions
+        registered without ``require_grant``)."""
 
     @abc.abstractmethod
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:

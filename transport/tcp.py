@@ -9,15 +9,19 @@ Wire (little-endian), one TCP connection per (source, sink) pair:
 
 - hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16]``;
   sink → source: ``"PDTC", version u8, status u8`` (0 ok, 1 wrong instance).
-- batch frame, source → sink: ``seq u64, count u32, 0 u32``, then ``count`` pairs
-  ``(remote_addr u64, length u64)``, then the payload of every write in order.
+- batch frame, source → sink: ``seq u64, count u32, 0 u32, grant u64``, then
+  ``count`` pairs ``(remote_addr u64, length u64)``, then the payload of every
+  write in order.
 - ack, sink → source, one per batch in the order received: ``seq u64,
   status u32 (0 ok), errno i32, message length u32``, then the UTF-8 message.
 
-The sink validates every write of a frame against the regions it has
-registered *before* it lands any byte; if one is outside them it reads and
-discards the payload (the stream stays in sync) and acks with an error. A
-frame that breaks the wire format closes the connection.
+The sink validates every write of a frame *before* it lands any byte: inside
+the live grant the frame names, given to this connection's source (or, with
+grant 0, inside a region registered without ``require_grant``); if one is not,
+it reads and discards the payload (the stream stays in sync) and acks with an
+error. A frame that breaks the wire format closes the connection. ``revoke``
+waits for frames landing through the grant, and cuts the connection of one
+still landing at its deadline (a paused source), so nothing lands after it.
 
 Threads: one acceptor; per accepted connection one sink thread; per
 connected peer one sender and one ack reader. ``close()`` wakes and joins
@@ -57,6 +61,8 @@ from .base import (
     Completion,
     CompletionQueue,
     Endpoint,
+    Grant,
+    GrantTable,
     OnDone,
     PeerHandle,
     Region,
@@ -74,10 +80,10 @@ from .base import (
 __all__ = ["TcpTransport"]
 
 _MAGIC = b"PDTC"
-_VERSION = 1
+_VERSION = 2
 _HELLO = struct.Struct("<4sB16s16s")
 _HELLO_REPLY = struct.Struct("<4sBB")
-_FRAME = struct.Struct("<QII")
+_FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
 _DESC = np.dtype([("addr", "<u8"), ("length", "<u8")])
 _DESC_PAIR = struct.Struct("<QQ")
 _ACK = struct.Struct("<QIiI")
@@ -300,8 +306,10 @@ class TcpTransport(Transport):
         self._batch_ids = itertools.count(1)
         self._peer_ids = itertools.count(1)
         self._landing: Counter[int] = Counter()  # region key -> sink threads landing into it now
+        self._grants = GrantTable()  # guarded by _landing_cond
+        self._guarded: set[int] = set()  # keys of regions registered with require_grant
+        self._grant_landing: dict[int, set[socket.socket]] = {}  # grant key -> connections landing through it
         self._landing_cond = threading.Condition()
-        self._deregistering = 0  # deregister() calls waiting on _landing_cond
         self._peers: dict[int, _TcpPeer] = {}
         self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}
         self._lock = threading.Lock()
@@ -319,24 +327,54 @@ class TcpTransport(Transport):
 
     # ------------------------------------------------------------------ registrations
 
-    def register(self, buf: Any) -> Region:
+    @property
+    def instance(self) -> bytes:
+        return self._instance
+
+    def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         self._check_open("register")
         addr, length, owner = buffer_span(buf)
         region = Region(addr, length, next(self._keys))
-        self._regions.add(region)
         self._locals[region.key] = _Local(region, byte_view(addr, length, owner), owner)
+        if require_grant:
+            self._guarded.add(region.key)
+        self._regions.add(region)
         return region
+
+    def grant(self, source: bytes, ranges: Any) -> Grant:
+        self._check_open("grant")
+        with self._landing_cond:
+            g = self._grants.add(source, ranges)
+            outside = [r for r in g.ranges if self._regions.find(*r) is None]
+            if outside:
+                self._grants.pop(g.key)
+                raise ValueError(f"grant range [{outside[0][0]:#x}, +{outside[0][1]}) is outside every registered region")
+        return g
+
+    def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
+        deadline = deadline or Deadline.after(1.0)
+        key = grant.key
+        with self._landing_cond:
+            self._grants.pop(key)  # no frame through it starts landing from now on
+            self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=deadline.remaining())
+            cut = list(self._grant_landing.get(key, ()))
+        for conn in cut:  # a frame still landing (a paused or stalled source): stop it
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if cut:
+            with self._landing_cond:
+                if not self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=self._poll * 4 + 1.0):
+                    raise TransportError(f"revoke: a write through grant {key} is still landing", op="revoke")
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
         if not self._regions.remove(region):
             return
         deadline = deadline or Deadline.after(self._peer_timeout)
         with self._landing_cond:
-            self._deregistering += 1
-            try:
-                self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
-            finally:
-                self._deregistering -= 1
+            self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
+            self._guarded.discard(region.key)
             busy = self._landing.pop(region.key, 0)
         self._locals.pop(region.key, None)
         if busy:
@@ -424,8 +462,11 @@ class TcpTransport(Transport):
         on_done: OnDone | None = None,
         *,
         deadline: Deadline | None = None,
+        grant: int = 0,
     ) -> int:
         p = self._own(peer)
+        if not 0 <= grant < 1 << 64:
+            raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
         arr = as_batch(batch)
         bufs: list[Any] = [b"", b""]
         if len(arr) > self._max_batch_writes:
@@ -470,7 +511,7 @@ class TcpTransport(Transport):
             p.slots += 1
             p.seq += 1
             batch_id = next(self._batch_ids)
-            bufs[0] = memoryview(_FRAME.pack(p.seq, len(arr), 0))
+            bufs[0] = memoryview(_FRAME.pack(p.seq, len(arr), 0, grant))
             if not p.unsent and not p.unacked:
                 p.last_progress = time.monotonic()
             p.unsent.append(_Pending(batch_id, p.seq, bufs, on_done))
@@ -626,7 +667,7 @@ class TcpTransport(Transport):
         try:
             _kernel_timeouts(conn, self._poll)
             _tune(conn, self._peer_timeout)
-            magic, version, want, _source = _HELLO.unpack(
+            magic, version, want, source = _HELLO.unpack(
                 _recv_exact(conn, _HELLO.size, stop=self._stop, stall=self._peer_timeout)
             )
             if magic != _MAGIC or version != _VERSION:
@@ -663,11 +704,11 @@ class TcpTransport(Transport):
                     head = head or b""
                     idle = None if head else _no_op
                     head += _recv_exact(conn, _FRAME.size - len(head), stop=self._stop, stall=stall, idle=idle)
-                seq, count, _ = _FRAME.unpack(head)
+                seq, count, _, grant = _FRAME.unpack(head)
                 if count > self._max_batch_writes:
                     return  # the stream cannot be trusted past a frame this broken
                 desc = _recv_exact(conn, count * _DESC.itemsize, stop=self._stop, stall=stall) if count else b""
-                status, err, msg, nbytes = self._land(conn, desc)
+                status, err, msg, nbytes = self._land(conn, desc, grant, source)
                 body = msg.encode()[:_MAX_MSG]
                 acks.append(_ACK.pack(seq, status, err, len(body)) + body)
                 acked_bytes += nbytes
@@ -682,41 +723,53 @@ class TcpTransport(Transport):
             with self._lock:
                 self._sinks.pop(sid, None)
 
-    def _land(self, conn: socket.socket, desc: bytes) -> tuple[int, int, str, int]:
+    def _land(self, conn: socket.socket, desc: bytes, grant: int, source: bytes) -> tuple[int, int, str, int]:
         """Validate every write of a frame, then receive its payload into place (or discard it).
 
-        Returns the ack's status, errno and message, and the payload size."""
+        A write must lie inside one registered region and, with ``grant``, inside
+        that live grant of ``source``; with grant 0 its region must not require
+        grants. Returns the ack's status, errno and message, and the payload size."""
         views: list[memoryview] = []
         keys: list[int] = []
         refused = ""
         total = 0
         locals_ = self._locals
         find = self._regions.find
+        check = self._grants.check
+        guarded = self._guarded
         last: Region | None = None
         view = memoryview(b"")
+        count = len(desc) // _DESC_PAIR.size
         with self._landing_cond:
             for i, (addr, length) in enumerate(_DESC_PAIR.iter_unpack(desc)):
                 if last is None or not (last.addr <= addr and addr + length <= last.addr + last.length) or not length:
                     last = find(addr, length) if length else None
                     if last is None:
-                        refused = (
-                            f"write {i} of {len(desc) // _DESC_PAIR.size} targets [{addr:#x}, +{length}), "
-                            "which is outside every region registered at the sink"
-                        )
+                        refused = f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
+                        break
+                    if not grant and last.key in guarded:
+                        refused = f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
                         break
                     if last.key not in keys:
                         keys.append(last.key)
                     view = locals_[last.key].view
+                if grant:
+                    why = check(grant, source, addr, length)
+                    if why:
+                        refused = f"write {i} of {count}: {why}"
+                        break
                 off = addr - last.addr
                 views.append(view[off : off + length])
                 total += length
             if not refused:
                 for k in keys:
                     self._landing[k] += 1
+                if grant:
+                    self._grant_landing.setdefault(grant, set()).add(conn)
         if refused:
             total = sum(n for _a, n in _DESC_PAIR.iter_unpack(desc))
             self._discard(conn, total)
-            return 1, errno_mod.EFAULT, refused, total
+            return 1, errno_mod.EACCES if "grant" in refused else errno_mod.EFAULT, refused, total
         try:
             got = conn.recvmsg_into(views)[0] if len(views) <= _IOV_CHUNK else 0  # the common case, one call
             if got != total:
@@ -730,8 +783,13 @@ class TcpTransport(Transport):
             with self._landing_cond:
                 for k in keys:
                     self._landing[k] -= 1
-                if self._deregistering:
-                    self._landing_cond.notify_all()
+                if grant:
+                    conns = self._grant_landing.get(grant)
+                    if conns is not None:
+                        conns.discard(conn)
+                        if not conns:
+                            del self._grant_landing[grant]
+                self._landing_cond.notify_all()
         return 0, 0, "", total
 
     def _discard(self, conn: socket.socket, nbytes: int) -> None:

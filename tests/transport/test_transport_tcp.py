@@ -6,6 +6,7 @@ import errno
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -26,11 +27,11 @@ def sink() -> transport.Transport:
     assert not [th for th in set(threading.enumerate()) - before if th.is_alive()]
 
 
-def _dial(t: transport.Transport, instance: bytes | None = None) -> socket.socket:
+def _dial(t: transport.Transport, instance: bytes | None = None, source: bytes = b"\0" * 16) -> socket.socket:
     ep = decode_endpoint(t.endpoint())
     host, _, port = ep.address.decode().rpartition(":")
     s = socket.create_connection((host, int(port)), timeout=5)
-    s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, instance or ep.instance, b"\0" * 16))
+    s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, instance or ep.instance, source))
     return s
 
 
@@ -44,8 +45,8 @@ def _recv(s: socket.socket, n: int) -> bytes:
     return out
 
 
-def _frame(seq: int, writes: list[tuple[int, bytes]]) -> bytes:
-    head = tcp._FRAME.pack(seq, len(writes), 0)
+def _frame(seq: int, writes: list[tuple[int, bytes]], grant: int = 0) -> bytes:
+    head = tcp._FRAME.pack(seq, len(writes), 0, grant)
     desc = b"".join(struct.pack("<QQ", addr, len(data)) for addr, data in writes)
     return head + desc + b"".join(data for _, data in writes)
 
@@ -80,7 +81,7 @@ def test_sink_refuses_another_instance_and_broken_frames(sink: transport.Transpo
         assert s.recv(1) == b""  # and hangs up
     with _dial(sink) as s:
         _recv(s, tcp._HELLO_REPLY.size)
-        s.sendall(tcp._FRAME.pack(1, (1 << 20) + 1, 0))  # more writes than a sink accepts
+        s.sendall(tcp._FRAME.pack(1, (1 << 20) + 1, 0, 0))  # more writes than a sink accepts
         assert s.recv(1) == b""  # the stream cannot be trusted: connection closed, nothing else
 
 
@@ -112,3 +113,69 @@ def test_an_empty_batch_on_an_idle_peer_completes() -> None:
     finally:
         src_t.close(deadline=Deadline.after(5))
         dst_t.close(deadline=Deadline.after(5))
+
+
+def _ack(s: socket.socket) -> tuple[int, int, int, str]:
+    seq, status, err, n = tcp._ACK.unpack(_recv(s, tcp._ACK.size))
+    return seq, status, err, _recv(s, n).decode()
+
+
+def test_sink_checks_each_frame_against_the_grant_it_names(sink: transport.Transport) -> None:
+    """Regions registered with require_grant take writes only through a live grant of this very
+    source, inside its ranges; every refusal lands nothing and keeps the stream in sync."""
+    dst = np.zeros(4096, np.uint8)
+    r = sink.register(dst, require_grant=True)
+    me, other = b"S" * 16, b"T" * 16
+    g = sink.grant(me, [(r.addr + 1024, 1024)])
+    theirs = sink.grant(other, [(r.addr, 4096)])
+    with _dial(sink, source=me) as s:
+        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 0
+        s.sendall(_frame(1, [(r.addr + 1024, b"\x11" * 8)]))  # no grant named
+        s.sendall(_frame(2, [(r.addr + 1024, b"\x22" * 8)], grant=theirs.key))  # another source's grant
+        s.sendall(_frame(3, [(r.addr + 1024, b"\x33" * 8), (r.addr + 2047, b"\x33" * 2)], grant=g.key))  # 1 byte out
+        s.sendall(_frame(4, [(r.addr + 2040, b"\x44" * 8)], grant=g.key))  # inside: lands
+        acks = [_ack(s) for _ in range(4)]
+        assert [a[:2] for a in acks] == [(1, 1), (2, 1), (3, 1), (4, 0)]
+        assert "requires one" in acks[0][3] and "another source" in acks[1][3] and "outside grant" in acks[2][3]
+        assert acks[0][2] == errno.EACCES
+        assert (dst[2040:2048] == 0x44).all() and int(dst.astype(bool).sum()) == 8
+        sink.revoke(g, deadline=Deadline.after(5))
+        s.sendall(_frame(5, [(r.addr + 1024, b"\x55" * 8)], grant=g.key))  # revoked: refused
+        seq, status, _err, msg = _ack(s)
+        assert (seq, status) == (5, 1) and "not live" in msg
+        assert int(dst.astype(bool).sum()) == 8
+    with pytest.raises(ValueError, match="outside every registered region"):
+        sink.grant(me, [(r.addr + 4000, 200)])
+
+
+def test_revoke_cuts_a_frame_stalled_mid_payload_and_nothing_lands_after_it(sink: transport.Transport) -> None:
+    """A paused source in the middle of a frame: revoke returns within its deadline, and the rest
+    of the payload, sent after revoke returned, lands nowhere."""
+    dst = np.zeros(1 << 16, np.uint8)
+    r = sink.register(dst, require_grant=True)
+    me = b"P" * 16
+    g = sink.grant(me, [(r.addr, 1 << 16)])
+    s = _dial(sink, source=me)
+    try:
+        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 0
+        frame = _frame(1, [(r.addr, b"\x66" * (1 << 16))], grant=g.key)
+        head = len(frame) - (1 << 16)
+        s.sendall(frame[: head + 100])  # the header and 100 bytes of payload, then the source "pauses"
+        deadline = Deadline.after(10)
+        while not (dst[:100] == 0x66).all():  # the sink is now landing the frame
+            assert not deadline.expired(), "the first bytes never landed"
+            threading.Event().wait(0.01)
+        before = time.monotonic()
+        sink.revoke(g, deadline=Deadline.after(0.5))
+        assert time.monotonic() - before < 5.0
+        snapshot = dst.copy()
+        try:
+            s.sendall(frame[head + 100 :])  # the source resumes: the connection is cut, or the bytes go nowhere
+        except OSError:
+            pass
+        quiet = Deadline.after(0.5)
+        while not quiet.expired():
+            assert (dst == snapshot).all(), "bytes landed after revoke returned"
+            threading.Event().wait(0.05)
+    finally:
+        s.close()
