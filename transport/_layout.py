@@ -6,10 +6,15 @@ layers × K and V), buffer ``i`` starting at ``bases[i]`` and holding
 ``bases[i] + p * page_bytes[i]``. The source and the destination of a
 transfer each have their own layout; they must agree on the number of
 buffers and on ``page_bytes``.
+
+A sink's layout arrives in a control message, so nothing here costs more than
+O(buffers + pages written) whatever ``num_pages`` claims, and a layout whose
+last page would not fit in 64-bit addresses is refused, naming the field.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +26,7 @@ from pdcore.errors import PdError
 __all__ = ["Layout", "PlanError", "validate"]
 
 _U64_MAX = (1 << 64) - 1
+MAX_PAGE_ID = (1 << 63) - 1  # page ids are int64 in both twins
 
 
 class PlanError(PdError, ValueError):
@@ -36,22 +42,26 @@ class Layout:
     num_pages: int
 
     def __init__(self, bases: Sequence[int], page_bytes: Sequence[int], num_pages: int) -> None:
-        bases_t = tuple(int(b) for b in bases)
-        pb_t = tuple(int(b) for b in page_bytes)
+        # The sink sends these in a control message: every check names the field, and
+        # nothing here costs more than O(len(bases)) whatever num_pages claims.
+        bases_t = _ints("bases", bases)
+        pb_t = _ints("page_bytes", page_bytes)
+        pages = _int("num_pages", num_pages)
         if not bases_t:
-            raise PlanError("a layout needs at least one buffer")
+            raise PlanError("bases: a layout needs at least one buffer")
         if len(pb_t) != len(bases_t):
             raise PlanError(f"{len(bases_t)} buffers but {len(pb_t)} page sizes; give one page size per buffer")
-        if int(num_pages) <= 0:
-            raise PlanError(f"a layout needs a positive number of pages, got {num_pages}")
-        for i, (b, pb) in enumerate(zip(bases_t, pb_t)):
+        if pages <= 0:
+            raise PlanError(f"num_pages: a layout needs a positive number of pages, got {pages}")
+        if pages > MAX_PAGE_ID + 1:
+            raise PlanError(f"num_pages: {pages} exceeds 2**63 (page ids are int64)")
+        for i, pb in enumerate(pb_t):
             if pb <= 0:
-                raise PlanError(f"buffer {i}: bytes per page must be positive, got {pb}")
-            if b < 0 or b + pb * int(num_pages) > _U64_MAX:
-                raise PlanError(f"buffer {i}: [{b:#x}, +{pb} x {num_pages} pages) does not fit in 64-bit addresses")
+                raise PlanError(f"page_bytes[{i}]: bytes per page must be positive, got {pb}")
         object.__setattr__(self, "bases", bases_t)
         object.__setattr__(self, "page_bytes", pb_t)
-        object.__setattr__(self, "num_pages", int(num_pages))
+        object.__setattr__(self, "num_pages", pages)
+        _check_extent(self)
 
     @classmethod
     def for_kv(
@@ -62,6 +72,33 @@ class Layout:
             raise PlanError(f"page_size (tokens per page) must be positive, got {page_size}")
         bpt = [bytes_per_token] * len(bases) if isinstance(bytes_per_token, int) else list(bytes_per_token)
         return cls(bases, [b * page_size for b in bpt], num_pages)
+
+
+def _int(field: str, value: Any) -> int:
+    """An exact integer (numpy ones too); bool, float and str are refused rather than coerced."""
+    if isinstance(value, bool):
+        raise PlanError(f"{field}: must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise PlanError(f"{field}: must be an integer, got {type(value).__name__}") from None
+
+
+def _ints(field: str, values: Any) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence | np.ndarray):
+        raise PlanError(f"{field}: must be a sequence of integers, got {type(values).__name__}")
+    return tuple(_int(f"{field}[{i}]", v) for i, v in enumerate(values))
+
+
+def _check_extent(layout: Layout) -> None:
+    """Every page address and run length of a plan then fits in u64: the twins' arithmetic cannot wrap."""
+    n = layout.num_pages
+    for i, (b, pb) in enumerate(zip(layout.bases, layout.page_bytes)):
+        if b < 0 or b + pb * n > _U64_MAX:
+            raise PlanError(
+                f"bases[{i}] = {b:#x} + page_bytes[{i}] = {pb} x num_pages = {n} "
+                "does not fit in 64-bit addresses"
+            )
 
 
 def _pages(name: str, pages: Any, num_pages: int) -> np.ndarray:
@@ -99,11 +136,13 @@ def validate(
     d = _pages("dst_pages", dst_pages, dst.num_pages)
     if s.shape[0] != d.shape[0]:
         raise PlanError(f"{s.shape[0]} source pages but {d.shape[0]} destination pages; the lists pair up one to one")
-    if d.size:
-        counts = np.bincount(d, minlength=dst.num_pages)
-        if int(counts.max()) > 1:
-            page = int(np.flatnonzero(counts > 1)[0])
-            raise PlanError(f"destination page {page} appears {int(counts[page])} times; a page can be written once")
+    if d.size > 1:  # sorted copy: O(pages written), never O(the claimed num_pages)
+        ds = np.sort(d)
+        dup = np.flatnonzero(ds[1:] == ds[:-1])
+        if dup.size:
+            page = int(ds[dup[0]])
+            times = int(np.count_nonzero(d == page))
+            raise PlanError(f"destination page {page} appears {times} times; a page can be written once")
     return (
         s,
         d,

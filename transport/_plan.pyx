@@ -28,7 +28,8 @@ cdef Py_ssize_t _run_starts(const int64_t[::1] s, const int64_t[::1] d, int64_t[
     starts[0] = 0
     k = 1
     for i in range(1, n):
-        if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1:
+        # unsigned: no signed-overflow UB at INT64_MAX, and the same wrap-around as numpy's diff
+        if <uint64_t>s[i] != <uint64_t>s[i - 1] + 1 or <uint64_t>d[i] != <uint64_t>d[i - 1] + 1:
             starts[k] = i
             k += 1
     return k

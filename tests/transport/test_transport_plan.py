@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,3 +164,104 @@ def test_stub_matches_the_twin() -> None:
     declared = {n.name: [a.arg for a in n.args.args] for n in stub.body if isinstance(n, ast.FunctionDef)}
     for name in ("count_runs", "plan", "naive_plan"):
         assert declared[name] == list(inspect.signature(getattr(_plan_py, name)).parameters), name
+
+
+# --------------------------------------------------------------------------- hostile layouts
+# A sink's layout arrives over the control channel: its claims must not cost memory or wrap addresses.
+
+
+def test_a_huge_claimed_num_pages_plans_in_o_pages_written(plan_impl: ModuleType) -> None:
+    import tracemalloc
+
+    pb = 4096
+    src = Layout([1 << 20], [pb], 64)
+    dst = Layout([1 << 30], [pb], 1 << 40)  # 2**40 pages claimed: 4 PiB of cache
+    far = [(1 << 40) - 3, (1 << 40) - 2, (1 << 40) - 1, 7]
+    tracemalloc.start()
+    try:
+        w = plan_impl.plan(src, dst, [0, 1, 2, 10], far)
+        naive = plan_impl.naive_plan(src, dst, [0, 1, 2, 10], far)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # numpy reports its buffers to tracemalloc: O(num_pages) would be terabytes
+    assert w.tolist() == [
+        [(1 << 20), (1 << 30) + ((1 << 40) - 3) * pb, 3 * pb],
+        [(1 << 20) + 10 * pb, (1 << 30) + 7 * pb, pb],
+    ]
+    assert len(naive) == 4
+    with pytest.raises(PlanError, match=r"destination page 1099511627775 appears 2 times"):
+        plan_impl.plan(src, dst, [0, 1], [(1 << 40) - 1] * 2)
+
+
+def test_a_moderately_large_num_pages_costs_no_memory_either(plan_impl: ModuleType) -> None:
+    """2**27 pages would fit in RAM (1 GiB of counts): the plan must still not touch O(num_pages) memory."""
+    import tracemalloc
+
+    L = Layout([0], [64], 1 << 27)
+    tracemalloc.start()
+    try:
+        plan_impl.plan(L, L, [5, 6], [(1 << 27) - 2, (1 << 27) - 1])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_the_last_addressable_page_plans_without_wrapping(plan_impl: ModuleType) -> None:
+    top = (1 << 64) - 1
+    pb = 1 << 12
+    dst = Layout([top - 4 * pb], [pb], 4)  # the last page ends at 2**64 - 1 exactly
+    src = Layout([0], [pb], 4)
+    w = plan_impl.plan(src, dst, [0, 1], [2, 3])
+    assert w.tolist() == [[0, top - 2 * pb, 2 * pb]]
+    np.testing.assert_array_equal(w, _plan_py.plan(src, dst, [0, 1], [2, 3]))
+
+
+@pytest.mark.parametrize(
+    ("bases", "page_bytes", "num_pages", "match"),
+    [
+        ([0], [1], 1 << 64, r"num_pages: \d+ exceeds 2\*\*63"),
+        ([0], [1], (1 << 63) + 1, r"num_pages: \d+ exceeds 2\*\*63"),
+        ([0], [2], 1 << 63, r"bases\[0\] = 0x0 \+ page_bytes\[0\] = 2 x num_pages = \d+ does not fit in 64-bit"),
+        ([0, (1 << 64) - 100], [64, 64], 2, r"bases\[1\] = 0x[0-9a-f]+ \+ page_bytes\[1\] = 64 x num_pages = 2 does not fit"),
+        ([0], [1 << 63], 2, r"bases\[0\].*does not fit in 64-bit addresses"),
+        ([0], [1 << 70], 1, r"does not fit in 64-bit addresses"),
+        ([1 << 64], [1], 1, r"bases\[0\].*does not fit"),
+        ([-1], [1], 1, r"bases\[0\] = -0x1"),
+        ([0], [0], 1, r"page_bytes\[0\]: bytes per page must be positive"),
+        ([0], [-8], 1, r"page_bytes\[0\]: bytes per page must be positive"),
+        ([0], [8], -(1 << 40), r"num_pages: a layout needs a positive number of pages"),
+        ([0], [8], 1.5, r"num_pages: must be an integer, got float"),
+        ([0], [8], "64", r"num_pages: must be an integer, got str"),
+        ([0], [8], True, r"num_pages: must be an integer, got True"),
+        ([0], [8], None, r"num_pages: must be an integer, got NoneType"),
+        ([0.5], [8], 4, r"bases\[0\]: must be an integer, got float"),
+        ([0], ["8"], 4, r"page_bytes\[0\]: must be an integer, got str"),
+        ("12", [8], 4, r"bases: must be a sequence of integers, got str"),
+        ({"a": 1}, [8], 4, r"bases: must be a sequence of integers, got dict"),
+        ([], [], 4, r"bases: a layout needs at least one buffer"),
+    ],
+)
+def test_absurd_layouts_are_errors_naming_the_field(bases: Any, page_bytes: Any, num_pages: Any, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        Layout(bases, page_bytes, num_pages)
+
+
+def test_page_ids_past_int64_are_out_of_range_not_wrapped(plan_impl: ModuleType) -> None:
+    L = Layout([0], [1], 1 << 63)  # the largest layout: page ids 0 .. 2**63 - 1
+    top = np.array([(1 << 63) - 2, (1 << 63) - 1], np.uint64)
+    w = plan_impl.plan(L, L, top, top)
+    assert w.tolist() == [[(1 << 63) - 2, (1 << 63) - 2, 2]]
+    assert plan_impl.count_runs(top.astype(np.int64), top.astype(np.int64)) == 1
+    with pytest.raises(PlanError, match=r"dst_pages\[0\] = 9223372036854775808 is out of range"):
+        plan_impl.plan(L, L, [0], np.array([1 << 63], np.uint64))
+    with pytest.raises(PlanError, match=r"integer page ids"):
+        plan_impl.plan(L, L, [0], [1 << 64])  # does not fit any integer dtype: an object array
+
+
+def test_count_runs_wraps_like_numpy_at_the_int64_edges(plan_impl: ModuleType) -> None:
+    """The compiled twin compares in unsigned arithmetic: no signed-overflow UB, same answer as the pure one."""
+    lo, hi = -(1 << 63), (1 << 63) - 1
+    for s, d in [([hi, lo], [0, 1]), ([hi - 1, hi], [hi - 1, hi]), ([lo, lo + 1], [5, 6]), ([hi, hi], [1, 2])]:
+        assert plan_impl.count_runs(s, d) == _plan_py.count_runs(s, d), (s, d)
