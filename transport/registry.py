@@ -2,6 +2,13 @@
 
 ``"verbs"`` lives in ``transport.verbs`` and is imported only by
 ``create("verbs")``, so nothing else needs pyverbs.
+
+``"faulty:<inner>"`` (e.g. ``"faulty:tcp"``) builds ``<inner>`` and wraps it in
+``transport.faulty.FaultyTransport``, which fails a seeded fraction of batches
+and delays completions (chaos runs, tests). Its options are split: the
+wrapper takes ``seed``, ``fail_rate``, ``land_rate`` and ``delay``
+(``transport.faulty.WRAPPER_OPTIONS``); every other option goes to the inner
+transport: ``create("faulty:tcp", seed=1, fail_rate=0.05, host="127.0.0.1")``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from .base import Transport
 __all__ = ["available", "create", "register_transport"]
 
 _lock = threading.Lock()
+_FAULTY_PREFIX = "faulty:"
 _FACTORIES: dict[str, str] = {
     "tcp": "transport.tcp:TcpTransport",
     "verbs": "transport.verbs:VerbsTransport",
@@ -39,7 +47,14 @@ def available() -> tuple[str, ...]:
 
 
 def transport_class(name: str) -> type[Transport]:
-    """Import and return the class registered under ``name``; ``StartError`` if unknown or not importable."""
+    """Import and return the class registered under ``name``; ``StartError`` if unknown or not importable.
+
+    For ``"faulty:<inner>"`` that is the wrapper's class (once ``<inner>`` is known to be usable)."""
+    if name.startswith(_FAULTY_PREFIX):
+        transport_class(name[len(_FAULTY_PREFIX) :])
+        from .faulty import FaultyTransport
+
+        return FaultyTransport
     with _lock:
         target = _FACTORIES.get(name)
     if target is None:
@@ -56,5 +71,17 @@ def transport_class(name: str) -> type[Transport]:
 
 
 def create(name: str, **options: Any) -> Transport:
-    """Build and start the transport registered under ``name`` with its ``options``."""
+    """Build and start the transport registered under ``name`` with its ``options``.
+
+    ``"faulty:<inner>"``: the wrapper's options go to the wrapper, the rest to ``create("<inner>")``."""
+    if name.startswith(_FAULTY_PREFIX):
+        from .faulty import WRAPPER_OPTIONS, FaultyTransport
+
+        wrapper = {k: options.pop(k) for k in WRAPPER_OPTIONS if k in options}
+        inner = create(name[len(_FAULTY_PREFIX) :], **options)
+        try:
+            return FaultyTransport(inner, **wrapper)
+        except BaseException:
+            inner.close()
+            raise
     return transport_class(name)(**options)
