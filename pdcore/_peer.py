@@ -122,6 +122,7 @@ class PeerBase:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
+        self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
 
     # -- start and stop -----------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class PeerBase:
             stack.callback(self._transport.close)
             regions = []
             for i, (buf, page) in enumerate(zip(cfg.kv_buffers, cfg.page_bytes_per_buffer)):
-                region = self._transport.register(buf)
+                region = self._transport.register(buf, require_grant=True)  # written only through grants
                 if region.length < page * cfg.num_pages:
                     raise StartError(
                         f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}"
@@ -250,10 +251,15 @@ class PeerBase:
         if self._closed:
             raise PeerError(f"{self.ROLE} peer: closed")
         events = self._agreement.round(time.monotonic(), replica)
-        for rid in self._table.take_fencing():
+        fencing = self._table.take_fencing()
+        if self._fence_backlog:
+            fencing, self._fence_backlog = self._fence_backlog + fencing, []
+        for rid in fencing:
             try:
                 self._submit(self._close_fence, rid)
-            except PdError:  # no worker to fence with: the connection goes down with it
+            except CapacityError:  # the queue is full: the fence stays armed and is queued next round
+                self._fence_backlog.append(rid)
+            except PdError:  # closing: no worker, and the transport goes down with the peer
                 self._fenced(rid)
         return self._settle(events) if events else events
 

@@ -38,12 +38,14 @@ import io
 import json
 import logging
 import os
+import random
 import selectors
 import signal
 import socket
 import socketserver
 import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated, Any, Final, Literal, Sequence
@@ -75,6 +77,15 @@ log = logging.getLogger("pdcore.bootstrap")
 MAX_BODY_BYTES: Final = 1 << 20
 MAX_RESPONSE_BYTES: Final = 2 * MAX_BODY_BYTES
 DEFAULT_PORT: Final = 8998
+_BACKOFF_FIRST: Final = 0.01  # seconds: the client's first pause after a busy or refused attempt
+_BACKOFF_CAP: Final = 0.5  # ... doubling up to this, jittered
+# The canned answer at the connection cap. Retry-After marks it as "busy", unlike the 503 of
+# GET /v1/parallel before any rank registered (which is an answer, not a refusal).
+_BUSY_BODY: Final = b'{"error":"busy: at the connection cap, retry","status":503}'
+_BUSY_REPLY: Final = (
+    b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\nConnection: close\r\n\r\n" + _BUSY_BODY
+)
 
 _U63 = (1 << 63) - 1
 Size = Annotated[int, Meta(ge=1, le=MAX_TP_SIZE)]
@@ -82,6 +93,7 @@ Rank = Annotated[int, Meta(ge=0, le=MAX_TP_SIZE - 1)]
 Epoch = Annotated[int, Meta(ge=0, le=_U63)]
 SessionId = Annotated[str, Meta(min_length=1, max_length=MAX_SESSION_ID, pattern=r"^[!-~]+$")]
 Endpoint = Annotated[str, Meta(min_length=1, max_length=255)]
+Instance = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]  # a transport instance id, hex
 
 Outcome = Literal["created", "unchanged", "replaced"]
 PdErrorLike = LocalProtocolError | RemoteProtocolError
@@ -98,6 +110,7 @@ class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     tp_rank: Rank
     dp_rank: Rank
     layout: dict[str, Any]
+    transport: Instance  # the rank's data-plane instance: what a sink grants its pages to
 
 
 class ParallelInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -118,6 +131,7 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     endpoint: Endpoint
     session_id: SessionId
     epoch: Epoch
+    transport: Instance
 
 
 _REG_DECODER: Final = msgspec.json.Decoder(RankRegistration)
@@ -231,7 +245,7 @@ class Registry:
             if reg.epoch < old.epoch:
                 raise RemoteProtocolError(f"registration.epoch: {reg.epoch} is older than the registered {old.epoch}")
             if reg.epoch == old.epoch:
-                for field in ("session_id", "endpoint", "tp_size", "dp_size"):
+                for field in ("session_id", "endpoint", "tp_size", "dp_size", "transport"):
                     if getattr(reg, field) != getattr(old, field):
                         raise RemoteProtocolError(
                             f"registration.{field}: differs from the registration of the same epoch {old.epoch}"
@@ -261,8 +275,9 @@ class Registry:
             return None
         reg = entry[0]
         return RankInfo(
-            dp_rank=dp_rank, tp_rank=tp_rank, endpoint=reg.endpoint, session_id=reg.session_id, epoch=reg.epoch
-        )
+            dp_rank=dp_rank, tp_rank=tp_rank, endpoint=reg.endpoint, session_id=reg.session_id, epoch=reg.epoch,
+            transport=reg.transport,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- deadline-bound socket I/O
@@ -489,7 +504,7 @@ class _Server(ThreadingHTTPServer):
         if not self._slots.acquire(blocking=False):
             try:  # over the cap: a canned 503, never a blocking write
                 request.setblocking(False)
-                request.send(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                request.send(_BUSY_REPLY)
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -664,18 +679,52 @@ class BootstrapClient:
     """Talks to one bootstrap server; every call takes a ``Deadline`` that bounds it whole.
 
     Blocking, but bounded: call it from a peer's I/O thread, never from the
-    scheduler thread. Raises ``DeadlineExceeded`` when the deadline passes,
-    ``OSError`` when the server is unreachable (retry while the deadline
-    allows), ``LocalProtocolError`` when the server rejects what we sent
+    scheduler thread. A server at its connection cap (503 with Retry-After), a
+    refused or a reset connection are transient: the call retries with
+    jittered exponential back-off (every request is idempotent) and raises
+    ``DeadlineExceeded`` only at the deadline, saying the server was busy or
+    refusing. Other errors: ``DeadlineExceeded`` when the deadline passes,
+    ``OSError`` when the server cannot be reached otherwise,
+    ``LocalProtocolError`` when the server rejects what we sent
     (400/409/411/413: the message says why), and ``RemoteProtocolError`` when
-    the server's answer is malformed or unexpected.
+    the server's answer is malformed or unexpected. ``rng`` draws the jitter.
     """
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, rng: random.Random | None = None) -> None:
         self.host = host
         self.port = port
+        self._rng = rng if rng is not None else random.Random()
 
     def _request(self, method: str, path: str, deadline: Deadline, body: bytes | None = None) -> tuple[int, bytes]:
+        """One exchange, retried while the server is busy or refusing, until ``deadline``."""
+        delay, attempts, busy, last = _BACKOFF_FIRST, 0, False, ""
+        while True:
+            if attempts and deadline.expired():
+                what = "was busy (503: at its connection cap)" if busy else "was busy or down (connections refused or reset)"
+                raise DeadlineExceeded(
+                    f"bootstrap {method} {path}: server {self.host}:{self.port} {what} until the deadline "
+                    f"({attempts} attempts, last: {last})"
+                )
+            attempts += 1
+            try:
+                status, data, retry_later = self._exchange(method, path, deadline, body)
+            except ConnectionError as e:  # refused, reset, broken pipe: a busy server cuts this way too
+                last = f"{type(e).__name__}: {e}"
+            except DeadlineExceeded:
+                if attempts == 1:
+                    raise
+                continue  # the deadline passed mid-attempt: report why we were still retrying
+            else:
+                if not retry_later:
+                    return status, data
+                busy, last = True, "503 busy"
+            time.sleep(min(self._rng.uniform(delay / 2, delay), deadline.remaining()))
+            delay = min(2 * delay, _BACKOFF_CAP)
+
+    def _exchange(
+        self, method: str, path: str, deadline: Deadline, body: bytes | None
+    ) -> tuple[int, bytes, bool]:
+        """One request on a fresh connection: (status, body, the server said "busy, retry later")."""
         conn = _Connection(self.host, self.port, deadline)
         try:
             headers = {"Content-Type": "application/json"} if body is not None else {}
@@ -687,7 +736,10 @@ class BootstrapClient:
             data = response.read(MAX_RESPONSE_BYTES + 1)
             if len(data) > MAX_RESPONSE_BYTES:
                 raise RemoteProtocolError(f"bootstrap {method} {path}: response is too large")
-            return response.status, data
+            busy = response.status == 503 and (response.getheader("Retry-After") is not None or not data)
+            return response.status, data, busy
+        except ConnectionError:  # http.client.RemoteDisconnected is one too: retried, not a protocol error
+            raise
         except http.client.HTTPException as e:
             raise RemoteProtocolError(f"bootstrap {method} {path}: bad HTTP response: {e!r}") from None
         finally:

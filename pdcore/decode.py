@@ -9,11 +9,13 @@ request is connected (BOOTSTRAPPED). The scheduler allocates pages and
 announces them through the inbox (WAITING_FOR_INPUT, the fence armed); the
 prefill rank's ``Status`` with the first token lands it (SUCCESS).
 
-Fence before free: a failed request whose pages were announced is reported
-``Failed`` (and its pages handed back) only after its prefill rank
-acknowledged with ``AbortAck`` that no write to the room is in flight, or the
-prefill rank is gone (its heartbeats stopped, or it did not acknowledge within
-``fence_timeout``: then it is dropped as dead).
+Fence before free, enforced here: announcing a room's pages grants the
+prefill rank's transport the right to write into exactly those pages (the
+grant's key travels in ``Announce``). A failed request whose pages were
+announced is reported ``Failed`` (and its pages handed back) only after this
+rank revoked that grant in the data plane: from then on nothing the prefill
+rank sends lands there, whether it is healthy, paused, partitioned or gone.
+``Abort`` still tells the prefill rank to stop, but its answer is not awaited.
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ log = logging.getLogger("pdcore.decode")
 
 _LOOKUP_SLICE = 2.0  # seconds one bootstrap lookup may take before the worker moves on
 _RETRY = 0.1  # seconds between lookups of a deployment that is not up yet
+_REVOKE_WAIT = 1.0  # seconds a revoke waits for a write landing through the grant before it cuts it
+
+
+def page_ranges(layout: Any, page_ids: Any) -> np.ndarray:
+    """The ``(addr, length)`` ranges of ``page_ids`` in every buffer of ``layout``, runs of adjacent pages merged."""
+    pages = np.unique(np.asarray(page_ids, dtype=np.int64))
+    if not len(pages):
+        return np.empty((0, 2), np.uint64)
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = pages[np.r_[0, breaks]]
+    counts = np.diff(np.r_[0, breaks, len(pages)])
+    out = [
+        np.stack([base + starts * size, counts * size], axis=1)
+        for base, size in zip(layout.bases, layout.page_bytes)
+    ]
+    return np.concatenate(out).astype(np.uint64)
 
 
 @dataclass(eq=False)
@@ -52,7 +70,8 @@ class _Request:
     request_pool_index: int = -1
     landed: wire.Status | None = None
     retry_at: float = 0.0
-    fence_until: float | None = None
+    grant: Any = None  # the transport grant of the announced pages, until revoked
+    abort_sent: bool = False
 
 
 @dataclass(eq=False)
@@ -76,6 +95,8 @@ class DecodePeer(PeerBase):
         self._deployments: dict[tuple[str, int], _Deployment] = {}
         self._registered: set[str] = set()  # prefill endpoints that have our Register
         self._waiting: dict[str, _Request] = {}  # bootstrap lookups to retry
+        self._instances: dict[str, bytes] = {}  # prefill control endpoint -> its transport instance
+        self._unrevoked: list[_Request] = []  # revokes that could not be confirmed: retried every tick
 
     @classmethod
     def start(cls, config: DecodeConfig) -> tuple[DecodePeer, DecodeInbox]:
@@ -185,6 +206,7 @@ class DecodePeer(PeerBase):
             if rank is None:
                 return None
             deployment.ranks[key] = rank.endpoint
+            self._instances[rank.endpoint] = bytes.fromhex(rank.transport)
         return deployment.ranks[key]
 
     # -- announcing ------------------------------------------------------------------------
@@ -201,6 +223,11 @@ class DecodePeer(PeerBase):
             return  # failed meanwhile: announce nothing
         request.request_pool_index = request_pool_index
         try:
+            request.grant = self._transport.grant(self._instances[request.source], page_ranges(self._layout, page_ids))
+        except (KeyError, ValueError, PdError) as e:
+            self._fire(rid, Trigger.FAIL, f"cannot grant the pages to the prefill rank: {e}")
+            return
+        try:
             self._channel.send(
                 request.source,
                 wire.Announce(
@@ -209,6 +236,7 @@ class DecodePeer(PeerBase):
                     epoch=self.epoch,
                     page_ids=page_ids,
                     request_pool_index=request_pool_index,
+                    grant=request.grant.key,
                 ),
             )
         except PdError as e:
@@ -223,8 +251,10 @@ class DecodePeer(PeerBase):
                 log.debug("decode peer: %s for unknown room %d from %s", type(msg).__name__, msg.room, sender)
                 return
             if isinstance(msg, wire.AbortAck):
-                self._fenced(request.rid)
-            elif isinstance(msg, wire.Abort) or msg.state == State.FAILED:
+                return  # the prefill rank stopped; the fence is this rank's revoke, not its word
+            if isinstance(msg, wire.Status) and msg.register_again:
+                self._registered.discard(sender)  # the next request registers again
+            if isinstance(msg, wire.Abort) or msg.state == State.FAILED:
                 self._fire(request.rid, Trigger.FAIL, f"prefill failed the room: {msg.reason}")
             elif msg.state == State.SUCCESS:
                 if msg.first_token is None:
@@ -239,14 +269,27 @@ class DecodePeer(PeerBase):
         request = self._requests.get(rid)
         if request is None:
             return
-        if request.source is None:
-            self._fenced(rid)  # nothing was announced to anyone
-            return
-        request.fence_until = time.monotonic() + self._config.fence_timeout
-        try:
-            self._channel.send(request.source, wire.Abort(room=request.room, reason="failed on the decode replica"))
-        except PdError as e:
-            log.warning("decode peer: cannot ask %s to stop room %d: %s", request.source, request.room, e)
+        if request.source is not None and not request.abort_sent:
+            request.abort_sent = True
+            try:
+                self._channel.send(request.source, wire.Abort(room=request.room, reason="failed on the decode replica"))
+            except PdError as e:
+                log.warning("decode peer: cannot ask %s to stop room %d: %s", request.source, request.room, e)
+        self._revoke(request)
+
+    def _revoke(self, request: _Request) -> None:
+        """Take the room's grant back, then close its fence: from here nothing lands in its pages."""
+        grant = request.grant
+        if grant is not None:
+            try:
+                self._transport.revoke(grant, deadline=Deadline.after(_REVOKE_WAIT))
+            except PdError as e:  # not confirmed: the fence stays armed, the next tick tries again
+                log.warning("decode peer: revoking room %d's grant failed: %s", request.room, e)
+                if request not in self._unrevoked:
+                    self._unrevoked.append(request)
+                return
+            request.grant = None
+        self._fenced(request.rid)
 
     def _abort_unannounced(self, request: _Request) -> None:
         """A room that failed here before its pages were announced armed no fence, so no ``Abort``
@@ -275,9 +318,9 @@ class DecodePeer(PeerBase):
         with self._lock:
             bound = [r for r in self._requests.values() if r.source == endpoint]
         for request in bound:
-            request.fence_until = None  # settled here: no abort is owed any more
+            request.abort_sent = True  # nobody to tell
             self._fire(request.rid, Trigger.FAIL, reason)
-            self._fenced(request.rid)
+            self._revoke(request)
 
     def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         wanted = set(rooms)
@@ -291,15 +334,10 @@ class DecodePeer(PeerBase):
             if request.retry_at <= now:
                 del self._waiting[rid]
                 self._bootstrap(request)
-        overdue = {
-            r.source
-            for r in list(self._requests.values())
-            if r.fence_until is not None and r.fence_until <= now and r.source is not None
-        }
-        for endpoint in overdue:
-            log.warning("decode peer: %s did not acknowledge an abort in time: dropping it", endpoint)
-            self._channel.forget(endpoint)
-            self._lose_source(endpoint, "prefill rank did not acknowledge an abort in time")
+        retry, self._unrevoked = self._unrevoked, []
+        for request in retry:
+            if self._requests.get(request.rid) is request:
+                self._revoke(request)
 
     def _farewell(self) -> None:
         for request in list(self._requests.values()):
@@ -320,9 +358,11 @@ class DecodePeer(PeerBase):
                     self._waiting.pop(event.rid, None)
                     if request.source is not None:
                         self._by_source.pop((request.source, request.room), None)
-                if isinstance(event, Failed) and request.source is not None and request.fence_until is None:
+                if isinstance(event, Failed) and request.source is not None and not request.abort_sent:
                     self._abort_unannounced(request)
                 if isinstance(event, Succeeded):
+                    if request.grant is not None:  # every byte landed: the grant only goes
+                        self._transport.revoke(request.grant, deadline=Deadline.after(_REVOKE_WAIT), settled=True)
                     landed = request.landed
                     assert landed is not None and landed.first_token is not None  # checked when it arrived
                     event = RemotePrefillDone(

@@ -46,6 +46,7 @@ class _Room:
     room: int
     dst: str | None = None  # the decode rank's control endpoint
     dst_pages: tuple[int, ...] = ()
+    grant: int = 0  # the decode rank's transport grant for dst_pages
     cached_tokens: int = 0
     logprob: float | None = None
     inflight: int = 0  # batches posted and not completed
@@ -62,6 +63,7 @@ class _Sink:
     layout: Layout | None
     handle: Any | None  # transport PeerHandle
     error: str = ""
+    endpoint: bytes = b""  # its transport endpoint: a handle lost to a transient failure is connected again
 
 
 class PrefillPeer(PeerBase):
@@ -102,6 +104,7 @@ class PrefillPeer(PeerBase):
             tp_rank=cfg.tp_rank,
             dp_rank=cfg.dp_rank,
             layout={"page_bytes": list(self._layout.page_bytes), "num_pages": self._layout.num_pages},
+            transport=self._transport.instance.hex(),
         )
         last: Exception | None = None
         while not deadline.expired():
@@ -219,7 +222,7 @@ class PrefillPeer(PeerBase):
                 error = f"cannot connect the transport to {sender}: {e}"
         if error:
             log.warning("prefill peer: %s", error)
-        self._sinks[sender] = _Sink(msg.session_id, msg.epoch, layout, handle, error)
+        self._sinks[sender] = _Sink(msg.session_id, msg.epoch, layout, handle, error, msg.endpoint)
 
     def _on_announce(self, sender: str, msg: wire.Announce) -> None:
         room = msg.room
@@ -243,13 +246,17 @@ class PrefillPeer(PeerBase):
             if entry.dst is not None:
                 reason = f"room {entry.room} was announced twice ({entry.dst} and {sender})"
             elif sink is None or sink.error:
-                reason = sink.error if sink else f"decode rank {sender} announced before registering"
+                reason = sink.error if sink else f"decode rank {sender} announced before registering (or was dropped)"
             else:
                 entry.dst = sender
                 entry.dst_pages = msg.page_ids
+                entry.grant = msg.grant
                 reason = ""
         if reason:
-            self._tell(sender, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+            status = wire.Status(
+                room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason, register_again=sink is None
+            )
+            self._tell(sender, status)
             self._fire(entry.rid, Trigger.FAIL, reason)
             return
         self._fire(entry.rid, Trigger.PEERS_CONNECTED)
@@ -291,6 +298,15 @@ class PrefillPeer(PeerBase):
         if sink is None or sink.handle is None:
             self._fail(entry, "pages handed over before a decode rank announced the room")
             return True
+        if sink.handle.closed:  # a transient failure dropped the data connection: connect again, off the caller's thread
+            if not wait:
+                return False
+            try:
+                self._transport.disconnect(sink.handle, deadline=Deadline.after(1.0))
+                sink.handle = self._transport.connect(sink.endpoint, deadline=Deadline.after(self._config.start_timeout))
+            except PdError as e:
+                self._fail(entry, f"cannot connect the transport to {entry.dst} again: {e}")
+                return True
         dst = entry.dst_pages
         if len(page_ids) < len(dst):
             self._fail(entry, f"decode announced {len(dst)} pages, prefill handed over only {len(page_ids)}")
@@ -300,14 +316,21 @@ class PrefillPeer(PeerBase):
         except PlanError as e:
             self._fail(entry, f"cannot plan the transfer: {e}")
             return True
-        if self._fire(rid, Trigger.WRITES_POSTED) in (None, State.FAILED):
-            return True  # failed meanwhile: post nothing
-        with self._lock:
+        with self._lock:  # counted before "writes posted": an abort in between must not ack "drained"
             entry.inflight += 1
+        if self._fire(rid, Trigger.WRITES_POSTED) in (None, State.FAILED):
+            with self._lock:
+                entry.inflight -= 1
+            self._drained(entry)  # failed meanwhile: post nothing, and owe no ack for it
+            return True
         done = functools.partial(self._landed, entry, first_token, candidates)
         try:
             self._transport.write(
-                sink.handle, batch, done, deadline=Deadline.after(self._config.fence_timeout) if wait else None
+                sink.handle,
+                batch,
+                done,
+                deadline=Deadline.after(self._config.fence_timeout) if wait else None,
+                grant=entry.grant,
             )
         except CapacityError:
             with self._lock:
@@ -329,7 +352,8 @@ class PrefillPeer(PeerBase):
             entry.inflight -= 1
         if error is not None:
             self._fail(entry, f"transfer failed: {error}")
-        elif entry.dst is not None:
+        elif entry.dst is not None and self._fire(entry.rid, Trigger.WRITES_LANDED) == State.SUCCESS:
+            # success is told only for a room still live here: never for one this rank already failed
             self._tell(
                 entry.dst,
                 wire.Status(
@@ -342,7 +366,6 @@ class PrefillPeer(PeerBase):
                     spec_candidate_ids=candidates,
                 ),
             )
-            self._fire(entry.rid, Trigger.WRITES_LANDED)
         self._drained(entry)
 
     def _fail(self, entry: _Room, reason: str) -> None:

@@ -59,7 +59,7 @@ __all__ = [
     "check_json_object",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: Announce carries the sink's grant
 MAGIC: Final = b"pd"
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -122,6 +122,7 @@ class Announce(_Msg, tag="announce"):
     epoch: U64
     page_ids: Annotated[tuple[PageId, ...], Meta(max_length=MAX_PAGES)]
     request_pool_index: Count
+    grant: U64 = 0  # the sink's transport grant for these pages: the source writes through it
 
 
 class Status(_Msg, tag="status"):
@@ -135,6 +136,7 @@ class Status(_Msg, tag="status"):
     first_token_logprob: float | None = None
     spec_candidate_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_CANDIDATES)] | None = None
     reason: Reason = ""
+    register_again: bool = False  # the source does not know this sink (any more): send Register again
 
 
 class Abort(_Msg, tag="abort"):
@@ -147,8 +149,8 @@ class Abort(_Msg, tag="abort"):
 class AbortAck(_Msg, tag="abort_ack"):
     """Source rank → sink: no write of ``rank`` to this room is in flight or will be posted.
 
-    The sink frees the room's pages only after every source rank acknowledged
-    (fence before free, DESIGN §5).
+    Informational: the sink frees a room's pages once it revoked the room's
+    grant (fence before free, DESIGN §5), never on a source's word.
     """
 
     room: Room

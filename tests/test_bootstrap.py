@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
+import random
 import selectors
 import signal
 import socket
@@ -44,6 +47,7 @@ def reg(tp_rank: int = 0, dp_rank: int = 0, **kw: Any) -> RankRegistration:
         tp_rank=tp_rank,
         dp_rank=dp_rank,
         layout=LAYOUT,
+        transport=f"{dp_rank:02x}{tp_rank:02x}" * 8,
     )
     base.update(kw)
     return RankRegistration(**base)
@@ -247,8 +251,85 @@ def test_client_deadline_against_a_silent_server() -> None:
 def test_client_unreachable_raises_oserror() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-    with pytest.raises(OSError):
-        BootstrapClient("127.0.0.1", port).health(soon())
+    backoffs = Backoffs()
+    deadline = Deadline.after(0.3)
+    with pytest.raises(OSError, match="busy or down .connections refused or reset"):  # DeadlineExceeded is one
+        BootstrapClient("127.0.0.1", port, rng=backoffs).health(deadline)
+    assert deadline.expired() and backoffs.count >= 2  # retried, and gave up only at the deadline
+
+
+class Backoffs(random.Random):
+    """The client's jitter source, seeded, that tells the test every time the client backs off."""
+
+    def __init__(self) -> None:
+        super().__init__(7)
+        self.count = 0
+        self.backed_off = threading.Event()
+
+    def uniform(self, a: float, b: float) -> float:
+        self.count += 1
+        self.backed_off.set()
+        return super().uniform(a, b)
+
+
+@contextlib.contextmanager
+def held_at_cap() -> Iterator[tuple[BootstrapServer, socket.socket]]:
+    """A real server with one connection slot, held by a half-sent request until the test frees it."""
+    with BootstrapServer("127.0.0.1", 0, max_connections=1, request_timeout=60.0) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as hog:
+            hog.sendall(b"GET /health HTTP/1.0\r\n")
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as probe:
+                assert probe.recv(4096).startswith(b"HTTP/1.0 503 ")  # the hog holds the slot now
+            yield srv, hog
+
+
+def free_the_slot(hog: socket.socket) -> None:
+    hog.sendall(b"\r\n")
+    assert b" 200 " in b"".join(iter(lambda: hog.recv(4096), b""))  # to EOF: its handler gave the slot back
+
+
+def test_a_busy_server_is_retried_until_the_cap_frees() -> None:
+    with held_at_cap() as (srv, hog):
+        backoffs = Backoffs()
+        client = BootstrapClient("127.0.0.1", srv.port, rng=backoffs)
+        outcome: queue.Queue[object] = queue.Queue()
+
+        def register() -> None:
+            try:
+                outcome.put(client.register(reg(0), soon(10.0)))
+            except Exception as e:
+                outcome.put(e)
+
+        thread = threading.Thread(target=register, daemon=True)
+        thread.start()
+        assert backoffs.backed_off.wait(5.0)  # it was turned away at least once ...
+        assert outcome.empty()  # ... and did not give up
+        free_the_slot(hog)
+        assert outcome.get(timeout=10.0) == "created"
+        thread.join(5.0)
+        assert not thread.is_alive()
+        rank = client.rank(0, 0, soon())
+        assert rank is not None and rank.session_id == "p-0-0"
+
+
+def test_a_server_busy_past_the_deadline_is_a_clear_error_at_the_deadline() -> None:
+    with held_at_cap() as (srv, hog):
+        backoffs = Backoffs()
+        client = BootstrapClient("127.0.0.1", srv.port, rng=backoffs)
+        deadline = Deadline.after(0.5)
+        with pytest.raises(DeadlineExceeded, match=r"PUT /v1/ranks: server 127.0.0.1:\d+ was busy \(503: at its connection cap\) until the deadline"):
+            client.register(reg(0), deadline)
+        assert deadline.expired()  # not before it
+        assert backoffs.count >= 2
+        free_the_slot(hog)
+        assert client.rank(0, 0, soon()) is None  # nothing was registered
+
+
+def test_no_rank_yet_503_is_an_answer_not_a_busy_server(client: BootstrapClient, server: BootstrapServer) -> None:
+    backoffs = Backoffs()
+    quick = BootstrapClient("127.0.0.1", server.port, rng=backoffs)
+    assert quick.parallel_info(soon()) is None
+    assert backoffs.count == 0
 
 
 def test_client_rejects_a_bad_answer() -> None:
@@ -363,7 +444,7 @@ def test_parse_responses() -> None:
         parse_parallel_info(good.replace(b"false", b"true"))
     with pytest.raises(RemoteProtocolError, match="registered"):
         parse_parallel_info(good.replace(b'"registered":1', b'"registered":3'))
-    rank = b'{"dp_rank":0,"tp_rank":1,"endpoint":"tcp://[::1]:5","session_id":"s","epoch":0}'
+    rank = b'{"dp_rank":0,"tp_rank":1,"endpoint":"tcp://[::1]:5","session_id":"s","epoch":0,"transport":"00000000000000000000000000000000"}'
     assert parse_rank_info(rank).endpoint == "tcp://[::1]:5"
     with pytest.raises(RemoteProtocolError, match="endpoint"):
         parse_rank_info(rank.replace(b"tcp://[::1]:5", b"tcp://::1:5"))

@@ -108,8 +108,8 @@ def test_bad_frames_are_counted_and_the_thread_lives_on(
     good = wire.Status(room=9, state=5, rank=0)
     body = msgspec.msgpack.decode(wire.encode(wire.Status(room=7, state=5, rank=0))[3:])
     sock.send(b"\x00\xffgarbage")
-    sock.send(wire.MAGIC + b"\x02" + msgspec.msgpack.encode(body))  # another protocol version, room 7
-    sock.send(wire.MAGIC + b"\x01" + msgspec.msgpack.encode({**body, "room": 8, "state": 99}))  # malformed, room 8
+    sock.send(wire.MAGIC + b"\x03" + msgspec.msgpack.encode(body))  # another protocol version, room 7
+    sock.send(wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({**body, "room": 8, "state": 99}))  # malformed, room 8
     sock.send_multipart([b"extra", wire.encode(wire.Abort(room=10))])  # two frames in one message, room 10
     sock.send(b"")
     stranger = raw_dealer(a.endpoint, ident=b"\x00anonymous")
@@ -126,7 +126,7 @@ def test_bad_frames_are_counted_and_the_thread_lives_on(
 def test_reasons_name_the_field(pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox], raw_dealer: Any) -> None:
     a, a_in, _, _ = pair
     body = msgspec.msgpack.decode(wire.encode(wire.Status(room=5, state=5, rank=0))[3:])
-    raw_dealer(a.endpoint).send(wire.MAGIC + b"\x01" + msgspec.msgpack.encode({**body, "rank": -4}))
+    raw_dealer(a.endpoint).send(wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({**body, "rank": -4}))
     rooms, reason = a_in.failed.get(timeout=WAIT)
     assert rooms == (5,) and "$.rank" in reason
 

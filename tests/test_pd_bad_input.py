@@ -47,7 +47,7 @@ def _bad_frames(live_room: int) -> list[tuple[str, list[bytes], tuple[int, ...]]
         ("not a pdcore frame", [b"GET / HTTP/1.1\r\n\r\n"], ()),
         ("header only, truncated", [b"pd"], ()),
         ("empty frame", [b""], ()),
-        ("protocol version 2", [wire.MAGIC + b"\x02" + good[3:]], (123456789,)),
+        ("protocol version 3", [wire.MAGIC + b"\x03" + good[3:]], (123456789,)),
         ("version 0 naming a room", [wire.MAGIC + b"\x00" + _body(type="abort", room=987654321)], (987654321,)),
         ("body not msgpack", [HEADER + b"\xc1\xc1\xc1"], ()),
         ("unknown message type", [HEADER + _body(type="shutdown", room=5)], (5,)),
@@ -149,7 +149,7 @@ def _http(port: int, raw: bytes, *, half_close: bool = True) -> tuple[int | None
 def _registration(pair: Pair, **changes: Any) -> bytes:
     reg = {
         "session_id": "intruder", "epoch": 1, "endpoint": "tcp://127.0.0.1:9", "tp_size": 1, "dp_size": 1,
-        "tp_rank": 0, "dp_rank": 0, "layout": {"page_bytes": [4096, 4096], "num_pages": 64},
+        "tp_rank": 0, "dp_rank": 0, "layout": {"page_bytes": [4096, 4096], "num_pages": 64}, "transport": "00" * 16,
     }
     reg.update(changes)
     return json.dumps(reg).encode()

@@ -2,10 +2,11 @@
 
 The centre is fence before free (DESIGN §5, ``_spec``): a decode room whose
 pages were announced is reported ``Failed`` (its pages handed back to the
-scheduler) only once prefill acknowledged that no write to it is in flight.
-Prefill's writes are held in flight here by wrapping its transport's
-``write``, so the window in which a wrong peer would free too early stays
-open for as long as the test looks.
+scheduler) only once decode revoked the room's grant in the data plane, so a
+prefill write still in flight lands nothing afterwards. Prefill's writes are
+held in flight here by wrapping its transport's ``write``, so the window in
+which a wrong peer would let bytes land in handed-back pages stays open for as
+long as the test looks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from pdcore._spec import State
 from pdcore.errors import PdError
-from pd_pair import Pair, frames_in, through_worker, token
+from pd_pair import PAGE, Pair, frames_in, through_worker, token
 
 
 @pytest.fixture
@@ -42,19 +43,19 @@ def _hold_writes(peer: Any, rid: str | None = None) -> tuple[list[tuple[Any, ...
     real = transport.write
     held: list[tuple[Any, ...]] = []
 
-    def write(handle: Any, batch: Any, on_done: Any = None, *, deadline: Any = None) -> int:
+    def write(handle: Any, batch: Any, on_done: Any = None, *, deadline: Any = None, grant: int = 0) -> int:
         entry = getattr(on_done, "args", (None,))[0]
         if rid is not None and getattr(entry, "rid", None) != rid:
-            return real(handle, batch, on_done, deadline=deadline)
-        held.append((handle, batch, on_done, deadline))
+            return real(handle, batch, on_done, deadline=deadline, grant=grant)
+        held.append((handle, batch, on_done, deadline, grant))
         return -len(held)
 
     transport.write = write
 
     def release() -> None:
         del transport.write  # back to the class's method
-        for handle, batch, on_done, deadline in held:
-            real(handle, batch, on_done, deadline=deadline)
+        for handle, batch, on_done, deadline, grant in held:
+            real(handle, batch, on_done, deadline=deadline, grant=grant)
 
     return held, release
 
@@ -82,10 +83,24 @@ def test_requests_move_and_land_intact(make_pair: Any) -> None:
     assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
 
 
+CANARY = 0xA5
+
+
+def _fill_canary(pair: Any, rid: str) -> None:
+    """What a scheduler may do with handed-back pages: reuse them (here: fill them with a canary)."""
+    for buf in pair.d_cache:
+        buf.reshape(-1, PAGE)[pair.pages(rid, "decode")] = CANARY
+
+
+def _canary_intact(pair: Any, rid: str) -> bool:
+    return all((buf.reshape(-1, PAGE)[pair.pages(rid, "decode")] == CANARY).all() for buf in pair.d_cache)
+
+
 @pytest.mark.parametrize("how", ["decode-abort", "decode-timeout", "prefill-abort"])
-def test_decode_frees_announced_pages_only_after_prefill_drained(make_pair: Any, how: str) -> None:
-    """While a prefill write to the room is in flight, no side reports the room Failed; once it
-    drains, prefill acknowledges, both fail it, and the write landed before decode let go."""
+def test_decode_hands_pages_back_only_after_revoking_and_late_writes_land_nothing(make_pair: Any, how: str) -> None:
+    """A prefill write to the room is held in flight; the room fails. Decode revokes the room's grant
+    and hands the pages back without waiting for prefill; prefill reports the room ended only once
+    its write completed; the write, released after decode let go, lands no byte in the pages."""
     timeout = 1.0 if how == "decode-timeout" else 30.0
     pair = make_pair(decode={"waiting_timeout": timeout})
     rid, room = "victim", 4242
@@ -102,34 +117,22 @@ def test_decode_frees_announced_pages_only_after_prefill_drained(make_pair: Any,
         pair.decode.abort_room(rid, room)
     elif how == "prefill-abort":
         pair.prefill.abort_room(rid, room)
-    entry = pair.prefill._by_rid[rid]
-    # decode failed the room and asked prefill to stop; prefill failed it too but owes the
-    # acknowledgement until its write drains
-    pair.pump(lambda: bool(pair.ended("decode", rid)) or (_failed(pair.decode, rid) and bool(entry.ack_to)),
-              "decode's abort to reach prefill", timeout=timeout + 15)
-    assert not pair.ended("decode", rid), "decode freed the pages while a prefill write was in flight"
-    assert _failed(pair.prefill, rid)
-    # Anything prefill sent about the room by now has reached decode's worker: the marker passes
-    # prefill's worker, then 3 frames (heartbeats, one every 50 ms, same FIFO socket) reach decode,
-    # then a marker passes decode's worker.
-    through_worker(pair.prefill)
-    frames_in(pair.decode, 3, "prefill's heartbeats")
-    through_worker(pair.decode)
+    pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room", timeout=timeout + 15)
+    assert pair.ended("decode", rid) == "Failed"
+    assert not pair.decode._transport._grants.get(held[0][4]), "the pages went back with the grant still live"
+    _fill_canary(pair, rid)
+    pair.pump(lambda: _failed(pair.prefill, rid), "prefill to fail the room")
     pair.rounds(3)
-    assert not pair.ended("decode", rid), "decode freed the pages while a prefill write was in flight"
     assert not pair.ended("prefill", rid), "prefill reported the room ended with its write in flight"
-    assert pair.decode.has_in_flight() and pair.prefill.has_in_flight()
-    # other rooms are not held up by the fence
+    # other rooms are not held up
     pair.register(bystander, room + 1)
     pair.drive([bystander])
     assert pair.ended("decode", bystander) == "RemotePrefillDone" and pair.landed_intact(bystander)
-    assert not pair.ended("decode", rid)
 
-    release()
-    pair.pump(lambda: bool(pair.ended("decode", rid)) and bool(pair.ended("prefill", rid)), "both sides to end the room")
-    assert pair.ended("decode", rid) == "Failed" and pair.ended("prefill", rid) == "Failed"
-    # the held write completed before decode reported Failed: its bytes are in the pages
-    assert pair.landed_intact(rid)
+    release()  # the write reaches decode's sink after the grant was revoked
+    pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to end the room")
+    assert pair.ended("prefill", rid) == "Failed"
+    assert _canary_intact(pair, rid), "a write landed in pages decode had handed back"
     assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
 
 

@@ -138,12 +138,12 @@ def test_malformed_names_field_and_rooms(body: Any, field: str, rooms: tuple[int
         (b"", "frame.magic"),
         (b"pd", "frame.magic"),
         (b"xx\x01\x80", "frame.magic"),
-        (b"pd\x01", "frame.body"),
-        (b"pd\x01\xc1", "frame.body"),
-        (b"pd\x01\x81", "frame.body"),  # truncated map
-        (b"pd\x01\x82\xa4type\xa8register\xa6layout" + b"\x81\xa1a" * 100_000 + b"\xc0", "nested"),  # bomb
-        (b"pd\x01" + b"\x91" * 100_000 + b"\xc0", "got `array`"),
-        (b"pd\x01" + b"\x00" * (wire.MAX_FRAME_BYTES), "exceeds"),
+        (b"pd\x02", "frame.body"),
+        (b"pd\x02\xc1", "frame.body"),
+        (b"pd\x02\x81", "frame.body"),  # truncated map
+        (b"pd\x02\x82\xa4type\xa8register\xa6layout" + b"\x81\xa1a" * 100_000 + b"\xc0", "nested"),  # bomb
+        (b"pd\x02" + b"\x91" * 100_000 + b"\xc0", "got `array`"),
+        (b"pd\x02" + b"\x00" * (wire.MAX_FRAME_BYTES), "exceeds"),
     ],
     ids=["empty", "header-only", "bad-magic", "no-body", "bad-opcode", "truncated", "deep", "deep-array", "too-big"],
 )
@@ -154,7 +154,7 @@ def test_garbage(data: bytes, field: str) -> None:
     assert info.value.rooms == ()
 
 
-@pytest.mark.parametrize("version", [0, 2, 255])
+@pytest.mark.parametrize("version", [0, 1, 3, 255])
 def test_wrong_version_fails_the_named_room(version: int) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         wire.decode(frame(STATUS, version=version))

@@ -204,8 +204,6 @@ class GrantTable:
         if len(source) != 16:
             raise ValueError(f"a grant names a source transport instance of 16 bytes, got {len(source)}")
         normal = grant_ranges(ranges)
-        if not normal:
-            raise ValueError("a grant needs at least one range")
         g = Grant(next(self._keys), bytes(source), normal)
         self._grants[g.key] = (g, [a for a, _ in normal])
         return g
