@@ -9,6 +9,7 @@ replica's parallel info and each rank's endpoint. The HTTP API (JSON bodies)::
                                    411 no Content-Length, 413 body too large
     GET /v1/parallel               200 ParallelInfo; 503 while no rank registered
     GET /v1/ranks/<dp>/<tp>        200 RankInfo; 404 unknown rank; 400 malformed
+    any, at the connection cap     503 with Retry-After: busy, the client backs off and retries
 
 Rules (spec §12.13, §12.15 are the reference's defects this fixes):
 
