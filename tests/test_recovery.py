@@ -1,0 +1,61 @@
+"""Recovery: a (prefill rank, decode rank) pairing that had one transient failure serves new rooms.
+
+Real peers in one process over loopback; the failures are made from outside
+the prefill side's logic: the data connection is cut at the decode sink's
+socket, or prefill forgets decode's registration (as it does when decode's
+heartbeats stopped for a while).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+from pd_pair import Pair, through_worker
+
+
+@pytest.fixture
+def pair() -> Any:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def _cut_data_connections(pair: Pair) -> int:
+    sinks = list(pair.decode._transport._sinks.values())
+    for conn, _thread in sinks:
+        conn.shutdown(socket.SHUT_RDWR)
+    return len(sinks)
+
+
+def test_new_rooms_succeed_after_the_data_connection_dropped(pair: Pair) -> None:
+    pair.register("before", 1)
+    pair.drive(["before"])
+    assert pair.ended("decode", "before") == "RemotePrefillDone"
+    assert _cut_data_connections(pair) == 1
+    handle = next(iter(pair.prefill._sinks.values())).handle
+    pair.pump(lambda: handle.closed, "prefill to notice the cut")
+    rids = [f"after{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        pair.register(rid, 10 + i)
+    pair.drive(rids)
+    for rid in rids:
+        assert pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid), rid
+        assert pair.ended("prefill", rid) == "Succeeded"
+
+
+def test_decode_registers_again_when_prefill_forgot_it(pair: Pair) -> None:
+    pair.register("before", 1)
+    pair.drive(["before"])
+    (endpoint,) = pair.prefill._sinks
+    pair.prefill._submit(pair.prefill._lose_sink, endpoint, "decode looked dead for a while")
+    through_worker(pair.prefill)
+    assert not pair.prefill._sinks
+    pair.register("unlucky", 2)  # announced to a prefill rank that no longer knows decode: it fails...
+    pair.drive(["unlucky"])
+    assert pair.ended("decode", "unlucky") == "Failed"
+    pair.register("next", 3)  # ...and tells decode to register again, so the next room goes through
+    pair.drive(["next"])
+    assert pair.ended("decode", "next") == "RemotePrefillDone" and pair.landed_intact("next")
