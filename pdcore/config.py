@@ -43,6 +43,7 @@ class PeerConfig:
     tombstone_ttl: float = 60.0
     start_timeout: float = 30.0
     max_pending: int = 4096
+    max_parked_pages: int = 1 << 20  # page ids of announcements parked per sender (before their room registers)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> StartError:
@@ -68,6 +69,8 @@ class PeerConfig:
             raise bad("heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
         if self.max_pending < 1:
             raise bad("max_pending", f"must be positive, got {self.max_pending}")
+        if self.max_parked_pages < 1:
+            raise bad("max_parked_pages", f"must be positive, got {self.max_parked_pages}")
 
     @property
     def page_bytes_per_buffer(self) -> tuple[int, ...]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +28,7 @@ from . import wire
 from ._peer import PeerBase
 from ._spec import State, Trigger
 from .bootstrap import BootstrapClient, RankRegistration
+from .parking import Parking
 from .config import PrefillConfig
 from .control import DeadPeer
 from .deadline import Deadline, DeadlineExceeded
@@ -45,7 +45,7 @@ class _Room:
     rid: str
     room: int
     dst: str | None = None  # the decode rank's control endpoint
-    dst_pages: tuple[int, ...] = ()
+    dst_pages: Any = ()
     grant: int = 0  # the decode rank's transport grant for dst_pages
     cached_tokens: int = 0
     logprob: float | None = None
@@ -75,7 +75,7 @@ class PrefillPeer(PeerBase):
         super().__init__(config)
         self._rooms: dict[int, _Room] = {}
         self._by_rid: dict[str, _Room] = {}
-        self._pending: OrderedDict[int, tuple[str, wire.Announce, float]] = OrderedDict()
+        self._pending = Parking(config.max_pending, config.max_parked_pages)
         self._sinks: dict[str, _Sink] = {}
 
     @classmethod
@@ -131,7 +131,7 @@ class PrefillPeer(PeerBase):
             self._rooms[room] = entry
             self._by_rid[rid] = entry
             aborted = self._tombstones.pop(room)
-            pending = self._pending.pop(room, None)
+            pending = self._pending.take(room)
         if aborted is not None:
             self._fire(rid, Trigger.ABORT, f"room {room} ended before it registered here: {aborted}")
         elif pending is not None:
@@ -166,7 +166,7 @@ class PrefillPeer(PeerBase):
 
     def _abort_unregistered(self, room: int, reason: str) -> None:
         with self._lock:
-            pending = self._pending.pop(room, None)
+            pending = self._pending.take(room)
             self._tombstones.add(room, reason, time.monotonic())
         if pending is not None:
             self._tell(pending[0], wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
@@ -230,10 +230,8 @@ class PrefillPeer(PeerBase):
             entry = self._rooms.get(room)
             ended = None if entry is not None else self._tombstones.get(room)
             if entry is None and ended is None:
-                if len(self._pending) >= self._config.max_pending:
-                    ended = f"prefill rank has {len(self._pending)} announcements waiting already"
-                else:
-                    self._pending[room] = (sender, msg, time.monotonic() + self._config.bootstrap_timeout)
+                ended = self._pending.park(sender, msg, time.monotonic() + self._config.bootstrap_timeout)
+                if not ended:
                     return
         if entry is None:
             self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=ended or ""))
@@ -249,7 +247,7 @@ class PrefillPeer(PeerBase):
                 reason = sink.error if sink else f"decode rank {sender} announced before registering (or was dropped)"
             else:
                 entry.dst = sender
-                entry.dst_pages = msg.page_ids
+                entry.dst_pages = np.asarray(msg.page_ids, np.uint32)  # 4 bytes a page, not a tuple's ~36
                 entry.grant = msg.grant
                 reason = ""
         if reason:
@@ -265,7 +263,7 @@ class PrefillPeer(PeerBase):
         with self._lock:
             entry = self._rooms.get(msg.room)
             if entry is None:  # nothing of ours is in flight to it: acknowledge now
-                self._pending.pop(msg.room, None)
+                self._pending.take(msg.room)
                 self._tombstones.add(msg.room, f"aborted by decode: {msg.reason}", time.monotonic())
             else:
                 entry.ack_to.add(sender)
@@ -417,8 +415,7 @@ class PrefillPeer(PeerBase):
         sink = self._sinks.pop(endpoint, None)
         with self._lock:
             bound = [e for e in self._rooms.values() if e.dst == endpoint]
-            for room in [r for r, (s, _, _) in self._pending.items() if s == endpoint]:
-                del self._pending[room]
+            self._pending.drop_sender(endpoint)
         for entry in bound:
             entry.told = True  # nobody to tell
             self._fire(entry.rid, Trigger.FAIL, reason)
@@ -436,13 +433,7 @@ class PrefillPeer(PeerBase):
     def _tick(self, now: float) -> None:
         super()._tick(now)
         with self._lock:
-            expired = []
-            while self._pending:
-                room, (sender, _, until) = next(iter(self._pending.items()))
-                if until > now:
-                    break
-                del self._pending[room]
-                expired.append((room, sender))
+            expired = self._pending.expire(now)
         for room, sender in expired:
             reason = f"prefill never registered room {room} within {self._config.bootstrap_timeout:g} s"
             self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
