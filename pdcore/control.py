@@ -23,6 +23,17 @@ rooms it names through ``on_rooms_failed``. Received frames are decoded; a
 rooms it names, and the thread carries on. Callbacks run on the I/O thread and
 must not block; an exception in one is logged and counted, never fatal.
 
+Quota: the wire bytes of every frame handed to ``on_message`` count against
+its sender until they are released; a sender whose next frame would take it
+past ``max_bytes_per_sender`` has that frame dropped (``stats.quota_drops``, a
+warning per episode) and its rooms failed through ``on_rooms_failed`` with a
+reason that says "quota". By default a frame is released when ``on_message``
+returns. A consumer that keeps the message past the callback (queues it for a
+worker) calls ``release = channel.hold()`` inside the callback and
+``release()`` once it is done with it (any thread, idempotent), so what it
+holds counts too. ZeroMQ's own receive queue per sender is bounded in frames
+(``RCVHWM``, derived from the quota), so it holds at most about one quota more.
+
 Liveness: every channel sends a ``Heartbeat`` (session id, epoch, seq) to each
 peer it has a DEALER to, every ``heartbeat_interval``. A peer that has sent
 nothing for ``dead_after``, or that comes back with a newer epoch, is reported
@@ -145,6 +156,22 @@ class ChannelStats:
     internal_errors: int = 0
     heartbeats_sent: int = 0
     peers_dead: int = 0
+    quota_drops: int = 0  # frames dropped because their sender was over its byte quota
+    quota_dropped_bytes: int = 0
+    held_peak: int = 0  # the most wire bytes one sender ever had counted at once
+
+
+class _Release:
+    """``release()`` for one held frame: idempotent, callable from any thread."""
+
+    __slots__ = ("_channel", "_sender", "_nbytes", "_kept", "_released")
+
+    def __init__(self, channel: ControlChannel, sender: str, nbytes: int) -> None:
+        self._channel, self._sender, self._nbytes = channel, sender, nbytes
+        self._kept = self._released = False
+
+    def __call__(self) -> None:
+        self._channel._release(self)
 
 
 OnMessage = Callable[[str, wire.Message], None]
@@ -175,10 +202,20 @@ class ControlChannel:
         sndhwm: int = 1000,
         linger: float = 1.0,
         max_peers: int = 1024,
+        max_bytes_per_sender: int = 64 << 20,
     ) -> None:
         wire.encode(wire.Heartbeat(session_id=session_id, epoch=epoch, seq=0))  # validates both, early
         if not 0 < heartbeat_interval < dead_after:
             raise ValueError("need 0 < heartbeat_interval < dead_after")
+        if max_bytes_per_sender < wire.MAX_FRAME_BYTES:
+            raise ValueError(
+                f"max_bytes_per_sender must be at least one frame ({wire.MAX_FRAME_BYTES}), got {max_bytes_per_sender}"
+            )
+        self._quota = max_bytes_per_sender
+        self._held: dict[str, int] = {}  # sender -> wire bytes handed to on_message and not released
+        self._over: dict[str, int] = {}  # sender -> frames dropped in its current over-quota episode
+        self._held_lock = threading.Lock()
+        self._delivering: _Release | None = None  # the frame whose on_message is running (I/O thread)
         self._on_message = on_message
         self._on_rooms_failed = on_rooms_failed
         self._on_peer_dead = on_peer_dead
@@ -227,7 +264,8 @@ class ControlChannel:
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
-            router.setsockopt(zmq.RCVHWM, 10_000)
+            # per sender, in frames: ZeroMQ's queue then holds at most about one quota of bytes
+            router.setsockopt(zmq.RCVHWM, max(16, self._quota // wire.MAX_FRAME_BYTES))
             if ":" in self._host:
                 router.setsockopt(zmq.IPV6, 1)
             bind_host = f"[{self._host}]" if ":" in self._host else self._host
@@ -257,6 +295,20 @@ class ControlChannel:
         frame = wire.encode(msg)
         wire.check_endpoint(endpoint)
         self._enqueue(endpoint, frame, wire.rooms_of(msg))
+
+    def hold(self) -> Callable[[], None]:
+        """Inside ``on_message``: keep the frame being delivered counted against its sender after
+        the callback returns, until the returned ``release()`` is called (from any thread, once is enough)."""
+        current = self._delivering
+        if current is None or threading.current_thread() is not self._thread:
+            raise RuntimeError("control channel: hold() may only be called from inside on_message")
+        current._kept = True  # not released when the callback returns
+        return current
+
+    def held_bytes(self, sender: str | None = None) -> int:
+        """Wire bytes counted against ``sender`` now (all senders if None)."""
+        with self._held_lock:
+            return self._held.get(sender, 0) if sender is not None else sum(self._held.values())
 
     def forget(self, endpoint: str) -> None:
         """Drop the DEALER to ``endpoint`` (queued frames are discarded) and stop watching it."""
@@ -450,8 +502,59 @@ class ControlChannel:
             self._liveness.heard(sender, now)
         if isinstance(msg, wire.Heartbeat):
             return  # consumed here
+        if not self._charge(sender, len(data)):
+            self._over_quota(sender, len(data), msg)
+            return
         self.stats.delivered += 1
-        self._call(self._on_message, sender, msg)
+        token = self._delivering = _Release(self, sender, len(data))
+        try:
+            self._call(self._on_message, sender, msg)
+        finally:
+            self._delivering = None
+            if not token._kept:
+                self._release(token)
+
+    # ------------------------------------------------------------------ quota
+
+    def _charge(self, sender: str, nbytes: int) -> bool:
+        with self._held_lock:
+            held = self._held.get(sender, 0) + nbytes
+            if held > self._quota:
+                return False
+            self._held[sender] = held
+            self.stats.held_peak = max(self.stats.held_peak, held)
+            dropped = self._over.pop(sender, 0)
+        if dropped:
+            log.info("control channel: sender %s is back under its quota after %d dropped frames", sender, dropped)
+        return True
+
+    def _release(self, token: _Release) -> None:
+        with self._held_lock:
+            if token._released:
+                return
+            token._released = True
+            left = self._held.get(token._sender, 0) - token._nbytes
+            if left > 0:
+                self._held[token._sender] = left
+            else:
+                self._held.pop(token._sender, None)
+                self._over.pop(token._sender, None)
+
+    def _over_quota(self, sender: str, nbytes: int, msg: wire.Message) -> None:
+        self.stats.quota_drops += 1
+        self.stats.quota_dropped_bytes += nbytes
+        reason = (
+            f"control channel: sender {sender} is over its quota of {self._quota} bytes held, "
+            f"its {type(msg).__name__} frame of {nbytes} bytes was dropped"
+        )
+        with self._held_lock:
+            episode = self._over.get(sender, 0)
+            self._over[sender] = episode + 1
+        if not episode:  # once per episode: a flood must not flood the log too
+            log.warning("%s (further drops counted in stats.quota_drops)", reason)
+        rooms = wire.rooms_of(msg)
+        if rooms and self._on_rooms_failed is not None:
+            self._call(self._on_rooms_failed, rooms, reason)
 
     def _protocol_error(self, error: RemoteProtocolError) -> None:
         self.stats.protocol_errors += 1

@@ -268,3 +268,123 @@ def test_stuck_callback_bounds_the_queue_and_close(raw_dealer: Any) -> None:
     release.set()
     channel.close(Deadline.after(WAIT))
     assert control_threads() == []
+
+
+# --------------------------------------------------------------------------- per-sender byte quota
+
+HOSTILE, HONEST = "tcp://127.0.0.1:9", "tcp://127.0.0.1:10"
+
+
+def maximal_announce(room: int) -> bytes:
+    """The largest announce the wire allows: MAX_PAGES page ids, each a 5-byte msgpack uint32."""
+    top = 1 << 32
+    ids = tuple(range(top - wire.MAX_PAGES, top))
+    return wire.encode(wire.Announce(room=room, session_id="hostile", epoch=0, page_ids=ids, request_pool_index=0))
+
+
+class Keeper(Inbox):
+    """A consumer that keeps every message past the callback (like a peer's work queue) and says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.releases: dict[str, list[Any]] = {}
+        self.seen: dict[int, threading.Event] = {}
+
+    def watch(self, room: int) -> threading.Event:
+        return self.seen.setdefault(room, threading.Event())
+
+    def channel(self, session_id: str, **kw: Any) -> ControlChannel:
+        def on_message(sender: str, msg: wire.Message) -> None:
+            self.releases.setdefault(sender, []).append(channel.hold())
+            self.messages.put((sender, msg))
+            self._saw(getattr(msg, "room", None))
+
+        def on_rooms_failed(rooms: tuple[int, ...], reason: str) -> None:
+            self.failed.put((rooms, reason))
+            for room in rooms:
+                self._saw(room)
+
+        channel = ControlChannel(on_message, session_id=session_id, on_rooms_failed=on_rooms_failed, **kw)
+        return channel
+
+    def _saw(self, room: object) -> None:
+        event = self.seen.get(room)  # type: ignore[arg-type]
+        if event is not None:
+            event.set()
+
+    def drain(self, q: queue.Queue[Any]) -> list[Any]:
+        out = []
+        while not q.empty():
+            out.append(q.get_nowait())
+        return out
+
+
+def test_a_flooding_sender_is_held_to_its_quota_and_an_honest_one_still_gets_through(raw_dealer: Any) -> None:
+    quota = 8 << 20
+    keeper = Keeper()
+    channel = keeper.channel("prefill-0", max_bytes_per_sender=quota)
+    channel.start()
+    try:
+        hostile, honest = raw_dealer(channel.endpoint, HOSTILE.encode()), raw_dealer(channel.endpoint, HONEST.encode())
+        frames = [maximal_announce(room) for room in range(1000, 1020)]
+        size = len(frames[0])
+        assert size > 1 << 20 and 20 * size > 3 * quota
+        last, honest_last = keeper.watch(1999), keeper.watch(5)
+        for frame in frames:
+            hostile.send(frame)
+        hostile.send(wire.encode(wire.Abort(room=1999)))  # per-sender FIFO: once it is seen, so were all the above
+        honest_msgs = [wire.Abort(room=room, reason="honest") for room in range(1, 6)]
+        for msg in honest_msgs:
+            honest.send(wire.encode(msg))
+        assert last.wait(WAIT) and honest_last.wait(WAIT)
+        got = keeper.drain(keeper.messages)
+        assert [m for s, m in got if s == HONEST] == honest_msgs  # not one lost, in order
+        delivered = {m.room for s, m in got if s == HOSTILE}
+        failed = keeper.drain(keeper.failed)
+        dropped = {rooms[0] for rooms, _ in failed}
+        assert all("quota" in reason and HOSTILE in reason for _, reason in failed)
+        assert delivered | dropped == set(range(1000, 1020)) | {1999} and not delivered & dropped  # each frame one way
+        assert len(delivered - {1999}) == quota // size  # exactly what fits, the rest refused
+        assert channel.stats.quota_drops == len(dropped)
+        assert channel.stats.quota_dropped_bytes >= len(dropped - {1999}) * size
+        # retained memory, by the channel's own count: the quota, never the flood
+        assert channel.held_bytes(HOSTILE) <= quota and channel.stats.held_peak <= quota
+        assert channel.held_bytes(HOSTILE) >= (quota // size) * size
+        assert channel.held_bytes(HONEST) == sum(len(wire.encode(m)) for m in honest_msgs)  # counted apart
+        # the consumer lets go: the sender is welcome again, and the channel never stopped serving
+        for release in keeper.releases[HOSTILE]:
+            release()
+            release()  # idempotent
+        assert channel.held_bytes(HOSTILE) == 0
+        again = keeper.watch(2000)
+        hostile.send(maximal_announce(2000))
+        assert again.wait(WAIT)
+        sender, msg = keeper.messages.get(timeout=WAIT)
+        assert (sender, getattr(msg, "room", None)) == (HOSTILE, 2000)
+        assert channel.stats.internal_errors == channel.stats.callback_errors == 0
+    finally:
+        channel.close(Deadline.after(WAIT))
+    assert control_threads() == []
+
+
+def test_without_hold_a_frame_is_released_when_its_callback_returns(raw_dealer: Any) -> None:
+    """Today's consumers (no hold()) are never refused: the channel itself retains one frame at a time."""
+    inbox = Inbox()
+    with inbox.channel("prefill-0", max_bytes_per_sender=wire.MAX_FRAME_BYTES) as channel:
+        sock = raw_dealer(channel.endpoint)
+        frames = [maximal_announce(room) for room in range(10)]
+        for frame in frames:
+            sock.send(frame)
+        rooms = [inbox.next_message()[1].room for _ in frames]  # type: ignore[union-attr]
+        assert rooms == list(range(10))
+        assert channel.stats.quota_drops == 0 and inbox.failed.empty()
+        assert channel.held_bytes() == 0 and channel.stats.held_peak == len(frames[0])
+    assert control_threads() == []
+
+
+def test_hold_is_only_for_inside_the_callback_and_the_quota_holds_a_frame() -> None:
+    channel = ControlChannel(lambda s, m: None, session_id="p")
+    with pytest.raises(RuntimeError, match="inside on_message"):
+        channel.hold()
+    with pytest.raises(ValueError, match="at least one frame"):
+        ControlChannel(lambda s, m: None, session_id="p", max_bytes_per_sender=wire.MAX_FRAME_BYTES - 1)
