@@ -147,3 +147,29 @@ def test_grants_pass_through(pair) -> None:
     src.write(peer, [(sreg.addr, greg.addr, 8192)], done, grant=g.key)
     assert done.wait(2)[1][1] is not None, "a write through a revoked grant succeeded"
     assert not guarded.any(), "a write through a revoked grant landed"
+
+
+# ------------------------------------------------------------------------------ a chaos run
+
+
+@pytest.mark.slow
+def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> None:
+    """2P(tp2) -> 2D(tp2) over faulty:tcp for 20 s: replica kills and restarts, SIGSTOP pauses longer
+    than dead_after, failed and late batches, dropped/delayed/duplicated/corrupted control frames.
+    Pages are big enough (up to 2 MiB per request and rank) that a paused prefill rank is often
+    caught with writes still queued: the fence must keep them out of pages decode handed back."""
+    from pdcore import chaos
+
+    plan = chaos.ChaosPlan(
+        seed=20261201, seconds=20.0, page_bytes=65536, num_pages=512, max_pages=32,
+        fault_gap=(1.0, 2.5), drain=20.0, verbose=True,
+    )
+    outcome = chaos.run(plan)
+    code = chaos.report(outcome)
+    out = capsys.readouterr().out
+    rows = chaos.check(outcome)
+    broken = {name: details[:5] for name, _, good, details in rows if not good}
+    assert code == 0 and not broken, f"invariants broken (seed {plan.seed}): {broken}\n{out}"
+    kinds = {what.split()[0] for _, what in outcome.actions}
+    assert {"SIGKILL", "SIGSTOP"} <= kinds, f"the run injected too few faults to mean much: {outcome.actions}"
+    assert "chaos: OK" in out

@@ -1,0 +1,1000 @@
+"""``python -m pdcore chaos``: 2P(tp2) -> 2D(tp2) real processes under kills, pauses and faults,
+with the invariants a scheduler relies on checked at the end.
+
+The main process (the *runner*) runs one bootstrap server per prefill replica, routes requests
+to replicas as a router would, and injects the faults; every rank of every replica is its own
+process running a miniature scheduler loop (``demo.py``'s, plus what chaos needs):
+
+- the runner talks to rank 0 of each replica only; rank 0 broadcasts new requests and the stop
+  signal to its replica every round (as a real TP scheduler broadcasts its batch), so every rank
+  registers the same requests in the same round;
+- decode ranks allocate pages on ``Bootstrapped``, announce them, check every byte on
+  ``RemotePrefillDone``, and fill every page they take back (after ``Failed`` or after the check)
+  with a canary that must stay intact until the page is taken again; never-used pages must stay
+  zero. A broken canary is a byte written into a page that was not lent to any transfer;
+- prefill ranks fill each request's pages with a pattern only that (request, rank) has, record
+  usage and hand the pages to the outbox.
+
+Faults (all seeded from ``--seed``; a failure prints the seed to replay it):
+
+- **kills**: every rank of a replica gets SIGKILL; the replica restarts after a moment (new
+  processes, new sessions, the same bootstrap server);
+- **pauses**: SIGSTOP of one rank or of a whole replica for longer than ``dead_after``, then
+  SIGCONT (a paused process resumes: its in-flight writes may still land);
+- **data plane**: the ``faulty:<inner>`` transport (``transport/faulty.py``) fails a fraction of
+  batches, some after their bytes landed, and delays completions;
+- **control plane**: frames are dropped, delayed (per-peer order kept), duplicated or corrupted
+  (bytes flipped in the encoded frame) on the way out of each rank's ``ControlChannel``.
+
+Invariants: no process hangs (each ends within its deadline), no rank raised; every request a
+surviving replica registered ends exactly once on each of its ranks, with the same events in the
+same order on every rank of the replica; every ``RemotePrefillDone`` has exactly the prefill's
+bytes in its pages (and the right first token); no byte lands in a page after it was handed
+back (canaries); nothing is left in flight or tracked at the end, and no ``pdcore-*`` thread
+outlives ``close()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import zlib
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from .demo import Pages, Request, _cache, _leftovers, first_token, pattern
+
+__all__ = ["ChaosPlan", "ChaosOutcome", "run", "report", "main", "faulty_control_channel"]
+
+CANARY_FAILED = 0xA5  # a page handed back on Failed
+CANARY_DONE = 0x5A  # a page handed back after its RemotePrefillDone was checked
+FRESH = 0x00  # a page never lent to a transfer
+
+
+@dataclass
+class ChaosPlan:
+    seed: int = 0
+    seconds: float | None = 30.0  # the active phase; None: until ``requests`` were dispatched and ended
+    requests: int | None = None
+    prefill_tp: int = 2
+    decode_tp: int = 2
+    replicas: int = 2  # of each role
+    layers: int = 4
+    page_bytes: int = 16384
+    num_pages: int = 256
+    max_pages: int = 12
+    window: int = 8  # live requests per decode replica
+    transport: str = "faulty:tcp"
+    fail_rate: float = 0.03  # data plane: batches failed (faulty:<inner> only)
+    land_rate: float = 0.5  # of those, posted first (their bytes land)
+    delay: float = 0.005  # data plane: extra completion delay, seconds (max)
+    control_drop: float = 0.002
+    control_delay: float = 0.02  # fraction of frames held back (up to control_max_delay s, order kept)
+    control_max_delay: float = 0.2
+    control_dup: float = 0.005
+    control_corrupt: float = 0.002
+    kills: bool = True
+    pauses: bool = True
+    fault_gap: tuple[float, float] = (1.5, 4.0)  # seconds between the end of one fault and the next
+    warmup: float = 2.0  # seconds of clean traffic before the first fault
+    heartbeat_interval: float = 0.25
+    dead_after: float = 2.0
+    bootstrap_timeout: float = 8.0
+    waiting_timeout: float = 8.0
+    fence_timeout: float = 4.0
+    tombstone_ttl: float = 30.0
+    collective_timeout: float = 30.0  # gloo: longer than any pause
+    drain: float = 25.0  # after stop, ranks wait this long for their requests to end
+    start_timeout: float = 60.0  # a rank reports ready within this
+    await_tombstones: bool = False  # (demo._leftovers reads it)
+    prefault: bool = False  # (demo._cache reads it)
+    max_seconds: float = 600.0  # --requests: the faulty phase ends by then whatever happens
+    verbose: bool = True
+    log_level: str = "ERROR"  # of the ranks' "pdcore" loggers
+
+    def rank_seed(self, role: str, index: int, gen: int, rank: int, what: str) -> int:
+        return zlib.crc32(f"{self.seed}/{role}/{index}/{gen}/{rank}/{what}".encode())
+
+
+# ------------------------------------------------------------------------------ control-channel faults
+
+
+def faulty_control_channel(
+    seed: int, *, drop: float, delay: float, max_delay: float, dup: float, corrupt: float
+) -> type:
+    """A ``ControlChannel`` subclass whose outgoing frames are dropped, held back (per-peer order
+    kept), duplicated or corrupted (1-3 bytes of the encoded frame flipped) at these rates.
+
+    Frames leave through ``ControlChannel._send_now`` on the I/O thread (``_flush`` and the
+    heartbeat ``_tick``), so the faults sit there; held-back frames go out from ``_flush``, which
+    the I/O thread runs at least every heartbeat interval.
+    """
+    from .control import ControlChannel
+
+    for hook in ("_send_now", "_flush", "_drop_peer"):  # the I/O thread's private hooks this relies on
+        if not callable(getattr(ControlChannel, hook, None)):
+            raise RuntimeError(f"chaos: ControlChannel.{hook} is gone; faulty_control_channel needs updating")
+
+    class FaultyControlChannel(ControlChannel):
+        faults: Counter[str] = Counter()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._chaos_rng = random.Random(seed)
+            self._chaos_held: dict[str, deque[tuple[float, bytes, tuple[int, ...]]]] = {}
+
+        def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
+            rng = self._chaos_rng
+            held = self._chaos_held.get(endpoint)
+            if rng.random() < drop:
+                self.faults["dropped"] += 1
+                return True  # "sent": lost on the way
+            if rng.random() < corrupt:
+                self.faults["corrupted"] += 1
+                data = bytearray(frame)
+                for _ in range(rng.randint(1, 3)):
+                    data[rng.randrange(len(data))] ^= rng.randint(1, 255)
+                frame = bytes(data)
+            copies = 2 if rng.random() < dup else 1
+            if copies == 2:
+                self.faults["duplicated"] += 1
+            if held or rng.random() < delay:
+                now = time.monotonic()
+                due = now + rng.random() * max_delay
+                queue = self._chaos_held.setdefault(endpoint, deque())
+                if queue:
+                    due = max(due, queue[-1][0])
+                else:
+                    self.faults["delayed"] += 1
+                for _ in range(copies):
+                    queue.append((due, frame, rooms))
+                return True
+            ok = True
+            for _ in range(copies):
+                ok = super()._send_now(endpoint, frame, rooms) and ok
+            return ok
+
+        def _flush(self) -> None:
+            now = time.monotonic()
+            for endpoint, queue in list(self._chaos_held.items()):
+                while queue and queue[0][0] <= now:
+                    _, frame, rooms = queue.popleft()
+                    super()._send_now(endpoint, frame, rooms)
+                if not queue:
+                    del self._chaos_held[endpoint]
+            super()._flush()
+
+        def _drop_peer(self, endpoint: str) -> None:
+            self._chaos_held.pop(endpoint, None)
+            super()._drop_peer(endpoint)
+
+    return FaultyControlChannel
+
+
+# ------------------------------------------------------------------------------ ranks
+
+
+class CanaryPages(Pages):
+    """Demo's free list, plus canaries: a page taken back is filled with a canary byte that must be
+    intact when the page is taken again (and at the end); never-used pages must stay zero.
+
+    A broken canary is compared with the prefill data of the page's past owners (the last few
+    requests that held it), so the report can say whose late write it was.
+    """
+
+    HISTORY = 8
+
+    def __init__(self, plan: ChaosPlan, cache: list[np.ndarray], rank: int) -> None:
+        super().__init__(plan.num_pages)
+        self._views = [buf.reshape(plan.num_pages, plan.page_bytes) for buf in cache]
+        self._plan = plan
+        self._rank = rank
+        #: page -> (byte it must hold, how it came back)
+        self.guarded: dict[int, tuple[int, str]] = {p: (FRESH, "never used") for p in range(plan.num_pages)}
+        #: page -> its last owners, newest last: (rid, index of the page in that rid's pages, that rid's page count)
+        self.owners: dict[int, deque[tuple[str, int, int]]] = {}
+        self.violations: list[dict[str, Any]] = []
+
+    def take(self, n: int) -> list[int] | None:
+        got = super().take(n)
+        if got:
+            self.check(got, "when taken again")
+            for p in got:
+                self.guarded.pop(p, None)
+        return got
+
+    def give_back(self, pages: list[int], rid: str, how: str, byte: int) -> None:
+        for view in self._views:
+            view[pages] = byte
+        for i, p in enumerate(pages):
+            self.guarded[p] = (byte, f"{rid} {how}")
+            self.owners.setdefault(p, deque(maxlen=self.HISTORY)).append((rid, i, len(pages)))
+        self.give(pages)
+
+    def check(self, pages: list[int] | None = None, when: str = "by the sweep") -> None:
+        pages = list(self.guarded) if pages is None else [p for p in pages if p in self.guarded]
+        if not pages:
+            return
+        by_byte: dict[int, list[int]] = {}
+        for p in pages:
+            by_byte.setdefault(self.guarded[p][0], []).append(p)
+        for byte, group in by_byte.items():
+            bad = np.zeros(len(group), bool)
+            for view in self._views:
+                bad |= (view[group] != byte).any(axis=1)
+            for p in np.asarray(group)[bad].tolist():
+                _, how = self.guarded.pop(p)
+                self.violations.append(
+                    {"page": p, "how": how, "when": when, "t": time.time(),
+                     "bytes": int(sum(int((view[p] != byte).sum()) for view in self._views)),
+                     "writer": self._whose(p)}
+                )
+
+    def _whose(self, page: int) -> str:
+        """Which past owner's prefill data the page holds (in any layer), newest first; '' if none."""
+        pb = self._plan.page_bytes
+        for rid, i, n in reversed(self.owners.get(page, ())):
+            data = pattern(rid, self._rank, n * pb)
+            for layer, view in enumerate(self._views):
+                if np.array_equal(view[page], np.roll(data, layer)[i * pb : (i + 1) * pb]):
+                    return rid
+        return ""
+
+
+def _join_group(store: str, rank: int, world: int, timeout: float) -> Any:
+    if world == 1:
+        return None
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+    )
+    return dist.group.WORLD
+
+
+class _Sync:
+    """Rank 0 reads the runner's messages and broadcasts them to its replica, once per round."""
+
+    def __init__(self, conn: Any, group: Any, rank: int, plan: ChaosPlan) -> None:
+        self._conn, self._group, self._rank, self._plan = conn, group, rank, plan
+        self.stop_at: float | None = None
+
+    def __call__(self) -> tuple[list[Request], bool, bool]:
+        new: list[Request] = []
+        stop = abandon = False
+        if self._rank == 0:
+            while self._conn.poll():
+                msg = self._conn.recv()
+                if msg[0] == "add":
+                    new.extend(msg[1])
+                elif msg[0] == "stop" and self.stop_at is None:
+                    self.stop_at = time.monotonic()
+            stop = self.stop_at is not None
+            abandon = stop and time.monotonic() - self.stop_at > self._plan.drain  # type: ignore[operator]
+        if self._group is None:
+            return new, stop, abandon
+        import torch
+        import torch.distributed as dist
+
+        head = torch.tensor([len(new), int(stop), int(abandon)], dtype=torch.int64)
+        dist.broadcast(head, 0, group=self._group)
+        if int(head[0]):
+            box: list[Any] = [new if self._rank == 0 else None]
+            dist.broadcast_object_list(box, 0, group=self._group)
+            new = box[0]
+        return new, bool(head[1]), bool(head[2])
+
+
+def _install_control_faults(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> None:
+    # A chaos harness only: replace the name the peers build their channel from (PeerBase._start
+    # calls ``ControlChannel(...)`` from pdcore._peer's namespace) in this child process.
+    from . import _peer
+
+    if any((plan.control_drop, plan.control_delay, plan.control_dup, plan.control_corrupt)):
+        _peer.ControlChannel = faulty_control_channel(  # type: ignore[misc]
+            plan.rank_seed(role, index, gen, rank, "control"),
+            drop=plan.control_drop, delay=plan.control_delay, max_delay=plan.control_max_delay,
+            dup=plan.control_dup, corrupt=plan.control_corrupt,
+        )
+
+
+def _knobs(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if plan.transport.startswith("faulty:"):
+        options = {"seed": plan.rank_seed(role, index, gen, rank, "transport"), "fail_rate": plan.fail_rate,
+                   "land_rate": plan.land_rate, "delay": plan.delay}
+    return {
+        "page_bytes": plan.page_bytes,
+        "num_pages": plan.num_pages,
+        "transport": plan.transport,
+        "transport_options": options,
+        "capacity": 1024,
+        "heartbeat_interval": plan.heartbeat_interval,
+        "dead_after": plan.dead_after,
+        "bootstrap_timeout": plan.bootstrap_timeout,
+        "waiting_timeout": plan.waiting_timeout,
+        "fence_timeout": plan.fence_timeout,
+        "tombstone_ttl": plan.tombstone_ttl,
+    }
+
+
+def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any]:
+    """Leftovers before close; threads and fault counters after it."""
+    result.update(_leftovers(peer, plan))
+    transport = getattr(peer, "_transport", None)
+    result["transport_faults"] = dict(getattr(transport, "stats", {}) or {})
+    channel = getattr(peer, "_channel", None)
+    result["control_faults"] = dict(getattr(type(channel), "faults", {}) or {})
+    result["control_stats"] = dict(vars(channel.stats)) if channel is not None else {}
+    result["peer_stats"] = dict(peer.stats)
+    peer.close()
+    until = time.monotonic() + 3.0
+    while True:
+        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("pdcore") and t.is_alive())
+        if not alive or time.monotonic() > until:
+            break
+        time.sleep(0.05)
+    result["threads_after_close"] = alive
+    return result
+
+
+def _prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, store: str, conn: Any) -> None:
+    from . import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
+
+    _install_control_faults(plan, "prefill", index, gen, rank)
+    group = _join_group(store, rank, plan.prefill_tp, plan.collective_timeout)
+    cache = _cache(plan)  # type: ignore[arg-type]
+    peer, outbox = PrefillPeer.start(
+        PrefillConfig(kv_buffers=cache, tp_size=plan.prefill_tp, tp_rank=rank, bootstrap_host="127.0.0.1",
+                      bootstrap_port=port, **_knobs(plan, "prefill", index, gen, rank))
+    )
+    conn.send(("ready", "prefill", index, gen, rank, os.getpid()))
+    sync = _Sync(conn, group, rank, plan)
+    pages = Pages(plan.num_pages)
+    held: dict[str, list[int]] = {}
+    live: dict[str, Request] = {}
+    log: list[tuple[str, str]] = []
+    waiting: deque[Request] = deque()
+    ended: set[str] = set()
+    abandoned = False
+    try:
+        while True:
+            new, stop, abandon = sync()
+            for r in new:
+                peer.register(r.rid, BootstrapInfo("127.0.0.1", port, r.room))
+                live[r.rid] = r
+                log.append(("Registered", r.rid))
+            if stop and not live:
+                break
+            if abandon:
+                abandoned = True
+                break
+            for event in peer.poll(group):
+                log.append((type(event).__name__, event.rid))
+                if isinstance(event, Bootstrapped):
+                    if event.rid in live:
+                        waiting.append(live[event.rid])
+                    continue
+                live.pop(event.rid, None)
+                ended.add(event.rid)
+                pages.give(held.pop(event.rid, []))
+                if rank == 0:
+                    conn.send(("ended", "prefill", index, gen, rank, (event.rid, type(event).__name__)))
+            while (admitted := pages.admit(waiting, ended, held)) is not None:
+                r, got = admitted
+                data = pattern(r.rid, rank, r.pages * plan.page_bytes)
+                for layer, buf in enumerate(cache):
+                    buf.reshape(plan.num_pages, plan.page_bytes)[got] = np.roll(data, layer).reshape(r.pages, plan.page_bytes)
+                peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
+                outbox.send(r.rid, got, first_token(r.rid), [first_token(r.rid) % 97])
+            time.sleep(0.002)
+        result = {"log": log, "unfinished": sorted(live), "abandoned": abandoned}
+        conn.send(("done", "prefill", index, gen, rank, _finish(peer, plan, result)))
+    finally:
+        peer.close()
+
+
+def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[int], store: str, conn: Any) -> None:
+    from . import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
+
+    _install_control_faults(plan, "decode", index, gen, rank)
+    group = _join_group(store, rank, plan.decode_tp, plan.collective_timeout)
+    cache = _cache(plan)  # type: ignore[arg-type]
+    peer, inbox = DecodePeer.start(
+        DecodeConfig(kv_buffers=cache, tp_size=plan.decode_tp, tp_rank=rank, **_knobs(plan, "decode", index, gen, rank))
+    )
+    conn.send(("ready", "decode", index, gen, rank, os.getpid()))
+    sync = _Sync(conn, group, rank, plan)
+    pages = CanaryPages(plan, cache, rank)
+    held: dict[str, list[int]] = {}
+    live: dict[str, Request] = {}
+    log: list[tuple[str, str]] = []
+    blocked: deque[Request] = deque()
+    ended: set[str] = set()
+    mismatched: list[str] = []
+    tokens_bad: list[str] = []
+    abandoned = False
+    next_sweep = time.monotonic() + 1.0
+    try:
+        while True:
+            new, stop, abandon = sync()
+            for r in new:
+                peer.register(r.rid, BootstrapInfo("127.0.0.1", ports[r.prefill], r.room))
+                live[r.rid] = r
+                log.append(("Registered", r.rid))
+            if stop and not live:
+                break
+            if abandon:
+                abandoned = True
+                break
+            for event in peer.poll(group):
+                log.append((type(event).__name__, event.rid))
+                if isinstance(event, Bootstrapped):
+                    if event.rid in live:
+                        blocked.append(live[event.rid])
+                    continue
+                live.pop(event.rid, None)
+                ended.add(event.rid)
+                got = held.pop(event.rid, [])
+                if isinstance(event, RemotePrefillDone):
+                    remote = event.remote
+                    if remote.bootstrap_token != first_token(event.rid) or remote.request_pool_index != len(event.rid):
+                        tokens_bad.append(event.rid)
+                    if not _verify(plan, cache, event.rid, rank, got):
+                        writers = sorted({w for w in map(pages._whose, got) if w})
+                        mismatched.append(event.rid + (f" (its pages hold data of {', '.join(writers)})" if writers else ""))
+                    pages.give_back(got, event.rid, "after RemotePrefillDone", CANARY_DONE)
+                else:
+                    assert isinstance(event, Failed)
+                    pages.give_back(got, event.rid, "after Failed", CANARY_FAILED)
+                if rank == 0:
+                    conn.send(("ended", "decode", index, gen, rank, (event.rid, type(event).__name__)))
+            while (admitted := pages.admit(blocked, ended, held)) is not None:
+                r, got = admitted
+                inbox.announce(r.rid, got, request_pool_index=len(r.rid))
+            now = time.monotonic()
+            if now >= next_sweep:  # find late writes close to when they happen, not only at reuse
+                pages.check(None, "by the sweep")
+                next_sweep = now + 1.0
+            time.sleep(0.002)
+        pages.check(None, "at the end")
+        result = {"log": log, "unfinished": sorted(live), "abandoned": abandoned, "mismatched": mismatched,
+                  "tokens_bad": tokens_bad, "canary": pages.violations}
+        conn.send(("done", "decode", index, gen, rank, _finish(peer, plan, result)))
+    finally:
+        peer.close()
+
+
+def _verify(plan: ChaosPlan, cache: list[np.ndarray], rid: str, rank: int, got: list[int]) -> bool:
+    if not got:
+        return False
+    data = pattern(rid, rank, len(got) * plan.page_bytes)
+    return all(
+        np.array_equal(buf.reshape(plan.num_pages, plan.page_bytes)[got].reshape(-1), np.roll(data, layer))
+        for layer, buf in enumerate(cache)
+    )
+
+
+def _rank_main(target: Any, plan: ChaosPlan, role: str, index: int, gen: int, rank: int, stack_path: str, *args: Any) -> None:
+    conn = args[-1]
+    logging.getLogger("pdcore").setLevel(plan.log_level)  # the peers' warnings are expected noise here
+    stacks = open(stack_path, "w")  # noqa: SIM115  (lives as long as the process)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the runner asks a hung rank for its stacks
+    try:
+        target(plan, index, gen, rank, *args)
+    except BaseException:
+        try:
+            conn.send(("error", role, index, gen, rank, traceback.format_exc()))
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------ the runner
+
+
+@dataclass(eq=False)
+class _Incarnation:
+    role: str
+    index: int
+    gen: int
+    procs: list[Any]
+    conns: list[Any]
+    stacks: list[str]
+    started: float
+    ready: set[int] = field(default_factory=set)
+    done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    exited: set[int] = field(default_factory=set)
+    killed: bool = False
+    stopping: bool = False
+    live: set[str] = field(default_factory=set)  # decode: dispatched and not ended (rank 0's reports)
+    dispatched: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role[0].upper()}{self.index}.{self.gen}"
+
+    @property
+    def up(self) -> bool:
+        return not self.killed and not self.stopping and len(self.ready) == len(self.procs)
+
+
+@dataclass
+class ChaosOutcome:
+    plan: ChaosPlan
+    incarnations: list[_Incarnation]
+    actions: list[tuple[float, str]]
+    hung: list[str]
+    errors: list[str]
+    seconds: float
+    t0: float  # wall clock of the start, for the actions' and violations' times
+    dispatched: int = 0
+
+
+class _Runner:
+    def __init__(self, plan: ChaosPlan, tmp: str) -> None:
+        self.plan = plan
+        self.tmp = tmp
+        self.rng = random.Random(plan.seed)  # requests: pages, rooms, routing
+        self.fault_rng = random.Random(plan.seed ^ 0xFA17)  # the fault schedule: its own stream, so it does not
+        # depend on how many requests were dispatched meanwhile (a replay gets the same faults, in time)
+        self.ctx = _context()
+        from .bootstrap import BootstrapServer
+
+        self.servers = [BootstrapServer() for _ in range(plan.replicas)]
+        self.ports = [s.start() for s in self.servers]
+        self.incs: list[_Incarnation] = []
+        self.current: dict[tuple[str, int], _Incarnation] = {}
+        self.by_conn: dict[Any, tuple[_Incarnation, int]] = {}
+        self.actions: list[tuple[float, str]] = []
+        self.t0 = time.time()
+        self.m0 = time.monotonic()
+        self.timers: list[tuple[float, str, Any]] = []  # (when, what, arg)
+        self.paused: dict[int, _Incarnation] = {}  # pid -> its incarnation
+        self.n = 0
+        self.errors: list[str] = []
+
+    def note(self, what: str) -> None:
+        t = time.monotonic() - self.m0
+        self.actions.append((t, what))
+        if self.plan.verbose:
+            print(f"  [{t:6.1f} s] {what}", flush=True)
+
+    # -- processes
+
+    def spawn(self, role: str, index: int) -> _Incarnation:
+        old = self.current.get((role, index))
+        gen = 0 if old is None else old.gen + 1
+        tp = self.plan.prefill_tp if role == "prefill" else self.plan.decode_tp
+        store = os.path.join(self.tmp, f"{role}-{index}-{gen}.store")
+        inc = _Incarnation(role, index, gen, [], [], [], time.monotonic())
+        for rank in range(tp):
+            mine, theirs = self.ctx.Pipe(duplex=True)
+            stack = os.path.join(self.tmp, f"{role}-{index}-{gen}-{rank}.stacks")
+            if role == "prefill":
+                args = (_prefill_rank, self.plan, role, index, gen, rank, stack, self.ports[index], store, theirs)
+            else:
+                args = (_decode_rank, self.plan, role, index, gen, rank, stack, self.ports, store, theirs)
+            p = self.ctx.Process(target=_rank_main, args=args, daemon=True, name=f"chaos-{role}-{index}-{gen}-{rank}")
+            p.start()
+            theirs.close()
+            inc.procs.append(p)
+            inc.conns.append(mine)
+            inc.stacks.append(stack)
+            self.by_conn[mine] = (inc, rank)
+        self.incs.append(inc)
+        self.current[(role, index)] = inc
+        return inc
+
+    def receive(self, timeout: float) -> None:
+        conns = list(self.by_conn)
+        if not conns:
+            time.sleep(timeout)
+            return
+        for conn in mp_connection.wait(conns, timeout=timeout):
+            inc, rank = self.by_conn[conn]
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                inc.exited.add(rank)
+                del self.by_conn[conn]
+                conn.close()
+                continue
+            kind, payload = msg[0], msg[-1]
+            if kind == "ready":
+                inc.ready.add(rank)
+                if inc.up:
+                    self.note(f"{inc.name} ready ({time.monotonic() - inc.started:.1f} s after start)")
+            elif kind == "ended" and inc.role == "decode":
+                inc.live.discard(payload[0])
+            elif kind == "done":
+                inc.done[rank] = payload
+            elif kind == "error":
+                inc.errors[rank] = payload
+                self.note(f"{inc.name} rank {rank} raised: {payload.strip().splitlines()[-1]}")
+
+    def send(self, inc: _Incarnation, msg: Any) -> None:
+        if inc.killed:
+            return
+        try:
+            inc.conns[0].send(msg)
+        except (OSError, BrokenPipeError, EOFError):
+            pass
+
+    # -- requests
+
+    def dispatch(self, limit: int | None) -> None:
+        plan = self.plan
+        prefills = [i for (role, _), i in self.current.items() if role == "prefill" and i.up]
+        if not prefills:
+            return
+        for (role, _), dec in list(self.current.items()):
+            if role != "decode" or not dec.up:
+                continue
+            while len(dec.live) < plan.window and (limit is None or self.n < limit):
+                pre = self.rng.choice(prefills)
+                rid = f"q{self.n}"
+                self.n += 1
+                r = Request(rid, self.rng.randrange(1, 1 << 62), self.rng.randint(1, plan.max_pages), pre.index, dec.index)
+                self.send(dec, ("add", [r]))
+                self.send(pre, ("add", [r]))
+                dec.live.add(rid)
+                dec.dispatched.append(rid)
+                pre.dispatched.append(rid)
+
+    # -- faults
+
+    def fault(self) -> float:
+        """Inject one fault; returns when it is over (the next may start after a gap)."""
+        plan = self.plan
+        now = time.monotonic()
+        kinds = (["kill"] if plan.kills else []) + (["pause"] if plan.pauses else [])
+        targets = [i for i in self.current.values() if i.up]
+        if not kinds or not targets:
+            return now
+        kind = self.fault_rng.choice(kinds)
+        # a paused or killed prefill rank is where late writes come from: it is chosen twice as often
+        inc = self.fault_rng.choice(targets + [i for i in targets if i.role == "prefill"])
+        if kind == "kill":
+            for p in inc.procs:
+                p.kill()
+            inc.killed = True
+            restart = now + self.fault_rng.uniform(0.5, 2.0)
+            self.timers.append((restart, "restart", (inc.role, inc.index)))
+            self.note(f"SIGKILL {inc.name} (pids {[p.pid for p in inc.procs]}); restart in {restart - now:.1f} s")
+            return restart
+        ranks = list(range(len(inc.procs))) if self.fault_rng.random() < 0.5 else [self.fault_rng.randrange(len(inc.procs))]
+        seconds = plan.dead_after + self.fault_rng.uniform(0.5, 2.0)
+        pids = []
+        for rank in ranks:
+            pid = inc.procs[rank].pid
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            self.paused[pid] = inc
+            pids.append(pid)
+        self.timers.append((now + seconds, "resume", pids))
+        which = "all ranks" if len(ranks) > 1 else f"rank {ranks[0]}"
+        self.note(f"SIGSTOP {inc.name} {which} (pids {pids}) for {seconds:.1f} s (dead_after {plan.dead_after:g} s)")
+        return now + seconds
+
+    def run_timers(self, final: bool = False) -> None:
+        now = time.monotonic()
+        due = [t for t in self.timers if final or t[0] <= now]
+        for t in due:
+            self.timers.remove(t)
+            _, what, arg = t
+            if what == "resume":
+                for pid in arg:
+                    self.paused.pop(pid, None)
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+                self.note(f"SIGCONT pids {arg}")
+            elif what == "restart" and not final:
+                inc = self.spawn(*arg)
+                self.note(f"restart {inc.name} (pids {[p.pid for p in inc.procs]})")
+
+    # -- the run
+
+    def run(self) -> ChaosOutcome:
+        plan = self.plan
+        for role in ("prefill", "decode"):
+            for index in range(plan.replicas):
+                self.spawn(role, index)
+        start_by = time.monotonic() + plan.start_timeout
+        while not all(i.up for i in self.current.values()) and time.monotonic() < start_by:
+            self.receive(0.1)
+            if any(i.errors for i in self.incs):
+                break
+        self.m0 = time.monotonic()
+        self.t0 = time.time()
+        self.note(f"all replicas up; seed {plan.seed}")
+        phase_end = self.m0 + (plan.seconds if plan.seconds is not None else plan.max_seconds)
+        next_fault = self.m0 + plan.warmup
+        while True:
+            now = time.monotonic()
+            if now >= phase_end:
+                break
+            if plan.requests is not None and self.n >= plan.requests:
+                if not any(i.live for i in self.current.values() if i.role == "decode" and not i.killed):
+                    break
+            self.receive(0.02)
+            self.run_timers()
+            self.dispatch(plan.requests)
+            if now >= next_fault and not self.timers:
+                end = self.fault()
+                next_fault = end + self.fault_rng.uniform(*plan.fault_gap)
+        self.run_timers(final=True)  # resume every paused process; no more restarts
+        self.note(f"stop: {self.n} requests dispatched")
+        stopping = [i for i in self.current.values() if not i.killed]
+        for inc in stopping:
+            inc.stopping = True
+            self.send(inc, ("stop",))
+        # every surviving rank reports within the drain plus the time it takes to start and to close
+        deadline = time.monotonic() + plan.drain + plan.start_timeout + 15.0
+        pending = lambda: [(i, r) for i in stopping for r in range(len(i.procs)) if r not in i.done and r not in i.errors and r not in i.exited]  # noqa: E731
+        while pending() and time.monotonic() < deadline:
+            self.receive(0.1)
+        hung: list[str] = []
+        for inc, rank in pending():
+            p = inc.procs[rank]
+            hung.append(f"{inc.name} rank {rank} (pid {p.pid}) did not report by its deadline{self._stacks(inc, rank)}")
+        for inc in stopping:  # reported: each process must also exit
+            for rank, p in enumerate(inc.procs):
+                p.join(timeout=max(0.1, min(10.0, deadline + 10 - time.monotonic())))
+                if p.is_alive():
+                    if not any(h.startswith(f"{inc.name} rank {rank} ") for h in hung):
+                        hung.append(f"{inc.name} rank {rank} (pid {p.pid}) did not exit after reporting{self._stacks(inc, rank)}")
+                    p.kill()
+                    p.join(5)
+        for inc in stopping:
+            for rank, p in enumerate(inc.procs):
+                if rank not in inc.done and rank not in inc.errors and not any(h.startswith(f"{inc.name} rank {rank} ") for h in hung):
+                    self.errors.append(f"{inc.name} rank {rank} (pid {p.pid}) exited with code {p.exitcode} without reporting")
+        for inc in self.incs:
+            for p in inc.procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        for s in self.servers:
+            s.close()
+        for conn in list(self.by_conn):
+            conn.close()
+        errors = [f"{i.name} rank {r}: {e}" for i in self.incs for r, e in i.errors.items()] + self.errors
+        return ChaosOutcome(plan, self.incs, self.actions, hung, errors, time.monotonic() - self.m0, self.t0, self.n)
+
+    def _stacks(self, inc: _Incarnation, rank: int) -> str:
+        p = inc.procs[rank]
+        if not p.is_alive():
+            return ""
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        time.sleep(1.0)
+        try:
+            with open(inc.stacks[rank]) as f:
+                return "; its threads:\n" + f.read()[-6000:]
+        except OSError:
+            return ""
+
+
+def _context() -> Any:
+    """A fork server that imported pdcore and torch.distributed once (as demo's, with this module)."""
+    try:
+        ctx = mp.get_context("forkserver")
+    except ValueError:
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(["pdcore.chaos", "pdcore.demo", "pdcore.prefill", "pdcore.decode", "torch.distributed"])
+    return ctx
+
+
+def run(plan: ChaosPlan) -> ChaosOutcome:
+    with tempfile.TemporaryDirectory(prefix="pdcore-chaos-") as tmp:
+        return _Runner(plan, tmp).run()
+
+
+# ------------------------------------------------------------------------------ the invariants
+
+
+def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
+    """``(invariant, figure, holds, details)`` rows."""
+    rows: list[tuple[str, str, bool, list[str]]] = []
+    survivors = [i for i in outcome.incarnations if not i.killed]
+    killed = [i for i in outcome.incarnations if i.killed]
+
+    rows.append(("no hang (every process ended in time)", f"{len(outcome.hung)} hung", not outcome.hung, outcome.hung))
+    rows.append(("no rank raised", f"{len(outcome.errors)} errors", not outcome.errors, outcome.errors))
+
+    once: list[str] = []
+    agree: list[str] = []
+    missing: list[str] = []
+    for inc in survivors:
+        logs = [inc.done[r]["log"] for r in sorted(inc.done)]
+        for rank in sorted(inc.done):
+            result = inc.done[rank]
+            registered = [rid for kind, rid in result["log"] if kind == "Registered"]
+            ends = Counter(rid for kind, rid in result["log"] if kind not in ("Registered", "Bootstrapped"))
+            boots = Counter(rid for kind, rid in result["log"] if kind == "Bootstrapped")
+            for rid in registered:
+                if ends[rid] != 1:
+                    once.append(f"{inc.name} rank {rank}: {rid} ended {ends[rid]} times")
+            for rid in set(ends) - set(registered):
+                once.append(f"{inc.name} rank {rank}: {rid} ended but was never registered")
+            for rid, n in boots.items():
+                if n > 1:
+                    once.append(f"{inc.name} rank {rank}: {rid} Bootstrapped {n} times")
+            if result.get("abandoned"):
+                once.append(f"{inc.name} rank {rank}: {len(result['unfinished'])} requests had not ended "
+                            f"{outcome.plan.drain:g} s after stop: {result['unfinished'][:5]}")
+            lost = set(inc.dispatched) - set(registered)
+            if lost:
+                missing.append(f"{inc.name} rank {rank}: {len(lost)} dispatched requests never registered: {sorted(lost)[:5]}")
+        if len(logs) == len(inc.procs) and any(log != logs[0] for log in logs):
+            first = next(i for i, log in enumerate(logs) if log != logs[0])
+            a, b = logs[0], logs[first]
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            agree.append(f"{inc.name}: rank 0 and rank {first} differ at event {at}: "
+                         f"{a[at:at + 3]} vs {b[at:at + 3]}")
+    rows.append(("every request ends exactly once per rank", f"{len(once)} violations", not once, once + missing))
+    rows.append(("same events, same order on every rank", f"{len(agree)} replicas differ", not agree, agree))
+
+    decode_done = [(i, r, i.done[r]) for i in survivors if i.role == "decode" for r in sorted(i.done)]
+    mism = [f"{i.name} rank {r}: {rid}" for i, r, d in decode_done for rid in d["mismatched"]]
+    landed = sum(1 for _, _, d in decode_done for kind, _ in d["log"] if kind == "RemotePrefillDone")
+    rows.append(("RemotePrefillDone pages hold exactly prefill's bytes", f"{len(mism)} of {landed} wrong", not mism, mism))
+    bad_tokens = [f"{i.name} rank {r}: {rid}" for i, r, d in decode_done for rid in d["tokens_bad"]]
+    rows.append(("RemotePrefillDone carries prefill's first token", f"{len(bad_tokens)} wrong", not bad_tokens, bad_tokens))
+
+    canary = []
+    for i, r, d in decode_done:
+        for v in d["canary"]:
+            whose = f"; it holds {v['writer']}'s prefill data (a late write)" if v["writer"] else ""
+            canary.append(f"{i.name} rank {r}: page {v['page']} (handed back: {v['how']}) had {v['bytes']} bytes "
+                          f"overwritten, found {v['when']} at {v['t'] - outcome.t0:.1f} s{whose}")
+    rows.append(("0 bytes written into pages handed back", f"{len(canary)} pages", not canary, canary))
+
+    left = []
+    for inc in survivors:
+        for rank, d in sorted(inc.done.items()):
+            maps = {k: v for k, v in d["maps"].items() if v}
+            if d["in_flight"] or d["tracked"] or maps:
+                left.append(f"{inc.name} rank {rank}: in_flight={d['in_flight']} tracked={d['tracked']} maps={maps}")
+            if d["threads_after_close"]:
+                left.append(f"{inc.name} rank {rank}: threads alive after close(): {d['threads_after_close']}")
+    rows.append(("nothing in flight, tracked or left running at the end", f"{len(left)} ranks", not left, left))
+    return rows
+
+
+def report(outcome: ChaosOutcome) -> int:
+    plan = outcome.plan
+    rows = check(outcome)
+    survivors = [i for i in outcome.incarnations if not i.killed]
+    decode_logs = [i.done[r]["log"] for i in survivors if i.role == "decode" for r in sorted(i.done)[:1]]
+    ok = sum(1 for log in decode_logs for k, _ in log if k == "RemotePrefillDone")
+    failed = sum(1 for log in decode_logs for k, _ in log if k == "Failed")
+    faults = Counter(kind.split()[0] for _, kind in outcome.actions if kind.startswith(("SIGKILL", "SIGSTOP")))
+    tfaults: Counter[str] = Counter()
+    cfaults: Counter[str] = Counter()
+    for inc in survivors:
+        for d in inc.done.values():
+            tfaults.update(d.get("transport_faults", {}))
+            cfaults.update(d.get("control_faults", {}))
+    info = [
+        ("seed", str(plan.seed)),
+        ("wall", f"{outcome.seconds:.1f} s"),
+        ("requests dispatched", str(outcome.dispatched)),
+        ("on surviving decode replicas", f"{ok} RemotePrefillDone, {failed} Failed"),
+        ("replica kills / pauses", f"{faults['SIGKILL']} / {faults['SIGSTOP']}"),
+        ("data-plane faults (survivors)", f"{tfaults['failed_posted']} failed after posting, "
+                                          f"{tfaults['failed_unposted']} before, of {tfaults['batches']} batches"),
+        ("control faults (survivors)", ", ".join(f"{v} {k}" for k, v in sorted(cfaults.items())) or "none"),
+    ]
+    table = [(k, v, "") for k, v in info] + [(name, fig, "ok" if good else "FAILED") for name, fig, good, _ in rows]
+    w0 = max(len(r[0]) for r in table)
+    w1 = max(len(r[1]) for r in table)
+    line = "+" + "-" * (w0 + 2) + "+" + "-" * (w1 + 2) + "+" + "-" * 8 + "+"
+    print(line)
+    for k, v, s in table:
+        print(f"| {k:<{w0}} | {v:<{w1}} | {s:<6} |")
+    print(line)
+    for name, _, good, details in rows:
+        if details:
+            print(f"{name}:")
+            for d in details[:20]:
+                print(f"  - {d}")
+            if len(details) > 20:
+                print(f"  ... {len(details) - 20} more")
+    good = all(g for _, _, g, _ in rows)
+    if not good:
+        print(f"replay: python -m pdcore chaos --seed {plan.seed} " + _replay_args(plan))
+    print("chaos: OK" if good else "chaos: FAILED")
+    return 0 if good else 1
+
+
+def _replay_args(plan: ChaosPlan) -> str:
+    d = ChaosPlan()
+    args = [f"--seconds {plan.seconds:g}" if plan.seconds is not None else f"--requests {plan.requests}",
+            f"--transport {plan.transport}"]
+    for name in ("fail_rate", "land_rate", "delay", "control_drop", "control_delay", "control_dup", "control_corrupt",
+                 "dead_after", "window", "layers", "page_bytes", "num_pages", "max_pages"):
+        if getattr(plan, name) != getattr(d, name):
+            args.append(f"--{name.replace('_', '-')} {getattr(plan, name):g}")
+    args += ["--no-kills"] if not plan.kills else []
+    args += ["--no-pauses"] if not plan.pauses else []
+    return " ".join(args)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = ChaosPlan()
+    parser = argparse.ArgumentParser(
+        prog="python -m pdcore chaos",
+        description="2P(tp2) -> 2D(tp2) real processes under replica kills, SIGSTOP pauses, data-plane and "
+        "control-plane faults; checks the invariants and prints chaos: OK / FAILED.",
+    )
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--seconds", type=float, help=f"length of the faulty phase (default {d.seconds:g})")
+    length.add_argument("--requests", type=int, help="dispatch this many requests, then stop once they ended")
+    parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    parser.add_argument("--transport", default=d.transport, help="faulty:tcp, tcp, faulty:verbs, ...")
+    parser.add_argument("--fail-rate", type=float, default=d.fail_rate, help="data plane: fraction of batches failed")
+    parser.add_argument("--land-rate", type=float, default=d.land_rate, help="of those, fraction posted first")
+    parser.add_argument("--delay", type=float, default=d.delay, help="data plane: max extra completion delay (s)")
+    parser.add_argument("--control-drop", type=float, default=d.control_drop)
+    parser.add_argument("--control-delay", type=float, default=d.control_delay)
+    parser.add_argument("--control-dup", type=float, default=d.control_dup)
+    parser.add_argument("--control-corrupt", type=float, default=d.control_corrupt)
+    parser.add_argument("--no-kills", action="store_true")
+    parser.add_argument("--no-pauses", action="store_true")
+    parser.add_argument("--dead-after", type=float, default=d.dead_after)
+    parser.add_argument("--window", type=int, default=d.window, help="live requests per decode replica")
+    parser.add_argument("--layers", type=int, default=d.layers)
+    parser.add_argument("--page-bytes", type=int, default=d.page_bytes)
+    parser.add_argument("--num-pages", type=int, default=d.num_pages)
+    parser.add_argument("--max-pages", type=int, default=d.max_pages, help="pages per request: 1..this, at random")
+    parser.add_argument("--quiet", action="store_true", help="no line per fault")
+    parser.add_argument("--log-level", default=d.log_level, help="of the ranks' pdcore loggers (WARNING shows every fault)")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    seconds = args.seconds if args.seconds is not None else (None if args.requests is not None else d.seconds)
+    plan = ChaosPlan(
+        seed=seed, seconds=seconds, requests=args.requests, transport=args.transport, fail_rate=args.fail_rate,
+        land_rate=args.land_rate, delay=args.delay, control_drop=args.control_drop, control_delay=args.control_delay,
+        control_dup=args.control_dup, control_corrupt=args.control_corrupt, kills=not args.no_kills,
+        pauses=not args.no_pauses, dead_after=args.dead_after, window=args.window, verbose=not args.quiet,
+        log_level=args.log_level.upper(), layers=args.layers, page_bytes=args.page_bytes, num_pages=args.num_pages,
+        max_pages=args.max_pages,
+    )
+    from .table import IMPLEMENTATION
+
+    print(f"pdcore chaos: seed {seed}, {plan.replicas}P(tp{plan.prefill_tp}) -> {plan.replicas}D(tp{plan.decode_tp}), "
+          f"transport {plan.transport}, dead_after {plan.dead_after:g} s, "
+          + (f"{plan.seconds:g} s" if plan.seconds is not None else f"{plan.requests} requests")
+          + f", {IMPLEMENTATION} state table", flush=True)
+    return report(run(plan))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
