@@ -63,6 +63,43 @@ into it fails with ``IBV_WC_REM_ACCESS_ERR`` (the sink's hardware checks it,
 not the sink's CPU). Don't deregister a *source* region while a batch reads
 from it (that batch fails with a local protection error).
 
+Grants and revoke
+-----------------
+``grant(source, ranges)`` checks that every range lies in a registered region
+(``ValueError`` otherwise) and keeps the grant in a ``GrantTable``: pure
+bookkeeping, nothing on the wire. A source's ``write(..., grant=key)`` checks
+that the key is a u64 and otherwise ignores it: the RDMA WRITE carries the
+region's rkey, and the sink's device, not its CPU, checks writes, against the
+MR and nothing finer. ``register(..., require_grant=True)`` is accepted but
+changes nothing on the wire for the same reason.
+
+Enforcement would take memory windows (type 2: one per grant, bound on the
+source's QP, invalidated on revoke). **This transport does not implement
+memory windows**, so ``revoke`` uses the documented fallback
+(``revoke_method == "queue pair to error"``): ``revoke(grant)`` forgets the
+grant and moves every sink QP whose handshake named the grant's source
+instance to the error state and destroys it (under the transport lock, so the
+cm thread never races it; the cm thread closes the liveness sockets, which
+tells the source at once). ``ibv_destroy_qp`` returns only once the device
+has stopped using the QP, so once ``revoke`` returns nothing more from that
+source lands over those QPs, even if the source never hears of it (paused, or
+deaf to its liveness socket). The price: every in-flight and later write of
+that source fails, **all** of its rooms with them, and it must ``connect``
+again. Its other grants stay in the table but are useless until it
+reconnects; once it has, they (and any grant) work again, as does any write
+with a valid rkey: without memory windows the sink cannot tell a write
+"through" a revoked grant on the new connection from any other.
+``revoke(..., settled=True)`` (every write through the grant completed at the
+source) only forgets the grant and keeps the QPs. A sink QP is in the
+revocable set before its handshake reply leaves, so a source can never write
+over a QP that ``revoke`` could miss, except one whose handshake completed
+after ``revoke`` started (a reconnect).
+
+``max_sinks`` (default 1024) caps the sink QPs a transport accepts; a
+handshake beyond it is answered with status ``_TOO_MANY`` (and the cap in the
+QPN field) and the source's ``connect`` raises ``TransportError(op="connect")``
+naming the cap.
+
 Threads: ``pdcore-verbs-cq`` (completions, posting, watchdog) and
 ``pdcore-verbs-cm`` (listener, handshakes, liveness sockets). ``close()``
 fails every batch in flight, moves every QP to the error state, joins both
@@ -75,6 +112,7 @@ import contextlib
 import errno as errno_mod
 import itertools
 import logging
+import operator
 import os
 import selectors
 import socket
@@ -93,6 +131,8 @@ from .base import (
     Completion,
     CompletionQueue,
     Endpoint,
+    Grant,
+    GrantTable,
     OnDone,
     PeerHandle,
     Region,
@@ -178,9 +218,10 @@ _VERSION = 1
 _ADDR = struct.Struct("<16sHBB")
 #: source → sink: magic, version, sink instance, source instance, QPN, PSN, GID, LID, MTU
 _HELLO = struct.Struct("<4sB16s16sII16sHB")
-#: sink → source: magic, version, status, QPN, PSN, path MTU, errno
+#: sink → source: magic, version, status, QPN, PSN, path MTU, errno (with ``_TOO_MANY``, QPN = the sink's cap)
 _REPLY = struct.Struct("<4sBBIIBi")
-_OK, _WRONG_INSTANCE, _QP_FAILED = 0, 1, 2
+_OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
+_U64_MAX = (1 << 64) - 1
 _IPV4_MAPPED = bytes(10) + b"\xff\xff"
 _HOP_LIMIT = 64
 _IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
@@ -381,8 +422,15 @@ class _VerbsPeer(PeerHandle):
 
 @dataclass(eq=False, slots=True)
 class _SinkConn:
+    """An accepted source: its liveness socket, the sink QP, the source instance its ``_HELLO`` named.
+
+    Whoever removes it from ``VerbsTransport._sinks`` (under ``_lock``) owns its teardown.
+    """
+
+    key: int
     sock: socket.socket
     qp: Any
+    src: bytes
 
 
 class VerbsTransport(Transport):
@@ -394,7 +442,8 @@ class VerbsTransport(Transport):
     peer); ``peer_timeout`` (10 s without a completion while batches are in flight = dead peer);
     ``max_send_wr`` (1024 outstanding WRs per QP, capped by the device); ``qp_timeout`` (the ack
     timeout exponent, 4.096 us * 2**n; default: derived from ``peer_timeout``) and ``retry_cnt``
-    (6; 7 would mean "retry forever" on rxe).
+    (6; 7 would mean "retry forever" on rxe); ``max_sinks`` (1024 sink QPs, one per connected
+    source; a handshake beyond it is refused and that source's ``connect`` raises).
     """
 
     name: ClassVar[str] = "verbs"
@@ -413,6 +462,7 @@ class VerbsTransport(Transport):
         max_send_wr: int = 1024,
         qp_timeout: int | None = None,
         retry_cnt: int = 6,
+        max_sinks: int = 1024,
     ) -> None:
         if _pv is None:
             raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
@@ -421,6 +471,8 @@ class VerbsTransport(Transport):
                 f"verbs transport: max_inflight ({max_inflight}) and peer_timeout ({peer_timeout}) must be "
                 f"positive, max_send_wr ({max_send_wr}) at least 2, retry_cnt ({retry_cnt}) in 0..7"
             )
+        if not isinstance(max_sinks, int) or max_sinks < 1:
+            raise StartError(f"verbs transport: max_sinks ({max_sinks!r}) must be a positive int")
         if qp_timeout is None:
             # ack timeout * (retries + 1) well inside peer_timeout: the QP reports a dead peer first
             budget = peer_timeout / 2 / (retry_cnt + 1)
@@ -438,7 +490,11 @@ class VerbsTransport(Transport):
         self._batch_ids = itertools.count(1)
         self._peer_ids = itertools.count(1)
         self._peers: dict[int, _VerbsPeer] = {}
-        self._sinks: dict[int, _SinkConn] = {}  # fileno -> accepted source
+        self._sinks: dict[int, _SinkConn] = {}  # _SinkConn.key -> accepted source; guarded by _lock
+        self._sink_ids = itertools.count(1)
+        self._max_sinks = max_sinks
+        self._grants = GrantTable()  # guarded by _grant_lock
+        self._grant_lock = threading.Lock()
         self._lock = threading.Lock()
         self._work = threading.Condition()  # wakes the completion thread
         self._posts = 0  # bumped under _work by every write(): the completion thread waits for a change
@@ -502,7 +558,21 @@ class VerbsTransport(Transport):
 
     # ------------------------------------------------------------------ registrations
 
-    def register(self, buf: Any) -> Region:
+    @property
+    def instance(self) -> bytes:
+        return self._instance
+
+    @property
+    def revoke_method(self) -> str:
+        """How ``revoke`` (not settled) enforces: ``"queue pair to error"`` (no memory windows here)."""
+        return "queue pair to error"
+
+    @property
+    def max_sinks(self) -> int:
+        return self._max_sinks
+
+    def register(self, buf: Any, *, require_grant: bool = False) -> Region:
+        """``require_grant`` is accepted for the interface; the device cannot enforce it (module docstring)."""
         self._check_open("register")
         addr, length, owner = buffer_span(buf)
         if self._regions.find(addr, 1) is not None or self._regions.find(addr + length - 1, 1) is not None:
@@ -534,6 +604,72 @@ class VerbsTransport(Transport):
 
     def regions(self) -> tuple[Region, ...]:
         return self._regions.snapshot()
+
+    # ------------------------------------------------------------------ grants (sink side)
+
+    def grant(self, source: bytes, ranges: Any) -> Grant:
+        self._check_open("grant")
+        with self._grant_lock:
+            g = self._grants.add(bytes(source), ranges)
+            outside = [r for r in g.ranges if self._regions.find(*r) is None]
+            if outside:
+                self._grants.pop(g.key)
+                raise ValueError(f"grant range [{outside[0][0]:#x}, +{outside[0][1]}) is outside every registered region")
+        return g
+
+    def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
+        """Forget ``grant``; unless ``settled``, also kill every sink QP of its source (module docstring).
+
+        Does not wait: moving a QP to the error state and destroying it are synchronous, so
+        ``deadline`` bounds nothing here. Revoking a grant that is not live (revoked already, or
+        not this transport's) does nothing. ``TransportError(op="revoke")`` if a QP could be
+        neither moved to the error state nor destroyed.
+        """
+        with self._grant_lock:
+            live = self._grants.get(grant.key)
+            if live is None or live != grant:  # keys are per sink: another sink's grant may share this one's
+                return
+            self._grants.pop(grant.key)
+        if settled:
+            return
+        failures: list[str] = []
+        closed = False
+        with self._lock:  # the cm thread drops sinks under this lock too: one owner per sink
+            victims = [s for s in self._sinks.values() if s.src == live.source]
+            for s in victims:
+                del self._sinks[s.key]
+                why = self._kill_sink_qp(s.qp)
+                if why:
+                    failures.append(why)
+            if victims:
+                closed = self._closed
+                if not closed:  # the cm thread unwatches and closes the sockets: the source sees EOF
+                    self._cm_pending.extend((s.sock, None) for s in victims)
+        if victims:
+            if closed:
+                for s in victims:
+                    s.sock.close()
+            else:
+                with contextlib.suppress(OSError):
+                    self._wake_w.send(b"r")
+        if failures:
+            raise TransportError(
+                f"revoke: {len(failures)} QP(s) of the source could not be stopped: {failures[0]}", op="revoke"
+            )
+
+    @staticmethod
+    def _kill_sink_qp(qp: Any) -> str:
+        """Move a sink QP to the error state and destroy it; '' if at least one of the two worked."""
+        errors = []
+        try:
+            qp.modify(_pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR), _pv.e.IBV_QP_STATE)
+        except _pv.Error as ex:
+            errors.append(f"to error: {ex}")
+        try:
+            qp.close()
+        except _pv.Error as ex:
+            errors.append(f"destroy: {ex}")
+        return "; ".join(errors) if len(errors) == 2 else ""
 
     def endpoint(self) -> bytes:
         return encode_endpoint(Endpoint(self.name, self._instance, self._address, self._regions.snapshot()))
@@ -610,6 +746,13 @@ class VerbsTransport(Transport):
             magic, version, status, rqpn, rpsn, path_mtu, err = _REPLY.unpack(reply)
             if magic != _MAGIC or version != _VERSION:
                 raise TransportError(f"{host}:{port} does not speak pdcore verbs v{_VERSION}", op="connect")
+            if status == _TOO_MANY:
+                raise TransportError(
+                    f"{host}:{port} refused the connection: the sink already holds its maximum of {rqpn} source "
+                    f"QPs (its max_sinks={rqpn}); disconnect another source there or raise max_sinks",
+                    op="connect",
+                    errno=err or errno_mod.ECONNREFUSED,
+                )
             if status == _WRONG_INSTANCE:
                 raise TransportError(f"{host}:{port} is another transport instance than the endpoint names (restarted?)", op="connect")
             if status != _OK:
@@ -650,8 +793,16 @@ class VerbsTransport(Transport):
         on_done: OnDone | None = None,
         *,
         deadline: Deadline | None = None,
+        grant: int = 0,
     ) -> int:
+        """``grant`` is checked to be a u64 and not sent: the WRITE carries the region's rkey."""
         p = self._own(peer, "write")
+        try:
+            key = operator.index(grant)
+        except TypeError:
+            raise TransportError(f"a grant key is an unsigned 64-bit int, got {grant!r}", op="write") from None
+        if not 0 <= key <= _U64_MAX:
+            raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
         wrs: list[tuple[int, int, int, int, int]] = []
         remote = p.regions
         local = self._regions
@@ -952,14 +1103,22 @@ class VerbsTransport(Transport):
             conn, _addr = self._listener.accept()
         except OSError:
             return
+        sink: _SinkConn | None = None
         try:
             conn.settimeout(min(5.0, self._peer_timeout))
-            magic, version, want, _src, qpn, psn, gid, lid, mtu = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            magic, version, want, src, qpn, psn, gid, lid, mtu = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
             if magic != _MAGIC or version != _VERSION:
                 conn.close()
                 return
             if want != self._instance:
                 conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _WRONG_INSTANCE, 0, 0, 0, 0))
+                conn.close()
+                return
+            with self._lock:
+                full = len(self._sinks) >= self._max_sinks  # only this thread adds sinks: the count holds
+            if full:
+                cap = min(self._max_sinks, 0xFFFFFFFF)
+                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _TOO_MANY, cap, 0, 0, errno_mod.ECONNREFUSED))
                 conn.close()
                 return
             mypsn = int.from_bytes(os.urandom(3), "little")
@@ -974,31 +1133,32 @@ class VerbsTransport(Transport):
                 conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _QP_FAILED, 0, 0, 0, _rdma_errno(ex) or errno_mod.EIO))
                 conn.close()
                 return
-            try:
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0))
-            except OSError:
-                qp.close()
-                raise
+            # revocable before the source can use it: in _sinks before the reply with our QPN leaves
+            sink = _SinkConn(next(self._sink_ids), conn, qp, src)
+            with self._lock:
+                if self._closed:
+                    qp.close()
+                    conn.close()
+                    return
+                self._sinks[sink.key] = sink
+            conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0))
             conn.setblocking(False)
         except (OSError, struct.error):
-            conn.close()
-            return
-        sink = _SinkConn(conn, qp)
-        with self._lock:
-            if self._closed:
-                qp.close()
+            if sink is not None:
+                self._drop_sink(sink)
+            else:
                 conn.close()
-                return
-            self._sinks[conn.fileno()] = sink
+            return
         self._sel.register(conn, selectors.EVENT_READ, sink)
 
     def _drop_sink(self, sink: _SinkConn) -> None:
+        """Tear an accepted source down (cm thread); a no-op for the QP if ``revoke`` took it first."""
         with self._lock:
-            self._sinks.pop(sink.sock.fileno(), None)
+            mine = self._sinks.get(sink.key) is sink
+            if mine:
+                del self._sinks[sink.key]
+                self._kill_sink_qp(sink.qp)
         self._sel_drop(sink.sock)
-        self._qp_to_error(sink.qp)
-        with contextlib.suppress(_pv.Error):
-            sink.qp.close()
         sink.sock.close()
 
     # ------------------------------------------------------------------ lifecycle
