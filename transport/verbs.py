@@ -30,9 +30,12 @@ A QP is per peer, so its QPN and PSN cannot be known before the peer exists:
 with the sink over one short TCP connection (``_HELLO``/``_REPLY``); the sink
 creates its QP, moves it to RTS and answers with its own QPN and PSN; the path
 MTU is the smaller active MTU of the two. The TCP connection then stays open
-as a liveness signal and nothing else: when either side closes it, the other
-tears its QP down (a sink frees the QP of a source that went away; a source
-fails its batches at once instead of waiting for RC retries).
+as a liveness signal: when either side closes it, the other tears its QP down
+(a sink frees the QP of a source that went away; a source fails its batches at
+once instead of waiting for RC retries). It carries one byte at most:
+``_REVOKED``, which a sink's ``revoke`` sends just before it closes the
+connection, so the source's error says why (any other byte is a protocol
+break and treated as a close).
 
 Writes and completions
 ----------------------
@@ -221,6 +224,7 @@ _HELLO = struct.Struct("<4sB16s16sII16sHB")
 #: sink → source: magic, version, status, QPN, PSN, path MTU, errno (with ``_TOO_MANY``, QPN = the sink's cap)
 _REPLY = struct.Struct("<4sBBIIBi")
 _OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
+_REVOKED = b"R"  # sink → source on the liveness socket: "revoke killed your QP", then EOF
 _U64_MAX = (1 << 64) - 1
 _IPV4_MAPPED = bytes(10) + b"\xff\xff"
 _HOP_LIMIT = 64
@@ -643,6 +647,9 @@ class VerbsTransport(Transport):
                     failures.append(why)
             if victims:
                 closed = self._closed
+                for s in victims:  # say why before the hang-up (the QP is dead already)
+                    with contextlib.suppress(OSError):
+                        s.sock.send(_REVOKED)
                 if not closed:  # the cm thread unwatches and closes the sockets: the source sees EOF
                     self._cm_pending.extend((s.sock, None) for s in victims)
         if victims:
@@ -1073,13 +1080,12 @@ class VerbsTransport(Transport):
                 elif what == "listen":
                     self._cm_accept()
                 elif isinstance(what, _VerbsPeer):
-                    if _closed_by_peer(key.fileobj):
+                    said = _hangup(key.fileobj)
+                    if said is not None:
                         self._sel_drop(key.fileobj)
-                        self._fail_peer(
-                            what, TransportError("the peer closed the connection", op="write", errno=errno_mod.ECONNRESET)
-                        )
+                        self._fail_peer(what, _hangup_error(said))
                 elif isinstance(what, _SinkConn):
-                    if _closed_by_peer(key.fileobj):
+                    if _hangup(key.fileobj) is not None:
                         self._drop_sink(what)
 
     def _cm_apply_pending(self) -> None:
@@ -1277,13 +1283,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _closed_by_peer(sock: Any) -> bool:
-    """A liveness socket became readable: True if it reached EOF or broke (it never carries data)."""
+def _hangup(sock: Any) -> bytes | None:
+    """A liveness socket became readable: None if it is still open, else what came before the end.
+
+    ``b""``: EOF or a broken connection. Anything else (``_REVOKED``, or a byte that breaks the
+    protocol) also means the peer is gone: the caller drops the connection either way.
+    """
     try:
         data = sock.recv(64)
     except BlockingIOError:
-        return False
+        return None
     except OSError:
-        return True
-    del data  # EOF, or a byte after the handshake, which breaks the protocol: either way the peer is gone
-    return True
+        return b""
+    return bytes(data)
+
+
+def _hangup_error(said: bytes) -> TransportError:
+    """The error a source's batches fail with when the sink hung up, after saying ``said``."""
+    if said[:1] == _REVOKED:
+        return TransportError(
+            "the sink revoked a grant of this source and moved this connection's QP to the error state "
+            "(verbs has no memory windows here); connect again",
+            op="write",
+            errno=errno_mod.EACCES,
+        )
+    return TransportError("the peer closed the connection", op="write", errno=errno_mod.ECONNRESET)

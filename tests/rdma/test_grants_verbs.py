@@ -9,6 +9,7 @@ Every wait is bounded by a deadline.
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from typing import Any
@@ -116,10 +117,11 @@ def test_revoke_fails_in_flight_writes_and_nothing_lands_after_it(make_verbs: An
     failed = [e for e in outcomes if e is not None]
     assert failed, f"none of the {in_flight} batches in flight at revoke failed"
     assert all(isinstance(e, TransportError) and e.op == "write" for e in failed), failed
+    assert "revoked" in str(failed[0]) and failed[0].errno == errno.EACCES, str(failed[0])  # the sink said why
     k = outcomes.index(failed[0])
     assert all(e is not None for e in outcomes[k:]), "a batch succeeded after an earlier one failed"
     assert all(got[b] is not None for b in later), "a write posted after revoke succeeded"
-    assert raised is not None and "unusable" in str(raised), f"the source was never told: {raised!r}"
+    assert raised is not None and "unusable" in str(raised) and "revoked" in str(raised), f"not told: {raised!r}"
     with pytest.raises(TransportError, match="unusable"):
         src_t.write(peer, [(rs.addr, rd.addr, 16)], done, grant=g.key)
 
@@ -146,15 +148,15 @@ def test_revoke_holds_against_a_source_that_never_hears_of_it(make_verbs: Any, m
     g = dst_t.grant(src_t.instance, [(rd.addr, size)])
     peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
     deaf = peer.sock
-    heard = verbs._closed_by_peer
+    heard = verbs._hangup
 
-    def not_hearing(sock: Any) -> bool:
+    def not_hearing(sock: Any) -> bytes | None:
         if sock is deaf:  # on the source's cm thread: stop watching, never learn that the sink hung up
             src_t._sel_drop(sock)
-            return False
+            return None
         return heard(sock)
 
-    monkeypatch.setattr(verbs, "_closed_by_peer", not_hearing)
+    monkeypatch.setattr(verbs, "_hangup", not_hearing)
     done = Collector(SLOW)
     ok = src_t.write(peer, [(rs.addr, rd.addr, size)], done, grant=g.key)
     assert done.wait(1) == [(ok, None)] and (dst == 0xAB).all()
