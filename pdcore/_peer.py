@@ -4,9 +4,13 @@ Threads of a peer (DESIGN §2):
 
 - the **scheduler thread** calls ``register``/``poll``/``abort_room``/... They
   touch the state table and enqueue work; they never wait on the network.
-- the **worker thread** runs that work in order: bootstrap lookups, transport
-  connects, planning and posting writes, fences. Each item is bounded by a
-  deadline; an exception fails the rooms the item concerns and nothing more.
+- the **worker thread** runs that work in order: protocol messages, planning
+  and posting writes, fences. Each item is bounded by a deadline; an exception
+  fails the rooms the item concerns and nothing more.
+- the **I/O threads** (a few) do what may wait on another host: bootstrap
+  lookups and transport connects. They hand each result back to the worker,
+  so an unreachable endpoint delays only the rooms that need it, never an
+  abort, and one silent host holds one I/O thread, not all of them.
 - the control channel's **I/O thread** decodes frames and hands them to the
   worker; the transport's threads report completions (``on_done``) that only
   update the table and queue frames.
@@ -43,6 +47,7 @@ __all__ = ["TransferPeer", "Tombstones"]
 log = logging.getLogger("pdcore.peer")
 
 _TICK = 0.05  # the worker's period for deadlines when idle
+_IO_THREADS = 4
 
 
 class TransferPeer(Protocol):
@@ -116,11 +121,13 @@ class PeerBase:
         self._agreement = Agreement(self._table)
         self._lock = threading.RLock()
         self._work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(4 * config.max_pending)
+        self._io_work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(config.max_pending)
         self._stop = threading.Event()
         self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.capacity)
         self._owned = contextlib.ExitStack()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._io_threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
         self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
 
@@ -157,17 +164,24 @@ class PeerBase:
             self._channel.start()
             stack.callback(self._channel.close)
             self._thread = threading.Thread(target=self._run, name=f"pdcore-{self.ROLE}-worker", daemon=True)
+            self._io_threads = [
+                threading.Thread(target=self._io_run, name=f"pdcore-{self.ROLE}-io-{i}", daemon=True)
+                for i in range(_IO_THREADS)
+            ]
             self._thread.start()
+            for t in self._io_threads:
+                t.start()
             stack.callback(self._join_worker)
             self._owned = stack.pop_all()
 
     def _join_worker(self, deadline: Deadline | None = None) -> None:
         self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join((deadline or Deadline.after(5.0)).remaining())
-            if thread.is_alive():
-                raise PeerError(f"{self.ROLE} peer: the worker thread did not stop by the deadline")
+        deadline = deadline or Deadline.after(5.0)
+        for thread in (self._thread, *self._io_threads):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(deadline.remaining())
+                if thread.is_alive():
+                    raise PeerError(f"{self.ROLE} peer: the {thread.name} thread did not stop by the deadline")
 
     @property
     def port(self) -> int:
@@ -219,6 +233,34 @@ class PeerBase:
             if now >= next_tick:
                 self._guarded(self._tick, now)
                 next_tick = now + _TICK
+
+    def _submit_io(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue work that may wait on another host for the I/O thread; ``CapacityError`` when full.
+
+        ``fn`` runs there and hands its result back with ``_from_io``."""
+        if self._stop.is_set():
+            raise PeerError(f"{self.ROLE} peer: closed")
+        try:
+            self._io_work.put_nowait((fn, args))
+        except queue.Full:
+            raise CapacityError(f"{self.ROLE} peer: {self._io_work.maxsize} I/O items already queued") from None
+
+    def _from_io(self, fn: Callable[..., None], *args: Any) -> None:
+        """On the I/O thread: queue a result for the worker, waiting for room rather than losing it."""
+        while not self._stop.is_set():
+            try:
+                self._work.put((fn, args), timeout=_TICK)
+                return
+            except queue.Full:
+                continue
+
+    def _io_run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                fn, args = self._io_work.get(timeout=_TICK)
+            except queue.Empty:
+                continue
+            self._guarded(fn, *args)
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -290,10 +332,18 @@ class PeerBase:
     # -- control-channel callbacks: hand over to the worker, never block --------------------
 
     def _on_frame(self, sender: str, msg: wire.Message) -> None:
+        release = self._channel.hold()  # the frame counts against its sender's quota until handled
         try:
-            self._submit(self._on_message, sender, msg)
+            self._submit(self._handle_frame, sender, msg, release)
         except PdError as e:
+            release()
             self._on_rooms_failed(wire.rooms_of(msg), f"{self.ROLE} peer overloaded: {e}")
+
+    def _handle_frame(self, sender: str, msg: wire.Message, release: Callable[[], None]) -> None:
+        try:
+            self._on_message(sender, msg)
+        finally:
+            release()
 
     def _on_rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         self.stats["protocol_errors"] += 1

@@ -1,9 +1,10 @@
 """The decode side: ``DecodePeer`` (a ``TransferPeer``) and its ``DecodeInbox``.
 
 Per request, on this rank: the scheduler registers it (BOOTSTRAPPING); the
-worker looks up the request's prefill deployment on its bootstrap server
-(cached per deployment, bounded by deadlines, retried until the bootstrap
-timeout), finds the prefill rank that pairs with this one (same TP rank, DP
+I/O thread looks up the request's prefill deployment on its bootstrap server
+(one lookup at a time per deployment, cached, bounded by deadlines, retried
+until the bootstrap timeout: an unreachable server never delays the worker),
+the worker finds the prefill rank that pairs with this one (same TP rank, DP
 group ``room % dp_size``), sends it ``Register`` once per session, and the
 request is connected (BOOTSTRAPPED). The scheduler allocates pages and
 announces them through the inbox (WAITING_FOR_INPUT, the fence armed); the
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,6 @@ class _Request:
     source: str | None = None  # the prefill rank's control endpoint
     request_pool_index: int = -1
     landed: wire.Status | None = None
-    retry_at: float = 0.0
     grant: Any = None  # the transport grant of the announced pages, until revoked
     abort_sent: bool = False
 
@@ -79,8 +79,10 @@ class _Deployment:
     """A prefill deployment as its bootstrap server describes it."""
 
     info: ParallelInfo | None = None
-    ranks: dict[tuple[int, int], str] | None = None
+    ranks: dict[tuple[int, int], str] = field(default_factory=dict)
     next_try: float = 0.0  # one lookup per _RETRY while it is down, however many requests wait
+    looking: bool = False  # a lookup is on the I/O thread
+    waiting: list[_Request] = field(default_factory=list)  # requests for which that lookup runs
 
 
 class DecodePeer(PeerBase):
@@ -94,7 +96,6 @@ class DecodePeer(PeerBase):
         self._by_source: dict[tuple[str, int], _Request] = {}
         self._deployments: dict[tuple[str, int], _Deployment] = {}
         self._registered: set[str] = set()  # prefill endpoints that have our Register
-        self._waiting: dict[str, _Request] = {}  # bootstrap lookups to retry
         self._instances: dict[str, bytes] = {}  # prefill control endpoint -> its transport instance
         self._unrevoked: list[_Request] = []  # revokes that could not be confirmed: retried every tick
 
@@ -126,10 +127,9 @@ class DecodePeer(PeerBase):
         """The paired prefill rank if it is cached and already has our Register; never does I/O."""
         deployment = self._deployments.get(request.server)
         info = deployment.info if deployment is not None else None
-        ranks = deployment.ranks if deployment is not None else None
-        if info is None or not info.complete or ranks is None:
+        if info is None or not info.complete:
             return None
-        source = ranks.get((request.room % info.dp_size, self._config.tp_rank))
+        source = deployment.ranks.get((request.room % info.dp_size, self._config.tp_rank))
         return source if source in self._registered else None
 
     def _connected(self, request: _Request, source: str) -> None:
@@ -151,17 +151,15 @@ class DecodePeer(PeerBase):
     def _bootstrap(self, request: _Request) -> None:
         if self._requests.get(request.rid) is not request:
             return
+        deployment = self._deployments.setdefault(request.server, _Deployment())
         try:
-            source = self._find_source(request)
-        except (OSError, DeadlineExceeded) as e:
-            log.debug("decode peer: bootstrap %s:%d not reachable yet: %s", *request.server, e)
-            source = None
+            source = self._source_of(deployment, request)
         except PdError as e:
             self._fire(request.rid, Trigger.FAIL, f"bootstrap {request.server[0]}:{request.server[1]}: {e}")
             return
-        if source is None:  # not up yet: the table's bootstrap timeout bounds the retries
-            request.retry_at = time.monotonic() + _RETRY
-            self._waiting[request.rid] = request
+        if source is None:  # not looked up (or not up) yet: the table's bootstrap timeout bounds the wait
+            deployment.waiting.append(request)
+            self._look_up(request.server, deployment)
             return
         if source not in self._registered:
             cfg = self._config
@@ -180,34 +178,62 @@ class DecodePeer(PeerBase):
             self._registered.add(source)
         self._connected(request, source)
 
-    def _find_source(self, request: _Request) -> str | None:
-        """The control endpoint of the prefill rank that pairs with this one for ``request``."""
-        deployment = self._deployments.setdefault(request.server, _Deployment())
-        client = BootstrapClient(*request.server)
-        if deployment.info is None or not deployment.info.complete:
-            now = time.monotonic()
-            if now < deployment.next_try:
-                return None
-            deployment.next_try = now + _RETRY
-            deployment.info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
-            deployment.ranks = {}
-            if deployment.info is None or not deployment.info.complete:
-                return None
+    def _source_of(self, deployment: _Deployment, request: _Request) -> str | None:
+        """The paired prefill rank's control endpoint as far as the cache knows; raises if it cannot pair."""
         info = deployment.info
+        if info is None or not info.complete:
+            return None
         cfg = self._config
         if info.tp_size != cfg.tp_size:
             raise LocalProtocolError(f"prefill tp size {info.tp_size} differs from decode tp size {cfg.tp_size}")
         if list(info.layout.get("page_bytes", [])) != list(self._layout.page_bytes):
             raise LocalProtocolError(f"prefill page sizes {info.layout.get('page_bytes')} differ from this cache's")
-        key = (request.room % info.dp_size, cfg.tp_rank)
-        assert deployment.ranks is not None
-        if key not in deployment.ranks:
-            rank = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
-            if rank is None:
-                return None
-            deployment.ranks[key] = rank.endpoint
-            self._instances[rank.endpoint] = bytes.fromhex(rank.transport)
-        return deployment.ranks[key]
+        return deployment.ranks.get((request.room % info.dp_size, cfg.tp_rank))
+
+    def _look_up(self, server: tuple[str, int], deployment: _Deployment) -> None:
+        if deployment.looking or time.monotonic() < deployment.next_try or not deployment.waiting:
+            return  # one lookup at a time; the tick starts the next
+        deployment.looking = True
+        rooms = {r.room for r in deployment.waiting}
+        try:
+            self._submit_io(self._look_up_io, server, deployment, rooms)
+        except PdError as e:
+            deployment.looking = False
+            log.warning("decode peer: cannot queue a bootstrap lookup of %s:%d: %s", *server, e)
+
+    def _look_up_io(self, server: tuple[str, int], deployment: _Deployment, rooms: set[int]) -> None:
+        """I/O thread: the deployment's shape and the ranks ``rooms`` pair with here."""
+        client = BootstrapClient(*server)
+        info, ranks, error = deployment.info, {}, None
+        try:
+            if info is None or not info.complete:
+                info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
+            if info is not None and info.complete:
+                for key in {(room % info.dp_size, self._config.tp_rank) for room in rooms} - set(deployment.ranks):
+                    ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
+        except (OSError, DeadlineExceeded) as e:
+            log.debug("decode peer: bootstrap %s:%d not reachable yet: %s", *server, e)
+        except PdError as e:
+            error = e
+        self._from_io(self._looked_up, server, deployment, info, ranks, error)
+
+    def _looked_up(self, server: tuple[str, int], deployment: _Deployment, info: Any, ranks: dict[Any, Any], error: Any) -> None:
+        deployment.looking = False
+        deployment.next_try = time.monotonic() + _RETRY
+        if self._deployments.get(server) is not deployment:
+            return
+        if info is not None:
+            deployment.info = info
+        for key, rank in ranks.items():
+            if rank is not None:
+                deployment.ranks[key] = rank.endpoint
+                self._instances[rank.endpoint] = bytes.fromhex(rank.transport)
+        waiting, deployment.waiting = deployment.waiting, []
+        for request in waiting:
+            if error is not None:
+                self._fire(request.rid, Trigger.FAIL, f"bootstrap {server[0]}:{server[1]}: {error}")
+            else:
+                self._bootstrap(request)
 
     # -- announcing ------------------------------------------------------------------------
 
@@ -313,8 +339,8 @@ class DecodePeer(PeerBase):
         """The prefill rank is gone: its rooms fail, and with it gone nothing more lands (the fence)."""
         self._registered.discard(endpoint)
         for deployment in self._deployments.values():
-            if deployment.ranks and endpoint in deployment.ranks.values():
-                deployment.info, deployment.ranks = None, None  # look it up afresh: it may come back elsewhere
+            if endpoint in deployment.ranks.values():
+                deployment.info, deployment.ranks = None, {}  # look it up afresh: it may come back elsewhere
         with self._lock:
             bound = [r for r in self._requests.values() if r.source == endpoint]
         for request in bound:
@@ -330,10 +356,9 @@ class DecodePeer(PeerBase):
 
     def _tick(self, now: float) -> None:
         super()._tick(now)
-        for rid, request in list(self._waiting.items()):
-            if request.retry_at <= now:
-                del self._waiting[rid]
-                self._bootstrap(request)
+        for server, deployment in list(self._deployments.items()):
+            deployment.waiting = [r for r in deployment.waiting if self._requests.get(r.rid) is r]
+            self._look_up(server, deployment)
         retry, self._unrevoked = self._unrevoked, []
         for request in retry:
             if self._requests.get(request.rid) is request:
@@ -355,7 +380,6 @@ class DecodePeer(PeerBase):
             if isinstance(event, (Succeeded, Failed)):
                 with self._lock:
                     request = self._requests.pop(event.rid)
-                    self._waiting.pop(event.rid, None)
                     if request.source is not None:
                         self._by_source.pop((request.source, request.room), None)
                 if isinstance(event, Failed) and request.source is not None and not request.abort_sent:

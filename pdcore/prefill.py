@@ -61,9 +61,11 @@ class _Sink:
     session_id: str
     epoch: int
     layout: Layout | None
-    handle: Any | None  # transport PeerHandle
+    handle: Any | None  # transport PeerHandle; None while the I/O thread connects
     error: str = ""
     endpoint: bytes = b""  # its transport endpoint: a handle lost to a transient failure is connected again
+    connecting: bool = False
+    waiting: list[tuple[Any, ...]] = field(default_factory=list)  # hand-overs waiting for the connection
 
 
 class PrefillPeer(PeerBase):
@@ -214,15 +216,50 @@ class PrefillPeer(PeerBase):
                     error = f"decode layout {layout.page_bytes} differs from this cache's {self._layout.page_bytes}"
             except (KeyError, TypeError, ValueError) as e:
                 error = f"decode layout is malformed: {e}"
-        handle = None
-        if not error:
-            try:
-                handle = self._transport.connect(msg.endpoint, deadline=Deadline.after(cfg.start_timeout))
-            except PdError as e:
-                error = f"cannot connect the transport to {sender}: {e}"
         if error:
             log.warning("prefill peer: %s", error)
-        self._sinks[sender] = _Sink(msg.session_id, msg.epoch, layout, handle, error, msg.endpoint)
+        sink = _Sink(msg.session_id, msg.epoch, layout, None, error, msg.endpoint)
+        self._sinks[sender] = sink
+        if not error:
+            self._connect(sender, sink)
+
+    # -- data connections: made on the I/O thread, adopted by the worker -----------------------
+
+    def _connect(self, sender: str, sink: _Sink) -> None:
+        sink.connecting = True
+        try:
+            self._submit_io(self._connect_io, sender, sink, sink.handle)
+        except PdError as e:
+            self._connected(sender, sink, None, f"cannot queue the transport connect to {sender}: {e}")
+
+    def _connect_io(self, sender: str, sink: _Sink, old: Any) -> None:
+        """I/O thread: (re)connect the transport to a decode rank; the worker adopts the outcome."""
+        handle, error = None, ""
+        try:
+            if old is not None:
+                self._transport.disconnect(old, deadline=Deadline.after(1.0))
+            handle = self._transport.connect(sink.endpoint, deadline=Deadline.after(self._config.start_timeout))
+        except PdError as e:
+            error = f"cannot connect the transport to {sender}: {e}"
+        self._from_io(self._connected, sender, sink, handle, error)
+
+    def _connected(self, sender: str, sink: _Sink, handle: Any, error: str) -> None:
+        if self._sinks.get(sender) is not sink:  # lost or replaced meanwhile
+            if handle is not None:
+                self._transport.disconnect(handle)
+            return
+        sink.handle, sink.connecting = handle, False
+        waiting, sink.waiting = sink.waiting, []
+        for args in waiting:
+            if error:
+                with self._lock:
+                    entry = self._by_rid.get(args[0])
+                if entry is not None:
+                    self._fail(entry, error)
+            else:
+                self._send(*args)
+        if error:
+            log.warning("prefill peer: %s", error)
 
     def _on_announce(self, sender: str, msg: wire.Announce) -> None:
         room = msg.room
@@ -293,18 +330,16 @@ class PrefillPeer(PeerBase):
         if entry is None:
             return True  # the request ended meanwhile
         sink = self._sinks.get(entry.dst) if entry.dst else None
-        if sink is None or sink.handle is None:
+        if sink is None:
             self._fail(entry, "pages handed over before a decode rank announced the room")
             return True
-        if sink.handle.closed:  # a transient failure dropped the data connection: connect again, off the caller's thread
+        if sink.connecting or sink.handle is None or sink.handle.closed:
             if not wait:
-                return False
-            try:
-                self._transport.disconnect(sink.handle, deadline=Deadline.after(1.0))
-                sink.handle = self._transport.connect(sink.endpoint, deadline=Deadline.after(self._config.start_timeout))
-            except PdError as e:
-                self._fail(entry, f"cannot connect the transport to {entry.dst} again: {e}")
-                return True
+                return False  # the worker parks it until the data connection is up
+            sink.waiting.append((rid, page_ids, first_token, candidates))
+            if not sink.connecting:  # a transient failure dropped (or never made) the connection: connect again
+                self._connect(entry.dst, sink)
+            return True
         dst = entry.dst_pages
         if len(page_ids) < len(dst):
             self._fail(entry, f"decode announced {len(dst)} pages, prefill handed over only {len(page_ids)}")
