@@ -85,13 +85,33 @@ class PrefillPeer(PeerBase):
         """Start the transport, register the cache, open the control socket, start the threads and
         register with the bootstrap server (retrying until ``config.start_timeout``)."""
         peer = cls(config)
+        deadline = Deadline.after(config.start_timeout)
+        peer._follow_epoch(deadline)
         peer._start()
         try:
-            peer._register_with_bootstrap(Deadline.after(config.start_timeout))
+            peer._register_with_bootstrap(deadline)
         except BaseException:
             peer.close()
             raise
         return peer, PrefillOutbox(peer)
+
+    def _follow_epoch(self, deadline: Deadline) -> None:
+        """Start past the epoch the server holds for this slot: a rank restarted after the clock
+        stepped back would otherwise be refused as older than its own previous incarnation."""
+        cfg = self._config
+        assert isinstance(cfg, PrefillConfig)
+        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port)
+        while not deadline.expired():
+            try:
+                held = client.rank(cfg.dp_rank, cfg.tp_rank, Deadline.after(min(2.0, deadline.remaining())).earliest(deadline))
+            except (OSError, DeadlineExceeded):  # the server may not be up yet: registration retries too
+                time.sleep(min(0.1, max(0.0, deadline.remaining())))
+                continue
+            except PdError as e:
+                raise StartError(f"prefill peer: the bootstrap server answered badly for this rank's slot: {e}") from e
+            if held is not None and held.epoch >= self.epoch:
+                self.epoch = held.epoch + 1
+            return
 
     def _register_with_bootstrap(self, deadline: Deadline) -> None:
         cfg = self._config

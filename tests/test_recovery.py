@@ -3,16 +3,22 @@
 Real peers in one process over loopback; the failures are made from outside
 the prefill side's logic: the data connection is cut at the decode sink's
 socket, or prefill forgets decode's registration (as it does when decode's
-heartbeats stopped for a while).
+heartbeats stopped for a while). And a rank restarted after its clock
+stepped back still takes its slot.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
+import numpy as np
 import pytest
 
+from pdcore import PrefillConfig, PrefillPeer
+from pdcore.bootstrap import BootstrapClient, BootstrapServer, RankRegistration
+from pdcore.deadline import Deadline
 from pd_pair import Pair, through_worker
 
 
@@ -59,3 +65,29 @@ def test_decode_registers_again_when_prefill_forgot_it(pair: Pair) -> None:
     pair.register("next", 3)  # ...and tells decode to register again, so the next room goes through
     pair.drive(["next"])
     assert pair.ended("decode", "next") == "RemotePrefillDone" and pair.landed_intact("next")
+
+
+def test_a_rank_restarted_after_the_clock_stepped_back_still_registers() -> None:
+    """The slot holds an incarnation whose epoch (microseconds of its clock) lies an hour ahead of
+    this clock: the new rank starts past it instead of being refused as older."""
+    server = BootstrapServer()
+    port = server.start()
+    try:
+        ahead = time.time_ns() // 1000 + 3_600_000_000
+        layout = {"page_bytes": [4096], "num_pages": 8}
+        BootstrapClient("127.0.0.1", port).register(RankRegistration(
+            session_id="prefill-before", epoch=ahead, endpoint="tcp://127.0.0.1:9", tp_size=1, dp_size=1,
+            tp_rank=0, dp_rank=0, layout=layout, transport="00" * 16,
+        ), Deadline.after(5))  # fmt: skip
+        peer, _outbox = PrefillPeer.start(PrefillConfig(
+            kv_buffers=[np.zeros(8 * 4096, np.uint8)], page_bytes=4096, num_pages=8,
+            bootstrap_host="127.0.0.1", bootstrap_port=port, start_timeout=10.0,
+        ))  # fmt: skip
+        try:
+            assert peer.epoch > ahead
+            held = BootstrapClient("127.0.0.1", port).rank(0, 0, Deadline.after(5))
+            assert held is not None and held.session_id == peer.session_id
+        finally:
+            peer.close()
+    finally:
+        server.close()

@@ -8,7 +8,8 @@ contract; this module only adds the wire and the threads.
 Wire (little-endian), one TCP connection per (source, sink) pair:
 
 - hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16]``;
-  sink → source: ``"PDTC", version u8, status u8`` (0 ok, 1 wrong instance).
+  sink → source: ``"PDTC", version u8, status u8`` (0 ok, 1 wrong instance, 2 at its
+  connection cap; a sink at its cap answers before reading the hello).
 - batch frame, source → sink: ``seq u64, count u32, 0 u32, grant u64``, then
   ``count`` pairs ``(remote_addr u64, length u64)``, then the payload of every
   write in order.
@@ -83,6 +84,7 @@ _MAGIC = b"PDTC"
 _VERSION = 2
 _HELLO = struct.Struct("<4sB16s16s")
 _HELLO_REPLY = struct.Struct("<4sBB")
+_AT_CAP = 2  # hello reply status: the sink holds max_sinks connections already
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
 _DESC = np.dtype([("addr", "<u8"), ("length", "<u8")])
 _DESC_PAIR = struct.Struct("<QQ")
@@ -276,7 +278,8 @@ class TcpTransport(Transport):
     """The TCP transport. Options: ``host`` (bind address, default 127.0.0.1), ``port`` (0: any),
     ``advertise_host`` (address peers dial, default ``host``), ``max_inflight`` (64 batches per
     peer), ``peer_timeout`` (10 s without progress = dead peer), ``max_batch_writes`` (writes per
-    batch a sink accepts, 1 Mi)."""
+    batch a sink accepts, 1 Mi), ``max_sinks`` (accepted connections at once, 1024: past it a new
+    one is closed at once)."""
 
     name: ClassVar[str] = "tcp"
 
@@ -289,12 +292,15 @@ class TcpTransport(Transport):
         max_inflight: int = 64,
         peer_timeout: float = 10.0,
         max_batch_writes: int = 1 << 20,
+        max_sinks: int = 1024,
     ) -> None:
-        if max_inflight < 1 or peer_timeout <= 0 or max_batch_writes < 1:
+        if max_inflight < 1 or peer_timeout <= 0 or max_batch_writes < 1 or max_sinks < 1:
             raise StartError(
                 f"tcp transport: max_inflight ({max_inflight}), peer_timeout ({peer_timeout}) and "
-                f"max_batch_writes ({max_batch_writes}) must be positive"
+                f"max_batch_writes ({max_batch_writes}) and max_sinks ({max_sinks}) must be positive"
             )
+        self._max_sinks = max_sinks
+        self.refused_connections = 0  # accepted past max_sinks and closed at once
         self._max_inflight = max_inflight
         self._peer_timeout = float(peer_timeout)
         self._poll = min(0.25, self._peer_timeout / 4)
@@ -409,6 +415,8 @@ class TcpTransport(Transport):
             magic, version, status = _HELLO_REPLY.unpack(reply)
             if magic != _MAGIC or version != _VERSION:
                 raise TransportError(f"{host}:{port} does not speak pdcore tcp v{_VERSION}", op="connect")
+            if status == _AT_CAP:
+                raise TransportError(f"{host}:{port} refused the connection: it is at its cap of data connections", op="connect")
             if status != 0:
                 raise TransportError(
                     f"{host}:{port} is another transport instance than the endpoint names (restarted?)",
@@ -654,6 +662,14 @@ class TcpTransport(Transport):
                         if self._closed:
                             conn.close()
                             return
+                        if len(self._sinks) >= self._max_sinks:  # bounded threads and sockets, whoever dials
+                            self.refused_connections += 1
+                            try:
+                                conn.send(_HELLO_REPLY.pack(_MAGIC, _VERSION, _AT_CAP), socket.MSG_DONTWAIT)
+                            except OSError:
+                                pass
+                            conn.close()
+                            continue
                         sid = next(self._peer_ids)
                         t = threading.Thread(
                             target=self._sink_loop, args=(sid, conn), name=f"pdcore-tcp-sink-{sid}", daemon=True

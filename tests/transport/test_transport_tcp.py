@@ -179,3 +179,31 @@ def test_revoke_cuts_a_frame_stalled_mid_payload_and_nothing_lands_after_it(sink
             threading.Event().wait(0.05)
     finally:
         s.close()
+
+
+def test_a_sink_at_its_connection_cap_refuses_more_with_a_clear_error() -> None:
+    sink = transport.create("tcp", max_sinks=2)
+    sources = [transport.create("tcp") for _ in range(3)]
+    try:
+        sink.register(np.zeros(64, np.uint8))
+        first = [src.connect(sink.endpoint(), deadline=Deadline.after(5)) for src in sources[:2]]
+        for src, peer in zip(sources, first):  # both connections are served (their sink threads hold a place)
+            src.write(peer, [])
+            assert src.completions(deadline=Deadline.after(5))[0].error is None
+        with pytest.raises(TransportError, match="cap of data connections"):
+            sources[2].connect(sink.endpoint(), deadline=Deadline.after(5))
+        assert sink.refused_connections == 1
+        sources[0].disconnect(first[0])  # a place frees up: a new connection is served again
+        deadline = Deadline.after(5)
+        while True:
+            try:
+                peer = sources[2].connect(sink.endpoint(), deadline=Deadline.after(5))
+                break
+            except TransportError:
+                assert not deadline.expired(), "the sink never freed the place of a closed connection"
+                threading.Event().wait(0.05)
+        sources[2].write(peer, [])
+        assert sources[2].completions(deadline=Deadline.after(5))[0].error is None
+    finally:
+        for t in (*sources, sink):
+            t.close(deadline=Deadline.after(5))
