@@ -34,3 +34,28 @@ def run_source(conn: Connection, name: str, options: dict[str, Any], endpoint: b
         t.write(peer, [(r.addr, remote.addr, nbytes)], deadline=Deadline.after(10))
     conn.send("posted")
     conn.recv()
+
+
+def run_grant_source(conn: Connection, name: str, options: dict[str, Any], endpoint: bytes, nbytes: int) -> None:
+    """Connect to ``endpoint``, send this transport's instance, receive ``(grant key, remote addr)``,
+    then write ``nbytes`` of 9s through the grant, batch after batch, until stopped or killed."""
+    import transport
+    from pdcore.deadline import Deadline
+    from pdcore.errors import TransportError
+
+    t = transport.create(name, **options)
+    buf = np.full(nbytes, 9, np.uint8)
+    r = t.register(buf)
+    peer = t.connect(endpoint, deadline=Deadline.after(10))
+    conn.send(t.instance)
+    key, addr = conn.recv()
+    sent = 0
+    while not conn.poll(0):
+        try:
+            t.write(peer, [(r.addr, addr, nbytes)], deadline=Deadline.after(10), grant=key)
+        except TransportError:
+            break  # revoked: the sink cut us off
+        sent += 1
+        if sent == 8:
+            conn.send("streaming")
+    t.close()

@@ -393,3 +393,116 @@ def test_callbacks_may_post_and_a_raising_callback_is_reported(make_transport: M
     assert done.wait(10)
     assert digest(dst) == digest(src)
     assert len(hooked) == 1 and isinstance(hooked[0], RuntimeError)
+
+
+# ----------------------------------------------------------------------------- grants: the sink's authority
+
+
+def granted_pair(make: MakeTransport, nbytes: int = 1 << 20) -> tuple[Transport, Transport, np.ndarray, np.ndarray, Region, Region, PeerHandle]:
+    """Like ``pair``, but the sink's buffer takes writes only through grants."""
+    src_t, dst_t = make(), make()
+    src = np.random.default_rng(1).integers(1, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+    return src_t, dst_t, src, dst, rs, rd, peer
+
+
+def test_writes_through_a_live_grant_land(make_transport: MakeTransport) -> None:
+    src_t, dst_t, src, dst, rs, rd, peer = granted_pair(make_transport)
+    g = dst_t.grant(src_t.instance, [(rd.addr + 4096, 8192)])
+    assert g.key and g.source == src_t.instance and g.ranges == ((rd.addr + 4096, 8192),)
+    done = Collector()
+    src_t.write(peer, [(rs.addr, rd.addr + 4096, 8192)], done, grant=g.key)
+    assert done.wait(1)[0][1] is None
+    assert digest(dst[4096:12288]) == digest(src[:8192]) and not dst[:4096].any() and not dst[12288:].any()
+    dst_t.revoke(g, deadline=Deadline.after(5))
+    dst_t.revoke(g, deadline=Deadline.after(5))  # idempotent
+
+
+@pytest.mark.transports("tcp")  # verbs without memory windows cannot check a write against a grant (base.py)
+def test_a_write_outside_its_grant_fails_its_batch_and_lands_nothing(make_transport: MakeTransport) -> None:
+    src_t, dst_t, _src, dst, rs, rd, peer = granted_pair(make_transport)
+    g = dst_t.grant(src_t.instance, [(rd.addr, 4096)])
+    done = Collector()
+    src_t.write(peer, [(rs.addr, rd.addr, 4096), (rs.addr, rd.addr + 4096, 1)], done, grant=g.key)  # 1 byte out
+    src_t.write(peer, [(rs.addr, rd.addr, 16)], done)  # no grant named at all
+    (_, e1), (_, e2) = done.wait(2)
+    assert isinstance(e1, TransportError) and "outside grant" in str(e1)
+    assert isinstance(e2, TransportError) and "requires one" in str(e2)
+    assert not dst.any()
+
+
+def test_nothing_lands_through_a_grant_after_revoke_returns(make_transport: MakeTransport, transport_name: str) -> None:
+    """A source streams through the grant while the sink revokes it: each write landed entirely
+    before ``revoke`` returned or not at all (tcp), and no byte lands after it returned."""
+    src_t, dst_t, src, dst, rs, rd, peer = granted_pair(make_transport, nbytes=4 << 20)
+    slot = 64 << 10
+    g = dst_t.grant(src_t.instance, [(rd.addr, dst.nbytes)])
+    done = Collector(seconds=20)
+    posted = 0
+    stop = threading.Event()
+
+    def stream() -> None:
+        nonlocal posted
+        i = 0
+        while not stop.is_set():
+            off = (i % 64) * slot
+            try:
+                src_t.write(peer, [(rs.addr + off, rd.addr + off, slot)], done, deadline=Deadline.after(10), grant=g.key)
+            except TransportError:
+                return  # the sink cut this source off (verbs)
+            posted += 1
+            i += 1
+
+    writer = threading.Thread(target=stream, daemon=True)
+    writer.start()
+    done.wait(16)  # the stream is under way
+    dst_t.revoke(g, deadline=Deadline.after(1.0))
+    snapshot = dst.copy()
+    done.wait(min(posted, 40))  # more batches reach the sink (or fail) after the revoke
+    stop.set()
+    writer.join(15)
+    assert not writer.is_alive()
+    assert digest(dst) == digest(snapshot), "bytes landed through a revoked grant"
+    assert any(e is not None for _, e in list(done.done)), "no batch failed after the revoke"
+    if transport_name == "tcp":
+        for i in range(64):
+            part = dst[i * slot : (i + 1) * slot]
+            assert not part.any() or digest(part) == digest(src[i * slot : (i + 1) * slot]), f"write {i} landed in part"
+
+
+@pytest.mark.slow
+def test_revoke_of_a_paused_source_returns_within_its_deadline(make_transport: MakeTransport, transport_name: str) -> None:
+    """A child process streams through a grant and is SIGSTOPped mid-stream; revoke returns within
+    its deadline (plus the cut), and once the source is continued nothing more lands."""
+    sink = make_transport()
+    nbytes = 4 << 20
+    dst = np.zeros(nbytes, np.uint8)
+    rd = sink.register(dst, require_grant=True)
+    parent, child = SPAWN.Pipe()
+    opts = {**TRANSPORT_OPTIONS.get(transport_name, {}), "peer_timeout": 30.0}
+    proc = SPAWN.Process(
+        target=_transport_children.run_grant_source, args=(child, transport_name, opts, sink.endpoint(), nbytes), daemon=True
+    )
+    proc.start()
+    try:
+        assert parent.poll(30), "the source child did not connect in time"
+        g = sink.grant(parent.recv(), [(rd.addr, nbytes)])
+        parent.send((g.key, rd.addr))
+        assert parent.poll(30) and parent.recv() == "streaming"
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        sink.revoke(g, deadline=Deadline.after(1.0))
+        assert time.monotonic() - t0 < 1.0 + 3.0
+        snapshot = dst.copy()
+        os.kill(proc.pid, signal.SIGCONT)
+        parent.send("stop")
+        proc.join(15)
+        assert digest(dst) == digest(snapshot), "bytes landed after revoke returned"
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.join(10)
+        parent.close()
