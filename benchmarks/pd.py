@@ -57,6 +57,12 @@ machine loaded from elsewhere the wall-clock ratio drifts (a process with
 more threads gets a larger share of a contended CPU); the CPU ratio is the
 steadier figure of the two.
 
+Grants (``no_grants_GBps``, ``ratio_grants_vs_none``): after each e2e run the
+same requests run again with ``Plan(grants=False)`` (decode's
+``unsafe_no_grants``: no grant per announced room, no revoke, no per-write
+grant check at the sink); ratio = e2e GB/s with grants / without (medians),
+target >= 0.95.
+
 ``poll`` rows: the scheduler-thread cost of ``poll()`` with ``--poll-requests``
 (8,192) requests in flight: a ``PrefillPeer`` (capacity = that many, started
 against an in-process bootstrap server) holding them all, a rotating ~1% of
@@ -99,6 +105,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
 from benchmarks._pipeline import post_pipelined  # noqa: E402
 
 TARGET_RATIO = 0.7
+GRANTS_TARGET = 0.95  # grants may cost at most 5% of end-to-end throughput
 CONFIGS = (("1P1D", 1, 1), ("2P2D", 2, 2))
 
 
@@ -297,7 +304,9 @@ def _recv(conn: Connection, timeout: float, who: str) -> Any:
 # ----------------------------------------------------------------------------- end to end
 
 
-def e2e_once(name: str, prefill: int, decode: int, args: argparse.Namespace, seed: int, exclude: set[int]) -> dict[str, Any]:
+def e2e_once(
+    name: str, prefill: int, decode: int, args: argparse.Namespace, seed: int, exclude: set[int], *, grants: bool = True
+) -> dict[str, Any]:
     """One ``demo.run``; returns its figures and the writes of every (prefill, decode, rank) pair."""
     from pdcore.demo import Plan, make_requests, run
 
@@ -314,6 +323,7 @@ def e2e_once(name: str, prefill: int, decode: int, args: argparse.Namespace, see
         record_pages=True,
         prefault=not args.no_prefault,
         timeout=args.timeout,
+        grants=grants,
     )
     sampler = CpuSampler(exclude)
     try:
@@ -353,7 +363,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
     for name, prefill, decode in CONFIGS:
         if name not in args.configs:
             continue
-        e2e, floors, tails, runs, cpu, floor_cpu, per_run = [], [], [], [], [], [], []
+        e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare = [], [], [], [], [], [], [], []
         nbytes = nwrites = 0
         for k in range(args.repeats):
             say(f"{name}: e2e run {k + 1}/{args.repeats} ({args.requests} requests)")
@@ -371,6 +381,8 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
                 floors.append(seconds)
                 floor_cpu.append(used)
             per_run.append(statistics.median(floors[-args.floor_repeats :]) / r["seconds"])
+            say(f"{name}: the same run without grants {k + 1}/{args.repeats}")
+            bare.append(e2e_once(name, prefill, decode, args, seed=k, exclude={p.pid for p in floor.procs}, grants=False)["seconds"])
             say(f"{name}: e2e {nbytes / r['seconds'] / 1e9:.3f} GB/s, floor {nbytes / statistics.median(floors[-args.floor_repeats:]) / 1e9:.3f} GB/s")
         sec, fsec = statistics.median(e2e), statistics.median(floors)
         rows.append({
@@ -400,6 +412,8 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "floor_GBps": round(nbytes / fsec / 1e9, 4),
             "ratio_e2e_vs_floor": round(fsec / sec, 3),
             "ratio_per_run": [round(x, 3) for x in per_run],
+            "no_grants_GBps": round(nbytes / statistics.median(bare) / 1e9, 4),
+            "ratio_grants_vs_none": round(statistics.median(bare) / sec, 3),
             "e2e_cpu_s_per_GB": round(statistics.median(cpu) / (nbytes / 1e9), 3),
             "floor_cpu_s_per_GB": round(statistics.median(floor_cpu) / (nbytes / 1e9), 3),
             "cpu_ratio_floor_vs_e2e": round(statistics.median(floor_cpu) / statistics.median(cpu), 3),
@@ -640,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio_e2e_vs_floor": TARGET_RATIO,
         "min_ratio_e2e_vs_floor": min((r["ratio_e2e_vs_floor"] for r in e2e), default=None),
         "meets_target": all(r["ratio_e2e_vs_floor"] >= TARGET_RATIO for r in e2e) if e2e else None,
+        "target_ratio_grants_vs_none": GRANTS_TARGET,
+        "grants_meet_target": all(r["ratio_grants_vs_none"] >= GRANTS_TARGET for r in e2e) if e2e else None,
         "units": "GBps = 1e9 bytes/s; seconds and µs are medians; e2e seconds run from all ranks ready "
                  "to the last event (run_seconds: as run() returns, shutdown included)",
         "floor": "the TCP transport's write/completions API replaying the e2e run's coalesced batches "
@@ -657,13 +673,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"end to end (pdcore.demo.run, verify=False, tp {args.tp}, {args.layers} layers x {args.page_bytes // 1024} KiB "
               f"pages, 1..{args.max_pages} pages/request, window {args.window}) vs the TCP transport on the same batches")
         print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
-              f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7}")
+              f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
+              f"{'no-grant GB/s':>13} {'grants/none':>11}")
         for r in e2e:
             print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
                   f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
                   f"{r['ratio_e2e_vs_floor']:>6.2f} {min(r['ratio_per_run']):>5.2f}-{max(r['ratio_per_run']):<5.2f} {r['e2e_cpu_s_per_GB']:>8.2f} {r['floor_cpu_s_per_GB']:>6.2f} {r['cpu_ratio_floor_vs_e2e']:>9.2f} "
-                  f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f}")
-        print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}")
+                  f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
+                  f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f}")
+        print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
+              f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}")
     polls = [r for r in rows if r["kind"] == "poll"]
     if polls:
         print(f"poll() with {args.poll_requests} requests in flight, ~1% changing per round, median µs ({args.rounds} rounds)")

@@ -144,7 +144,7 @@ class PeerBase:
             stack.callback(self._transport.close)
             regions = []
             for i, (buf, page) in enumerate(zip(cfg.kv_buffers, cfg.page_bytes_per_buffer)):
-                region = self._transport.register(buf, require_grant=True)  # written only through grants
+                region = self._transport.register(buf, require_grant=not cfg.unsafe_no_grants)  # written through grants
                 if region.length < page * cfg.num_pages:
                     raise StartError(
                         f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}"

@@ -44,6 +44,9 @@ class PeerConfig:
     start_timeout: float = 30.0
     max_pending: int = 4096
     max_parked_pages: int = 1 << 20  # page ids of announcements parked per sender (before their room registers)
+    #: Benchmarks only: decode takes writes without grants and closes fences without revoking, so
+    #: benchmarks/pd.py can show what grants cost. Fence before free then holds for nothing.
+    unsafe_no_grants: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> StartError:

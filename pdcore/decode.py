@@ -249,9 +249,14 @@ class DecodePeer(PeerBase):
             return  # failed meanwhile: announce nothing
         request.request_pool_index = request_pool_index
         try:
-            request.grant = self._transport.grant(self._instances[request.source], page_ranges(self._layout, page_ids))
+            if not self._config.unsafe_no_grants:
+                request.grant = self._transport.grant(self._instances[request.source], page_ranges(self._layout, page_ids))
         except (KeyError, ValueError, PdError) as e:
             self._fire(rid, Trigger.FAIL, f"cannot grant the pages to the prefill rank: {e}")
+            return
+        if self._fire(rid, Trigger.PAGES_ANNOUNCED) in (None, State.FAILED):
+            # the worker failed the room meanwhile (its revoke may have run before the grant existed)
+            self._revoke(request)
             return
         try:
             self._channel.send(
@@ -262,7 +267,7 @@ class DecodePeer(PeerBase):
                     epoch=self.epoch,
                     page_ids=page_ids,
                     request_pool_index=request_pool_index,
-                    grant=request.grant.key,
+                    grant=request.grant.key if request.grant is not None else 0,
                 ),
             )
         except PdError as e:

@@ -90,6 +90,8 @@ class Plan:
     #: touch every page of each rank's cache before the rank reports ready, as a resident KV cache is;
     #: otherwise the first write into each decode page also pays its page fault inside the timed run
     prefault: bool = False
+    #: benchmarks only: False runs decode without data-plane grants (``unsafe_no_grants``) to show their cost
+    grants: bool = True
 
 
 def make_requests(n: int, *, seed: int = 0, max_pages: int = 16, prefill: int = 1, decode: int = 1) -> list[Request]:
@@ -175,6 +177,7 @@ def _knobs(plan: Plan) -> dict[str, Any]:
         "waiting_timeout": plan.waiting_timeout,
         "fence_timeout": plan.fence_timeout,
         "tombstone_ttl": plan.tombstone_ttl,
+        "unsafe_no_grants": not plan.grants,
     }
 
 
