@@ -32,7 +32,9 @@ creates its QP, moves it to RTS and answers with its own QPN and PSN; the path
 MTU is the smaller active MTU of the two. The TCP connection then stays open
 as a liveness signal: when either side closes it, the other tears its QP down
 (a sink frees the QP of a source that went away; a source fails its batches at
-once instead of waiting for RC retries). It carries one byte at most:
+once instead of waiting for RC retries). The sink's ``_OK`` reply ends with
+``_GRANTS`` and the source's live grant keys (see "Grants and revoke"). After
+the handshake the connection carries one byte at most:
 ``_REVOKED``, which a sink's ``revoke`` sends just before it closes the
 connection, so the source's error says why (any other byte is a protocol
 break and treated as a close).
@@ -89,14 +91,23 @@ source lands over those QPs, even if the source never hears of it (paused, or
 deaf to its liveness socket). The price: every in-flight and later write of
 that source fails, **all** of its rooms with them, and it must ``connect``
 again. Its other grants stay in the table but are useless until it
-reconnects; once it has, they (and any grant) work again, as does any write
-with a valid rkey: without memory windows the sink cannot tell a write
-"through" a revoked grant on the new connection from any other.
+reconnects; once it has, they work again.
+
+A reconnected source could still write into a revoked grant's ranges (the
+rkey covers the whole region). So that a source that was merely paused or
+slow (it runs this code, unmodified) cannot do that by naming the old key,
+the handshake's ``_OK`` reply carries the last grant key the sink issued and
+the keys of that source's live grants; on that connection ``write`` raises
+``TransportError(op="write", errno=EACCES)``, posting nothing, for a key at
+or below that floor that was not live (revoked, settled or not). Keys issued
+later pass. The sink takes that snapshot after the new QP is revocable, so
+a revoke racing the handshake either kills the new QP or is in the snapshot.
+A source that does not run this code, or writes with ``grant=0``, is not
+held back: without memory windows the sink's device cannot tell its writes
+from any other.
+
 ``revoke(..., settled=True)`` (every write through the grant completed at the
-source) only forgets the grant and keeps the QPs. A sink QP is in the
-revocable set before its handshake reply leaves, so a source can never write
-over a QP that ``revoke`` could miss, except one whose handshake completed
-after ``revoke`` started (a reconnect).
+source) only forgets the grant and keeps the QPs.
 
 ``max_sinks`` (default 1024) caps the sink QPs a transport accepts; a
 handshake beyond it is answered with status ``_TOO_MANY`` (and the cap in the
@@ -216,13 +227,16 @@ except ImportError as _e:  # pragma: no cover - depends on the machine
 
 
 _MAGIC = b"PDTV"
-_VERSION = 1
+_VERSION = 2  # v2: the OK reply carries the source's grant floor and live grants
 #: endpoint ``address``: GID, LID, active MTU (ibv_mtu), link layer; then ``host:port`` (ASCII)
 _ADDR = struct.Struct("<16sHBB")
 #: source → sink: magic, version, sink instance, source instance, QPN, PSN, GID, LID, MTU
 _HELLO = struct.Struct("<4sB16s16sII16sHB")
 #: sink → source: magic, version, status, QPN, PSN, path MTU, errno (with ``_TOO_MANY``, QPN = the sink's cap)
 _REPLY = struct.Struct("<4sBBIIBi")
+#: after an ``_OK`` reply: the sink's last issued grant key, then the count and keys of this source's live grants
+_GRANTS = struct.Struct("<QI")
+_MAX_LIVE_GRANTS = 1 << 20
 _OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
 _REVOKED = b"R"  # sink → source on the liveness socket: "revoke killed your QP", then EOF
 _U64_MAX = (1 << 64) - 1
@@ -422,6 +436,8 @@ class _VerbsPeer(PeerHandle):
     last_signalled: int = 0  # wr_id of the last signalled WR posted
     error: TransportError | None = None
     last_progress: float = 0.0
+    grant_floor: int = 0  # grant keys <= this that are not in grant_live were dead when we connected
+    grant_live: frozenset[int] = frozenset()
 
 
 @dataclass(eq=False, slots=True)
@@ -499,6 +515,7 @@ class VerbsTransport(Transport):
         self._max_sinks = max_sinks
         self._grants = GrantTable()  # guarded by _grant_lock
         self._grant_lock = threading.Lock()
+        self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
         self._lock = threading.Lock()
         self._work = threading.Condition()  # wakes the completion thread
         self._posts = 0  # bumped under _work by every write(): the completion thread waits for a change
@@ -615,11 +632,19 @@ class VerbsTransport(Transport):
         self._check_open("grant")
         with self._grant_lock:
             g = self._grants.add(bytes(source), ranges)
+            self._last_grant = g.key
             outside = [r for r in g.ranges if self._regions.find(*r) is None]
             if outside:
                 self._grants.pop(g.key)
                 raise ValueError(f"grant range [{outside[0][0]:#x}, +{outside[0][1]}) is outside every registered region")
         return g
+
+    def _grant_snapshot(self, source: bytes) -> bytes:
+        """For an ``_OK`` reply: the last key issued and the keys of ``source``'s live grants."""
+        with self._grant_lock:
+            live = sorted(g.key for g in self._grants.of_source(source))[:_MAX_LIVE_GRANTS]
+            floor = self._last_grant
+        return _GRANTS.pack(floor, len(live)) + struct.pack(f"<{len(live)}Q", *live)
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
         """Forget ``grant``; unless ``settled``, also kill every sink QP of its source (module docstring).
@@ -765,13 +790,23 @@ class VerbsTransport(Transport):
             if status != _OK:
                 raise TransportError(f"the peer could not set up its QP (errno {err})", op="connect", errno=err or None)
             try:
+                floor, count = _GRANTS.unpack(_recv_exact(sock, _GRANTS.size))
+                if count > _MAX_LIVE_GRANTS:
+                    raise TransportError(f"{host}:{port} sent {count} live grants (at most {_MAX_LIVE_GRANTS})", op="connect")
+                live = frozenset(struct.unpack(f"<{count}Q", _recv_exact(sock, 8 * count)))
+            except OSError as ex:
+                raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
+            try:
                 self._to_rts(qp, rqpn=rqpn, rpsn=rpsn, lpsn=psn, gid=gid, lid=lid, mtu=min(path_mtu, self._dev.mtu))
             except _pv.Error as ex:
                 raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
             sock.setblocking(False)
             sge = _pv.SGE(0, 0, 0)
             stack.callback(sge.close)
-            peer = _VerbsPeer(next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, sge=sge, sock=sock)
+            peer = _VerbsPeer(
+                next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, sge=sge, sock=sock,
+                grant_floor=floor, grant_live=live,
+            )
             peer.last_progress = time.monotonic()
             with self._lock:
                 if self._closed:
@@ -802,7 +837,8 @@ class VerbsTransport(Transport):
         deadline: Deadline | None = None,
         grant: int = 0,
     ) -> int:
-        """``grant`` is checked to be a u64 and not sent: the WRITE carries the region's rkey."""
+        """``grant`` is not sent (the WRITE carries the region's rkey); it must be a u64, and not a key
+        the sink had revoked when this connection was made (module docstring)."""
         p = self._own(peer, "write")
         try:
             key = operator.index(grant)
@@ -810,6 +846,12 @@ class VerbsTransport(Transport):
             raise TransportError(f"a grant key is an unsigned 64-bit int, got {grant!r}", op="write") from None
         if not 0 <= key <= _U64_MAX:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
+        if key and key <= p.grant_floor and key not in p.grant_live:
+            raise TransportError(
+                f"grant {key} was not live at the sink when this connection was made (revoked): nothing is posted",
+                op="write",
+                errno=errno_mod.EACCES,
+            )
         wrs: list[tuple[int, int, int, int, int]] = []
         remote = p.regions
         local = self._regions
@@ -1147,7 +1189,9 @@ class VerbsTransport(Transport):
                     conn.close()
                     return
                 self._sinks[sink.key] = sink
-            conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0))
+            # snapshot after the QP is revocable: a revoke either finds this QP or misses the snapshot
+            grants = self._grant_snapshot(src)
+            conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0) + grants)
             conn.setblocking(False)
         except (OSError, struct.error):
             if sink is not None:

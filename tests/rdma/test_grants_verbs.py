@@ -99,8 +99,8 @@ def test_revoke_fails_in_flight_writes_and_nothing_lands_after_it(make_verbs: An
 
     later: list[int] = []
     raised: TransportError | None = None
-    window = Deadline.after(2.0)
-    while not window.expired():  # the source keeps trying (it does not know yet, then it is told)
+    window, limit = Deadline.after(2.0), Deadline.after(10.0)
+    while not (window.expired() and raised is not None) and not limit.expired():  # the source keeps trying
         try:
             later.append(src_t.write(peer, [(rs.addr, rd.addr, size)], done, grant=g.key))
         except CapacityError:
@@ -111,7 +111,7 @@ def test_revoke_fails_in_flight_writes_and_nothing_lands_after_it(make_verbs: An
         time.sleep(0.02)
     got = dict(done.wait(1 + len(ids) + len(later), seconds=15))
     assert (dst == CANARY).all(), "bytes landed after revoke returned"
-    assert took < 2.0, f"revoke took {took:.2f} s"
+    assert took < 5.0, f"revoke took {took:.2f} s"
 
     outcomes = [got[b] for b in ids]
     failed = [e for e in outcomes if e is not None]
@@ -203,7 +203,8 @@ def test_revoke_ignores_a_grant_of_another_sink(make_verbs: Any) -> None:
 
 
 def test_after_revoke_the_source_connects_again_and_writes_through_a_new_grant(make_verbs: Any) -> None:
-    """(b) The revoked source's handle is dead; a new connection and a new grant work."""
+    """(b) The revoked source's handle is dead; a new connection and new grants work, its kept grants
+    work again, and the revoked key is refused on every later connection (the handshake says so)."""
     src_t, dst_t = make_verbs(), make_verbs()
     src = np.full(16384, 0x21, np.uint8)
     dst = np.zeros(16384, np.uint8)
@@ -228,14 +229,29 @@ def test_after_revoke_the_source_connects_again_and_writes_through_a_new_grant(m
     _wait_for(told, 10, "the source did not learn that its QP was revoked")
     assert (dst[8192:] == 0).all()  # nothing landed through the other grant of the revoked connection
 
+    g2 = dst_t.grant(src_t.instance, [(rd.addr, 4096)])  # before the reconnect
     again = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
-    g2 = dst_t.grant(src_t.instance, [(rd.addr, 4096)])
+    g3 = dst_t.grant(src_t.instance, [(rd.addr + 4096, 4096)])  # after it
     src[:] = 0x22
     more = Collector(SLOW)
     bid = src_t.write(again, [(rs.addr, rd.addr, 4096)], more, grant=g2.key)
     assert more.wait(1) == [(bid, None)] and (dst[:4096] == 0x22).all()
     bid = src_t.write(again, [(rs.addr, rd.addr + 8192, 4096)], more, grant=keep.key)  # the kept grant again
     assert more.wait(2)[1] == (bid, None) and (dst[8192 : 8192 + 4096] == 0x22).all()
+    bid = src_t.write(again, [(rs.addr, rd.addr + 4096, 4096)], more, grant=g3.key)
+    assert more.wait(3)[2] == (bid, None) and (dst[4096:8192] == 0x22).all()
+    # a paused source that resumes, reconnects and writes through its revoked grant: refused at the source
+    src[:] = 0x23
+    with pytest.raises(TransportError, match=f"grant {g.key} was not live") as ei:
+        src_t.write(again, [(rs.addr, rd.addr, 4096)], more, grant=g.key)
+    assert ei.value.errno == errno.EACCES and ei.value.op == "write"
+    dst_t.revoke(g2, settled=True)  # settled: the QP stays, but a later connection refuses the key too
+    third = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    with pytest.raises(TransportError, match=f"grant {g2.key} was not live"):
+        src_t.write(third, [(rs.addr, rd.addr, 4096)], more, grant=g2.key)
+    bid = src_t.write(third, [(rs.addr, rd.addr + 4096, 4096)], more, grant=g3.key)
+    assert more.wait(4)[3] == (bid, None) and (dst[:4096] == 0x22).all() and (dst[4096:8192] == 0x23).all()
+    src_t.disconnect(third)
     src_t.disconnect(peer)  # the dead handle can still be disconnected
     src_t.disconnect(again)
 
@@ -273,7 +289,7 @@ def test_revoke_for_a_source_that_never_connected_returns_at_once(make_verbs: An
     ghost = dst_t.grant(b"N" * 16, [(rd.addr, 4096)])
     t0 = time.monotonic()
     dst_t.revoke(ghost, deadline=Deadline.after(5))
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 1.0  # no QP to kill: dictionary work only
     assert _sink_qps(dst_t) == 1
     done = Collector(SLOW)
     bid = src_t.write(peer, [(rs.addr, rd.addr + 4096, 4096)], done)
