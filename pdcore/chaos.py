@@ -75,9 +75,9 @@ class ChaosPlan:
     decode_tp: int = 2
     replicas: int = 2  # of each role
     layers: int = 4
-    page_bytes: int = 16384
-    num_pages: int = 256
-    max_pages: int = 12
+    page_bytes: int = 65536
+    num_pages: int = 512
+    max_pages: int = 32  # up to 8 MiB per request and rank: more than a socket buffer holds
     window: int = 8  # live requests per decode replica
     transport: str = "faulty:tcp"
     fail_rate: float = 0.03  # data plane: batches failed (faulty:<inner> only)
@@ -90,6 +90,7 @@ class ChaosPlan:
     control_corrupt: float = 0.002
     kills: bool = True
     pauses: bool = True
+    mid_transfer: float = 0.5  # fraction of prefill pauses timed right after a handover of pages
     fault_gap: tuple[float, float] = (1.5, 4.0)  # seconds between the end of one fault and the next
     warmup: float = 2.0  # seconds of clean traffic before the first fault
     heartbeat_interval: float = 0.25
@@ -273,10 +274,14 @@ class _Sync:
     def __init__(self, conn: Any, group: Any, rank: int, plan: ChaosPlan) -> None:
         self._conn, self._group, self._rank, self._plan = conn, group, rank, plan
         self.stop_at: float | None = None
+        self.selfstop = -1  # rank 0: the last mask the runner sent (-1: none since the last round)
+        #: this rank stops itself (SIGSTOP) right after its next big handover (armed by the runner)
+        self.stop_after_handover = False
 
     def __call__(self) -> tuple[list[Request], bool, bool]:
         new: list[Request] = []
         stop = abandon = False
+        mask = -1
         if self._rank == 0:
             while self._conn.poll():
                 msg = self._conn.recv()
@@ -284,20 +289,32 @@ class _Sync:
                     new.extend(msg[1])
                 elif msg[0] == "stop" and self.stop_at is None:
                     self.stop_at = time.monotonic()
+                elif msg[0] == "selfstop":
+                    mask = msg[1]
             stop = self.stop_at is not None
             abandon = stop and time.monotonic() - self.stop_at > self._plan.drain  # type: ignore[operator]
-        if self._group is None:
-            return new, stop, abandon
-        import torch
-        import torch.distributed as dist
+        if self._group is not None:
+            import torch
+            import torch.distributed as dist
 
-        head = torch.tensor([len(new), int(stop), int(abandon)], dtype=torch.int64)
-        dist.broadcast(head, 0, group=self._group)
-        if int(head[0]):
-            box: list[Any] = [new if self._rank == 0 else None]
-            dist.broadcast_object_list(box, 0, group=self._group)
-            new = box[0]
-        return new, bool(head[1]), bool(head[2])
+            head = torch.tensor([len(new), int(stop), int(abandon), mask], dtype=torch.int64)
+            dist.broadcast(head, 0, group=self._group)
+            if int(head[0]):
+                box: list[Any] = [new if self._rank == 0 else None]
+                dist.broadcast_object_list(box, 0, group=self._group)
+                new = box[0]
+            stop, abandon, mask = bool(head[1]), bool(head[2]), int(head[3])
+        if mask >= 0:
+            self.stop_after_handover = bool(mask >> self._rank & 1)
+        return new, stop, abandon
+
+    def handed_over(self, pages: int, conn: Any, who: tuple[str, int, int, int]) -> None:
+        """After a handover: stop this process now if the runner asked for it (a pause mid-transfer:
+        the writes just posted are still queued in this process when it stops)."""
+        if self.stop_after_handover and pages * 2 >= self._plan.max_pages:
+            self.stop_after_handover = False
+            conn.send(("stopping", *who, pages))
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _install_control_faults(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> None:
@@ -402,6 +419,7 @@ def _prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, s
                     buf.reshape(plan.num_pages, plan.page_bytes)[got] = np.roll(data, layer).reshape(r.pages, plan.page_bytes)
                 peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
                 outbox.send(r.rid, got, first_token(r.rid), [first_token(r.rid) % 97])
+                sync.handed_over(r.pages, conn, ("prefill", index, gen, rank))
             time.sleep(0.002)
         result = {"log": log, "unfinished": sorted(live), "abandoned": abandoned}
         conn.send(("done", "prefill", index, gen, rank, _finish(peer, plan, result)))
@@ -566,6 +584,8 @@ class _Runner:
         self.m0 = time.monotonic()
         self.timers: list[tuple[float, str, Any]] = []  # (when, what, arg)
         self.paused: dict[int, _Incarnation] = {}  # pid -> its incarnation
+        #: a pause waiting for its prefill replica's next handover: (incarnation, ranks, seconds, at the latest)
+        self.armed: tuple[_Incarnation, set[int], float, float] | None = None
         self.n = 0
         self.errors: list[str] = []
 
@@ -620,6 +640,18 @@ class _Runner:
                 inc.ready.add(rank)
                 if inc.up:
                     self.note(f"{inc.name} ready ({time.monotonic() - inc.started:.1f} s after start)")
+            elif kind == "stopping":  # a rank stopped itself right after a handover: resume it in time
+                seconds = self.plan.dead_after + 1.0
+                if self.armed is not None and self.armed[0] is inc:
+                    seconds = self.armed[2]
+                    self.armed[1].discard(rank)
+                    if not self.armed[1]:
+                        self.armed = None
+                pid = inc.procs[rank].pid
+                self.paused[pid] = inc
+                self.timers.append((time.monotonic() + seconds, "resume", [pid]))
+                self.note(f"SIGSTOP {inc.name} rank {rank} (pid {pid}) for {seconds:.1f} s (dead_after "
+                          f"{self.plan.dead_after:g} s): it stopped itself right after handing over {payload} pages")
             elif kind == "ended" and inc.role == "decode":
                 inc.live.discard(payload[0])
             elif kind == "done":
@@ -680,6 +712,16 @@ class _Runner:
             return restart
         ranks = list(range(len(inc.procs))) if self.fault_rng.random() < 0.5 else [self.fault_rng.randrange(len(inc.procs))]
         seconds = plan.dead_after + self.fault_rng.uniform(0.5, 2.0)
+        if inc.role == "prefill" and self.fault_rng.random() < plan.mid_transfer:
+            # caught mid-transfer: writes still queued when it stops are what a fence must keep out
+            self.armed = (inc, set(ranks), seconds, now + 2.0)
+            self.send(inc, ("selfstop", sum(1 << r for r in ranks)))
+            return now + 2.0 + seconds
+        self.pause(inc, ranks, seconds, "")
+        return now + seconds
+
+    def pause(self, inc: _Incarnation, ranks: list[int], seconds: float, why: str) -> None:
+        now = time.monotonic()
         pids = []
         for rank in ranks:
             pid = inc.procs[rank].pid
@@ -691,8 +733,8 @@ class _Runner:
             pids.append(pid)
         self.timers.append((now + seconds, "resume", pids))
         which = "all ranks" if len(ranks) > 1 else f"rank {ranks[0]}"
-        self.note(f"SIGSTOP {inc.name} {which} (pids {pids}) for {seconds:.1f} s (dead_after {plan.dead_after:g} s)")
-        return now + seconds
+        self.note(f"SIGSTOP {inc.name} {which} (pids {pids}) for {seconds:.1f} s (dead_after {self.plan.dead_after:g} s)"
+                  + (f" {why}" if why else ""))
 
     def run_timers(self, final: bool = False) -> None:
         now = time.monotonic()
@@ -738,10 +780,19 @@ class _Runner:
                     break
             self.receive(0.02)
             self.run_timers()
+            if self.armed is not None and (now >= self.armed[3] or self.armed[0].killed):
+                inc, ranks, seconds, _ = self.armed  # no big handover came: pause the rest from outside
+                self.armed = None
+                if not inc.killed:
+                    self.send(inc, ("selfstop", 0))
+                    self.pause(inc, sorted(ranks), seconds, "(no big handover came within 2 s)")
             self.dispatch(plan.requests)
-            if now >= next_fault and not self.timers:
+            if now >= next_fault and not self.timers and self.armed is None:
                 end = self.fault()
                 next_fault = end + self.fault_rng.uniform(*plan.fault_gap)
+        if self.armed is not None:
+            self.send(self.armed[0], ("selfstop", 0))
+            self.armed = None
         self.run_timers(final=True)  # resume every paused process; no more restarts
         self.note(f"stop: {self.n} requests dispatched")
         stopping = [i for i in self.current.values() if not i.killed]
@@ -753,6 +804,7 @@ class _Runner:
         pending = lambda: [(i, r) for i in stopping for r in range(len(i.procs)) if r not in i.done and r not in i.errors and r not in i.exited]  # noqa: E731
         while pending() and time.monotonic() < deadline:
             self.receive(0.1)
+            self.run_timers(final=True)  # a rank that stopped itself late is resumed at once
         hung: list[str] = []
         for inc, rank in pending():
             p = inc.procs[rank]
@@ -855,7 +907,8 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
             at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             agree.append(f"{inc.name}: rank 0 and rank {first} differ at event {at}: "
                          f"{a[at:at + 3]} vs {b[at:at + 3]}")
-    rows.append(("every request ends exactly once per rank", f"{len(once)} violations", not once, once + missing))
+    rows.append(("every request ends exactly once per rank", f"{len(once) + len(missing)} violations",
+                 not once and not missing, once + missing))
     rows.append(("same events, same order on every rank", f"{len(agree)} replicas differ", not agree, agree))
 
     decode_done = [(i, r, i.done[r]) for i in survivors if i.role == "decode" for r in sorted(i.done)]
