@@ -516,6 +516,7 @@ class VerbsTransport(Transport):
         self._grants = GrantTable()  # guarded by _grant_lock
         self._grant_lock = threading.Lock()
         self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
+        self._unconfirmed: dict[int, Grant] = {}  # revokes that raised, by key; guarded by _grant_lock
         self._lock = threading.Lock()
         self._work = threading.Condition()  # wakes the completion thread
         self._posts = 0  # bumped under _work by every write(): the completion thread waits for a change
@@ -652,24 +653,30 @@ class VerbsTransport(Transport):
         Does not wait: moving a QP to the error state and destroying it are synchronous, so
         ``deadline`` bounds nothing here. Revoking a grant that is not live (revoked already, or
         not this transport's) does nothing. ``TransportError(op="revoke")`` if a QP could be
-        neither moved to the error state nor destroyed.
+        neither moved to the error state nor destroyed; calling ``revoke`` again tries again.
         """
         with self._grant_lock:
             live = self._grants.get(grant.key)
+            if live is None:
+                live = self._unconfirmed.get(grant.key)  # a revoke that raised: try again
             if live is None or live != grant:  # keys are per sink: another sink's grant may share this one's
                 return
             self._grants.pop(grant.key)
         if settled:
+            with self._grant_lock:
+                self._unconfirmed.pop(grant.key, None)
             return
         failures: list[str] = []
         closed = False
         with self._lock:  # the cm thread drops sinks under this lock too: one owner per sink
-            victims = [s for s in self._sinks.values() if s.src == live.source]
-            for s in victims:
-                del self._sinks[s.key]
+            victims = []
+            for s in [s for s in self._sinks.values() if s.src == live.source]:
                 why = self._kill_sink_qp(s.qp)
                 if why:
-                    failures.append(why)
+                    failures.append(why)  # stays in _sinks: the next revoke of this grant tries again
+                else:
+                    del self._sinks[s.key]
+                    victims.append(s)
             if victims:
                 closed = self._closed
                 for s in victims:  # say why before the hang-up (the QP is dead already)
@@ -684,6 +691,11 @@ class VerbsTransport(Transport):
             else:
                 with contextlib.suppress(OSError):
                     self._wake_w.send(b"r")
+        with self._grant_lock:
+            if failures:
+                self._unconfirmed[grant.key] = live
+            else:
+                self._unconfirmed.pop(grant.key, None)
         if failures:
             raise TransportError(
                 f"revoke: {len(failures)} QP(s) of the source could not be stopped: {failures[0]}", op="revoke"

@@ -357,3 +357,23 @@ def test_revoke_races_the_source_going_away(make_verbs: Any) -> None:
         assert not th.is_alive()
         _wait_for(lambda: _sink_qps(dst_t) == 0, 10, "a QP was left behind")
     assert not errors
+
+
+def test_a_revoke_that_could_not_stop_the_qp_raises_and_the_next_one_tries_again(
+    make_verbs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller retries an unconfirmed revoke (decode does, every tick): the retry must act, not
+    find the grant gone and report success."""
+    src_t, dst_t = make_verbs(), make_verbs()
+    dst = np.zeros(4096, np.uint8)
+    rd = dst_t.register(dst)
+    g = dst_t.grant(src_t.instance, [(rd.addr, 4096)])
+    src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    monkeypatch.setattr(dst_t, "_kill_sink_qp", lambda qp: "to error: injected; destroy: injected")
+    with pytest.raises(TransportError, match="could not be stopped: to error: injected") as ei:
+        dst_t.revoke(g)
+    assert ei.value.op == "revoke" and _sink_qps(dst_t) == 1
+    monkeypatch.undo()
+    dst_t.revoke(g)
+    assert _sink_qps(dst_t) == 0
+    dst_t.revoke(g)  # confirmed now: nothing more to do
