@@ -513,6 +513,7 @@ class VerbsTransport(Transport):
         self._sinks: dict[int, _SinkConn] = {}  # _SinkConn.key -> accepted source; guarded by _lock
         self._sink_ids = itertools.count(1)
         self._max_sinks = max_sinks
+        self.refused_connections = 0  # handshakes refused at max_sinks (as the tcp transport counts them)
         self._grants = GrantTable()  # guarded by _grant_lock
         self._grant_lock = threading.Lock()
         self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
@@ -1177,6 +1178,7 @@ class VerbsTransport(Transport):
             with self._lock:
                 full = len(self._sinks) >= self._max_sinks  # only this thread adds sinks: the count holds
             if full:
+                self.refused_connections += 1
                 cap = min(self._max_sinks, 0xFFFFFFFF)
                 conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _TOO_MANY, cap, 0, 0, errno_mod.ECONNREFUSED))
                 conn.close()

@@ -310,7 +310,7 @@ def test_sink_qp_cap_refuses_clearly_and_frees_slots(make_verbs: Any) -> None:
     with pytest.raises(TransportError, match=r"maximum of 2 source QPs \(its max_sinks=2\)") as ei:
         b_t.connect(ep, deadline=Deadline.after(10))
     assert ei.value.op == "connect"
-    assert _sink_qps(dst_t) == 2
+    assert _sink_qps(dst_t) == 2 and dst_t.refused_connections == 1
 
     a_t.disconnect(a1)  # the sink sees the liveness socket close and frees the QP
     _wait_for(lambda: _sink_qps(dst_t) == 1, 10, "the disconnected source's QP was not freed")
