@@ -361,9 +361,9 @@ class TcpTransport(Transport):
         deadline = deadline or Deadline.after(1.0)
         key = grant.key
         with self._landing_cond:
-            if self._grants.get(key) != grant:
-                return  # not live here (revoked already, or another sink's grant)
-            self._grants.pop(key)  # no frame through it starts landing from now on
+            if self._grants.get(key) not in (None, grant):
+                return  # another sink's grant: keys are per sink
+            self._grants.pop(key)  # no frame through it starts landing from now on (a second revoke still waits)
             self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=deadline.remaining())
             cut = list(self._grant_landing.get(key, ()))
         for conn in cut:  # a frame still landing (a paused or stalled source): stop it
