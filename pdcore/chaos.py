@@ -945,6 +945,12 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
             for rid, n in boots.items():
                 if n > 1:
                     once.append(f"{inc.name} rank {rank}: {rid} Bootstrapped {n} times")
+            seen_boot: set[str] = set()
+            for kind, rid, _ in result["log"]:  # a success comes after its Bootstrapped, even if the state jumped
+                if kind == "Bootstrapped":
+                    seen_boot.add(rid)
+                elif kind in ("Succeeded", "RemotePrefillDone") and rid not in seen_boot:
+                    once.append(f"{inc.name} rank {rank}: {rid} {kind} without Bootstrapped before it")
             if result.get("abandoned"):
                 once.append(f"{inc.name} rank {rank}: {len(result['unfinished'])} requests had not ended "
                             f"{outcome.plan.drain:g} s after stop: {result['unfinished'][:5]}")
@@ -957,7 +963,7 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
             at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             agree.append(f"{inc.name}: rank 0 and rank {first} differ at event {at}: "
                          f"{a[at:at + 3]} vs {b[at:at + 3]}")
-    rows.append(("every request ends exactly once per rank", f"{len(once) + len(missing)} violations",
+    rows.append(("every request ends exactly once per rank (in order)", f"{len(once) + len(missing)} violations",
                  not once and not missing, once + missing))
     rows.append(("same events (payload too), same order on every rank", f"{len(agree)} replicas differ", not agree, agree))
 
