@@ -111,6 +111,9 @@ class ChaosPlan:
     max_seconds: float = 600.0  # --requests: the faulty phase ends by then whatever happens
     verbose: bool = True
     log_level: str = "ERROR"  # of the ranks' "pdcore" loggers
+    #: the harness's own check: peers built with ``unsafe_no_grants`` (a fence that trusts the source),
+    #: which the canary invariant must catch
+    unsafe_no_grants: bool = False
 
     def rank_seed(self, role: str, index: int, gen: int, rank: int, what: str) -> int:
         return zlib.crc32(f"{self.seed}/{role}/{index}/{gen}/{rank}/{what}".encode())
@@ -367,6 +370,7 @@ def _knobs(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> dict[
         "waiting_timeout": plan.waiting_timeout,
         "fence_timeout": plan.fence_timeout,
         "tombstone_ttl": plan.tombstone_ttl,
+        **({"unsafe_no_grants": True} if plan.unsafe_no_grants else {}),
     }
 
 
@@ -1058,6 +1062,7 @@ def _replay_args(plan: ChaosPlan) -> str:
         if getattr(plan, name) != getattr(d, name):
             args.append(f"--{name.replace('_', '-')} {getattr(plan, name):g}")
     args += ["--no-kills"] if not plan.kills else []
+    args += ["--unsafe-no-grants"] if plan.unsafe_no_grants else []
     args += ["--no-pauses"] if not plan.pauses else []
     return " ".join(args)
 
@@ -1093,6 +1098,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-pages", type=int, default=d.num_pages)
     parser.add_argument("--max-pages", type=int, default=d.max_pages, help="pages per request: 1..this, at random")
     parser.add_argument("--quiet", action="store_true", help="no line per fault")
+    parser.add_argument("--unsafe-no-grants", action="store_true",
+                        help="check the checker: decode fences without grants; the canary row must then fail")
     parser.add_argument("--log-level", default=d.log_level, help="of the ranks' pdcore loggers (WARNING shows every fault)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
@@ -1103,7 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
         control_dup=args.control_dup, control_corrupt=args.control_corrupt, kills=not args.no_kills,
         pauses=not args.no_pauses, dead_after=args.dead_after, window=args.window, verbose=not args.quiet,
         log_level=args.log_level.upper(), layers=args.layers, page_bytes=args.page_bytes, num_pages=args.num_pages,
-        max_pages=args.max_pages,
+        max_pages=args.max_pages, unsafe_no_grants=args.unsafe_no_grants,
     )
     from .table import IMPLEMENTATION
 

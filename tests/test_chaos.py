@@ -248,3 +248,19 @@ def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> 
         f"the run injected too few faults to mean much: {actions}"
     )
     assert "chaos: OK" in out
+
+
+@pytest.mark.slow
+def test_chaos_catches_a_fence_that_trusts_the_source(capsys: pytest.CaptureFixture[str]) -> None:
+    """The checker checked: with decode fencing without grants (``unsafe_no_grants``, benchmarks
+    only), prefill ranks that stop themselves mid-transfer land their queued writes in pages decode
+    handed back, and the canary row must say so."""
+    from pdcore import chaos
+
+    plan = chaos.ChaosPlan(seed=20, seconds=10.0, kills=False, mid_transfer=1.0, fault_gap=(1.0, 2.0),
+                           control_corrupt=0.0, unsafe_no_grants=True, verbose=True)
+    outcome = chaos.run(plan)
+    rows = {name: (good, details) for name, _, good, details in chaos.check(outcome)}
+    out = capsys.readouterr().out
+    good, details = rows["0 bytes written into pages handed back"]
+    assert not good and any("a late write" in d for d in details), f"no late write was caught:\n{out}"
