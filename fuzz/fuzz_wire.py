@@ -18,8 +18,6 @@ with instrumented():
     from pdcore import wire
     from pdcore.errors import RemoteProtocolError
 
-HEADER = wire.MAGIC + bytes([wire.PROTOCOL_VERSION])
-
 SEEDS = [
     wire.encode(m)
     for m in (
@@ -50,8 +48,8 @@ def check(frame: bytes) -> None:
 
 def test_one_input(data: bytes) -> None:
     feed_whole_and_split(check, data)
-    feed_whole_and_split(check, HEADER + data)
+    feed_whole_and_split(check, wire.seal(data))  # past the checksum: the body decoder itself
 
 
 if __name__ == "__main__":
-    main("wire", test_one_input, SEEDS + [s[len(HEADER) :] for s in SEEDS])
+    main("wire", test_one_input, SEEDS + [s[7:] for s in SEEDS])

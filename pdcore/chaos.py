@@ -163,7 +163,7 @@ def faulty_control_channel(
                 data = bytearray(frame)
                 for _ in range(rng.randint(1, 3)):
                     data[rng.randrange(len(data))] ^= rng.randint(1, 255)
-                try:  # the wire has no checksum: a flipped byte may still decode, as another message
+                try:  # the wire's CRC-32 should refuse it; one that still decodes is noted (and shown on failure)
                     wire.decode(bytes(data))
                 except Exception:
                     pass
@@ -978,7 +978,7 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
     bad_tokens = [f"{i.name} rank {r}: {rid}" for i, r, d in decode_done for rid in d["tokens_bad"]]
     valid = [f"{i.name} rank {r} sent: {x}" for i in survivors for r, d in sorted(i.done.items())
              for x in d.get("corrupted_still_valid", [])]
-    notes = ["corrupted control frames that still decoded (the wire has no checksum):"] + valid if bad_tokens and valid else []
+    notes = ["corrupted control frames that still decoded (past the wire's checksum):"] + valid if bad_tokens and valid else []
     rows.append(("RemotePrefillDone carries prefill's first token", f"{len(bad_tokens)} wrong", not bad_tokens,
                  bad_tokens + notes))
 

@@ -1,7 +1,10 @@
 """The control-channel codec: pure, sans-IO (bytes in, messages out).
 
-Frame layout: ``b"pd"`` + one protocol-version byte + a msgpack map whose
-``type`` key tags the message. The version sits *outside* the body so that a
+Frame layout: ``b"pd"`` + one protocol-version byte + the CRC-32 of the body
+(4 bytes, little-endian) + the body, a msgpack map whose ``type`` key tags the
+message. The checksum turns a frame corrupted on its way (a flipped byte that
+would still decode, e.g. as another first token) into a ``RemoteProtocolError``;
+it is no defence against a peer that lies (that is authentication's job). The version sits *outside* the body so that a
 peer of another version gets a clear "version" error even if a later version
 changes the body encoding entirely.
 
@@ -28,6 +31,8 @@ Rules:
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from typing import Annotated, Any, Final, Union
 
 import msgspec
@@ -54,6 +59,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "encode",
     "decode",
+    "seal",
     "rooms_of",
     "check_endpoint",
     "check_json_object",
@@ -62,6 +68,8 @@ __all__ = [
 PROTOCOL_VERSION: Final = 2  # 2: Announce carries the sink's grant
 MAGIC: Final = b"pd"
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
+_CRC: Final = struct.Struct("<I")
+_PREFIX: Final = len(_HEADER) + _CRC.size
 
 # Bounds: every count and length a peer controls has one.
 MAX_FRAME_BYTES: Final = 4 << 20
@@ -276,6 +284,11 @@ def _check(msg: Message) -> None:
             raise LocalProtocolError(f"status.first_token_logprob: {lp!r} is not finite", rooms=(msg.room,))
 
 
+def seal(body: bytes) -> bytes:
+    """A frame around an already encoded body: header and checksum (tests and fuzzers build odd bodies)."""
+    return _HEADER + _CRC.pack(zlib.crc32(body)) + bytes(body)
+
+
 def encode(msg: Message) -> bytes:
     """Serialise one message into a frame.
 
@@ -291,13 +304,13 @@ def encode(msg: Message) -> bytes:
         body = _ENCODER.encode(msg)
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise LocalProtocolError(f"{name}: cannot encode: {e}", rooms=rooms) from e
-    if len(body) + len(_HEADER) > MAX_FRAME_BYTES:
+    if len(body) + _PREFIX > MAX_FRAME_BYTES:
         raise LocalProtocolError(f"{name}: frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}", rooms=rooms)
     try:
         _check(_DECODER.decode(body))  # the receiver's rules, applied before the bytes leave
     except msgspec.ValidationError as e:
         raise LocalProtocolError(f"{name}: {e}", rooms=rooms) from None
-    return _HEADER + body
+    return seal(body)
 
 
 def decode(frame: bytes) -> Message:
@@ -313,13 +326,18 @@ def decode(frame: bytes) -> Message:
         raise RemoteProtocolError(f"frame: {n} bytes exceeds {MAX_FRAME_BYTES}")
     if n < len(_HEADER) or frame[:2] != MAGIC:
         raise RemoteProtocolError("frame.magic: not a pdcore control frame")
-    body = memoryview(frame)[len(_HEADER) :]
     version = frame[2]
     if version != PROTOCOL_VERSION:
         raise RemoteProtocolError(
             f"frame.version: peer speaks protocol {version}, this peer speaks {PROTOCOL_VERSION}",
-            rooms=_peek(body)[1],
+            rooms=_peek(memoryview(frame)[len(_HEADER) :])[1],
         )
+    if n < _PREFIX:
+        raise RemoteProtocolError("frame.checksum: the frame ends before its checksum")
+    body = memoryview(frame)[_PREFIX:]
+    (crc,) = _CRC.unpack_from(frame, len(_HEADER))
+    if zlib.crc32(body) != crc:  # corrupted on the way: the room it names is a best guess
+        raise RemoteProtocolError("frame.checksum: the body does not match its CRC-32", rooms=_peek(body)[1])
     try:
         msg = _DECODER.decode(body)
         _check(msg)

@@ -190,31 +190,15 @@ def test_control_faults(fault: str) -> None:
             assert received == list(range(1, n + 1)) and cls.faults["delayed"] >= 1
         elif fault == "dup":
             assert received == [r for r in range(1, n + 1) for _ in (0, 1)]
-        elif fault == "corrupt":  # mostly undecodable; whatever decoded was counted, the channel lives on
-            assert cls.faults["corrupted"] >= n and len(received) < n
-            assert sink.stats.protocol_errors + len(received) > 0
+        elif fault == "corrupt":  # the checksum refuses every one; the channel counts them and lives on
+            assert cls.faults["corrupted"] >= n and received == [] and cls.faults["corrupted_still_valid"] == 0
+            assert sink.stats.protocol_errors >= n
         else:
             assert 0 < cls.faults["dropped"] < n + 100 and len(received) < n
             assert received == sorted(received)
     finally:
         src.close(Deadline.after(5.0))
         sink.close(Deadline.after(5.0))
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="control frames carry no checksum: a flipped byte can decode as another message")
-def test_a_corrupted_control_frame_is_detected() -> None:
-    """What chaos found (seed 305 with --dead-after 1, seed 203 with heavy corruption): a Status whose
-    first_token (or logprob) byte flipped still decodes, so one decode rank emits RemotePrefillDone
-    with another first token than its replica's other ranks. It should be a RemoteProtocolError."""
-    from pdcore import wire
-    from pdcore.errors import RemoteProtocolError
-
-    frame = wire.encode(wire.Status(room=7, state=5, rank=0, first_token=12345, cached_tokens=3))
-    at = frame.index(b"\xcd\x30\x39")  # msgpack uint16 12345
-    corrupted = frame[: at + 2] + b"\x38" + frame[at + 3 :]  # a single bit flipped: 12345 -> 12344
-    with pytest.raises(RemoteProtocolError):
-        msg = wire.decode(corrupted)
-        assert msg.first_token == 12345, f"decoded as first_token={msg.first_token}"
 
 
 # ------------------------------------------------------------------------------ a chaos run
@@ -232,11 +216,7 @@ def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> 
     the resumed prefill rank's queued writes landed in pages decode had handed back on Failed."""
     from pdcore import chaos
 
-    # Byte corruption of control frames is left out here (it stays on in `python -m pdcore chaos`):
-    # a flipped byte that still decodes gives one decode rank another first token or logprob than
-    # its peers (test_a_corrupted_control_frame_is_detected below), which fails this run in about
-    # one of twenty tries at the default rate. Dropped, delayed and duplicated frames stay on.
-    plan = chaos.ChaosPlan(seed=20, seconds=20.0, fault_gap=(1.0, 2.5), drain=20.0, control_corrupt=0.0, verbose=True)
+    plan = chaos.ChaosPlan(seed=20, seconds=20.0, fault_gap=(1.0, 2.5), drain=20.0, verbose=True)
     outcome = chaos.run(plan)
     code = chaos.report(outcome)
     out = capsys.readouterr().out

@@ -107,10 +107,10 @@ def test_bad_frames_are_counted_and_the_thread_lives_on(
     a, a_in, _, _ = pair
     sock = raw_dealer(a.endpoint)
     good = wire.Status(room=9, state=5, rank=0)
-    body = msgspec.msgpack.decode(wire.encode(wire.Status(room=7, state=5, rank=0))[3:])
+    body = msgspec.msgpack.decode(wire.encode(wire.Status(room=7, state=5, rank=0))[7:])
     sock.send(b"\x00\xffgarbage")
     sock.send(wire.MAGIC + b"\x03" + msgspec.msgpack.encode(body))  # another protocol version, room 7
-    sock.send(wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({**body, "room": 8, "state": 99}))  # malformed, room 8
+    sock.send(wire.seal(msgspec.msgpack.encode({**body, "room": 8, "state": 99})))  # malformed, room 8
     sock.send_multipart([b"extra", wire.encode(wire.Abort(room=10))])  # two frames in one message, room 10
     sock.send(b"")
     stranger = raw_dealer(a.endpoint, ident=b"\x00anonymous")
@@ -126,8 +126,8 @@ def test_bad_frames_are_counted_and_the_thread_lives_on(
 
 def test_reasons_name_the_field(pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox], raw_dealer: Any) -> None:
     a, a_in, _, _ = pair
-    body = msgspec.msgpack.decode(wire.encode(wire.Status(room=5, state=5, rank=0))[3:])
-    raw_dealer(a.endpoint).send(wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({**body, "rank": -4}))
+    body = msgspec.msgpack.decode(wire.encode(wire.Status(room=5, state=5, rank=0))[7:])
+    raw_dealer(a.endpoint).send(wire.seal(msgspec.msgpack.encode({**body, "rank": -4})))
     rooms, reason = a_in.failed.get(timeout=WAIT)
     assert rooms == (5,) and "$.rank" in reason
 
@@ -282,12 +282,12 @@ def _maximal_body() -> dict[str, Any]:
     top = 1 << 32
     ids = tuple(range(top - wire.MAX_PAGES, top))
     frame = wire.encode(wire.Announce(room=0, session_id="hostile", epoch=0, page_ids=ids, request_pool_index=0))
-    return dict(msgspec.msgpack.decode(frame[len(wire.MAGIC) + 1 :]))
+    return dict(msgspec.msgpack.decode(frame[7:]))
 
 
 def maximal_announce(room: int) -> bytes:
     """The largest announce the wire allows: MAX_PAGES page ids, each a 5-byte msgpack uint32 (validated once)."""
-    return wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({**_maximal_body(), "room": room})
+    return wire.seal(msgspec.msgpack.encode({**_maximal_body(), "room": room}))
 
 
 class Keeper(Inbox):

@@ -25,7 +25,6 @@ from pd_pair import Pair, through_worker
 
 pytestmark = pytest.mark.timeout(120)
 
-HEADER = wire.MAGIC + bytes([wire.PROTOCOL_VERSION])
 FAKE_PEER = "tcp://127.0.0.1:9"  # a well-formed endpoint nobody listens on
 
 
@@ -47,18 +46,18 @@ def _bad_frames(live_room: int) -> list[tuple[str, list[bytes], tuple[int, ...]]
         ("not a pdcore frame", [b"GET / HTTP/1.1\r\n\r\n"], ()),
         ("header only, truncated", [b"pd"], ()),
         ("empty frame", [b""], ()),
-        ("protocol version 3", [wire.MAGIC + b"\x03" + good[3:]], (123456789,)),
+        ("protocol version 3", [wire.MAGIC + b"\x03" + good[7:]], (123456789,)),
         ("version 0 naming a room", [wire.MAGIC + b"\x00" + _body(type="abort", room=987654321)], (987654321,)),
-        ("body not msgpack", [HEADER + b"\xc1\xc1\xc1"], ()),
-        ("unknown message type", [HEADER + _body(type="shutdown", room=5)], (5,)),
-        ("room of the wrong type", [HEADER + _body(type="abort", room="five")], ()),
-        ("negative room", [HEADER + _body(type="abort", room=-1)], ()),
-        ("unknown field", [HEADER + _body(type="abort", room=11, reason="", extra=1)], (11,)),
-        ("status state out of range", [HEADER + _body(type="status", room=12, state=9, rank=0)], (12,)),
+        ("body not msgpack", [wire.seal(b"\xc1\xc1\xc1")], ()),
+        ("unknown message type", [wire.seal(_body(type="shutdown", room=5))], (5,)),
+        ("room of the wrong type", [wire.seal(_body(type="abort", room="five"))], ()),
+        ("negative room", [wire.seal(_body(type="abort", room=-1))], ()),
+        ("unknown field", [wire.seal(_body(type="abort", room=11, reason="", extra=1))], (11,)),
+        ("status state out of range", [wire.seal(_body(type="status", room=12, state=9, rank=0))], (12,)),
         ("two frames in one message", [good, good], (123456789,)),
         # an announcement naming a live room, with a page twice: that room (and only it) fails
-        ("announce with a duplicate page", [HEADER + _body(type="announce", room=live_room, session_id="s", epoch=1,
-                                                          page_ids=[1, 1], request_pool_index=0)], (live_room,)),
+        ("announce with a duplicate page", [wire.seal(_body(type="announce", room=live_room, session_id="s", epoch=1,
+                                                          page_ids=[1, 1], request_pool_index=0))], (live_room,)),
     ]
 
 
@@ -87,7 +86,7 @@ def test_malformed_control_frames_fail_only_what_they_name(pair: Pair, side: str
     frames = _bad_frames(live_room=2999)
     if side == "decode":  # decode takes no announcements: a bad status for its live room instead
         frames[-1] = ("status naming a live room, state out of range",
-                      [HEADER + _body(type="status", room=2999, state=17, rank=0)], (2999,))
+                      [wire.seal(_body(type="status", room=2999, state=17, rank=0))], (2999,))
     ctx = zmq.Context()
     try:
         sock = _dealer(ctx, peer.control_endpoint, FAKE_PEER.encode())
