@@ -65,7 +65,11 @@ class _Sink:
     error: str = ""
     endpoint: bytes = b""  # its transport endpoint: a handle lost to a transient failure is connected again
     connecting: bool = False
-    waiting: list[tuple[Any, ...]] = field(default_factory=list)  # hand-overs waiting for the connection
+    waiting: list[tuple[Any, ...]] = field(default_factory=list)  # (room, worker call) waiting for the connection
+
+    @property
+    def ready(self) -> bool:
+        return not self.connecting and self.handle is not None and not self.handle.closed
 
 
 class PrefillPeer(PeerBase):
@@ -270,16 +274,20 @@ class PrefillPeer(PeerBase):
             return
         sink.handle, sink.connecting = handle, False
         waiting, sink.waiting = sink.waiting, []
-        for args in waiting:
-            if error:
-                with self._lock:
-                    entry = self._by_rid.get(args[0])
-                if entry is not None:
-                    self._fail(entry, error)
-            else:
-                self._send(*args)
+        for entry, fn, args in waiting:
+            if not error:
+                fn(*args)
+            elif self._by_rid.get(entry.rid) is entry:
+                self._fail(entry, error)
         if error:
             log.warning("prefill peer: %s", error)
+
+    def _when_connected(self, sender: str, sink: _Sink, entry: _Room, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the worker once the data connection to ``sender`` is up (connecting it
+        again if a transient failure dropped it); if it cannot be made, ``entry``'s room fails."""
+        sink.waiting.append((entry, fn, args))
+        if not sink.connecting:
+            self._connect(sender, sink)
 
     def _on_announce(self, sender: str, msg: wire.Announce) -> None:
         room = msg.room
@@ -297,6 +305,9 @@ class PrefillPeer(PeerBase):
 
     def _adopt(self, entry: _Room, sender: str, msg: wire.Announce) -> None:
         sink = self._sinks.get(sender)
+        if sink is not None and not sink.error and not sink.ready:  # Bootstrapped means the data path is up
+            self._when_connected(sender, sink, entry, self._adopt, entry, sender, msg)
+            return
         with self._lock:
             if entry.dst is not None:
                 reason = f"room {entry.room} was announced twice ({entry.dst} and {sender})"
@@ -353,12 +364,10 @@ class PrefillPeer(PeerBase):
         if sink is None:
             self._fail(entry, "pages handed over before a decode rank announced the room")
             return True
-        if sink.connecting or sink.handle is None or sink.handle.closed:
+        if not sink.ready:
             if not wait:
                 return False  # the worker parks it until the data connection is up
-            sink.waiting.append((rid, page_ids, first_token, candidates))
-            if not sink.connecting:  # a transient failure dropped (or never made) the connection: connect again
-                self._connect(entry.dst, sink)
+            self._when_connected(entry.dst, sink, entry, self._send, rid, page_ids, first_token, candidates)
             return True
         dst = entry.dst_pages
         if len(page_ids) < len(dst):
