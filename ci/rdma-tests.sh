@@ -4,11 +4,13 @@
 #   bash ci/rxe-vm.sh bash ci/rdma-tests.sh
 #
 # 1. exposes Debian's pyverbs to the venv if it is not yet (ci/link-pyverbs.sh);
-# 2. runs `pytest -m rdma tests/rdma tests/transport` with PDCORE_REQUIRE_RDMA=1, so a
-#    missing device or any skipped RDMA test fails the run;
-# 3. runs the quick verbs benchmark next to its ib_write_bw floor on the same device and
+# 2. runs `pytest -m rdma tests/rdma tests/transport tests/test_fence_blackbox.py` with
+#    PDCORE_REQUIRE_RDMA=1, so a missing device or any skipped RDMA test fails the run;
+# 3. runs a short seeded chaos run over verbs (`python -m pdcore chaos --transport faulty:verbs
+#    --tp 1`: replicas of one rank, so no rank imports torch, which costs ~110 s under TCG);
+# 4. runs the quick verbs benchmark next to its ib_write_bw floor on the same device and
 #    message size (a benchmark, not a test: it prints, it does not fail the step).
-# Exit code: pytest's. Outside the guest it runs on whatever verbs device the host has
+# Exit code: pytest's, or the chaos run's if pytest passed. Outside the guest it runs on whatever verbs device the host has
 # (PDCORE_RDMA_DEVICE picks one).
 #
 # Settings: PDCORE_PYTHON (default: the checkout's .venv/bin/python, the real
@@ -45,9 +47,17 @@ deselect=(
 )
 t0=$SECONDS
 timeout -k 15 "${PDCORE_RDMA_TEST_TIMEOUT:-420}" \
-    "$py" -m pytest -m rdma tests/rdma tests/transport -p no:cacheprovider -ra --durations=5 "${deselect[@]}"
+    "$py" -m pytest -m rdma tests/rdma tests/transport tests/test_fence_blackbox.py -p no:cacheprovider -ra --durations=5 \
+    "${deselect[@]}"
 rc=$?
 log "pytest exited $rc after $((SECONDS - t0))s"
+
+t0=$SECONDS
+timeout -k 15 "${PDCORE_RDMA_CHAOS_TIMEOUT:-300}" \
+    "$py" -m pdcore chaos --transport faulty:verbs --tp 1 --seconds "${PDCORE_RDMA_CHAOS_SECONDS:-20}" --seed 7 --quiet
+chaos=$?
+log "chaos over verbs exited $chaos after $((SECONDS - t0))s"
+(( rc == 0 )) && rc=$chaos
 
 # Benchmark (prints; never fails the step). Quick by default: ib_write_bw (the floor) and the verbs
 # transport on the same device, 1000 x 64 KiB each, ~30 s under TCG. PDCORE_RDMA_BENCH=full runs

@@ -1061,6 +1061,7 @@ def _replay_args(plan: ChaosPlan) -> str:
                  "dead_after", "window", "layers", "page_bytes", "num_pages", "max_pages"):
         if getattr(plan, name) != getattr(d, name):
             args.append(f"--{name.replace('_', '-')} {getattr(plan, name):g}")
+    args += [f"--tp {plan.prefill_tp}"] if plan.prefill_tp != d.prefill_tp else []
     args += ["--no-kills"] if not plan.kills else []
     args += ["--unsafe-no-grants"] if plan.unsafe_no_grants else []
     args += ["--no-pauses"] if not plan.pauses else []
@@ -1082,6 +1083,8 @@ def main(argv: list[str] | None = None) -> int:
     length.add_argument("--requests", type=int, help="dispatch this many requests, then stop once they ended")
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     parser.add_argument("--transport", default=d.transport, help="faulty:tcp, tcp, faulty:verbs, ...")
+    parser.add_argument("--tp", type=int, default=d.prefill_tp, choices=(1, 2),
+                        help="ranks per replica, prefill and decode alike (1: no torch.distributed group)")
     parser.add_argument("--fail-rate", type=float, default=d.fail_rate, help="data plane: fraction of batches failed")
     parser.add_argument("--land-rate", type=float, default=d.land_rate, help="of those, fraction posted first")
     parser.add_argument("--delay", type=float, default=d.delay, help="data plane: max extra completion delay (s)")
@@ -1110,7 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
         control_dup=args.control_dup, control_corrupt=args.control_corrupt, kills=not args.no_kills,
         pauses=not args.no_pauses, dead_after=args.dead_after, window=args.window, verbose=not args.quiet,
         log_level=args.log_level.upper(), layers=args.layers, page_bytes=args.page_bytes, num_pages=args.num_pages,
-        max_pages=args.max_pages, unsafe_no_grants=args.unsafe_no_grants,
+        max_pages=args.max_pages, unsafe_no_grants=args.unsafe_no_grants, prefill_tp=args.tp, decode_tp=args.tp,
     )
     from .table import IMPLEMENTATION
 

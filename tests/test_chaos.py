@@ -237,8 +237,11 @@ def test_chaos_catches_a_fence_that_trusts_the_source(capsys: pytest.CaptureFixt
     handed back, and the canary row must say so."""
     from pdcore import chaos
 
-    plan = chaos.ChaosPlan(seed=20, seconds=10.0, kills=False, mid_transfer=1.0, fault_gap=(1.0, 2.0),
-                           control_corrupt=0.0, unsafe_no_grants=True, verbose=True)
+    # 16 layers: a handover that arms the self-stop (16+ pages) is 16+ MiB per rank, far more than the
+    # socket buffers take even on a loaded machine, so writes are surely queued in the stopped process
+    # and 20 s: several self-stops, so one that a loaded machine delays past the run still leaves others
+    plan = chaos.ChaosPlan(seed=20, seconds=20.0, kills=False, mid_transfer=1.0, fault_gap=(1.0, 2.0),
+                           control_corrupt=0.0, unsafe_no_grants=True, verbose=True, layers=16, num_pages=256)
     outcome = chaos.run(plan)
     rows = {name: (good, details) for name, _, good, details in chaos.check(outcome)}
     out = capsys.readouterr().out
