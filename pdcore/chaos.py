@@ -432,15 +432,9 @@ def _prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, s
     abandoned = False
     try:
         while True:
-            new, stop, abandon = sync()
-            for r in new:
-                peer.register(r.rid, BootstrapInfo("127.0.0.1", port, r.room))
-                live[r.rid] = r
-                log.append(("Registered", r.rid, None))
-            if stop and not live:
-                break
-            if abandon:
-                abandoned = True
+            end = _news(sync, peer, live, log, lambda r: BootstrapInfo("127.0.0.1", port, r.room))
+            if end:
+                abandoned = end == "abandon"
                 break
             for event in peer.poll(group):
                 log.append(_entry(event))
@@ -468,6 +462,19 @@ def _prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, s
         peer.close()
 
 
+def _news(sync: Any, peer: Any, live: dict[str, Request], log: list[Any], bootstrap_of: Any) -> str:
+    """A round's news from the runner: register the new requests; "stop" (nothing live is left) or
+    "abandon" when the rank's loop should end, else ""."""
+    new, stop, abandon = sync()
+    for r in new:
+        peer.register(r.rid, bootstrap_of(r))
+        live[r.rid] = r
+        log.append(("Registered", r.rid, None))
+    if stop and not live:
+        return "stop"
+    return "abandon" if abandon else ""
+
+
 def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[int], store: str, conn: Any) -> None:
     from . import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
@@ -491,15 +498,9 @@ def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[i
     next_sweep = time.monotonic() + 1.0
     try:
         while True:
-            new, stop, abandon = sync()
-            for r in new:
-                peer.register(r.rid, BootstrapInfo("127.0.0.1", ports[r.prefill], r.room))
-                live[r.rid] = r
-                log.append(("Registered", r.rid, None))
-            if stop and not live:
-                break
-            if abandon:
-                abandoned = True
+            end = _news(sync, peer, live, log, lambda r: BootstrapInfo("127.0.0.1", ports[r.prefill], r.room))
+            if end:
+                abandoned = end == "abandon"
                 break
             for event in peer.poll(group):
                 log.append(_entry(event))
