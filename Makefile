@@ -23,7 +23,8 @@ test: $(STAMP)
 
 # The same behaviour with every compiled module swapped for its pure-Python twin.
 test-pure: $(STAMP)
-	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport tests/test_peers.py tests/test_peers_dp.py
+	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport tests/test_peers.py tests/test_peers_dp.py \
+		tests/test_fence_races.py tests/test_recovery.py tests/test_hostile_sizes.py tests/test_worker_never_waits.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
 
 fuzz: $(STAMP)

@@ -263,7 +263,9 @@ class PrefillPeer(PeerBase):
             if old is not None:
                 self._transport.disconnect(old, deadline=Deadline.after(1.0))
             handle = self._transport.connect(sink.endpoint, deadline=Deadline.after(self._config.start_timeout))
-        except PdError as e:
+        except Exception as e:  # whatever it was, the rooms waiting for it must hear (else they wait forever)
+            if not isinstance(e, PdError):
+                log.exception("prefill peer: connecting to %s failed unexpectedly", sender)
             error = f"cannot connect the transport to {sender}: {e}"
         self._from_io(self._connected, sender, sink, handle, error)
 
@@ -275,10 +277,16 @@ class PrefillPeer(PeerBase):
         sink.handle, sink.connecting = handle, False
         waiting, sink.waiting = sink.waiting, []
         for entry, fn, args in waiting:
-            if not error:
-                fn(*args)
-            elif self._by_rid.get(entry.rid) is entry:
-                self._fail(entry, error)
+            why = error
+            if not why:
+                try:
+                    fn(*args)
+                    continue
+                except Exception as e:  # a bug of ours: this room fails, the others still run
+                    log.exception("prefill peer: resuming room %d failed", entry.room)
+                    why = f"resuming the room failed: {e}"
+            if self._by_rid.get(entry.rid) is entry:
+                self._fail(entry, why)
         if error:
             log.warning("prefill peer: %s", error)
 
