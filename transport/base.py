@@ -164,7 +164,8 @@ class Grant:
 
     ``key`` (a non-zero u64, unique per sink) is what the source names in
     ``write(..., grant=key)``; ``source`` is the source transport's ``instance``;
-    ``ranges`` are ``(addr, length)`` pairs sorted by address, not overlapping.
+    ``ranges`` are ``(addr, length)`` pairs sorted by address, not overlapping (a write must lie
+    inside one of them).
     """
 
     key: int
@@ -173,24 +174,19 @@ class Grant:
 
 
 def grant_ranges(ranges: Any) -> tuple[tuple[int, int], ...]:
-    """Normalise grant ranges: ``(addr, length)`` pairs (or an ``(n, 2)`` int array), sorted, merged
-    where they touch; ``ValueError`` for an empty range or overlapping ones."""
-    if isinstance(ranges, np.ndarray):
-        rows = [(int(a), int(n)) for a, n in ranges.reshape(-1, 2).tolist()]
-    else:
-        rows = [(int(a), int(n)) for a, n in ranges]
-    rows.sort()
-    out: list[tuple[int, int]] = []
+    """Normalise grant ranges: ``(addr, length)`` pairs (or an ``(n, 2)`` int array), sorted by
+    address; ``ValueError`` for an empty or wrapping range or overlapping ones. One pass: a decode
+    rank grants every announced room's pages, so this runs per request."""
+    rows = sorted(map(tuple, ranges.reshape(-1, 2).tolist()) if isinstance(ranges, np.ndarray) else ranges)
+    if not all(type(a) is int and type(n) is int for a, n in rows):
+        rows = [(int(a), int(n)) for a, n in rows]
+    end = 1
     for addr, length in rows:
-        if addr <= 0 or length <= 0 or addr + length > _U64_MAX + 1:
-            raise ValueError(f"a grant range needs a non-null address and a positive length, got ({addr:#x}, {length})")
-        if out and addr < out[-1][0] + out[-1][1]:
-            raise ValueError(f"grant ranges overlap at {addr:#x}")
-        if out and addr == out[-1][0] + out[-1][1]:
-            out[-1] = (out[-1][0], out[-1][1] + length)
-        else:
-            out.append((addr, length))
-    return tuple(out)
+        if addr < end or length <= 0 or addr + length > _U64_MAX + 1:
+            what = "overlap" if addr < end and addr > 0 and length > 0 else "need a non-null address and a positive length"
+            raise ValueError(f"grant ranges {what}: ({addr:#x}, {length})")
+        end = addr + length
+    return tuple(rows)
 
 
 class GrantTable:

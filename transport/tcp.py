@@ -351,10 +351,14 @@ class TcpTransport(Transport):
         self._check_open("grant")
         with self._landing_cond:
             g = self._grants.add(source, ranges)
-            outside = [r for r in g.ranges if self._regions.find(*r) is None]
-            if outside:
-                self._grants.pop(g.key)
-                raise ValueError(f"grant range [{outside[0][0]:#x}, +{outside[0][1]}) is outside every registered region")
+            lo = hi = 0
+            for addr, length in g.ranges:  # sorted: consecutive ranges mostly share a region
+                if not (lo <= addr and addr + length <= hi):
+                    region = self._regions.find(addr, length)
+                    if region is None:
+                        self._grants.pop(g.key)
+                        raise ValueError(f"grant range [{addr:#x}, +{length}) is outside every registered region")
+                    lo, hi = region.addr, region.end
         return g
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
