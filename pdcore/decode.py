@@ -42,7 +42,7 @@ __all__ = ["DecodePeer", "DecodeInbox"]
 
 log = logging.getLogger("pdcore.decode")
 
-_LOOKUP_SLICE = 2.0  # seconds one bootstrap lookup may take before the worker moves on
+_LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on the I/O thread
 _RETRY = 0.1  # seconds between lookups of a deployment that is not up yet
 _REVOKE_WAIT = 1.0  # seconds a revoke waits for a write landing through the grant before it cuts it
 

@@ -65,7 +65,7 @@ class _Sink:
     error: str = ""
     endpoint: bytes = b""  # its transport endpoint: a handle lost to a transient failure is connected again
     connecting: bool = False
-    waiting: list[tuple[Any, ...]] = field(default_factory=list)  # (room, worker call) waiting for the connection
+    waiting: list[tuple[Any, ...]] = field(default_factory=list)  # (room entry, worker call, args) awaiting the connection
 
     @property
     def ready(self) -> bool:
@@ -488,6 +488,9 @@ class PrefillPeer(PeerBase):
         with self._lock:
             bound = [e for e in self._rooms.values() if e.dst == endpoint]
             self._pending.drop_sender(endpoint)
+        if sink is not None:  # announcements waiting for its data connection name it too
+            bound += [e for e, _fn, _args in sink.waiting if e.dst is None and self._by_rid.get(e.rid) is e]
+            sink.waiting = []
         for entry in bound:
             entry.told = True  # nobody to tell
             self._fire(entry.rid, Trigger.FAIL, reason)
