@@ -54,7 +54,7 @@ log "pytest exited $rc after $((SECONDS - t0))s"
 
 t0=$SECONDS
 timeout -k 15 "${PDCORE_RDMA_CHAOS_TIMEOUT:-300}" \
-    "$py" -m pdcore chaos --transport faulty:verbs --tp 1 --seconds "${PDCORE_RDMA_CHAOS_SECONDS:-20}" --seed 7 --quiet
+    "$py" -m pdcore chaos --transport faulty:verbs --tp 1 --slow 4 --seconds "${PDCORE_RDMA_CHAOS_SECONDS:-30}" --seed 7 --quiet
 chaos=$?
 log "chaos over verbs exited $chaos after $((SECONDS - t0))s"
 (( rc == 0 )) && rc=$chaos

@@ -121,7 +121,7 @@ class PeerBase:
         self._agreement = Agreement(self._table)
         self._lock = threading.RLock()
         self._work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(4 * config.max_pending)
-        self._io_work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(config.max_pending)
+        self._io_work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(config.max_pending)
         self._stop = threading.Event()
         self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.capacity)
         self._owned = contextlib.ExitStack()
@@ -176,6 +176,11 @@ class PeerBase:
 
     def _join_worker(self, deadline: Deadline | None = None) -> None:
         self._stop.set()
+        for _ in self._io_threads:
+            try:
+                self._io_work.put_nowait(None)  # wake an idle I/O thread at once
+            except queue.Full:
+                break  # busy threads see the stop between items
         deadline = deadline or Deadline.after(5.0)
         for thread in (self._thread, *self._io_threads):
             if thread is not None and thread is not threading.current_thread():
@@ -257,10 +262,11 @@ class PeerBase:
     def _io_run(self) -> None:
         while not self._stop.is_set():
             try:
-                fn, args = self._io_work.get(timeout=_TICK)
+                item = self._io_work.get(timeout=1.0)  # close() wakes it with a None
             except queue.Empty:
                 continue
-            self._guarded(fn, *args)
+            if item is not None:
+                self._guarded(item[0], *item[1])
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         try:

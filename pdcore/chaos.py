@@ -41,6 +41,7 @@ outlives ``close()``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import logging
 import multiprocessing as mp
@@ -114,6 +115,15 @@ class ChaosPlan:
     #: the harness's own check: peers built with ``unsafe_no_grants`` (a fence that trusts the source),
     #: which the canary invariant must catch
     unsafe_no_grants: bool = False
+    slow: float = 1.0  # every timer scaled by this (``slower``)
+
+    def slower(self, factor: float) -> ChaosPlan:
+        """The same plan with every timer scaled by ``factor`` (a slow or emulated machine)."""
+        if factor == 1:
+            return self
+        names = ("heartbeat_interval", "dead_after", "bootstrap_timeout", "waiting_timeout", "fence_timeout",
+                 "drain", "start_timeout", "collective_timeout")
+        return dataclasses.replace(self, slow=self.slow * factor, **{n: getattr(self, n) * factor for n in names})
 
     def rank_seed(self, role: str, index: int, gen: int, rank: int, what: str) -> int:
         return zlib.crc32(f"{self.seed}/{role}/{index}/{gen}/{rank}/{what}".encode())
@@ -494,6 +504,7 @@ def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[i
     ended: set[str] = set()
     mismatched: list[str] = []
     tokens_bad: list[str] = []
+    reasons: Counter[str] = Counter()  # why requests failed here (shown in the report)
     abandoned = False
     next_sweep = time.monotonic() + 1.0
     try:
@@ -523,6 +534,7 @@ def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[i
                     pages.give_back(got, event.rid, "after RemotePrefillDone", CANARY_DONE)
                 else:
                     assert isinstance(event, Failed)
+                    reasons[event.reason[:120]] += 1
                     pages.give_back(got, event.rid, "after Failed", CANARY_FAILED)
                 if rank == 0:
                     conn.send(("ended", "decode", index, gen, rank, (event.rid, type(event).__name__)))
@@ -536,7 +548,7 @@ def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[i
             time.sleep(0.002)
         pages.check(None, "at the end")
         result = {"log": log, "unfinished": sorted(live), "abandoned": abandoned, "mismatched": mismatched,
-                  "tokens_bad": tokens_bad, "canary": pages.violations}
+                  "tokens_bad": tokens_bad, "canary": pages.violations, "reasons": dict(reasons)}
         conn.send(("done", "decode", index, gen, rank, _finish(peer, plan, result)))
     finally:
         peer.close()
@@ -976,6 +988,8 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
     mism = [f"{i.name} rank {r}: {rid}" for i, r, d in decode_done for rid in d["mismatched"]]
     landed = sum(1 for _, _, d in decode_done for kind, _, _ in d["log"] if kind == "RemotePrefillDone")
     rows.append(("RemotePrefillDone pages hold exactly prefill's bytes", f"{len(mism)} of {landed} wrong", not mism, mism))
+    idle = [] if landed else ["no request landed: the faults (or the machine) left nothing to check the invariants on"]
+    rows.append(("transfers happened (a run that moves nothing proves nothing)", f"{landed} landed", not idle, idle))
     bad_tokens = [f"{i.name} rank {r}: {rid}" for i, r, d in decode_done for rid in d["tokens_bad"]]
     valid = [f"{i.name} rank {r} sent: {x}" for i in survivors for r, d in sorted(i.done.items())
              for x in d.get("corrupted_still_valid", [])]
@@ -1008,6 +1022,15 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
     return rows
 
 
+def _reasons(survivors: list[Any]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for inc in survivors:
+        if inc.role == "decode":
+            for r in sorted(inc.done)[:1]:
+                out.update(inc.done[r].get("reasons", {}))
+    return out
+
+
 def report(outcome: ChaosOutcome) -> int:
     plan = outcome.plan
     rows = check(outcome)
@@ -1027,6 +1050,7 @@ def report(outcome: ChaosOutcome) -> int:
         ("wall", f"{outcome.seconds:.1f} s"),
         ("requests dispatched", str(outcome.dispatched)),
         ("on surviving decode replicas", f"{ok} RemotePrefillDone, {failed} Failed"),
+        ("most common failure reasons", "; ".join(f"{n}x {why}" for why, n in _reasons(survivors).most_common(3)) or "-"),
         ("replica kills / pauses", f"{faults['SIGKILL']} / {faults['SIGSTOP']}"),
         ("data-plane faults (survivors)", f"{tfaults['failed_posted']} failed after posting, "
                                           f"{tfaults['failed_unposted']} before, of {tfaults['batches']} batches"),
@@ -1055,7 +1079,7 @@ def report(outcome: ChaosOutcome) -> int:
 
 
 def _replay_args(plan: ChaosPlan) -> str:
-    d = ChaosPlan()
+    d = ChaosPlan().slower(plan.slow)
     args = [f"--seconds {plan.seconds:g}" if plan.seconds is not None else f"--requests {plan.requests}",
             f"--transport {plan.transport}"]
     for name in ("fail_rate", "land_rate", "delay", "control_drop", "control_delay", "control_dup", "control_corrupt",
@@ -1063,6 +1087,7 @@ def _replay_args(plan: ChaosPlan) -> str:
         if getattr(plan, name) != getattr(d, name):
             args.append(f"--{name.replace('_', '-')} {getattr(plan, name):g}")
     args += [f"--tp {plan.prefill_tp}"] if plan.prefill_tp != d.prefill_tp else []
+    args += [f"--slow {plan.slow:g}"] if plan.slow != 1 else []
     args += ["--no-kills"] if not plan.kills else []
     args += ["--unsafe-no-grants"] if plan.unsafe_no_grants else []
     args += ["--no-pauses"] if not plan.pauses else []
@@ -1096,6 +1121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-kills", action="store_true")
     parser.add_argument("--no-pauses", action="store_true")
     parser.add_argument("--dead-after", type=float, default=d.dead_after)
+    parser.add_argument("--slow", type=float, default=1.0,
+                        help="scale every timer (heartbeats, dead_after, timeouts, drain) for a slow machine, "
+                             "e.g. 4 under emulation (default 1)")
     parser.add_argument("--window", type=int, default=d.window, help="live requests per decode replica")
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--page-bytes", type=int, default=d.page_bytes)
@@ -1116,6 +1144,9 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level.upper(), layers=args.layers, page_bytes=args.page_bytes, num_pages=args.num_pages,
         max_pages=args.max_pages, unsafe_no_grants=args.unsafe_no_grants, prefill_tp=args.tp, decode_tp=args.tp,
     )
+    if args.slow <= 0:
+        parser.error(f"--slow must be positive, got {args.slow}")
+    plan = plan.slower(args.slow)
     from .table import IMPLEMENTATION
 
     print(f"pdcore chaos: seed {seed}, {plan.replicas}P(tp{plan.prefill_tp}) -> {plan.replicas}D(tp{plan.decode_tp}), "
