@@ -218,8 +218,6 @@ class DecodePeer(PeerBase):
     def _looked_up(self, server: tuple[str, int], deployment: _Deployment, info: Any, ranks: dict[Any, Any], error: Any) -> None:
         deployment.looking = False
         deployment.next_try = time.monotonic() + _RETRY
-        if self._deployments.get(server) is not deployment:
-            return
         if info is not None:
             deployment.info = info
         for key, rank in ranks.items():

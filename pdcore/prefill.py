@@ -104,23 +104,13 @@ class PrefillPeer(PeerBase):
         stepped back would otherwise be refused as older than its own previous incarnation."""
         cfg = self._config
         assert isinstance(cfg, PrefillConfig)
-        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port)
-        while not deadline.expired():
-            try:
-                held = client.rank(cfg.dp_rank, cfg.tp_rank, Deadline.after(min(2.0, deadline.remaining())).earliest(deadline))
-            except (OSError, DeadlineExceeded):  # the server may not be up yet: registration retries too
-                time.sleep(min(0.1, max(0.0, deadline.remaining())))
-                continue
-            except PdError as e:
-                raise StartError(f"prefill peer: the bootstrap server answered badly for this rank's slot: {e}") from e
-            if held is not None and held.epoch >= self.epoch:
-                self.epoch = held.epoch + 1
-            return
+        held = self._ask_bootstrap("this rank's slot", lambda c, d: c.rank(cfg.dp_rank, cfg.tp_rank, d), deadline)
+        if held is not None and held.epoch >= self.epoch:
+            self.epoch = held.epoch + 1
 
     def _register_with_bootstrap(self, deadline: Deadline) -> None:
         cfg = self._config
         assert isinstance(cfg, PrefillConfig)
-        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port)
         registration = RankRegistration(
             session_id=self.session_id,
             epoch=self.epoch,
@@ -132,16 +122,23 @@ class PrefillPeer(PeerBase):
             layout={"page_bytes": list(self._layout.page_bytes), "num_pages": self._layout.num_pages},
             transport=self._transport.instance.hex(),
         )
+        self._ask_bootstrap("this rank", lambda c, d: c.register(registration, d), deadline)
+
+    def _ask_bootstrap(self, what: str, call: Any, deadline: Deadline) -> Any:
+        """``call(client, slice)`` in slices of at most 2 s until it answers or ``deadline`` passes: the
+        server may not be up yet. A refusal is a ``StartError`` naming ``what``."""
+        cfg = self._config
+        assert isinstance(cfg, PrefillConfig)
+        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port)
         last: Exception | None = None
         while not deadline.expired():
             try:
-                client.register(registration, Deadline.after(min(2.0, deadline.remaining())).earliest(deadline))
-                return
-            except (OSError, DeadlineExceeded) as e:  # the server may not be up yet: retry
+                return call(client, Deadline.after(min(2.0, deadline.remaining())).earliest(deadline))
+            except (OSError, DeadlineExceeded) as e:  # not up yet: retry
                 last = e
-                time.sleep(min(0.1, deadline.remaining()))
+                time.sleep(min(0.1, max(0.0, deadline.remaining())))
             except PdError as e:
-                raise StartError(f"prefill peer: the bootstrap server refused this rank: {e}") from e
+                raise StartError(f"prefill peer: the bootstrap server refused {what}: {e}") from e
         raise StartError(f"prefill peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
 
     # -- the scheduler's calls ------------------------------------------------------------
