@@ -228,9 +228,6 @@ class GrantTable:
     def of_source(self, source: bytes) -> list[Grant]:
         return [g for g, _ in self._grants.values() if g.source == source]
 
-    def __len__(self) -> int:
-        return len(self._grants)
-
 
 class Completion(NamedTuple):
     """One batch's outcome, as taken from a completion queue."""
@@ -362,6 +359,17 @@ class RegionTable:
             if i >= 0 and self._regions[i].contains(addr, length):
                 return self._regions[i]
             return None
+
+    def outside(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+        """The first of ``ranges`` (sorted by address) that lies in no one region, or None."""
+        lo = hi = 0
+        for addr, length in ranges:  # consecutive ranges mostly share a region: look up only when one leaves it
+            if not (lo <= addr and addr + length <= hi):
+                region = self.find(addr, length)
+                if region is None:
+                    return addr, length
+                lo, hi = region.addr, region.end
+        return None
 
     def snapshot(self) -> tuple[Region, ...]:
         with self._lock:
@@ -508,6 +516,12 @@ def deliver(queue: CompletionQueue, peer: Any, batch_id: int, on_done: OnDone | 
         queue.put(Completion(batch_id, error), release)
         return
     release()
+    call_on_done(on_done, batch_id, error)
+
+
+def call_on_done(on_done: OnDone, batch_id: int, error: TransportError | None) -> None:
+    """Run a completion callback on a transport thread; its exception is the caller's bug, reported
+    through ``threading.excepthook``, and the thread carries on."""
     try:
         on_done(batch_id, error)
     except Exception:

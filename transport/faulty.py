@@ -47,7 +47,18 @@ from typing import Any, ClassVar
 from pdcore.deadline import Deadline
 from pdcore.errors import StartError, TransportError
 
-from .base import Batch, Completion, CompletionQueue, Grant, OnDone, PeerHandle, Region, Transport, as_batch
+from .base import (
+    Batch,
+    Completion,
+    CompletionQueue,
+    Grant,
+    OnDone,
+    PeerHandle,
+    Region,
+    Transport,
+    as_batch,
+    call_on_done,
+)
 
 __all__ = ["FaultyTransport", "WRAPPER_OPTIONS"]
 
@@ -91,7 +102,7 @@ class FaultyTransport(Transport):
         self._delay = float(delay)
         self._lock = threading.Lock()
         self._ids = iter(range(1, 1 << 62))
-        self._order: dict[int, deque[_Entry]] = {}  # id(peer handle) -> its batches in posting order
+        self._order: dict[int, deque[_Entry]] = {}  # peer.id -> its batches in posting order
         self._queue = CompletionQueue(1 << 30)
         # completions ready to deliver, in delivery order: (due time, entry)
         self._ready: deque[tuple[float, _Entry]] = deque()
@@ -166,7 +177,7 @@ class FaultyTransport(Transport):
                 how = "after posting" if post_prefix else "before posting"
                 entry.injected = TransportError(f"injected fault: batch failed {how}", op="write")
             self.stats["batches"] += 1
-            order = self._order.setdefault(id(peer), deque())
+            order = self._order.setdefault(peer.id, deque())
             order.append(entry)
         if fail and post_prefix == 0:
             self.stats["failed_unposted"] += 1
@@ -190,7 +201,7 @@ class FaultyTransport(Transport):
         with self._lock:
             entry.resolved = True
             entry.error = entry.injected or error
-            order = self._order.get(id(peer))
+            order = self._order.get(peer.id)
             if order is not None:
                 self._advance(order)
 
@@ -227,12 +238,7 @@ class FaultyTransport(Transport):
             if entry.on_done is None:
                 self._queue.put(Completion(entry.batch_id, entry.error), _no_op)
                 continue
-            try:
-                entry.on_done(entry.batch_id, entry.error)
-            except Exception:  # the caller's bug: reported, the wrapper carries on (as every transport does)
-                import sys
-
-                threading.excepthook(threading.ExceptHookArgs((*sys.exc_info(), threading.current_thread())))  # type: ignore[arg-type]
+            call_on_done(entry.on_done, entry.batch_id, entry.error)
 
     # ------------------------------------------------------------------ lifecycle
 

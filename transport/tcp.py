@@ -351,14 +351,10 @@ class TcpTransport(Transport):
         self._check_open("grant")
         with self._landing_cond:
             g = self._grants.add(source, ranges)
-            lo = hi = 0
-            for addr, length in g.ranges:  # sorted: consecutive ranges mostly share a region
-                if not (lo <= addr and addr + length <= hi):
-                    region = self._regions.find(addr, length)
-                    if region is None:
-                        self._grants.pop(g.key)
-                        raise ValueError(f"grant range [{addr:#x}, +{length}) is outside every registered region")
-                    lo, hi = region.addr, region.end
+            bad = self._regions.outside(g.ranges)
+            if bad is not None:
+                self._grants.pop(g.key)
+                raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
         return g
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
@@ -753,7 +749,7 @@ class TcpTransport(Transport):
         grants. Returns the ack's status, errno and message, and the payload size."""
         views: list[memoryview] = []
         keys: list[int] = []
-        refused = ""
+        refused, err = "", errno_mod.EACCES  # EFAULT for a target outside every region, EACCES for a grant refusal
         total = 0
         locals_ = self._locals
         find = self._regions.find
@@ -768,6 +764,7 @@ class TcpTransport(Transport):
                     last = find(addr, length) if length else None
                     if last is None:
                         refused = f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
+                        err = errno_mod.EFAULT
                         break
                     if not grant and last.key in guarded:
                         refused = f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
@@ -791,7 +788,7 @@ class TcpTransport(Transport):
         if refused:
             total = sum(n for _a, n in _DESC_PAIR.iter_unpack(desc))
             self._discard(conn, total)
-            return 1, errno_mod.EACCES if "grant" in refused else errno_mod.EFAULT, refused, total
+            return 1, err, refused, total
         try:
             got = conn.recvmsg_into(views)[0] if len(views) <= _IOV_CHUNK else 0  # the common case, one call
             if got != total:

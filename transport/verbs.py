@@ -635,10 +635,10 @@ class VerbsTransport(Transport):
         with self._grant_lock:
             g = self._grants.add(bytes(source), ranges)
             self._last_grant = g.key
-            outside = [r for r in g.ranges if self._regions.find(*r) is None]
-            if outside:
+            bad = self._regions.outside(g.ranges)
+            if bad is not None:
                 self._grants.pop(g.key)
-                raise ValueError(f"grant range [{outside[0][0]:#x}, +{outside[0][1]}) is outside every registered region")
+                raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
         return g
 
     def _grant_snapshot(self, source: bytes) -> bytes:
