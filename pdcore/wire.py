@@ -4,9 +4,9 @@ Frame layout: ``b"pd"`` + one protocol-version byte + the CRC-32 of the body
 (4 bytes, little-endian) + the body, a msgpack map whose ``type`` key tags the
 message. The checksum turns a frame corrupted on its way (a flipped byte that
 would still decode, e.g. as another first token) into a ``RemoteProtocolError``;
-it is no defence against a peer that lies (that is authentication's job). The version sits *outside* the body so that a
-peer of another version gets a clear "version" error even if a later version
-changes the body encoding entirely.
+it is no defence against a peer that lies (that is authentication's job). The
+version sits *outside* the body so that a peer of another version gets a clear
+"version" error even if a later version changes the body encoding entirely.
 
 Why msgspec: it decodes msgpack straight into typed, frozen ``Struct``\\ s and
 checks types, ranges, lengths and unknown fields in the same C pass, with
@@ -65,7 +65,7 @@ __all__ = [
     "check_json_object",
 ]
 
-PROTOCOL_VERSION: Final = 2  # 2: Announce carries the sink's grant
+PROTOCOL_VERSION: Final = 2  # 2: a CRC-32 per frame; Announce.grant, Status.register_again
 MAGIC: Final = b"pd"
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 _CRC: Final = struct.Struct("<I")
