@@ -31,6 +31,7 @@ _EXPORTS = {
     "RemotePrefill": "events",
     "RemotePrefillDone": "events",
     "Succeeded": "events",
+    "AuthenticationError": "auth",
     "CapacityError": "errors",
     "CollectiveError": "errors",
     "LocalProtocolError": "errors",
@@ -60,6 +61,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ._peer import TransferPeer
+    from .auth import AuthenticationError
     from .config import DecodeConfig, PeerConfig, PrefillConfig
     from .decode import DecodeInbox, DecodePeer
     from .errors import (
