@@ -9,7 +9,11 @@ PUSH/PULL:
   learns *who* sent a frame (and where to answer) from the transport, without
   a reply address inside every message.
 - ``ROUTER_HANDOVER`` lets a restarted peer that comes back with the same
-  identity take the route over at once.
+  identity take the route over at once. Handing over renames the old
+  connection's pipe to a routing id libzmq generates (five bytes, the first
+  zero): frames still queued on it arrive under that id. They are counted in
+  ``stats.superseded_frames`` and fail the rooms they name, without a protocol
+  error per frame.
 - One DEALER per endpoint keeps per-peer FIFO (a registration is delivered
   before the announcements that follow it), as the reference's PUSH did.
 
@@ -34,10 +38,29 @@ worker) calls ``release = channel.hold()`` inside the callback and
 holds counts too. ZeroMQ's own receive queue per sender is bounded in frames
 (``RCVHWM``, derived from the quota), so it holds at most about one quota more.
 
+Authentication (``secret``): ZeroMQ's own CURVE mechanism with one key pair
+derived from the deployment secret (``auth.derive_key(secret,
+"control-curve")``), which every rank holds. The ROUTER is a CURVE server, every
+DEALER a client of it; the I/O thread answers ZeroMQ's authentication requests
+(ZAP, RFC 27) and admits only a client that proved it holds the deployment's
+secret key. So only the deployment's ranks can connect, and then each frame is
+encrypted and authenticated by CURVE (no forgery, no replay: a frame is bound
+to its connection's short-term keys and nonce). Within the deployment a rank
+is trusted to claim its own endpoint as routing id; an outsider cannot claim
+any, nor take a live identity over through ``ROUTER_HANDOVER``. A failed
+handshake is counted (``stats.auth_failures``) and logged at most once per
+``_AUTH_LOG_EVERY`` per endpoint; on the connecting side it declares that peer
+dead with a reason that starts with "authentication failed", so the rooms
+waiting on it fail at once. Without a secret the channel runs on ZeroMQ's NULL
+mechanism, as before, and says so once per process.
+
 Liveness: every channel sends a ``Heartbeat`` (session id, epoch, seq) to each
 peer it has a DEALER to, every ``heartbeat_interval``. A peer that has sent
 nothing for ``dead_after``, or that comes back with a newer epoch, is reported
-once through ``on_peer_dead`` (``PeerLiveness`` is the sans-IO rule).
+once through ``on_peer_dead`` (``PeerLiveness`` is the sans-IO rule). A
+process that was paused (SIGSTOP, a debugger, a swap storm) hears nothing while
+it is stopped: on waking it gives every peer a fresh ``dead_after`` instead of
+declaring them all dead for its own silence.
 """
 
 from __future__ import annotations
@@ -52,8 +75,9 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 import zmq
+from zmq.utils import monitor, z85
 
-from . import wire
+from . import auth, wire
 from .deadline import Deadline, DeadlineExceeded
 from .errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
 
@@ -62,6 +86,29 @@ __all__ = ["ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness"]
 log = logging.getLogger("pdcore.control")
 
 _RECV_BATCH: Final = 256  # frames handled per wake before the send queue gets a turn
+_AUTH_LOG_EVERY: Final = 10.0  # seconds between two warnings about failed handshakes of one endpoint
+_ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"  # where libzmq asks a context's authentication handler
+_HANDSHAKE_FAILED: Final = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """The deployment's CURVE key pair (public, secret), z85-encoded, derived from the secret."""
+    secret_key = z85.encode(auth.derive_key(secret, "control-curve"))
+    return zmq.curve_public(secret_key), secret_key
+
+
+def _handshake_failure(event: dict[str, object]) -> str:
+    """Why a CURVE handshake failed, in words (from a monitor event)."""
+    kind, value = event["event"], event["value"]
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "the peer's authentication handler refused our key"
+    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "one side runs without a secret"
+    if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "the CURVE handshake did not decrypt: a different secret"
+    return "the peer closed the connection during the CURVE handshake: a different secret, or none"
 
 
 class DeadPeer(NamedTuple):
@@ -137,6 +184,11 @@ class PeerLiveness:
             )
         return out
 
+    def pardon(self, now: float) -> None:
+        """Every tracked peer counts as heard ``now``: we were not listening (a paused process)."""
+        for entry in self._peers.values():
+            entry[2] = now
+
     def forget(self, endpoint: str) -> None:
         entry = self._peers.pop(endpoint, None)
         if entry is not None and entry[0] is not None and self._where.get(entry[0]) == endpoint:  # type: ignore[call-overload]
@@ -156,6 +208,9 @@ class ChannelStats:
     internal_errors: int = 0
     heartbeats_sent: int = 0
     peers_dead: int = 0
+    auth_failures: int = 0  # handshakes that failed authentication, in either direction
+    auth_refused: int = 0  # of those: clients our authentication handler refused
+    superseded_frames: int = 0  # frames that arrived on a connection a newer one of the same peer replaced
     quota_drops: int = 0  # frames dropped because their sender was over its byte quota
     quota_dropped_bytes: int = 0
     held_peak: int = 0  # the most wire bytes one sender ever had counted at once
@@ -203,6 +258,7 @@ class ControlChannel:
         linger: float = 1.0,
         max_peers: int = 1024,
         max_bytes_per_sender: int = 64 << 20,
+        secret: bytes | None = None,
     ) -> None:
         wire.encode(wire.Heartbeat(session_id=session_id, epoch=epoch, seq=0))  # validates both, early
         if not 0 < heartbeat_interval < dead_after:
@@ -212,6 +268,13 @@ class ControlChannel:
                 f"max_bytes_per_sender must be at least one frame ({wire.MAX_FRAME_BYTES}), got {max_bytes_per_sender}"
             )
         self._quota = max_bytes_per_sender
+        self._curve = curve_keys(auth.check_secret(secret, "control channel")) if secret is not None else None
+        self._auth_logged: dict[str, float] = {}  # endpoint -> when we last warned about it
+        self._monitors: dict[zmq.Socket[bytes], str] = {}  # a DEALER's handshake monitor -> its endpoint
+        self._monitor_of: dict[str, zmq.Socket[bytes]] = {}  # ... and back
+        self._poller = zmq.Poller()
+        self._zap: zmq.Socket[bytes] | None = None
+        self._router_monitor: zmq.Socket[bytes] | None = None
         self._held: dict[str, int] = {}  # sender -> wire bytes handed to on_message and not released
         self._over: dict[str, int] = {}  # sender -> frames dropped in its current over-quota episode
         self._held_lock = threading.Lock()
@@ -261,6 +324,10 @@ class ControlChannel:
         self._ctx = ctx
         router = ctx.socket(zmq.ROUTER)
         try:
+            if self._curve is not None:
+                self._secure_router(ctx, router)
+            else:
+                auth.warn_unauthenticated("control channel")
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
@@ -274,6 +341,9 @@ class ControlChannel:
             wire.check_endpoint(endpoint)
         except (zmq.ZMQError, LocalProtocolError) as e:
             router.close(0)
+            for sock in (self._zap, self._router_monitor):
+                if sock is not None:
+                    sock.close(0)
             ctx.term()
             raise StartError(f"control channel: cannot bind {self._host!r}: {e}") from e
         self._router = router
@@ -284,6 +354,20 @@ class ControlChannel:
         self._thread = threading.Thread(target=self._run, name=f"pdcore-control-{port}", daemon=True)
         self._thread.start()
         return endpoint
+
+    def _secure_router(self, ctx: zmq.Context[zmq.Socket[bytes]], router: zmq.Socket[bytes]) -> None:
+        """CURVE server with our handler behind ZAP, and a monitor that reports failed handshakes."""
+        assert self._curve is not None
+        public, secret = self._curve
+        self._zap = ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(_ZAP_ENDPOINT)  # before the ROUTER binds: no handshake may go unchecked
+        router.setsockopt(zmq.CURVE_SERVER, 1)
+        router.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        router.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        router.setsockopt(zmq.ZAP_DOMAIN, b"pdcore")
+        # a client closing mid-handshake (NO_DETAIL) is not evidence of a wrong secret on our side
+        self._router_monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
     def send(self, endpoint: str, msg: wire.Message) -> None:
         """Queue ``msg`` for the peer at ``endpoint``; never blocks.
@@ -368,10 +452,13 @@ class ControlChannel:
 
     def _loop(self) -> None:
         assert self._router is not None and self._wake_r is not None
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        next_beat = time.monotonic()
+        for sock in (self._zap, self._router_monitor):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        next_beat = last_tick = time.monotonic()
         while not self._stopping:
             timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000) + 1)
             ready = dict(poller.poll(timeout_ms))
@@ -379,13 +466,22 @@ class ControlChannel:
                 self._drain_wake()
             if self._stopping:
                 break
+            if self._zap is not None and self._zap in ready:
+                self._answer_zap()
+            if self._router_monitor is not None and self._router_monitor in ready:
+                self._router_handshakes()
+            if self._monitors:
+                for sock in [s for s in ready if s in self._monitors]:
+                    self._dealer_handshakes(sock)
             self._flush()
             if self._router in ready:
                 self._receive()
             now = time.monotonic()
             if now >= next_beat:
+                if now - last_tick > max(3 * self._interval, self._liveness.dead_after / 2):
+                    self._liveness.pardon(now)  # we were stopped: silence while we slept proves nothing
                 self._tick(now)
-                next_beat = now + self._interval
+                last_tick, next_beat = now, now + self._interval
 
     def _drain_wake(self) -> None:
         assert self._wake_r is not None
@@ -420,20 +516,85 @@ class ControlChannel:
         sock.setsockopt(zmq.LINGER, self._linger_ms)
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        if self._curve is not None:
+            public, secret = self._curve
+            sock.setsockopt(zmq.CURVE_SERVERKEY, public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)  # with or without a secret: a mismatch is named
+        self._monitors[mon] = endpoint
+        self._monitor_of[endpoint] = mon
+        self._poller.register(mon, zmq.POLLIN)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError:
-            sock.close(0)
+            self._close_dealer(endpoint, sock)
             raise
         self._dealers[endpoint] = sock
         self._liveness.track(endpoint, time.monotonic())
         return sock
 
+    def _close_dealer(self, endpoint: str, sock: zmq.Socket[bytes], linger: int = 0) -> None:
+        mon = self._monitor_of.pop(endpoint, None)
+        if mon is not None:
+            self._poller.unregister(mon)
+            del self._monitors[mon]
+            sock.disable_monitor()
+            mon.close(0)
+        sock.close(linger)
+
     def _drop_peer(self, endpoint: str) -> None:
         sock = self._dealers.pop(endpoint, None)
         if sock is not None:
-            sock.close(0)
+            self._close_dealer(endpoint, sock)
         self._liveness.forget(endpoint)
+
+    # ------------------------------------------------------------------ authentication
+
+    def _answer_zap(self) -> None:
+        """ZAP (RFC 27): admit a CURVE client only if its long-term key is the deployment's."""
+        assert self._zap is not None and self._curve is not None
+        for _ in range(_RECV_BATCH):
+            try:
+                request = self._zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ok = len(request) >= 7 and request[5] == b"CURVE" and request[6] == z85.decode(self._curve[0])
+            request_id = request[1] if len(request) > 1 else b""
+            if not ok:
+                address = request[3].decode("ascii", "replace") if len(request) > 3 else "?"
+                self.stats.auth_refused += 1
+                self._auth_failed(f"tcp://{address}", "a client that is not of this deployment", dead=False)
+            reply = [b"1.0", request_id, b"200" if ok else b"400", b"OK" if ok else b"not of this deployment", b"", b""]
+            self._zap.send_multipart(reply)
+
+    def _router_handshakes(self) -> None:
+        """Handshakes that failed on our bound socket: counted and logged (the monitor cannot name the peer)."""
+        assert self._router_monitor is not None
+        while self._router_monitor.poll(0):
+            event = monitor.recv_monitor_message(self._router_monitor)
+            self._auth_failed(f"a client of {self._endpoint}", _handshake_failure(event), dead=False)
+
+    def _dealer_handshakes(self, mon: zmq.Socket[bytes]) -> None:
+        """A handshake with a peer we send to failed: that peer is dead to us, with the reason."""
+        endpoint = self._monitors[mon]
+        failure = None
+        while mon.poll(0):
+            failure = _handshake_failure(monitor.recv_monitor_message(mon))
+        if failure is not None:
+            self._auth_failed(endpoint, failure, dead=True)
+
+    def _auth_failed(self, peer: str, why: str, *, dead: bool) -> None:
+        self.stats.auth_failures += 1
+        reason = f"authentication failed: control handshake with {peer}: {why}; is the secret the same on both sides?"
+        now = time.monotonic()
+        if now - self._auth_logged.get(peer, -_AUTH_LOG_EVERY) >= _AUTH_LOG_EVERY:
+            if len(self._auth_logged) >= self._max_peers:
+                self._auth_logged.clear()
+            self._auth_logged[peer] = now
+            log.warning("control channel %s: %s (more counted in stats.auth_failures)", self._endpoint, reason)
+        if dead:
+            self._peer_dead(DeadPeer(peer, None, None, reason), drop=True, quiet=True)
 
     def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
         try:
@@ -479,6 +640,9 @@ class ControlChannel:
         ident, data = parts
         msg = wire.decode(data)
         sender = self._senders.get(ident)
+        if sender is None and len(ident) == 5 and ident[0] == 0:  # renamed by a hand-over, see the docstring
+            self._superseded(msg)
+            return
         if sender is None:
             try:
                 sender = wire.check_endpoint(ident.decode("ascii"), "sender")
@@ -556,6 +720,15 @@ class ControlChannel:
         if rooms and self._on_rooms_failed is not None:
             self._call(self._on_rooms_failed, rooms, reason)
 
+    def _superseded(self, msg: wire.Message) -> None:
+        self.stats.superseded_frames += 1
+        if self.stats.superseded_frames == 1:
+            log.info("control channel %s: frames of a replaced connection arrive; their rooms fail", self._endpoint)
+        rooms = wire.rooms_of(msg)
+        if rooms and self._on_rooms_failed is not None:
+            reason = "control channel: the frame came on a connection its peer has since replaced"
+            self._call(self._on_rooms_failed, rooms, reason)
+
     def _protocol_error(self, error: RemoteProtocolError) -> None:
         self.stats.protocol_errors += 1
         log.warning("control channel %s: %s (rooms %s)", self._endpoint, error, error.rooms)
@@ -571,9 +744,10 @@ class ControlChannel:
         for dead in self._liveness.expire(now):
             self._peer_dead(dead, drop=True)
 
-    def _peer_dead(self, dead: DeadPeer, *, drop: bool) -> None:
+    def _peer_dead(self, dead: DeadPeer, *, drop: bool, quiet: bool = False) -> None:
         self.stats.peers_dead += 1
-        log.warning("control channel: peer %s (session %s) is dead: %s", dead.endpoint, dead.session_id, dead.reason)
+        if not quiet:
+            log.warning("control channel: peer %s (session %s) is dead: %s", dead.endpoint, dead.session_id, dead.reason)
         if drop:
             self._drop_peer(dead.endpoint)
         if self._on_peer_dead is not None:
@@ -594,11 +768,16 @@ class ControlChannel:
             log.exception("control channel: final flush failed")
         remaining_ms = self._close_deadline.remaining() * 500  # half: the rest is the margin for term and join
         linger = self._linger_ms if remaining_ms >= self._linger_ms else int(remaining_ms)
-        for sock in self._dealers.values():
-            sock.close(linger)
+        for endpoint, sock in list(self._dealers.items()):
+            self._close_dealer(endpoint, sock, linger)
         self._dealers.clear()
         if self._router is not None:
+            if self._router_monitor is not None:
+                self._router.disable_monitor()
+                self._router_monitor.close(0)
             self._router.close(0)
+        if self._zap is not None:
+            self._zap.close(0)
         if self._ctx is not None:
             self._ctx.term()
         for sock in (self._wake_r, self._wake_w):
