@@ -85,6 +85,25 @@ Guarantees every transport gives (the conformance suite in
 - **Threads.** ``register``/``deregister``/``connect``/``write``/``refresh``/
   ``disconnect`` may be called from any thread.
 
+Authentication
+--------------
+``secret`` (bytes, 16..4096, default None) is an option of every network
+transport: the deployment secret. With it, every connection handshake is a
+mutual challenge-response (HMAC-SHA256 with a key :func:`derive_key` derives
+from the secret per transport, over both sides' fresh nonces, both instance
+ids and the direction), so a sink serves, and a source writes to, only a peer
+that proved it holds the same secret; knowing an instance id or a grant key is
+not enough, and a recorded handshake does not replay (the other side's nonce is
+new). A mismatch (different secrets, or a secret on one side only) makes
+``connect`` raise ``TransportError(op="connect", errno=EACCES)`` whose message
+starts with ``"authentication failed:"`` and names the sink's ``host:port``;
+the sink counts it in ``auth_failures``, logs at most one warning per peer
+host per 10 s, and frees the connection. A handshake finishes within
+``min(peer_timeout, 5 s)`` or is dropped. Without a secret on either side
+connections are unauthenticated, as before. Only the handshake is
+authenticated, not each frame (a frame costs the same with a secret): an
+attacker on the network path can still tamper with an established stream.
+
 Errors: ``pdcore.errors.TransportError(message, op=..., errno=...)`` for data
 plane failures, ``CapacityError`` for back-pressure, ``StartError`` when a
 transport cannot start. A transport never imports pdcore state code.
@@ -95,10 +114,14 @@ from __future__ import annotations
 import abc
 import bisect
 import ctypes
+import hashlib
+import hmac
+import logging
 import os
 import struct
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -107,7 +130,7 @@ from typing import Any, ClassVar, NamedTuple, TypeAlias
 import numpy as np
 
 from pdcore.deadline import Deadline
-from pdcore.errors import TransportError
+from pdcore.errors import StartError, TransportError
 
 __all__ = [
     "Batch",
@@ -122,7 +145,9 @@ __all__ = [
     "Transport",
     "as_batch",
     "buffer_span",
+    "check_secret",
     "decode_endpoint",
+    "derive_key",
     "encode_endpoint",
 ]
 
@@ -539,6 +564,9 @@ class Transport(abc.ABC):
     - ``peer_timeout`` (float seconds, default 10): a peer that makes no
       progress for this long while batches are in flight is declared dead and
       those batches fail.
+    - ``secret`` (bytes of 16..4096, default None): the deployment secret; every connection
+      handshake then authenticates both sides (module docstring, "Authentication"). A sink
+      counts failed handshakes in ``auth_failures``.
     """
 
     #: Registry name (``"tcp"``, ``"verbs"``).
@@ -640,3 +668,83 @@ class Transport(abc.ABC):
 
 def new_instance_id() -> bytes:
     return os.urandom(16)
+
+
+# ---------------------------------------------------------------------- authentication
+
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
+#: bytes of a handshake nonce (each side draws its own from ``os.urandom``) and of a handshake MAC
+NONCE_BYTES = 16
+MAC_BYTES = 32
+#: a handshake (hello to the last reply) finishes within min(peer_timeout, this) or the sink drops it
+HELLO_TIMEOUT = 5.0
+
+
+def check_secret(secret: object, where: str) -> bytes | None:
+    """The ``secret`` option as bytes (None: unauthenticated); ``StartError`` naming the option, never its value."""
+    if secret is None:
+        return None
+    if not isinstance(secret, (bytes, bytearray, memoryview)):
+        raise StartError(f"{where}: the secret option must be bytes, got {type(secret).__name__}")
+    value = bytes(secret)
+    if not MIN_SECRET_BYTES <= len(value) <= MAX_SECRET_BYTES:
+        raise StartError(
+            f"{where}: the secret option has {len(value)} bytes, need {MIN_SECRET_BYTES}..{MAX_SECRET_BYTES}"
+        )
+    return value
+
+
+def derive_key(secret: bytes, label: str) -> bytes:
+    """The 32-byte key of one plane, ``HMAC-SHA256(secret, "pdcore/" + label)``: the same bytes as
+    ``pdcore.auth.derive_key`` (this package does not import it). ``"tcp-hello"``, ``"verbs-hello"``."""
+    return hmac.new(secret, b"pdcore/" + label.encode(), hashlib.sha256).digest()
+
+
+def hello_mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over ``parts``, each prefixed with its length (u64 LE), so no two part lists give
+    the same input (``pdcore.auth.mac``'s rule). Callers put a role label first."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def same_mac(a: bytes, b: bytes) -> bool:
+    """Constant-time comparison of two MACs."""
+    return hmac.compare_digest(a, b)
+
+
+class AuthFailures:
+    """A sink's failed handshakes: a count, and at most one warning per peer host every ``every``
+    seconds (a flood of bad handshakes cannot flood the log). Thread-safe; memory is bounded."""
+
+    _MAX_HOSTS = 4096
+
+    def __init__(self, what: str, logger: logging.Logger, every: float = 10.0) -> None:
+        self._what, self._log, self._every = what, logger, every
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}  # host -> when we last logged it
+        self.count = 0
+
+    def failed(self, peer: tuple[Any, ...] | None, why: str) -> None:
+        host = str(peer[0]) if peer else "?"
+        where = f"{host}:{peer[1]}" if peer and len(peer) > 1 else host
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            count = self.count
+            last = self._last.get(host)
+            if last is not None and now - last < self._every:
+                return
+            if len(self._last) >= self._MAX_HOSTS:
+                self._last = {h: t for h, t in self._last.items() if now - t < self._every}
+                if len(self._last) >= self._MAX_HOSTS:
+                    return  # that many hosts failing at once: their count still grows
+            self._last[host] = now
+        self._log.warning(
+            "%s: authentication failed for the connection from %s: %s (%d failed handshakes so far; "
+            "further failures from %s are not logged for %g s)",
+            self._what, where, why, count, host, self._every,
+        )

@@ -7,9 +7,21 @@ contract; this module only adds the wire and the threads.
 
 Wire (little-endian), one TCP connection per (source, sink) pair:
 
-- hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16]``;
-  sink → source: ``"PDTC", version u8, status u8`` (0 ok, 1 wrong instance, 2 at its
-  connection cap; a sink at its cap answers before reading the hello).
+- hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16]``
+  (a source without a secret), or ``"PDTA", version u8, sink instance [16], source
+  instance [16], source nonce [16]`` (a source with one);
+  sink → source: a reply ``"PDTC", version u8, status u8``: 0 ok, 1 wrong instance,
+  2 at its connection cap, 3 this sink needs the secret (the hello was ``PDTC``), 4 this
+  sink has no secret (the hello was ``PDTA``), 5 the source's proof was wrong, 6 too many
+  handshakes in progress (2 and 6 may come before the hello is read).
+- after a ``PDTA`` hello and a reply with status 0 (authentication, see below): the sink
+  sends its nonce [16] and ``MAC("tcp/3 sink", sink instance, source instance, source
+  nonce, sink nonce)`` [32]; the source checks it (a wrong one fails ``connect``: the
+  sink does not hold our secret) and sends ``MAC("tcp/3 source", same fields)`` [32];
+  the sink checks it and sends a second reply (0 ok, 2 at cap, 5 wrong proof). The MAC is
+  HMAC-SHA256 with the key ``derive_key(secret, "tcp-hello")`` over length-prefixed
+  fields (``transport.base.hello_mac``). Frames follow a reply with status 0 that is not
+  followed by a challenge.
 - batch frame, source → sink: ``seq u64, count u32, 0 u32, grant u64``, then
   ``count`` pairs ``(remote_addr u64, length u64)``, then the payload of every
   write in order.
@@ -23,6 +35,15 @@ it reads and discards the payload (the stream stays in sync) and acks with an
 error. A frame that breaks the wire format closes the connection. ``revoke``
 waits for frames landing through the grant, and cuts the connection of one
 still landing at its deadline (a paused source), so nothing lands after it.
+
+Authentication (``secret``): see ``transport/base.py``. The hello is parsed
+and checked by pure functions (``decode_hello``, ``check_challenge``,
+``check_proof``; ``fuzz/fuzz_hello.py`` fuzzes them); the sink threads only
+move their bytes. A handshake has ``min(peer_timeout, 5 s)`` to finish, and
+until it has, the connection holds none of the ``max_sinks`` places: at most
+``_MAX_HELLOS`` (64) connections are in their handshake at once (more are
+refused with status 6), so an idle or unauthenticated socket holds a thread
+for at most that long and never keeps an authenticated source out.
 
 Threads: one acceptor; per accepted connection one sink thread; per
 connected peer one sender and one ack reader. ``close()`` wakes and joins
@@ -42,6 +63,8 @@ from __future__ import annotations
 
 import errno as errno_mod
 import itertools
+import logging
+import os
 import selectors
 import socket
 import struct
@@ -63,6 +86,10 @@ from .base import (
     CompletionQueue,
     Endpoint,
     Grant,
+    HELLO_TIMEOUT,
+    MAC_BYTES,
+    NONCE_BYTES,
+    AuthFailures,
     GrantTable,
     OnDone,
     PeerHandle,
@@ -72,19 +99,38 @@ from .base import (
     as_batch,
     buffer_span,
     byte_view,
+    check_secret,
     decode_endpoint,
     deliver,
+    derive_key,
     encode_endpoint,
+    hello_mac,
     new_instance_id,
+    same_mac,
 )
 
-__all__ = ["TcpTransport"]
+__all__ = ["Hello", "HelloError", "TcpTransport", "check_challenge", "check_proof", "decode_hello", "encode_hello"]
+
+log = logging.getLogger("transport.tcp")
 
 _MAGIC = b"PDTC"
-_VERSION = 2
-_HELLO = struct.Struct("<4sB16s16s")
-_HELLO_REPLY = struct.Struct("<4sBB")
+_MAGIC_AUTH = b"PDTA"  # the hello of a source that authenticates: PDTC's fields, then its nonce
+_VERSION = 3  # v3: the authenticated hello (PDTA), its challenge and proof, statuses 3..6
+_HELLO = struct.Struct("<4sB16s16s")  # magic, version, sink instance, source instance
+_HELLO_AUTH = struct.Struct(f"<4sB16s16s{NONCE_BYTES}s")  # ... and the source nonce
+_HELLO_REPLY = struct.Struct("<4sBB")  # magic, version, status
+_CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")  # sink nonce, sink MAC
+_OK = 0
+_WRONG_INSTANCE = 1
 _AT_CAP = 2  # hello reply status: the sink holds max_sinks connections already
+_AUTH_REQUIRED = 3  # the sink has a secret; the hello did not authenticate
+_AUTH_UNSUPPORTED = 4  # the hello authenticates; the sink has no secret
+_AUTH_FAILED = 5  # the source's proof did not verify
+_BUSY = 6  # _MAX_HELLOS connections are in their handshake already
+_MAX_HELLOS = 64
+_KEY_LABEL = "tcp-hello"
+_SINK_ROLE = b"tcp/3 sink"
+_SOURCE_ROLE = b"tcp/3 source"
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
 _DESC = np.dtype([("addr", "<u8"), ("length", "<u8")])
 _DESC_PAIR = struct.Struct("<QQ")
@@ -97,6 +143,85 @@ _SEND_GATHER = 4 * _IOV_CHUNK
 _ACK_GATHER = 16
 _ACK_GATHER_BYTES = 1 << 20  # buffers of queued batches the sender sends in one go
 _DISCARD_CHUNK = 1 << 20
+
+
+# ---------------------------------------------------------------------- the hello (sans-IO)
+
+
+class HelloError(Exception):
+    """Handshake bytes that are malformed or not authentic. The only error the functions below raise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A decoded hello: the sink instance it names, the source's instance, and its nonce (``b""``: a
+    source without a secret)."""
+
+    sink: bytes
+    source: bytes
+    nonce: bytes = b""
+
+
+def encode_hello(hello: Hello) -> bytes:
+    if hello.nonce:
+        return _HELLO_AUTH.pack(_MAGIC_AUTH, _VERSION, hello.sink, hello.source, hello.nonce)
+    return _HELLO.pack(_MAGIC, _VERSION, hello.sink, hello.source)
+
+
+def hello_size(prefix: bytes) -> int:
+    """The size of the hello whose first 5 bytes (magic, version) are ``prefix``; ``HelloError`` if
+    they are not a hello of this version."""
+    if len(prefix) < 5:
+        raise HelloError(f"a hello starts with 5 bytes of magic and version, got {len(prefix)}")
+    magic, version = bytes(prefix[:4]), prefix[4]
+    if magic not in (_MAGIC, _MAGIC_AUTH):
+        raise HelloError(f"magic {magic!r} is not a pdcore tcp hello")
+    if version != _VERSION:
+        raise HelloError(f"hello version {version}, this build speaks version {_VERSION}")
+    return _HELLO_AUTH.size if magic == _MAGIC_AUTH else _HELLO.size
+
+
+def decode_hello(data: bytes) -> Hello:
+    """Parse a whole hello (exactly its bytes); ``HelloError`` otherwise."""
+    data = bytes(data)
+    if len(data) != hello_size(data[:5]):
+        raise HelloError(f"a hello of {len(data)} bytes, expected {hello_size(data[:5])}")
+    if data[:4] == _MAGIC_AUTH:
+        _m, _v, sink, source, nonce = _HELLO_AUTH.unpack(data)
+        return Hello(sink, source, nonce)
+    _m, _v, sink, source = _HELLO.unpack(data)
+    return Hello(sink, source)
+
+
+def challenge(key: bytes, hello: Hello, nonce: bytes) -> bytes:
+    """What a sink sends after a status-0 reply to an authenticated ``hello``: its ``nonce`` and its MAC."""
+    return _CHALLENGE.pack(nonce, hello_mac(key, _SINK_ROLE, hello.sink, hello.source, hello.nonce, nonce))
+
+
+def check_challenge(key: bytes, hello: Hello, data: bytes) -> tuple[bytes, bytes]:
+    """Source side: check the sink's challenge to our ``hello``; return ``(sink nonce, our proof)``.
+
+    ``HelloError`` unless ``data`` is exactly what a sink holding ``key`` sends.
+    """
+    data = bytes(data)
+    if len(data) != _CHALLENGE.size or not hello.nonce:
+        raise HelloError(f"a challenge has {_CHALLENGE.size} bytes, got {len(data)}")
+    nonce, _mac = _CHALLENGE.unpack(data)
+    if not same_mac(challenge(key, hello, nonce), data):
+        raise HelloError("the sink's MAC does not verify")
+    return nonce, proof(key, hello, nonce)
+
+
+def proof(key: bytes, hello: Hello, sink_nonce: bytes) -> bytes:
+    """The source's answer to the sink's challenge (a MAC in the other direction)."""
+    return hello_mac(key, _SOURCE_ROLE, hello.sink, hello.source, hello.nonce, sink_nonce)
+
+
+def check_proof(key: bytes, hello: Hello, sink_nonce: bytes, data: bytes) -> None:
+    """Sink side: ``HelloError`` unless ``data`` is exactly the proof of a source holding ``key``."""
+    data = bytes(data)
+    if len(data) != MAC_BYTES or not hello.nonce or not same_mac(proof(key, hello, sink_nonce), data):
+        raise HelloError("the source's proof does not verify")
 
 
 # Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO = one poll interval): a call
@@ -156,6 +281,28 @@ def _recv_exact(
             raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
         got += k
         last = time.monotonic()
+    return bytes(buf)
+
+
+def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Event) -> bytes:
+    """Read exactly ``n`` bytes before ``deadline`` (a handshake: the whole of it has one deadline)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except _TICK:
+            if stop.is_set():
+                raise _PeerGone("transport closing", None) from None
+            if deadline.expired():
+                raise _PeerGone(f"the handshake did not finish in time ({got} of {n} bytes)", errno_mod.ETIMEDOUT) from None
+            continue
+        except OSError as e:
+            raise _PeerGone(f"connection broke: {e}", e.errno) from e
+        if k == 0:
+            raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
+        got += k
     return bytes(buf)
 
 
@@ -278,8 +425,10 @@ class TcpTransport(Transport):
     """The TCP transport. Options: ``host`` (bind address, default 127.0.0.1), ``port`` (0: any),
     ``advertise_host`` (address peers dial, default ``host``), ``max_inflight`` (64 batches per
     peer), ``peer_timeout`` (10 s without progress = dead peer), ``max_batch_writes`` (writes per
-    batch a sink accepts, 1 Mi), ``max_sinks`` (accepted connections at once, 1024: past it a new
-    one is closed at once)."""
+    batch a sink accepts, 1 Mi), ``max_sinks`` (authenticated connections at once, 1024: past it
+    a new one is refused), ``secret`` (bytes of 16..4096, default None: the deployment secret;
+    with it every connection handshake is a mutual challenge-response, see the module
+    docstrings; failed handshakes are counted in ``auth_failures``)."""
 
     name: ClassVar[str] = "tcp"
 
@@ -293,14 +442,19 @@ class TcpTransport(Transport):
         peer_timeout: float = 10.0,
         max_batch_writes: int = 1 << 20,
         max_sinks: int = 1024,
+        secret: bytes | None = None,
     ) -> None:
         if max_inflight < 1 or peer_timeout <= 0 or max_batch_writes < 1 or max_sinks < 1:
             raise StartError(
                 f"tcp transport: max_inflight ({max_inflight}), peer_timeout ({peer_timeout}) and "
                 f"max_batch_writes ({max_batch_writes}) and max_sinks ({max_sinks}) must be positive"
             )
+        secret = check_secret(secret, "tcp transport")
+        self._key = derive_key(secret, _KEY_LABEL) if secret is not None else None
+        del secret  # only the derived key is kept
+        self._auth = AuthFailures("tcp transport", log)
         self._max_sinks = max_sinks
-        self.refused_connections = 0  # accepted past max_sinks and closed at once
+        self.refused_connections = 0  # past max_sinks (or _MAX_HELLOS handshakes) and closed
         self._max_inflight = max_inflight
         self._peer_timeout = float(peer_timeout)
         self._poll = min(0.25, self._peer_timeout / 4)
@@ -317,7 +471,8 @@ class TcpTransport(Transport):
         self._grant_landing: dict[int, set[socket.socket]] = {}  # grant key -> connections landing through it
         self._landing_cond = threading.Condition()
         self._peers: dict[int, _TcpPeer] = {}
-        self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}  # every accepted connection
+        self._live: set[int] = set()  # the sids among them past their handshake: what max_sinks bounds
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -336,6 +491,12 @@ class TcpTransport(Transport):
     @property
     def instance(self) -> bytes:
         return self._instance
+
+    @property
+    def auth_failures(self) -> int:
+        """Handshakes this sink refused for authentication: a wrong or missing proof of the secret,
+        a secret on one side only, or a source that hung up or stalled once challenged."""
+        return self._auth.count
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         self._check_open("register")
@@ -411,19 +572,7 @@ class TcpTransport(Transport):
         except OSError as e:
             raise TransportError(f"cannot connect to {host}:{port}: {e}", op="connect", errno=e.errno) from e
         try:
-            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, remote.instance, self._instance))
-            sock.settimeout(max(deadline.remaining(), 1e-3))
-            reply = _recv_exact(sock, _HELLO_REPLY.size, stop=self._stop, stall=0.0)
-            magic, version, status = _HELLO_REPLY.unpack(reply)
-            if magic != _MAGIC or version != _VERSION:
-                raise TransportError(f"{host}:{port} does not speak pdcore tcp v{_VERSION}", op="connect")
-            if status == _AT_CAP:
-                raise TransportError(f"{host}:{port} refused the connection: it is at its cap of data connections", op="connect")
-            if status != 0:
-                raise TransportError(
-                    f"{host}:{port} is another transport instance than the endpoint names (restarted?)",
-                    op="connect",
-                )
+            self._hello(sock, f"{host}:{port}", remote.instance, deadline)
             _tune(sock, self._peer_timeout)
             _kernel_timeouts(sock, self._poll)
             ack_sock = sock.dup()  # the ack reader's handle: same socket, same kernel timeouts
@@ -446,6 +595,49 @@ class TcpTransport(Transport):
             peer.threads.append(t)
             t.start()
         return peer
+
+    def _hello(self, sock: socket.socket, where: str, sink: bytes, deadline: Deadline) -> None:
+        """The source's side of the handshake; returns once the sink said "frames may follow"."""
+        key = self._key
+        hello = Hello(sink, self._instance, os.urandom(NONCE_BYTES) if key is not None else b"")
+        sock.settimeout(max(deadline.remaining(), 1e-3))
+        sock.sendall(encode_hello(hello))
+        status = self._reply(sock, where, deadline)
+        if status == _OK and key is not None:
+            sock.settimeout(max(deadline.remaining(), 1e-3))
+            body = _recv_by(sock, _CHALLENGE.size, deadline, self._stop)
+            try:
+                _nonce, answer = check_challenge(key, hello, body)
+            except HelloError:
+                raise _auth_error(where, "it could not prove that it holds the deployment secret (different secrets?)") from None
+            sock.sendall(answer)
+            status = self._reply(sock, where, deadline)
+        if status == _OK:
+            return
+        if status == _AT_CAP:
+            raise TransportError(
+                f"{where} refused the connection: it is at its cap of data connections", op="connect", errno=errno_mod.ECONNREFUSED
+            )
+        if status == _BUSY:
+            raise TransportError(
+                f"{where} refused the connection: {_MAX_HELLOS} handshakes are in progress there", op="connect", errno=errno_mod.ECONNREFUSED
+            )
+        if status == _WRONG_INSTANCE:
+            raise TransportError(f"{where} is another transport instance than the endpoint names (restarted?)", op="connect")
+        if status == _AUTH_REQUIRED:
+            raise _auth_error(where, "it requires the deployment secret and this transport has none (its secret option is unset)")
+        if status == _AUTH_UNSUPPORTED:
+            raise _auth_error(where, "it has no deployment secret and this transport authenticates every connection")
+        if status == _AUTH_FAILED:
+            raise _auth_error(where, "it did not accept this transport's proof of the deployment secret")
+        raise TransportError(f"{where} answered the hello with unknown status {status}", op="connect", errno=errno_mod.EPROTO)
+
+    def _reply(self, sock: socket.socket, where: str, deadline: Deadline) -> int:
+        sock.settimeout(max(deadline.remaining(), 1e-3))
+        magic, version, status = _HELLO_REPLY.unpack(_recv_by(sock, _HELLO_REPLY.size, deadline, self._stop))
+        if magic != _MAGIC or version != _VERSION:
+            raise TransportError(f"{where} does not speak pdcore tcp v{_VERSION}", op="connect", errno=errno_mod.EPROTO)
+        return int(status)
 
     def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
         remote = decode_endpoint(peer_endpoint, expect=self.name)
@@ -657,42 +849,88 @@ class TcpTransport(Transport):
                     if key.fileobj is self._wake_r or self._stop.is_set():
                         return
                     try:
-                        conn, _addr = self._listener.accept()
+                        conn, addr = self._listener.accept()
                     except OSError:
                         continue
                     with self._lock:
                         if self._closed:
                             conn.close()
                             return
-                        if len(self._sinks) >= self._max_sinks:  # bounded threads and sockets, whoever dials
+                        # bounded threads and sockets, whoever dials: authenticated ones, and handshakes
+                        full = _AT_CAP if len(self._live) >= self._max_sinks else 0
+                        if not full and len(self._sinks) - len(self._live) >= _MAX_HELLOS:
+                            full = _BUSY
+                        if full:
                             self.refused_connections += 1
                             try:
-                                conn.send(_HELLO_REPLY.pack(_MAGIC, _VERSION, _AT_CAP), socket.MSG_DONTWAIT)
+                                conn.send(_HELLO_REPLY.pack(_MAGIC, _VERSION, full), socket.MSG_DONTWAIT)
                             except OSError:
                                 pass
                             conn.close()
                             continue
                         sid = next(self._peer_ids)
                         t = threading.Thread(
-                            target=self._sink_loop, args=(sid, conn), name=f"pdcore-tcp-sink-{sid}", daemon=True
+                            target=self._sink_loop, args=(sid, conn, addr), name=f"pdcore-tcp-sink-{sid}", daemon=True
                         )
                         self._sinks[sid] = (conn, t)
                     t.start()
         finally:
             sel.close()
 
-    def _sink_loop(self, sid: int, conn: socket.socket) -> None:
+    def _sink_hello(self, sid: int, conn: socket.socket, addr: Any) -> bytes | None:
+        """The sink's side of the handshake, within its deadline: the source instance once it may send
+        frames (its connection then holds one of the ``max_sinks`` places), else None (hang up)."""
+        deadline = Deadline.after(min(self._peer_timeout, HELLO_TIMEOUT))
+        stop = self._stop
+        key = self._key
+
+        def reply(status: int) -> None:
+            conn.sendall(_HELLO_REPLY.pack(_MAGIC, _VERSION, status), socket.MSG_NOSIGNAL)
+
+        prefix = _recv_by(conn, 5, deadline, stop)
+        try:
+            hello = decode_hello(prefix + _recv_by(conn, hello_size(prefix) - 5, deadline, stop))
+        except HelloError:
+            return None  # not our protocol (or another version): hang up without a word
+        if hello.sink != self._instance:
+            reply(_WRONG_INSTANCE)
+            return None
+        if key is None and hello.nonce:
+            self._auth.failed(addr, "the source authenticates and this sink has no secret")
+            reply(_AUTH_UNSUPPORTED)
+            return None
+        if key is not None and not hello.nonce:
+            self._auth.failed(addr, "the source sent no proof of the deployment secret (it has none)")
+            reply(_AUTH_REQUIRED)
+            return None
+        if key is not None:
+            nonce = os.urandom(NONCE_BYTES)
+            conn.sendall(_HELLO_REPLY.pack(_MAGIC, _VERSION, _OK) + challenge(key, hello, nonce), socket.MSG_NOSIGNAL)
+            try:
+                check_proof(key, hello, nonce, _recv_by(conn, MAC_BYTES, deadline, stop))
+            except HelloError:
+                self._auth.failed(addr, "its proof of the deployment secret is wrong")
+                reply(_AUTH_FAILED)
+                return None
+            except _PeerGone as e:
+                if not stop.is_set():
+                    self._auth.failed(addr, f"challenged, it sent no proof of the deployment secret ({e})")
+                return None
+        with self._lock:
+            full = len(self._live) >= self._max_sinks
+            if full:
+                self.refused_connections += 1
+            else:
+                self._live.add(sid)
+        reply(_AT_CAP if full else _OK)
+        return None if full else hello.source
+
+    def _sink_loop(self, sid: int, conn: socket.socket, addr: Any) -> None:
         try:
             _kernel_timeouts(conn, self._poll)
             _tune(conn, self._peer_timeout)
-            magic, version, want, source = _HELLO.unpack(
-                _recv_exact(conn, _HELLO.size, stop=self._stop, stall=self._peer_timeout)
-            )
-            if magic != _MAGIC or version != _VERSION:
-                return
-            ok = want == self._instance
-            conn.sendall(_HELLO_REPLY.pack(_MAGIC, _VERSION, 0 if ok else 1))
-            if not ok:
+            source = self._sink_hello(sid, conn, addr)
+            if source is None:
                 return
             stall = self._peer_timeout
             acks: list[bytes] = []  # acks not sent yet: flushed before the sink would wait for data
@@ -740,6 +978,7 @@ class TcpTransport(Transport):
             conn.close()
             with self._lock:
                 self._sinks.pop(sid, None)
+                self._live.discard(sid)
 
     def _land(self, conn: socket.socket, desc: bytes, grant: int, source: bytes) -> tuple[int, int, str, int]:
         """Validate every write of a frame, then receive its payload into place (or discard it).
@@ -934,3 +1173,7 @@ class _Reader:
 
 def _no_op() -> None:
     pass
+
+
+def _auth_error(where: str, why: str) -> TransportError:
+    return TransportError(f"authentication failed: {where}: {why}", op="connect", errno=errno_mod.EACCES)
