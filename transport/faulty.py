@@ -18,7 +18,9 @@ injects two faults into ``write``:
 
 By name: ``transport.create("faulty:tcp", seed=1, fail_rate=0.05, **tcp_options)``;
 the registry hands the options named in :data:`WRAPPER_OPTIONS` to the wrapper
-and every other option to the inner transport (``create("tcp", **tcp_options)``).
+and every other option to the inner transport (``create("tcp", **tcp_options)``),
+``secret`` among them: the inner transport authenticates its handshakes, and
+``auth_failures`` reads its count.
 
 What still holds through the wrapper: exactly one completion per batch;
 completions to one peer in posting order (an empty batch is still a fence:
@@ -119,6 +121,11 @@ class FaultyTransport(Transport):
     @property
     def instance(self) -> bytes:
         return self.inner.instance
+
+    @property
+    def auth_failures(self) -> int:
+        """The inner transport's count of handshakes refused for authentication (its ``secret`` option)."""
+        return int(getattr(self.inner, "auth_failures", 0))
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         return self.inner.register(buf, require_grant=require_grant)

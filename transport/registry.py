@@ -8,7 +8,9 @@
 and delays completions (chaos runs, tests). Its options are split: the
 wrapper takes ``seed``, ``fail_rate``, ``land_rate`` and ``delay``
 (``transport.faulty.WRAPPER_OPTIONS``); every other option goes to the inner
-transport: ``create("faulty:tcp", seed=1, fail_rate=0.05, host="127.0.0.1")``.
+transport: ``create("faulty:tcp", seed=1, fail_rate=0.05, host="127.0.0.1")``; so does
+``secret`` (the deployment secret: ``create("faulty:tcp", secret=s)`` authenticates the
+inner transport's handshakes).
 """
 
 from __future__ import annotations
