@@ -3,12 +3,13 @@
 Source ranks register where their control channel listens; sinks look up the
 replica's parallel info and each rank's endpoint. The HTTP API (JSON bodies)::
 
-    GET /health                    200 {"status": "ok"}
+    GET /health                    200 {"status": "ok"}                     never authenticated
     PUT /v1/ranks                  200 {"result": "created" | "unchanged" | "replaced"}
                                    400 malformed (names the field), 409 conflict,
                                    411 no Content-Length, 413 body too large
     GET /v1/parallel               200 ParallelInfo; 503 while no rank registered
     GET /v1/ranks/<dp>/<tp>        200 RankInfo; 404 unknown rank; 400 malformed
+    any but GET /health, with a secret: 401 {"error": "authentication failed: <why>"}
     any, at the connection cap     503 with Retry-After: busy, the client backs off and retries
 
 Rules (spec §12.13, §12.15 are the reference's defects this fixes):
@@ -23,23 +24,72 @@ Rules (spec §12.13, §12.15 are the reference's defects this fixes):
   ``parse_parallel_info``, ``parse_rank_info``, ``Registry``) so the fuzzers
   drive it without sockets; each raises ``RemoteProtocolError`` naming the field.
 
+Authentication (when the server and the client are given the deployment
+secret; see ``pdcore.auth``). Without it the rules above let anyone who reaches
+the port take a live rank's slot with a larger epoch, or register first and fix
+the deployment's shape. With it, the key is ``derive_key(secret, "bootstrap")``
+and:
+
+- Every request but ``GET /health`` carries
+  ``Authorization: PDCORE-HMAC-SHA256 t=<unix ms>,n=<32 hex nonce>,s=<64 hex MAC>``
+  with MAC = ``mac(key, b"request", method, path, t, n, sha256(body))``. Reads
+  are authenticated too: the registry reveals every rank's control endpoint and
+  data-plane instance, which is what an attacker needs next. ``/health`` reveals
+  nothing and load balancers probe it without a secret, so it stays open (and
+  its answer is not signed). Unknown paths and methods are authenticated
+  before they are told 404/405, so a prober learns nothing but 401.
+- The server verifies before acting (``verify_request``, pure: the fuzzer
+  drives it). It refuses with 401 and ``authentication failed: <why>``: no
+  header, a malformed header, a bad signature, a timestamp outside ±``auth_window``
+  (30 s), or a nonce already seen. Seen nonces live in a ``NonceCache`` until
+  their timestamp leaves the window; only a verified request's nonce enters
+  it, so forgeries cannot fill it. Its bound (``MAX_NONCES``) is handled by
+  raising a floor, never by forgetting (see ``NonceCache``).
+- Each response to an authenticated request carries
+  ``X-Pdcore-Auth: <hex mac(key, b"response", n, status, sha256(body))>``; the
+  client checks it, so a look-up answer cannot be forged or swapped either.
+  A 401 is not signed (the server could not know the key was right); the
+  client reports it as ``AuthenticationError`` and never retries it. An
+  unsigned answer to a client with a secret is ``AuthenticationError`` too
+  (a server without the secret, or someone in between); only the canned busy
+  503 is taken unsigned, since all it does is make the client retry.
+- Not covered: the MAC does not name the server, so a request captured on one
+  bootstrap server could be replayed within the window to another one that
+  shares the secret; give separate deployments separate secrets.
+- ``BootstrapServer.stats`` counts verified requests, refusals by cause and
+  evictions; refusals are logged at most once per source address every 10 s,
+  naming the cause, never a key or a MAC.
+
 Why the stdlib ``ThreadingHTTPServer``: the traffic is a handful of requests per
 rank start, so an event loop buys nothing and costs a dependency. It is bounded
-here: a cap on concurrent connections, a total per-request deadline on reads,
-a body cap read from Content-Length before any body byte, and HTTP/1.0 (one
-request per connection, so no idle keep-alive threads). The serving loop waits
-on the listening socket and a wake pipe, so ``close`` is prompt, not polled.
+here: a cap on concurrent connections, a short deadline for the request head
+(``header_timeout``) inside a total per-request deadline on reads, a body cap
+read from Content-Length before any body byte, and HTTP/1.0 (one request per
+connection, so no idle keep-alive threads). Idle or slow sockets cannot hold
+the cap: at the cap, the oldest connection that has not yet delivered its
+whole request is cut to make room (``stats.evicted``); it is never acted on,
+and a client that was cut retries like after a reset. Only when every
+connection is past its request does a newcomer get the busy 503. The serving
+loop waits on the listening socket and a wake pipe, so ``close`` is prompt,
+not polled.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import heapq
+import hmac
 import http.client
 import io
 import json
 import logging
+import math
 import os
 import random
+import re
+import secrets
 import selectors
 import signal
 import socket
@@ -47,6 +97,7 @@ import socketserver
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated, Any, Final, Literal, Sequence
@@ -54,6 +105,8 @@ from typing import Annotated, Any, Final, Literal, Sequence
 import msgspec
 from msgspec import Meta
 
+from . import auth
+from .auth import AuthenticationError
 from .deadline import Deadline, DeadlineExceeded
 from .errors import LocalProtocolError, RemoteProtocolError, StartError
 from .wire import MAX_SESSION_ID, MAX_TP_SIZE, check_endpoint, check_json_object
@@ -68,6 +121,16 @@ __all__ = [
     "parse_rank_path",
     "parse_parallel_info",
     "parse_rank_info",
+    "AUTH_HEADER",
+    "RESPONSE_MAC_HEADER",
+    "DEFAULT_AUTH_WINDOW",
+    "MAX_NONCES",
+    "RequestAuthError",
+    "NonceCache",
+    "sign_request",
+    "verify_request",
+    "sign_response",
+    "BootstrapStats",
     "BootstrapServer",
     "BootstrapClient",
     "main",
@@ -281,28 +344,191 @@ class Registry:
         )  # fmt: skip
 
 
+# --------------------------------------------------------------------------- request authentication (sans-IO)
+
+AUTH_HEADER: Final = "Authorization"
+AUTH_SCHEME: Final = "PDCORE-HMAC-SHA256"
+RESPONSE_MAC_HEADER: Final = "X-Pdcore-Auth"
+DEFAULT_AUTH_WINDOW: Final = 30.0  # seconds either side of the server's clock
+MAX_NONCES: Final = 100_000  # the nonce cache's bound: ~3,300 verified requests/s sustained over a 30 s window
+_KEY_LABEL: Final = "bootstrap"
+# One exact form: no spaces to trim, no parameter order to normalise, lower-case hex only.
+_AUTH_RE: Final = re.compile(r"PDCORE-HMAC-SHA256 t=(0|[1-9][0-9]{0,15}),n=([0-9a-f]{32}),s=([0-9a-f]{64})")
+_NONCE_RE: Final = re.compile(r"[0-9a-f]{32}")
+_MAC_RE: Final = re.compile(r"[0-9a-f]{64}")
+_AUTH_FORM: Final = "expected 'PDCORE-HMAC-SHA256 t=<unix ms>,n=<32 hex>,s=<64 hex>'"
+
+AuthFailure = Literal["missing", "malformed", "signature", "window", "replay"]
+
+
+class RequestAuthError(AuthenticationError):
+    """A request failed authentication (the server answers 401 with this message).
+
+    ``kind`` says which check refused it: ``missing`` or ``malformed`` header,
+    bad ``signature``, timestamp outside the ``window``, or ``replay`` (a nonce
+    already seen, or a timestamp at or before the cache's floor). The message
+    starts with ``authentication failed:`` and never contains a key or a MAC.
+    """
+
+    def __init__(self, kind: AuthFailure, reason: str) -> None:
+        super().__init__(f"authentication failed: {reason}")
+        self.kind: AuthFailure = kind
+
+
+class NonceCache:
+    """Nonces of verified requests whose timestamps are still inside the window; not thread-safe.
+
+    An entry lives until its request's own timestamp leaves the window, so a
+    replay is caught for as long as its timestamp would pass the window check.
+    Expiring entries raises ``floor_ms`` to just below the cut, so if the clock
+    steps back an expired nonce is still refused.
+
+    At the bound (``capacity``, default ``MAX_NONCES``) the entry with the oldest
+    timestamp is dropped early and ``floor_ms`` rises to that timestamp: from
+    then on a request stamped at or before the floor is refused as a possible
+    replay. A full cache therefore never lets a replay through; it narrows the
+    window for late requests, and fresh ones still pass. Only requests whose
+    MAC verified are inserted, so filling it takes the secret.
+    """
+
+    def __init__(self, capacity: int = MAX_NONCES) -> None:
+        if capacity < 1:
+            raise ValueError(f"nonce cache: capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.floor_ms = -1  # timestamps at or below are refused
+        self.dropped = 0  # entries dropped at the bound before they expired
+        self._seen: dict[str, int] = {}  # nonce -> its request's timestamp (ms)
+        self._by_time: list[tuple[int, str]] = []  # heap over the same entries
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, nonce: object) -> bool:
+        return nonce in self._seen
+
+    def expire(self, cut_ms: int) -> None:
+        """Forget the nonces stamped before ``cut_ms``: the window check refuses those timestamps now."""
+        self.floor_ms = max(self.floor_ms, cut_ms - 1)
+        while self._by_time and self._by_time[0][0] < cut_ms:
+            _, nonce = heapq.heappop(self._by_time)
+            del self._seen[nonce]
+
+    def add(self, nonce: str, t_ms: int) -> None:
+        """Remember a verified request's nonce (the caller checked it is new and above the floor)."""
+        while len(self._seen) >= self.capacity:
+            oldest, dropped = heapq.heappop(self._by_time)
+            del self._seen[dropped]
+            self.floor_ms = max(self.floor_ms, oldest)
+            self.dropped += 1
+        self._seen[nonce] = t_ms
+        heapq.heappush(self._by_time, (t_ms, nonce))
+
+
+def _sha256(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+def _request_mac(key: bytes, method: bytes, path: bytes, t: bytes, nonce: bytes, body: bytes) -> bytes:
+    return auth.mac(key, b"request", method, path, t, nonce, _sha256(body))
+
+
+def sign_request(key: bytes, method: str, path: str, body: bytes, *, now: float, nonce: str) -> str:
+    """The ``Authorization`` value for one request at unix time ``now`` with a fresh 32-hex ``nonce``."""
+    if not _NONCE_RE.fullmatch(nonce):
+        raise LocalProtocolError(f"sign_request: nonce must be 32 lower-case hex digits, got {len(nonce)} characters")
+    t = str(max(0, math.floor(now * 1000)))
+    sig = _request_mac(key, method.encode("latin-1"), path.encode("latin-1"), t.encode(), nonce.encode(), body)
+    return f"{AUTH_SCHEME} t={t},n={nonce},s={sig.hex()}"
+
+
+def verify_request(
+    key: bytes,
+    method: str,
+    path: str,
+    body: bytes,
+    header: str | None,
+    now: float,
+    nonces: NonceCache,
+    *,
+    window: float = DEFAULT_AUTH_WINDOW,
+) -> str:
+    """Check one request's ``Authorization`` value at unix time ``now``; return its nonce.
+
+    ``method`` and ``path`` are as the HTTP parser gives them (latin-1 text of
+    the request line), ``body`` the bytes read (empty if none), ``header`` the
+    value or None if absent. Checks, in order: present, well-formed, MAC (so a
+    forgery is counted as one, never as a replay), timestamp within
+    ±``window`` seconds, nonce not seen and timestamp above the cache's floor;
+    only then is the nonce added to ``nonces``. Raises ``RequestAuthError``
+    (an ``AuthenticationError``) and nothing else; ``nonces`` is unchanged then.
+    """
+    if header is None:
+        raise RequestAuthError("missing", f"no {AUTH_HEADER} header: this server requires the deployment secret")
+    m = _AUTH_RE.fullmatch(header)
+    if m is None:
+        raise RequestAuthError("malformed", f"malformed {AUTH_HEADER} header: {_AUTH_FORM}")
+    t_text, nonce, sig = m.groups()
+    try:
+        method_bytes, path_bytes = method.encode("latin-1"), path.encode("latin-1")
+    except UnicodeEncodeError:  # cannot come off the wire, which the parser decodes as latin-1
+        raise RequestAuthError("malformed", "request line: not latin-1 text") from None
+    expected = _request_mac(key, method_bytes, path_bytes, t_text.encode(), nonce.encode(), body)
+    if not hmac.compare_digest(expected, bytes.fromhex(sig)):
+        raise RequestAuthError("signature", "bad signature: is the secret the same on both sides?")
+    t_ms, now_ms, window_ms = int(t_text), math.floor(now * 1000), round(window * 1000)
+    if abs(t_ms - now_ms) > window_ms:
+        raise RequestAuthError(
+            "window",
+            f"timestamp {(t_ms - now_ms) / 1000:+.1f} s from the server's clock, outside the "
+            f"±{window:g} s window: a replayed request, or clocks out of sync",
+        )
+    nonces.expire(now_ms - window_ms)
+    if nonce in nonces:
+        raise RequestAuthError("replay", "nonce already used: a replayed request")
+    if t_ms <= nonces.floor_ms:
+        raise RequestAuthError(
+            "replay", "timestamp at or before the replay floor (the nonce cache was full): a replay, or a late request"
+        )
+    nonces.add(nonce, t_ms)
+    return nonce
+
+
+def sign_response(key: bytes, nonce: str, status: int, body: bytes) -> str:
+    """The ``X-Pdcore-Auth`` value of the answer ``status``/``body`` to the request that carried ``nonce``."""
+    return auth.mac(key, b"response", nonce.encode(), str(status).encode(), _sha256(body)).hex()
+
+
+def _response_signed(key: bytes, nonce: str, status: int, body: bytes, values: list[str]) -> bool:
+    if len(values) != 1 or not _MAC_RE.fullmatch(values[0]):
+        return False
+    return hmac.compare_digest(sign_response(key, nonce, status, body), values[0])
+
+
 # --------------------------------------------------------------------------- deadline-bound socket I/O
 
 
 class _DeadlineReader(io.RawIOBase):
-    """Socket reads that share one total deadline (a per-recv timeout lets a slow drip run forever)."""
+    """Socket reads that share one total deadline (a per-recv timeout lets a slow drip run forever).
+
+    The server moves ``deadline`` from the request head's to the whole request's once the head is in.
+    """
 
     def __init__(self, sock: socket.socket, deadline: Deadline, what: str) -> None:
         super().__init__()
-        self._sock, self._deadline, self._what = sock, deadline, what
+        self._sock, self.deadline, self.what = sock, deadline, what
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        remaining = self._deadline.remaining()
+        remaining = self.deadline.remaining()
         if remaining <= 0:
-            raise DeadlineExceeded(f"{self._what}: deadline passed")
+            raise DeadlineExceeded(f"{self.what}: deadline passed")
         self._sock.settimeout(remaining)
         try:
             return self._sock.recv_into(buffer)
         except TimeoutError:
-            raise DeadlineExceeded(f"{self._what}: deadline passed") from None
+            raise DeadlineExceeded(f"{self.what}: deadline passed") from None
 
 
 class _DeadlineWriter(io.RawIOBase):
@@ -344,6 +570,33 @@ class _DeadlineSocket:
 
 # --------------------------------------------------------------------------- server
 
+_WARN_EVERY: Final = 10.0  # seconds: at most one warning per refused source address this often
+_WARN_ADDRESSES: Final = 4096  # addresses remembered for that; past it, new addresses are counted, not logged
+
+
+@dataclasses.dataclass
+class BootstrapStats:
+    """A server's counters since start (``BootstrapServer.stats`` returns a snapshot)."""
+
+    authenticated: int = 0  # requests whose signature verified
+    auth_failures: int = 0  # 401s, every cause (the next three are among them)
+    bad_signatures: int = 0  # the MAC did not verify: a wrong secret or a forgery
+    stale: int = 0  # signed, but the timestamp was outside the window (an old replay or a skewed clock)
+    replays: int = 0  # signed and inside the window, but the nonce was used before (or below the floor)
+    nonces_dropped: int = 0  # nonce-cache entries dropped at its bound (the floor rose instead)
+    evicted: int = 0  # connections cut at the cap before they delivered their whole request
+    busy: int = 0  # newcomers answered 503 busy: every connection at the cap was past its request
+
+
+class _Conn:
+    """One accepted connection: ``reading`` until its whole request is in, ``evicted`` once cut to make room."""
+
+    __slots__ = ("sock", "addr", "reading", "evicted")
+
+    def __init__(self, sock: socket.socket, addr: Any) -> None:
+        self.sock, self.addr = sock, addr
+        self.reading, self.evicted = True, False
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
@@ -351,11 +604,23 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "pdcore-bootstrap"
     sys_version = ""
 
+    def __init__(self, conn: _Conn, server: _Server) -> None:
+        self.conn = conn
+        self._nonce: str | None = None  # the verified request's nonce: its answer is signed with it
+        super().__init__(conn.sock, conn.addr, server)
+
     def setup(self) -> None:
-        deadline = Deadline.after(self.server.request_timeout)
+        self._deadline = Deadline.after(self.server.request_timeout)
+        head = Deadline.after(self.server.header_timeout).earliest(self._deadline)
         self.connection = self.request
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline, "bootstrap request"))
-        self.wfile = io.BufferedWriter(_DeadlineWriter(self.connection, deadline, "bootstrap response"))
+        self._reader = _DeadlineReader(self.connection, head, "bootstrap request head")
+        self.rfile = io.BufferedReader(self._reader)
+        self.wfile = io.BufferedWriter(_DeadlineWriter(self.connection, self._deadline, "bootstrap response"))
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self._reader.deadline, self._reader.what = self._deadline, "bootstrap request"  # the head is in
+        return ok
 
     def finish(self) -> None:
         try:
@@ -377,6 +642,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Connection", "close")
+        key = self.server.key
+        if self._nonce is not None and key is not None:
+            self.send_header(RESPONSE_MAC_HEADER, sign_response(key, self._nonce, code, body))
         self.end_headers()
         self.wfile.write(body)
 
@@ -387,10 +655,37 @@ class _Handler(BaseHTTPRequestHandler):
         self.log_error("code %d, message %s", code, text)
         self._reply(code, {"error": text, "status": code})
 
-    def do_GET(self) -> None:
-        path = self.path
-        if path == "/health":
-            return self._reply(200, {"status": "ok"})
+    def _dispatch(self) -> None:
+        """Every method: read the whole request, authenticate it, then act (GET /health skips the middle)."""
+        srv, method, path = self.server, self.command, self.path
+        if method == "GET" and path == "/health":  # open: reveals nothing, load balancers probe it
+            if srv.begin_handling(self.conn):
+                self._reply(200, {"status": "ok"})
+            return
+        body = b""
+        has_body = self.headers.get("Content-Length") is not None or self.headers.get("Transfer-Encoding") is not None
+        if (method == "PUT" and path == "/v1/ranks") or (srv.key is not None and has_body):
+            read = self._read_body()
+            if read is None:
+                return
+            body = read
+        if not srv.begin_handling(self.conn):
+            self.close_connection = True  # cut at the cap while it was still sending: never acted on
+            return
+        if srv.key is not None:
+            try:
+                self._nonce = srv.authenticate(method, path, body, self.headers.get_all(AUTH_HEADER), self.conn.addr)
+            except RequestAuthError as e:
+                return self.send_error(401, str(e))
+        if method == "GET":
+            return self._get(path)
+        if method == "PUT" and path == "/v1/ranks":
+            return self._put(body)
+        return self._not_found_or_not_allowed(method)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = do_OPTIONS = _dispatch
+
+    def _get(self, path: str) -> None:
         if path == "/v1/parallel":
             with self.server.lock:
                 info = self.server.registry.parallel_info()
@@ -409,12 +704,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_error(404, f"no rank (dp {ranks[0]}, tp {ranks[1]}) is registered")
         return self._reply(200, rank)
 
-    def do_PUT(self) -> None:
-        if self.path != "/v1/ranks":
-            return self._not_found_or_not_allowed("PUT")
-        body = self._read_body()
-        if body is None:
-            return
+    def _put(self, body: bytes) -> None:
         try:
             reg = parse_registration(body)
         except RemoteProtocolError as e:
@@ -471,72 +761,156 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_error(404, f"path: no route {self.path[:64]!r}")
         return self.send_error(405, f"method: {method} not allowed on {self.path[:64]!r}, use {allowed}")
 
-    def _method_not_allowed(self) -> None:
-        self._not_found_or_not_allowed(self.command)
-
-    do_POST = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
-
 
 class _Server(ThreadingHTTPServer):
-    """Bounded ThreadingHTTPServer: a cap on live connections, each tracked so close can cut it."""
+    """Bounded ThreadingHTTPServer: a cap on live connections, each tracked so close can cut it.
+
+    At the cap, the oldest connection still sending its request is cut to make
+    room; only when none is does the newcomer get the canned busy 503.
+    """
 
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, address: tuple[str, int], *, max_body: int, request_timeout: float, max_connections: int):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        key: bytes | None,
+        max_body: int,
+        request_timeout: float,
+        header_timeout: float,
+        max_connections: int,
+        auth_window: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.key = key
         self.max_body = max_body
         self.request_timeout = request_timeout
+        self.header_timeout = header_timeout
+        self.max_connections = max_connections
+        self.auth_window = auth_window
+        self.clock = clock
         self.registry = Registry()
-        self.lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._live: dict[threading.Thread, socket.socket] = {}  # handlers still on their socket
-        self._handlers: set[threading.Thread] = set()  # every handler not yet joined
+        self.lock = threading.Lock()  # the registry's
+        self.nonces = NonceCache()
+        self._auth_lock = threading.Lock()  # the nonce cache's
+        self.stats = BootstrapStats()
+        self.stats_lock = threading.Lock()
+        self._warned: dict[str, tuple[float, int]] = {}  # source address -> (last warning, refusals since)
+        self._conns: dict[_Conn, threading.Thread] = {}  # holding a slot, in accept order
+        self._handlers: set[threading.Thread] = set()  # every handler not yet joined (evicted ones too)
         self._live_lock = threading.Lock()
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, _Handler)
+        super().__init__(address, _Handler)  # type: ignore[arg-type]  # built by _serve_one, not by the base class
 
     def server_bind(self) -> None:
         socketserver.TCPServer.server_bind(self)  # HTTPServer's version does a reverse DNS lookup
         host, port = self.server_address[:2]
         self.server_name, self.server_port = str(host), int(port)
 
+    def _count(self, **increments: int) -> None:
+        with self.stats_lock:
+            for name, n in increments.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            try:  # over the cap: a canned 503, never a blocking write
+        conn = _Conn(request, client_address)
+        thread: threading.Thread | None = None
+        evicted = False
+        with self._live_lock:
+            if len(self._conns) >= self.max_connections:
+                victim = next((c for c in self._conns if c.reading), None)  # the oldest still sending
+                if victim is not None:  # its slot is the newcomer's; cut under the lock, before its handler closes it
+                    victim.evicted, evicted = True, True
+                    del self._conns[victim]
+                    try:
+                        victim.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+            if len(self._conns) < self.max_connections:
+                thread = threading.Thread(target=self._serve_one, args=(conn,), name="pdcore-bootstrap-conn", daemon=True)
+                self._conns[conn] = thread
+                self._handlers = {t for t in self._handlers if t.is_alive()}
+                self._handlers.add(thread)
+        if evicted:
+            self._count(evicted=1)
+        if thread is None:  # every connection is past its request: a canned 503, never a blocking write
+            self._count(busy=1)
+            try:
                 request.setblocking(False)
                 request.send(_BUSY_REPLY)
             except OSError:
                 pass
             self.shutdown_request(request)
             return
-        thread = threading.Thread(
-            target=self._serve_one, args=(request, client_address), name="pdcore-bootstrap-conn", daemon=True
-        )
-        with self._live_lock:
-            self._live[thread] = request
-            self._handlers = {t for t in self._handlers if t.is_alive()}
-            self._handlers.add(thread)
         try:
             thread.start()
         except BaseException:
             with self._live_lock:
-                self._live.pop(thread, None)
+                self._conns.pop(conn, None)
                 self._handlers.discard(thread)
-            self._slots.release()
             self.shutdown_request(request)
             raise
 
-    def _serve_one(self, request: Any, client_address: Any) -> None:
+    def _serve_one(self, conn: _Conn) -> None:
         try:
-            self.finish_request(request, client_address)
+            _Handler(conn, self)
         except Exception:
-            log.exception("bootstrap: request from %s failed", client_address)
+            if not conn.evicted:  # a cut connection fails its reads and writes: expected, not news
+                log.exception("bootstrap: request from %s failed", conn.addr)
         finally:
             with self._live_lock:
-                self._live.pop(threading.current_thread(), None)
-            self._slots.release()  # before the close, so a client that saw EOF finds the slot free
-            self.shutdown_request(request)
+                self._conns.pop(conn, None)  # before the close, so a client that saw EOF finds the slot free
+            self.shutdown_request(conn.sock)
+
+    def begin_handling(self, conn: _Conn) -> bool:
+        """The whole request is in: from now on the connection cannot be evicted. False if it already was."""
+        with self._live_lock:
+            if conn.evicted:
+                return False
+            conn.reading = False
+            return True
+
+    def authenticate(self, method: str, path: str, body: bytes, headers: list[str] | None, addr: Any) -> str:
+        """``verify_request`` under the cache's lock, counted; returns the nonce or raises ``RequestAuthError``."""
+        assert self.key is not None
+        try:
+            if headers is not None and len(headers) > 1:
+                raise RequestAuthError("malformed", f"{len(headers)} {AUTH_HEADER} headers, send one")
+            with self._auth_lock:
+                dropped = self.nonces.dropped
+                nonce = verify_request(
+                    self.key, method, path, body, headers[0] if headers else None, self.clock(), self.nonces,
+                    window=self.auth_window,
+                )  # fmt: skip
+                dropped = self.nonces.dropped - dropped
+        except RequestAuthError as e:
+            self._refused(e, method, path, addr)
+            raise
+        self._count(authenticated=1, nonces_dropped=dropped)
+        return nonce
+
+    def _refused(self, error: RequestAuthError, method: str, path: str, addr: Any) -> None:
+        kind = {"signature": "bad_signatures", "window": "stale", "replay": "replays"}.get(error.kind)
+        source = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+        now = time.monotonic()
+        with self.stats_lock:
+            self.stats.auth_failures += 1
+            if kind is not None:
+                setattr(self.stats, kind, getattr(self.stats, kind) + 1)
+            last, since = self._warned.get(source, (-math.inf, 0))
+            if now - last < _WARN_EVERY:
+                self._warned[source] = (last, since + 1)
+                return
+            if source not in self._warned and len(self._warned) >= _WARN_ADDRESSES:
+                self._warned = {a: v for a, v in self._warned.items() if now - v[0] < _WARN_EVERY}
+                if len(self._warned) >= _WARN_ADDRESSES:
+                    return  # counted in stats; too many sources to name each
+            self._warned[source] = (now, 0)
+        more = f" (and {since} more from it since the last warning)" if since else ""
+        log.warning("bootstrap: refused %s %r from %s: %s%s", method, path[:64], source, error, more)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.exception("bootstrap: error serving %s", client_address)
@@ -544,33 +918,55 @@ class _Server(ThreadingHTTPServer):
     def cut_connections(self) -> list[threading.Thread]:
         """Wake every handler blocked on its socket; return the threads to join."""
         with self._live_lock:
-            live = list(self._live.values())
-            threads = list(self._handlers)
-        for sock in live:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return threads
+            for conn in self._conns:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return list(self._handlers)
 
 
 class BootstrapServer:
-    """The bootstrap HTTP server on its own thread: ``start()`` binds and returns the port."""
+    """The bootstrap HTTP server on its own thread: ``start()`` binds and returns the port.
+
+    ``secret`` is the raw deployment secret (checked with ``auth.check_secret``;
+    this class does not read the environment): with it, every request but
+    ``GET /health`` must be signed and every answer to one is signed (module
+    docstring). None serves unauthenticated, as before, and ``start`` warns once.
+    ``header_timeout`` bounds the request head (line and headers), inside
+    ``request_timeout`` for the whole request. ``auth_window`` is the accepted
+    clock difference in seconds; ``clock`` (unix seconds) is for tests.
+    ``stats`` is a snapshot of the counters (``BootstrapStats``).
+    """
 
     def __init__(
         self,
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        secret: bytes | None = None,
         max_body: int = MAX_BODY_BYTES,
         request_timeout: float = 5.0,
+        header_timeout: float = 2.0,
         max_connections: int = 64,
+        auth_window: float = DEFAULT_AUTH_WINDOW,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        for name, value in (("request_timeout", request_timeout), ("header_timeout", header_timeout),
+                            ("auth_window", auth_window)):  # fmt: skip
+            if not (value >= 0 and math.isfinite(value)):
+                raise StartError(f"bootstrap server: {name} must be a finite number of seconds >= 0, got {value!r}")
+        if max_connections < 1:
+            raise StartError(f"bootstrap server: max_connections must be at least 1, got {max_connections}")
         self.host = host
         self._port = port
+        self._key = None if secret is None else auth.derive_key(auth.check_secret(secret, "bootstrap server"), _KEY_LABEL)
         self._max_body = max_body
         self._request_timeout = request_timeout
+        self._header_timeout = header_timeout
         self._max_connections = max_connections
+        self._auth_window = auth_window
+        self._clock = clock
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
@@ -582,6 +978,20 @@ class BootstrapServer:
             raise StartError("bootstrap server: not started")
         return int(self._server.server_address[1])
 
+    @property
+    def authenticated(self) -> bool:
+        """True if requests must be signed (a secret was given)."""
+        return self._key is not None
+
+    @property
+    def stats(self) -> BootstrapStats:
+        """A snapshot of the counters (all zero before ``start``)."""
+        server = self._server
+        if server is None:
+            return BootstrapStats()
+        with server.stats_lock:
+            return dataclasses.replace(server.stats)
+
     def start(self) -> int:
         """Bind and serve; returns the bound port. Raises ``StartError`` if it cannot bind."""
         if self._server is not None or self._closed:
@@ -589,12 +999,18 @@ class BootstrapServer:
         try:
             server = _Server(
                 (self.host, self._port),
+                key=self._key,
                 max_body=self._max_body,
                 request_timeout=self._request_timeout,
+                header_timeout=self._header_timeout,
                 max_connections=self._max_connections,
+                auth_window=self._auth_window,
+                clock=self._clock,
             )
         except OSError as e:
             raise StartError(f"bootstrap server: cannot bind {self.host}:{self._port}: {e}") from e
+        if self._key is None:
+            auth.warn_unauthenticated("bootstrap server")
         server.timeout = 0  # handle_request() is called only once the listening socket is readable
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -689,11 +1105,23 @@ class BootstrapClient:
     ``LocalProtocolError`` when the server rejects what we sent
     (400/409/411/413: the message says why), and ``RemoteProtocolError`` when
     the server's answer is malformed or unexpected. ``rng`` draws the jitter.
+
+    ``secret`` is the raw deployment secret (checked with ``auth.check_secret``;
+    this class does not read the environment). With it, every request but
+    ``health`` is signed and every answer must carry the server's signature.
+    ``AuthenticationError`` (never retried), naming the server: a 401 (the
+    server's reason, e.g. a different secret; or this client has none while
+    the server has one), or an answer without a valid signature (a server
+    without the secret, or someone in between).
     """
 
-    def __init__(self, host: str, port: int, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, host: str, port: int, *, secret: bytes | None = None, rng: random.Random | None = None
+    ) -> None:
         self.host = host
         self.port = port
+        where = f"bootstrap client of {host}:{port}"
+        self._key = None if secret is None else auth.derive_key(auth.check_secret(secret, where), _KEY_LABEL)
         self._rng = rng if rng is not None else random.Random()
 
     def _request(self, method: str, path: str, deadline: Deadline, body: bytes | None = None) -> tuple[int, bytes]:
@@ -725,10 +1153,17 @@ class BootstrapClient:
     def _exchange(
         self, method: str, path: str, deadline: Deadline, body: bytes | None
     ) -> tuple[int, bytes, bool]:
-        """One request on a fresh connection: (status, body, the server said "busy, retry later")."""
+        """One request on a fresh connection: (status, body, the server said "busy, retry later").
+
+        Each attempt is signed afresh (new timestamp and nonce): a retry is a new request, not a replay.
+        """
         conn = _Connection(self.host, self.port, deadline)
         try:
             headers = {"Content-Type": "application/json"} if body is not None else {}
+            nonce = None
+            if self._key is not None and path != "/health":
+                nonce = secrets.token_hex(16)
+                headers[AUTH_HEADER] = sign_request(self._key, method, path, body or b"", now=time.time(), nonce=nonce)
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             length = response.getheader("Content-Length")
@@ -738,13 +1173,41 @@ class BootstrapClient:
             if len(data) > MAX_RESPONSE_BYTES:
                 raise RemoteProtocolError(f"bootstrap {method} {path}: response is too large")
             busy = response.status == 503 and (response.getheader("Retry-After") is not None or not data)
-            return response.status, data, busy
+            if busy:  # unsigned even from a server with the secret; all it does is make us retry
+                return response.status, data, True
+            if response.status == 401:
+                raise self._refused(method, path, data)
+            if nonce is not None and self._key is not None:
+                macs = response.msg.get_all(RESPONSE_MAC_HEADER) or []
+                if not _response_signed(self._key, nonce, response.status, data, macs):
+                    raise self._unsigned(method, path, response.status, data, bool(macs))
+            return response.status, data, False
         except ConnectionError:  # http.client.RemoteDisconnected is one too: retried, not a protocol error
             raise
         except http.client.HTTPException as e:
             raise RemoteProtocolError(f"bootstrap {method} {path}: bad HTTP response: {e!r}") from None
         finally:
             conn.close()
+
+    def _refused(self, method: str, path: str, data: bytes) -> AuthenticationError:
+        reason = self._error_text(data).removeprefix("authentication failed:").strip()
+        mine = "" if self._key is not None else "; this client has no secret (pass secret=, or set $PDCORE_SECRET_FILE)"
+        return AuthenticationError(
+            f"authentication failed: bootstrap server {self.host}:{self.port} refused {method} {path} "
+            f"(401): {reason}{mine}"
+        )
+
+    def _unsigned(self, method: str, path: str, status: int, data: bytes, tagged: bool) -> AuthenticationError:
+        said = f"; it said: {self._error_text(data)[:200]}" if status != 200 else ""
+        why = (
+            "a wrong signature: is the secret the same on both sides, or is someone in between?"
+            if tagged
+            else "no signature: is the server running without the secret, or is someone in between?"
+        )
+        return AuthenticationError(
+            f"authentication failed: bootstrap server {self.host}:{self.port} answered {method} {path} "
+            f"({status}) with {why}{said}"
+        )
 
     @staticmethod
     def _error_text(data: bytes) -> str:
@@ -808,26 +1271,47 @@ class BootstrapClient:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pdcore bootstrap --host H --port P``: serve until SIGINT/SIGTERM."""
+    """``python -m pdcore bootstrap --host H --port P [--secret-file F]``: serve until SIGINT/SIGTERM.
+
+    The secret comes from ``--secret-file``, else from ``$PDCORE_SECRET_FILE``;
+    without either the server runs unauthenticated (and warns). A file that
+    cannot be read or holds a bad secret is one error line naming it, exit 2.
+    """
     parser = argparse.ArgumentParser(prog="python -m pdcore bootstrap", description="Run the PD bootstrap server.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 = any (default: %(default)s)")
     parser.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, help="request body limit in bytes")
     parser.add_argument("--request-timeout", type=float, default=5.0, help="seconds allowed per request")
+    parser.add_argument("--header-timeout", type=float, default=2.0, help="seconds allowed for a request's head")
+    parser.add_argument(
+        "--secret-file",
+        help=f"file holding the deployment secret (default: ${auth.SECRET_FILE_ENV}; none = unauthenticated)",
+    )
+    parser.add_argument(
+        "--auth-window", type=float, default=DEFAULT_AUTH_WINDOW, help="accepted clock difference in seconds"
+    )
     args = parser.parse_args(argv)
+    try:
+        secret = auth.load_secret(args.secret_file) if args.secret_file else auth.resolve_secret(None)
+    except StartError as e:  # names the file, never its content
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = {signal.SIGINT, signal.SIGTERM}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # threads started below inherit the mask
     try:
-        server = BootstrapServer(
-            args.host, args.port, max_body=args.max_body, request_timeout=args.request_timeout
-        )
         try:
+            server = BootstrapServer(
+                args.host, args.port, secret=secret, max_body=args.max_body, request_timeout=args.request_timeout,
+                header_timeout=args.header_timeout, auth_window=args.auth_window,
+            )  # fmt: skip
             port = server.start()
         except StartError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        print(f"bootstrap server listening on {args.host}:{port}", flush=True)
+        if secret is not None:
+            log.info("bootstrap server: requests are authenticated with the deployment secret")
+        print(f"bootstrap server listening on {args.host}:{port}", flush=True)  # scripts read the port off this line
         received = signal.sigwait(stop)
         log.info("bootstrap server: %s, closing", signal.Signals(received).name)
         server.close(Deadline.after(10.0))

@@ -16,10 +16,12 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
 
+from pdcore import bootstrap
 from pdcore.bootstrap import (
     MAX_BODY_BYTES,
     BootstrapClient,
@@ -218,16 +220,22 @@ def test_silent_client_is_cut_by_close() -> None:
 
 
 def test_connection_cap_answers_503() -> None:
-    with BootstrapServer("127.0.0.1", 0, max_connections=1, request_timeout=60.0) as srv:
-        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as hog:
-            hog.sendall(b"GET /health HTTP/1.0\r\n")  # holds the only slot
-            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as late:
-                answer = late.recv(4096)  # answered at accept, before any request byte
-            assert answer.startswith(b"HTTP/1.0 503 ")
-            hog.sendall(b"\r\n")
-            answer = b"".join(iter(lambda: hog.recv(4096), b""))  # to EOF: the handler is done
-            assert b" 200 " in answer
+    with held_at_cap() as (srv, hog, release):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as late:
+            answer = late.recv(4096)  # answered at accept, before any request byte
+        assert answer.startswith(b"HTTP/1.0 503 ")
+        free_the_slot(hog, release)
         assert BootstrapClient("127.0.0.1", srv.port).health(soon())  # the slot was given back
+        assert srv.stats.busy >= 2 and srv.stats.evicted == 0  # the probe and `late`; nobody was cut
+
+
+def test_an_idle_connection_at_the_cap_is_evicted_not_the_newcomer() -> None:
+    with BootstrapServer("127.0.0.1", 0, max_connections=1, request_timeout=60.0, header_timeout=60.0) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as idle:
+            idle.sendall(b"PUT /v1/ranks HTTP/1.0\r\n")  # holds the only slot, still sending its request
+            assert BootstrapClient("127.0.0.1", srv.port).health(soon())  # it took the idle one's slot
+            assert idle.recv(4096) == b""  # cut, and never answered
+        assert srv.stats.evicted == 1 and srv.stats.busy == 0
 
 
 def test_request_deadline_on_server() -> None:
@@ -273,23 +281,43 @@ class Backoffs(random.Random):
 
 
 @contextlib.contextmanager
-def held_at_cap() -> Iterator[tuple[BootstrapServer, socket.socket]]:
-    """A real server with one connection slot, held by a half-sent request until the test frees it."""
-    with BootstrapServer("127.0.0.1", 0, max_connections=1, request_timeout=60.0) as srv:
-        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as hog:
-            hog.sendall(b"GET /health HTTP/1.0\r\n")
-            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as probe:
-                assert probe.recv(4096).startswith(b"HTTP/1.0 503 ")  # the hog holds the slot now
-            yield srv, hog
+def held_at_cap() -> Iterator[tuple[BootstrapServer, socket.socket, threading.Event]]:
+    """A real server with one connection slot, held until the test sets the event.
+
+    The hog's whole request is in (an idle or half-sent one would be evicted to
+    make room): its handler is held just after it starts handling, so the cap
+    is full of connections past their request and a newcomer gets 503 busy.
+    """
+    entered, release = threading.Event(), threading.Event()
+    begin_handling = bootstrap._Server.begin_handling
+
+    def held(server: Any, conn: Any) -> bool:
+        ok = begin_handling(server, conn)
+        if not entered.is_set():
+            entered.set()
+            release.wait(30.0)
+        return ok
+
+    with mock.patch.object(bootstrap._Server, "begin_handling", held):
+        with BootstrapServer("127.0.0.1", 0, max_connections=1, request_timeout=60.0) as srv:
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as hog:
+                try:
+                    hog.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                    assert entered.wait(5.0)  # its handler holds the slot, past its request
+                    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as probe:
+                        assert probe.recv(4096).startswith(b"HTTP/1.0 503 ")
+                    yield srv, hog, release
+                finally:
+                    release.set()
 
 
-def free_the_slot(hog: socket.socket) -> None:
-    hog.sendall(b"\r\n")
+def free_the_slot(hog: socket.socket, release: threading.Event) -> None:
+    release.set()
     assert b" 200 " in b"".join(iter(lambda: hog.recv(4096), b""))  # to EOF: its handler gave the slot back
 
 
 def test_a_busy_server_is_retried_until_the_cap_frees() -> None:
-    with held_at_cap() as (srv, hog):
+    with held_at_cap() as (srv, hog, release):
         backoffs = Backoffs()
         client = BootstrapClient("127.0.0.1", srv.port, rng=backoffs)
         outcome: queue.Queue[object] = queue.Queue()
@@ -304,7 +332,7 @@ def test_a_busy_server_is_retried_until_the_cap_frees() -> None:
         thread.start()
         assert backoffs.backed_off.wait(5.0)  # it was turned away at least once ...
         assert outcome.empty()  # ... and did not give up
-        free_the_slot(hog)
+        free_the_slot(hog, release)
         assert outcome.get(timeout=10.0) == "created"
         thread.join(5.0)
         assert not thread.is_alive()
@@ -313,7 +341,7 @@ def test_a_busy_server_is_retried_until_the_cap_frees() -> None:
 
 
 def test_a_server_busy_past_the_deadline_is_a_clear_error_at_the_deadline() -> None:
-    with held_at_cap() as (srv, hog):
+    with held_at_cap() as (srv, hog, release):
         backoffs = Backoffs()
         client = BootstrapClient("127.0.0.1", srv.port, rng=backoffs)
         deadline = Deadline.after(0.5)
@@ -321,7 +349,7 @@ def test_a_server_busy_past_the_deadline_is_a_clear_error_at_the_deadline() -> N
             client.register(reg(0), deadline)
         assert deadline.expired()  # not before it
         assert backoffs.count >= 2
-        free_the_slot(hog)
+        free_the_slot(hog, release)
         assert client.rank(0, 0, soon()) is None  # nothing was registered
 
 
