@@ -99,6 +99,19 @@ def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
+def zap_reply(request: list[bytes], public_key: bytes) -> tuple[list[bytes], str | None]:
+    """ZAP (RFC 27), sans-IO: the reply to one request, and the refused client's address (None: admitted).
+
+    Admits a CURVE client only if its long-term public key (raw, 32 bytes) is
+    the deployment's; anything else, malformed requests included, is refused."""
+    ok = len(request) == 7 and request[0] == b"1.0" and request[5] == b"CURVE" and request[6] == public_key
+    request_id = request[1] if len(request) > 1 and len(request[1]) <= 255 else b""
+    if ok:
+        return [b"1.0", request_id, b"200", b"OK", b"", b""], None
+    address = request[3][:64].decode("ascii", "replace") if len(request) > 3 else "?"
+    return [b"1.0", request_id, b"400", b"not of this deployment", b"", b""], address
+
+
 def _handshake_failure(event: dict[str, object]) -> str:
     """Why a CURVE handshake failed, in words (from a monitor event)."""
     kind, value = event["event"], event["value"]
@@ -269,6 +282,7 @@ class ControlChannel:
             )
         self._quota = max_bytes_per_sender
         self._curve = curve_keys(auth.check_secret(secret, "control channel")) if secret is not None else None
+        self._curve_key = z85.decode(self._curve[0]) if self._curve is not None else b""
         self._auth_logged: dict[str, float] = {}  # endpoint -> when we last warned about it
         self._monitors: dict[zmq.Socket[bytes], str] = {}  # a DEALER's handshake monitor -> its endpoint
         self._monitor_of: dict[str, zmq.Socket[bytes]] = {}  # ... and back
@@ -552,20 +566,16 @@ class ControlChannel:
     # ------------------------------------------------------------------ authentication
 
     def _answer_zap(self) -> None:
-        """ZAP (RFC 27): admit a CURVE client only if its long-term key is the deployment's."""
         assert self._zap is not None and self._curve is not None
         for _ in range(_RECV_BATCH):
             try:
                 request = self._zap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            ok = len(request) >= 7 and request[5] == b"CURVE" and request[6] == z85.decode(self._curve[0])
-            request_id = request[1] if len(request) > 1 else b""
-            if not ok:
-                address = request[3].decode("ascii", "replace") if len(request) > 3 else "?"
+            reply, refused = zap_reply(request, self._curve_key)
+            if refused is not None:
                 self.stats.auth_refused += 1
-                self._auth_failed(f"tcp://{address}", "a client that is not of this deployment", dead=False)
-            reply = [b"1.0", request_id, b"200" if ok else b"400", b"OK" if ok else b"not of this deployment", b"", b""]
+                self._auth_failed(f"tcp://{refused}", "a client that is not of this deployment", dead=False)
             self._zap.send_multipart(reply)
 
     def _router_handshakes(self) -> None:
