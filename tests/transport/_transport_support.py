@@ -1,8 +1,11 @@
 """What the transport tests share (a plain module: tests/ is not a package).
 
 ``TRANSPORTS`` lists the transports the conformance suite runs on: ``"tcp"``
-always; the verbs transport appends ``"verbs"`` when an RDMA device is
-present, with its options (device name, ...) in ``TRANSPORT_OPTIONS``.
+always, and ``"tcp+secret"`` (the same transport with the ``secret`` option:
+every connection authenticated); the verbs transport appends ``"verbs"`` when
+an RDMA device is present, with its options (device name, ...) in
+``TRANSPORT_OPTIONS``. An entry is ``name`` or ``name+variant``: ``variant()``
+splits it into the registry name and the constructor options.
 """
 
 from __future__ import annotations
@@ -17,9 +20,19 @@ from pdcore.deadline import Deadline
 from pdcore.errors import TransportError
 from transport.base import Transport
 
-TRANSPORTS: list[Any] = ["tcp"]
+#: The deployment secret of the suite's authenticated runs (a test value, nothing else uses it).
+TEST_SECRET = b"pdcore-tests: conformance secret"
+TRANSPORTS: list[Any] = ["tcp", "tcp+secret"]
 #: Per-transport constructor options the suite needs.
 TRANSPORT_OPTIONS: dict[str, dict[str, Any]] = {"tcp": {}}
+#: Options a ``+variant`` suffix adds.
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"secret": {"secret": TEST_SECRET}}
+
+
+def variant(entry: str) -> tuple[str, dict[str, Any]]:
+    """``"tcp+secret"`` -> ``("tcp", {**TRANSPORT_OPTIONS["tcp"], "secret": TEST_SECRET})``."""
+    name, _, extra = entry.partition("+")
+    return name, {**TRANSPORT_OPTIONS.get(name, {}), **(VARIANT_OPTIONS[extra] if extra else {})}
 
 MakeTransport = Callable[..., Transport]
 

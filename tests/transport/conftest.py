@@ -8,10 +8,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 
-from _transport_support import TRANSPORT_OPTIONS, TRANSPORTS, MakeTransport, transport_maker
+from _transport_support import TRANSPORTS, MakeTransport, transport_maker, variant
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -25,7 +26,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep, drop = [], []
     for item in items:
         marker = item.get_closest_marker("transports")
-        name = getattr(getattr(item, "callspec", None), "params", {}).get("transport_name")
+        entry = getattr(getattr(item, "callspec", None), "params", {}).get("transport_variant")
+        name = None if entry is None else variant(str(entry))[0]
         (drop if marker is not None and name is not None and name not in marker.args else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -33,14 +35,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(params=TRANSPORTS)
-def transport_name(request: pytest.FixtureRequest) -> str:
+def transport_variant(request: pytest.FixtureRequest) -> str:
+    """An entry of ``TRANSPORTS``: ``"tcp"``, ``"tcp+secret"``, ``"verbs"``."""
     return str(request.param)
 
 
 @pytest.fixture
-def make_transport(transport_name: str) -> Iterator[MakeTransport]:
+def transport_name(transport_variant: str) -> str:
+    """The registry name of the parametrised transport (``"tcp"`` for ``"tcp+secret"`` too)."""
+    return variant(transport_variant)[0]
+
+
+@pytest.fixture
+def transport_options(transport_variant: str) -> dict[str, Any]:
+    """Its constructor options (``secret`` for a ``+secret`` run): children build theirs from these."""
+    return variant(transport_variant)[1]
+
+
+@pytest.fixture
+def make_transport(transport_name: str, transport_options: dict[str, Any]) -> Iterator[MakeTransport]:
     """Build transports of the parametrised kind; all are closed after the test, and no thread may outlive them."""
-    yield from transport_maker(transport_name, {**TRANSPORT_OPTIONS.get(transport_name, {}), "peer_timeout": 5.0})
+    yield from transport_maker(transport_name, {**transport_options, "peer_timeout": 5.0})
 
 
 @pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])
