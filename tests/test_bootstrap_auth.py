@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
@@ -521,17 +522,15 @@ def test_secrets_are_checked_at_construction() -> None:
         BootstrapClient("127.0.0.1", 1, secret="text")  # type: ignore[arg-type]
 
 
-def test_unauthenticated_server_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    import pdcore.auth as auth_module
-
-    caplog.set_level(logging.WARNING, logger="pdcore.auth")
-    auth_module._warned.discard("bootstrap server")
-    with BootstrapServer("127.0.0.1", 0), BootstrapServer("127.0.0.1", 0):
-        pass
-    warned = [r for r in caplog.records if r.name == "pdcore.auth" and "bootstrap server" in r.getMessage()]
-    assert len(warned) == 1
-    with BootstrapServer("127.0.0.1", 0, secret=SECRET) as srv:
-        assert srv.authenticated
+def test_unauthenticated_server_warns_at_start() -> None:
+    with mock.patch("pdcore.bootstrap.auth.warn_unauthenticated") as warn:
+        server = BootstrapServer("127.0.0.1", 0)
+        warn.assert_not_called()  # at start, not at construction
+        with server:
+            warn.assert_called_once_with("bootstrap server")
+        with BootstrapServer("127.0.0.1", 0, secret=SECRET) as srv:
+            assert srv.authenticated
+        warn.assert_called_once()
 
 
 # --------------------------------------------------------------------------- CLI
