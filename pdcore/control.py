@@ -112,8 +112,8 @@ def zap_reply(request: list[bytes], public_key: bytes) -> tuple[list[bytes], str
     return [b"1.0", request_id, b"400", b"not of this deployment", b"", b""], address
 
 
-def _handshake_failure(event: dict[str, object]) -> str:
-    """Why a CURVE handshake failed, in words (from a monitor event)."""
+def _handshake_failure(event: dict[str, object], *, server: bool = False) -> str:
+    """Why a handshake failed, in words (from a monitor event)."""
     kind, value = event["event"], event["value"]
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "the peer's authentication handler refused our key"
@@ -121,7 +121,9 @@ def _handshake_failure(event: dict[str, object]) -> str:
         return "one side runs without a secret"
     if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "the CURVE handshake did not decrypt: a different secret"
-    return "the peer closed the connection during the CURVE handshake: a different secret, or none"
+    if server:  # a client without a secret may see the mismatch first and hang up
+        return "the client closed the connection during the handshake (no secret, or it went away)"
+    return "the peer closed the connection during the handshake: a different secret, or none"
 
 
 class DeadPeer(NamedTuple):
@@ -380,8 +382,7 @@ class ControlChannel:
         router.setsockopt(zmq.CURVE_SECRETKEY, secret)
         router.setsockopt(zmq.CURVE_PUBLICKEY, public)
         router.setsockopt(zmq.ZAP_DOMAIN, b"pdcore")
-        # a client closing mid-handshake (NO_DETAIL) is not evidence of a wrong secret on our side
-        self._router_monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self._router_monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
 
     def send(self, endpoint: str, msg: wire.Message) -> None:
         """Queue ``msg`` for the peer at ``endpoint``; never blocks.
@@ -583,7 +584,8 @@ class ControlChannel:
         assert self._router_monitor is not None
         while self._router_monitor.poll(0):
             event = monitor.recv_monitor_message(self._router_monitor)
-            self._auth_failed(f"a client of {self._endpoint}", _handshake_failure(event), dead=False)
+            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # our own handler's refusals are counted there
+                self._auth_failed(f"a client of {self._endpoint}", _handshake_failure(event, server=True), dead=False)
 
     def _dealer_handshakes(self, mon: zmq.Socket[bytes]) -> None:
         """A handshake with a peer we send to failed: that peer is dead to us, with the reason."""

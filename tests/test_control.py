@@ -397,3 +397,20 @@ def test_hold_is_only_for_inside_the_callback_and_the_quota_holds_a_frame() -> N
         channel.hold()
     with pytest.raises(ValueError, match="at least one frame"):
         ControlChannel(lambda s, m: None, session_id="p", max_bytes_per_sender=wire.MAX_FRAME_BYTES - 1)
+
+
+def test_frames_of_a_connection_replaced_by_a_hand_over_are_recognised() -> None:
+    """A frame read under an id libzmq generated (five bytes, the first zero) is no protocol error.
+
+    When a peer reconnects with the same identity, ROUTER_HANDOVER renames the old connection's
+    pipe to such an id, and frames still read from it carry it (libzmq's router.cpp). Provoking
+    that rename is timing-dependent, so this drives the channel's frame handler directly with
+    the ids it would see: the frame's rooms fail with a reason, nothing counts as a protocol error."""
+    inbox = Inbox()
+    channel = inbox.channel("d")
+    frame = wire.encode(wire.Abort(room=3))
+    channel._handle([b"\x00\x00\x00\x00\x07", frame])  # before start(): nothing else runs
+    assert inbox.failed.get_nowait() == ((3,), "control channel: the frame came on a connection its peer has since replaced")
+    assert channel.stats.superseded_frames == 1 and channel.stats.protocol_errors == 0 and inbox.messages.empty()
+    with pytest.raises(Exception, match="routing id is not a control endpoint"):
+        channel._handle([b"\x01\x00\x00\x00\x07", frame])  # any other non-endpoint id still is one
