@@ -35,6 +35,7 @@ from transport.plan import Layout
 
 from . import wire
 from .agreement import Agreement
+from .auth import resolve_secret
 from .config import PeerConfig
 from .control import ControlChannel, DeadPeer
 from .deadline import Deadline
@@ -113,6 +114,7 @@ class PeerBase:
 
     def __init__(self, config: PeerConfig) -> None:
         self._config = config
+        self._secret = resolve_secret(config.secret)  # before the first word with anyone
         self.session_id = f"{self.ROLE}-{os.urandom(6).hex()}"
         self.epoch = time.time_ns() // 1000  # a restarted rank comes back with a larger epoch
         self._table = StateTable(
@@ -139,6 +141,8 @@ class PeerBase:
         options = dict(cfg.transport_options)
         if cfg.transport == "tcp":
             options.setdefault("host", cfg.host)
+        if self._secret is not None:
+            options.setdefault("secret", self._secret)
         with contextlib.ExitStack() as stack:
             self._transport = transport_mod.create(cfg.transport, **options)
             stack.callback(self._transport.close)
@@ -160,6 +164,7 @@ class PeerBase:
                 host=cfg.host,
                 heartbeat_interval=cfg.heartbeat_interval,
                 dead_after=cfg.dead_after,
+                secret=self._secret,
             )
             self._channel.start()
             stack.callback(self._channel.close)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .auth import check_secret
 from .errors import StartError
 
 __all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
@@ -24,6 +25,12 @@ class PeerConfig:
     arrays or contiguous CPU tensors, each holding ``num_pages`` pages of
     ``page_bytes`` bytes (one value for all buffers, or one per buffer). They
     are registered with the transport; the peer keeps them alive.
+
+    ``secret`` is the deployment's shared secret (bytes, 16..4096; every rank
+    and the bootstrap server hold the same one): it authenticates the bootstrap
+    requests, the control channel and the data connections (``pdcore.auth``).
+    None reads ``$PDCORE_SECRET_FILE`` at start; with neither, the planes run
+    unauthenticated and the peer says so once. It never appears in a repr.
     """
 
     kv_buffers: Sequence[Any]
@@ -47,6 +54,7 @@ class PeerConfig:
     #: Benchmarks only: decode takes writes without grants and closes fences without revoking, so
     #: benchmarks/pd.py can show what grants cost. Fence before free then holds for nothing.
     unsafe_no_grants: bool = False
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> StartError:
@@ -70,6 +78,8 @@ class PeerConfig:
                 raise bad(name, f"must be a positive number of seconds, got {value!r}")
         if self.heartbeat_interval >= self.dead_after:
             raise bad("heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
+        if self.secret is not None:
+            check_secret(self.secret, f"{type(self).__name__}.secret")
         if self.max_pending < 1:
             raise bad("max_pending", f"must be positive, got {self.max_pending}")
         if self.max_parked_pages < 1:

@@ -201,7 +201,7 @@ class DecodePeer(PeerBase):
 
     def _look_up_io(self, server: tuple[str, int], deployment: _Deployment, rooms: set[int]) -> None:
         """I/O thread: the deployment's shape and the ranks ``rooms`` pair with here."""
-        client = BootstrapClient(*server)
+        client = BootstrapClient(*server, secret=self._secret)
         info, ranks, error = deployment.info, {}, None
         try:
             if info is None or not info.complete:

@@ -129,7 +129,7 @@ class PrefillPeer(PeerBase):
         server may not be up yet. A refusal is a ``StartError`` naming ``what``."""
         cfg = self._config
         assert isinstance(cfg, PrefillConfig)
-        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port)
+        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port, secret=self._secret)
         last: Exception | None = None
         while not deadline.expired():
             try:

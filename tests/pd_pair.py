@@ -48,13 +48,20 @@ def data(rid: str) -> np.ndarray:
 
 
 class Pair:
-    def __init__(self, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None, **common: Any):
+    def __init__(
+        self,
+        *,
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+        server: dict[str, Any] | None = None,
+        **common: Any,
+    ):
         knobs: dict[str, Any] = dict(
             page_bytes=PAGE, num_pages=PAGES, heartbeat_interval=0.05, dead_after=30.0, fence_timeout=30.0,
             bootstrap_timeout=30.0, waiting_timeout=30.0, tombstone_ttl=30.0,
         )
         knobs.update(common)
-        self.server = BootstrapServer()
+        self.server = BootstrapServer(**(server or {}))
         self.port = self.server.start()
         self.p_cache = [np.zeros(PAGES * PAGE, np.uint8) for _ in range(LAYERS)]
         self.d_cache = [np.zeros(PAGES * PAGE, np.uint8) for _ in range(LAYERS)]
@@ -71,6 +78,7 @@ class Pair:
             raise
         self.events: dict[str, list[tuple[str, str]]] = {"prefill": [], "decode": []}
         self.landed: dict[str, Any] = {}
+        self.reasons: dict[tuple[str, str], str] = {}  # (side, rid) -> why it failed
         self.rooms: dict[str, int] = {}
         self._slot: dict[str, int] = {}
         self._acted: dict[str, set[str]] = {"prefill": set(), "decode": set()}  # announced / sent
@@ -121,6 +129,8 @@ class Pair:
                 self.events[side].append((type(event).__name__, event.rid))
                 if isinstance(event, RemotePrefillDone):
                     self.landed[event.rid] = event.remote
+                elif isinstance(event, Failed):
+                    self.reasons[(side, event.rid)] = event.reason
                 self.on_event(side, event)
 
     def on_event(self, side: str, event: Any) -> None:
