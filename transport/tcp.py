@@ -576,7 +576,7 @@ class TcpTransport(Transport):
             _tune(sock, self._peer_timeout)
             _kernel_timeouts(sock, self._poll)
             ack_sock = sock.dup()  # the ack reader's handle: same socket, same kernel timeouts
-        except _PeerGone as e:
+        except (_PeerGone, OSError) as e:  # OSError: a send to a sink that already hung up
             sock.close()
             raise TransportError(f"handshake with {host}:{port} failed: {e}", op="connect", errno=e.errno) from e
         except BaseException:
