@@ -115,6 +115,8 @@ class ChaosPlan:
     #: the harness's own check: peers built with ``unsafe_no_grants`` (a fence that trusts the source),
     #: which the canary invariant must catch
     unsafe_no_grants: bool = False
+    #: every rank and bootstrap server of the run holds it: chaos runs as deployed, authenticated
+    secret: bytes | None = field(default=b"pdcore chaos run deployment secret", repr=False)
     slow: float = 1.0  # every timer scaled by this (``slower``)
 
     def slower(self, factor: float) -> ChaosPlan:
@@ -381,6 +383,7 @@ def _knobs(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> dict[
         "fence_timeout": plan.fence_timeout,
         "tombstone_ttl": plan.tombstone_ttl,
         **({"unsafe_no_grants": True} if plan.unsafe_no_grants else {}),
+        "secret": plan.secret,
     }
 
 
@@ -641,7 +644,7 @@ class _Runner:
         self.ctx = _context()
         from .bootstrap import BootstrapServer
 
-        self.servers = [BootstrapServer() for _ in range(plan.replicas)]
+        self.servers = [BootstrapServer(secret=plan.secret) for _ in range(plan.replicas)]
         self.ports = [s.start() for s in self.servers]
         self.incs: list[_Incarnation] = []
         self.current: dict[tuple[str, int], _Incarnation] = {}

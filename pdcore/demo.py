@@ -23,6 +23,7 @@ import hashlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -92,6 +93,8 @@ class Plan:
     prefault: bool = False
     #: benchmarks only: False runs decode without data-plane grants (``unsafe_no_grants``) to show their cost
     grants: bool = True
+    #: the deployment secret every rank and bootstrap server of the run holds (None: unauthenticated)
+    secret: bytes | None = field(default=None, repr=False)
 
 
 def make_requests(n: int, *, seed: int = 0, max_pages: int = 16, prefill: int = 1, decode: int = 1) -> list[Request]:
@@ -178,6 +181,7 @@ def _knobs(plan: Plan) -> dict[str, Any]:
         "fence_timeout": plan.fence_timeout,
         "tombstone_ttl": plan.tombstone_ttl,
         "unsafe_no_grants": not plan.grants,
+        "secret": plan.secret,
     }
 
 
@@ -414,7 +418,7 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
 
     ctx = _context()
     pipes: dict[Any, tuple[str, int, int]] = {}  # the runner's end of each rank's pipe
-    servers = [BootstrapServer() for _ in plan.prefill_tp]
+    servers = [BootstrapServer(secret=plan.secret) for _ in plan.prefill_tp]
     ports = [s.start() for s in servers]
     procs: dict[tuple[str, int], list[Any]] = {}
     results: dict[str, dict[tuple[int, int], dict[str, Any]]] = {"prefill": {}, "decode": {}}
@@ -508,11 +512,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", default="tcp")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument(
+        "--secret-file",
+        help="the deployment secret (default: a random secret generated for this run; 'none' runs unauthenticated)",
+    )
     args = parser.parse_args(argv)
     if args.prefill_tp != args.decode_tp:
         parser.error("this release pairs prefill and decode ranks one to one: --prefill-tp must equal --decode-tp")
 
+    from .auth import load_secret
+    from .errors import StartError
     from .table import IMPLEMENTATION
+
+    if args.secret_file is None:
+        secret: bytes | None = secrets.token_bytes(32)
+        auth_note = "authenticated (a secret generated for this run)"
+    elif args.secret_file == "none":
+        secret, auth_note = None, "UNAUTHENTICATED (--secret-file none)"
+    else:
+        try:
+            secret = load_secret(args.secret_file)
+        except StartError as e:
+            parser.error(str(e))
+        auth_note = f"authenticated (secret from {args.secret_file})"
 
     plan = Plan(
         requests=make_requests(args.requests, seed=args.seed, max_pages=args.max_pages),
@@ -523,11 +545,12 @@ def main(argv: list[str] | None = None) -> int:
         num_pages=max(512, 4 * args.max_pages * 32),
         transport=args.transport,
         timeout=args.timeout,
+        secret=secret,
     )
     print(
         f"pdcore demo: {args.requests} requests, prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, "
         f"{args.layers} layers x {args.page_bytes // 1024} KiB pages, transport {args.transport}, "
-        f"{IMPLEMENTATION} state table"
+        f"{IMPLEMENTATION} state table, {auth_note}"
     )
 
     def show(done: int, total: int) -> None:
