@@ -35,7 +35,7 @@ from transport.plan import Layout
 
 from . import wire
 from .agreement import Agreement
-from .auth import resolve_secret
+from .auth import resolve_secret, warn_unauthenticated
 from .config import PeerConfig
 from .control import ControlChannel, DeadPeer
 from .deadline import Deadline
@@ -115,6 +115,8 @@ class PeerBase:
     def __init__(self, config: PeerConfig) -> None:
         self._config = config
         self._secret = resolve_secret(config.secret)  # before the first word with anyone
+        if self._secret is None:
+            warn_unauthenticated(f"{self.ROLE} peer")
         self.session_id = f"{self.ROLE}-{os.urandom(6).hex()}"
         self.epoch = time.time_ns() // 1000  # a restarted rank comes back with a larger epoch
         self._table = StateTable(

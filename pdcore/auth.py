@@ -98,16 +98,17 @@ def mac(key: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
-_warned: set[str] = set()
+_warned = False
 _warned_lock = threading.Lock()
 
 
 def warn_unauthenticated(component: str) -> None:
-    """Say once per process and component that it runs without a secret."""
+    """Say once per process (naming the first ``component`` to start) that it runs without a secret."""
+    global _warned
     with _warned_lock:
-        if component in _warned:
+        if _warned:
             return
-        _warned.add(component)
+        _warned = True
     log.warning(
         "%s: no deployment secret (PeerConfig.secret or $%s): the bootstrap, control and data planes "
         "are unauthenticated, anyone who reaches their ports can steer transfers",

@@ -116,3 +116,21 @@ def test_forged_control_frames_during_transfers_change_nothing() -> None:
         ctx.term()
         pair.close()
     assert not threads()
+
+
+def test_without_a_secret_a_process_says_so_once() -> None:
+    """A fresh process starts a bootstrap server and a channel without a secret: one warning, not one each."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; logging.basicConfig()\n"
+        "from pdcore.bootstrap import BootstrapServer\n"
+        "from pdcore.control import ControlChannel\n"
+        "with BootstrapServer(), ControlChannel(lambda s, m: None, session_id='x'), "
+        "ControlChannel(lambda s, m: None, session_id='y'): pass\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("no deployment secret") == 1, done.stderr
+    assert done.stderr.count("unauthenticated") == 1
