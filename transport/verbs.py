@@ -27,7 +27,8 @@ Endpoint and handshake
 transport's handshake listener, and one ``(addr, length, rkey)`` per region.
 A QP is per peer, so its QPN and PSN cannot be known before the peer exists:
 ``connect`` creates the source QP, then exchanges QPN, PSN, GID, LID and MTU
-with the sink over one short TCP connection (``_HELLO``/``_REPLY``); the sink
+with the sink over one short TCP connection (``_HELLO``/``_REPLY``; with a
+``secret``, after a challenge-response, see "Authentication"); the sink
 creates its QP, moves it to RTS and answers with its own QPN and PSN; the path
 MTU is the smaller active MTU of the two. The TCP connection then stays open
 as a liveness signal: when either side closes it, the other tears its QP down
@@ -109,6 +110,38 @@ from any other.
 ``revoke(..., settled=True)`` (every write through the grant completed at the
 source) only forgets the grant and keeps the QPs.
 
+Authentication
+--------------
+With ``secret`` (see ``transport/base.py``) the handshake starts with a mutual
+challenge-response before any queue-pair information or grant key moves:
+the source sends ``_HELLO_AUTH`` (the two instance ids and its nonce, no QP
+information); the sink answers ``_REPLY`` with ``_OK`` and ``_CHALLENGE`` (its
+nonce and ``MAC("verbs/3 sink", sink instance, source instance, source nonce,
+sink nonce)``, HMAC-SHA256 with ``derive_key(secret, "verbs-hello")``); the
+source checks it (else ``connect`` raises "authentication failed: host:port:
+...", ``errno=EACCES``, and sends nothing more) and sends ``_PROOF``:
+``MAC("verbs/3 source", the same fields, its QP information)`` and that QP
+information (QPN, PSN, GID, LID, MTU); only when the proof verifies does the
+sink create a QP, apply the source's QP information and answer as without a
+secret (``_REPLY`` with its QPN and PSN, then ``_GRANTS``). A mismatch is
+refused with ``_AUTH_REQUIRED``, ``_AUTH_UNSUPPORTED`` or ``_AUTH_FAILED``,
+counted in ``auth_failures`` and logged (at most once per host per 10 s). The
+whole handshake has ``min(peer_timeout, 5 s)``.
+
+What a party without the secret can do now: reach the handshake listener,
+learn what the endpoint already says (instance id, GID, the regions and their
+rkeys, which travel over the control channel), and occupy the ``pdcore-verbs-cm``
+thread, which serves handshakes one at a time, for at most ``min(peer_timeout,
+5 s)`` per connection (delaying other handshakes: a denial of service, not a
+write). What it cannot: make the sink create a QP or move one to RTS (so no
+RC queue pair of the sink is connected to it, and the sink's device drops its
+RDMA WRITEs whatever rkey they carry), learn the sink's QPN or PSN, or learn the
+grant floor and live grant keys. An authenticated source still gets an rkey
+for each whole region (no memory windows), so a grant limits it only as
+"Grants and revoke" says; and the handshake does not authenticate RoCE
+packets: an attacker on the network path who can forge a live connection's
+QPN and PSN is out of reach of this check.
+
 ``max_sinks`` (default 1024) caps the sink QPs a transport accepts; a
 handshake beyond it is answered with status ``_TOO_MANY`` (and the cap in the
 QPN field) and the source's ``connect`` raises ``TransportError(op="connect")``
@@ -141,6 +174,10 @@ from pdcore.deadline import Deadline
 from pdcore.errors import CapacityError, StartError, TransportError
 
 from .base import (
+    HELLO_TIMEOUT,
+    MAC_BYTES,
+    NONCE_BYTES,
+    AuthFailures,
     Batch,
     Completion,
     CompletionQueue,
@@ -154,13 +191,19 @@ from .base import (
     Transport,
     as_batch,
     buffer_span,
+    check_secret,
     decode_endpoint,
     deliver,
+    derive_key,
     encode_endpoint,
+    hello_mac,
     new_instance_id,
+    same_mac,
 )
 
 __all__ = ["INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
+
+log = logging.getLogger("transport.verbs")
 
 INSTALL_HINT = (
     "install rdma-core's Python bindings and a verbs provider: on Debian/Ubuntu "
@@ -227,17 +270,29 @@ except ImportError as _e:  # pragma: no cover - depends on the machine
 
 
 _MAGIC = b"PDTV"
-_VERSION = 2  # v2: the OK reply carries the source's grant floor and live grants
+_MAGIC_AUTH = b"PDVA"  # the hello of a source with a secret (no QP information until both are authenticated)
+_VERSION = 3  # v2: the OK reply carries the source's grant floor and live grants; v3: the authenticated handshake
 #: endpoint ``address``: GID, LID, active MTU (ibv_mtu), link layer; then ``host:port`` (ASCII)
 _ADDR = struct.Struct("<16sHBB")
 #: source → sink: magic, version, sink instance, source instance, QPN, PSN, GID, LID, MTU
 _HELLO = struct.Struct("<4sB16s16sII16sHB")
+#: source → sink with a secret: magic, version, sink instance, source instance, source nonce
+_HELLO_AUTH = struct.Struct(f"<4sB16s16s{NONCE_BYTES}s")
 #: sink → source: magic, version, status, QPN, PSN, path MTU, errno (with ``_TOO_MANY``, QPN = the sink's cap)
 _REPLY = struct.Struct("<4sBBIIBi")
+#: after an ``_OK`` reply to ``_HELLO_AUTH``: the sink's nonce and MAC
+_CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")
+#: the source's QP information: QPN, PSN, GID, LID, MTU (``_PROOF`` = the source's MAC, then this)
+_QP_INFO = struct.Struct("<II16sHB")
+_PROOF = struct.Struct(f"<{MAC_BYTES}s{_QP_INFO.size}s")
+_KEY_LABEL = "verbs-hello"
+_SINK_ROLE = b"verbs/3 sink"
+_SOURCE_ROLE = b"verbs/3 source"
 #: after an ``_OK`` reply: the sink's last issued grant key, then the count and keys of this source's live grants
 _GRANTS = struct.Struct("<QI")
 _MAX_LIVE_GRANTS = 1 << 20
 _OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
+_AUTH_REQUIRED, _AUTH_UNSUPPORTED, _AUTH_FAILED = 4, 5, 6  # sink has a secret / has none / the proof is wrong
 _REVOKED = b"R"  # sink → source on the liveness socket: "revoke killed your QP", then EOF
 _U64_MAX = (1 << 64) - 1
 _IPV4_MAPPED = bytes(10) + b"\xff\xff"
@@ -463,7 +518,10 @@ class VerbsTransport(Transport):
     ``max_send_wr`` (1024 outstanding WRs per QP, capped by the device); ``qp_timeout`` (the ack
     timeout exponent, 4.096 us * 2**n; default: derived from ``peer_timeout``) and ``retry_cnt``
     (6; 7 would mean "retry forever" on rxe); ``max_sinks`` (1024 sink QPs, one per connected
-    source; a handshake beyond it is refused and that source's ``connect`` raises).
+    source; a handshake beyond it is refused and that source's ``connect`` raises); ``secret``
+    (bytes of 16..4096, default None: the deployment secret; with it every handshake is a mutual
+    challenge-response before any QP information moves, see "Authentication" in the module
+    docstring; refused handshakes are counted in ``auth_failures``).
     """
 
     name: ClassVar[str] = "verbs"
@@ -483,7 +541,12 @@ class VerbsTransport(Transport):
         qp_timeout: int | None = None,
         retry_cnt: int = 6,
         max_sinks: int = 1024,
+        secret: bytes | None = None,
     ) -> None:
+        secret = check_secret(secret, "verbs transport")
+        self._key = derive_key(secret, _KEY_LABEL) if secret is not None else None
+        del secret  # only the derived key is kept
+        self._auth = AuthFailures("verbs transport", log)
         if _pv is None:
             raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
         if max_inflight < 1 or peer_timeout <= 0 or max_send_wr < 2 or not 0 <= retry_cnt <= 7:
@@ -584,6 +647,12 @@ class VerbsTransport(Transport):
     @property
     def instance(self) -> bytes:
         return self._instance
+
+    @property
+    def auth_failures(self) -> int:
+        """Handshakes this sink refused for authentication (a wrong or missing proof of the secret,
+        a secret on one side only, or a source that went quiet once challenged)."""
+        return self._auth.count
 
     @property
     def revoke_method(self) -> str:
@@ -780,17 +849,19 @@ class VerbsTransport(Transport):
             except OSError as ex:
                 raise TransportError(f"cannot reach the peer's handshake listener {host}:{port}: {ex}", op="connect", errno=ex.errno) from ex
             stack.callback(sock.close)
+            info = _QP_INFO.pack(qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
             try:
-                sock.settimeout(max(deadline.remaining(), 1e-3))
-                sock.sendall(
-                    _HELLO.pack(_MAGIC, _VERSION, remote.instance, self._instance, qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
-                )
-                reply = _recv_exact(sock, _REPLY.size)
+                magic, version, status, rqpn, rpsn, path_mtu, err = self._hello(sock, f"{host}:{port}", remote.instance, info, deadline)
             except OSError as ex:
                 raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
-            magic, version, status, rqpn, rpsn, path_mtu, err = _REPLY.unpack(reply)
             if magic != _MAGIC or version != _VERSION:
                 raise TransportError(f"{host}:{port} does not speak pdcore verbs v{_VERSION}", op="connect")
+            if status == _AUTH_REQUIRED:
+                raise _auth_error(host, port, "it requires the deployment secret and this transport has none (its secret option is unset)")
+            if status == _AUTH_UNSUPPORTED:
+                raise _auth_error(host, port, "it has no deployment secret and this transport authenticates every connection")
+            if status == _AUTH_FAILED:
+                raise _auth_error(host, port, "it did not accept this transport's proof of the deployment secret")
             if status == _TOO_MANY:
                 raise TransportError(
                     f"{host}:{port} refused the connection: the sink already holds its maximum of {rqpn} source "
@@ -803,6 +874,7 @@ class VerbsTransport(Transport):
             if status != _OK:
                 raise TransportError(f"the peer could not set up its QP (errno {err})", op="connect", errno=err or None)
             try:
+                sock.settimeout(max(deadline.remaining(), 1e-3))
                 floor, count = _GRANTS.unpack(_recv_exact(sock, _GRANTS.size))
                 if count > _MAX_LIVE_GRANTS:
                     raise TransportError(f"{host}:{port} sent {count} live grants (at most {_MAX_LIVE_GRANTS})", op="connect")
@@ -828,6 +900,31 @@ class VerbsTransport(Transport):
             stack.pop_all()
         self._watch(sock, peer)
         return peer
+
+    def _hello(self, sock: socket.socket, where: str, sink: bytes, info: bytes, deadline: Deadline) -> tuple[Any, ...]:
+        """Send the hello (and, with a secret, check the sink's challenge and send our proof with ``info``,
+        our QP information); return the sink's last ``_REPLY``, unpacked."""
+
+        def recv(n: int) -> bytes:
+            sock.settimeout(max(deadline.remaining(), 1e-3))
+            return _recv_exact(sock, n)
+
+        key = self._key
+        sock.settimeout(max(deadline.remaining(), 1e-3))
+        if key is None:
+            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, sink, self._instance, *_QP_INFO.unpack(info)))
+            return _REPLY.unpack(recv(_REPLY.size))
+        nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(_HELLO_AUTH.pack(_MAGIC_AUTH, _VERSION, sink, self._instance, nonce))
+        reply = _REPLY.unpack(recv(_REPLY.size))
+        if reply[0] != _MAGIC or reply[1] != _VERSION or reply[2] != _OK:
+            return reply
+        sink_nonce, mac = _CHALLENGE.unpack(recv(_CHALLENGE.size))
+        if not same_mac(mac, hello_mac(key, _SINK_ROLE, sink, self._instance, nonce, sink_nonce)):
+            host, _, port = where.rpartition(":")
+            raise _auth_error(host, port, "it could not prove that it holds the deployment secret (different secrets?)")
+        sock.sendall(_PROOF.pack(hello_mac(key, _SOURCE_ROLE, sink, self._instance, nonce, sink_nonce, info), info))
+        return _REPLY.unpack(recv(_REPLY.size))
 
     def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
         remote = decode_endpoint(peer_endpoint, expect=self.name)
@@ -1161,20 +1258,58 @@ class VerbsTransport(Transport):
 
     def _cm_accept(self) -> None:
         try:
-            conn, _addr = self._listener.accept()
+            conn, addr = self._listener.accept()
         except OSError:
             return
         sink: _SinkConn | None = None
+        deadline = Deadline.after(min(HELLO_TIMEOUT, self._peer_timeout))  # the whole handshake
+
+        def recv(n: int) -> bytes:
+            conn.settimeout(max(deadline.remaining(), 1e-3))
+            return _recv_exact(conn, n)
+
+        def refuse(status: int) -> None:
+            conn.sendall(_REPLY.pack(_MAGIC, _VERSION, status, 0, 0, 0, errno_mod.EACCES))
+            conn.close()
+
         try:
-            conn.settimeout(min(5.0, self._peer_timeout))
-            magic, version, want, src, qpn, psn, gid, lid, mtu = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            if magic != _MAGIC or version != _VERSION:
+            prefix = recv(5)
+            if prefix[4] != _VERSION or prefix[:4] not in (_MAGIC, _MAGIC_AUTH):
                 conn.close()
                 return
+            nonce = b""
+            if prefix[:4] == _MAGIC:
+                _m, _v, want, src, qpn, psn, gid, lid, mtu = _HELLO.unpack(prefix + recv(_HELLO.size - 5))
+            else:
+                _m, _v, want, src, nonce = _HELLO_AUTH.unpack(prefix + recv(_HELLO_AUTH.size - 5))
             if want != self._instance:
                 conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _WRONG_INSTANCE, 0, 0, 0, 0))
                 conn.close()
                 return
+            key = self._key
+            if key is None and nonce:
+                self._auth.failed(addr, "the source authenticates and this sink has no secret")
+                refuse(_AUTH_UNSUPPORTED)
+                return
+            if key is not None and not nonce:
+                self._auth.failed(addr, "the source sent no proof of the deployment secret (it has none)")
+                refuse(_AUTH_REQUIRED)
+                return
+            if key is not None:  # no QP, no QPN, no grant key before the source proved it holds the secret
+                mine = os.urandom(NONCE_BYTES)
+                mac = hello_mac(key, _SINK_ROLE, want, src, nonce, mine)
+                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, 0, 0, 0, 0) + _CHALLENGE.pack(mine, mac))
+                try:
+                    proof, info = _PROOF.unpack(recv(_PROOF.size))
+                except OSError as ex:
+                    self._auth.failed(addr, f"challenged, it sent no proof of the deployment secret ({ex})")
+                    conn.close()
+                    return
+                if not same_mac(proof, hello_mac(key, _SOURCE_ROLE, want, src, nonce, mine, info)):
+                    self._auth.failed(addr, "its proof of the deployment secret is wrong")
+                    refuse(_AUTH_FAILED)
+                    return
+                qpn, psn, gid, lid, mtu = _QP_INFO.unpack(info)
             with self._lock:
                 full = len(self._sinks) >= self._max_sinks  # only this thread adds sinks: the count holds
             if full:
@@ -1339,6 +1474,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionResetError(errno_mod.ECONNRESET, "peer closed the connection during the handshake")
         got += k
     return bytes(buf)
+
+
+def _auth_error(host: str, port: Any, why: str) -> TransportError:
+    return TransportError(f"authentication failed: {host}:{port}: {why}", op="connect", errno=errno_mod.EACCES)
 
 
 def _hangup(sock: Any) -> bytes | None:
