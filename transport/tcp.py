@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import itertools
+import math
 import logging
 import os
 import selectors
@@ -252,12 +253,14 @@ def _recv_exact(
     stop: threading.Event,
     stall: float,
     idle: Callable[[], None] | None = None,
+    deadline: Deadline | None = None,
 ) -> bytes:
     """Read exactly ``n`` bytes from a socket with a (poll-interval) timeout.
 
     A timeout before the first byte calls ``idle`` (which raises to give up) or,
     without one, counts as a stall; after ``stall`` seconds with no byte the
-    peer is declared gone. ``stop`` set = the transport is closing.
+    peer is declared gone, and at ``deadline`` whatever arrived. ``stop`` set =
+    the transport is closing.
     """
     buf = bytearray(n)
     view = memoryview(buf)
@@ -269,6 +272,8 @@ def _recv_exact(
         except _TICK:
             if stop.is_set():
                 raise _PeerGone("transport closing", None) from None
+            if deadline is not None and deadline.expired():
+                raise _PeerGone(f"the handshake did not finish in time ({got} of {n} bytes)", errno_mod.ETIMEDOUT) from None
             if got == 0 and idle is not None:
                 idle()
                 last = time.monotonic()
@@ -286,24 +291,7 @@ def _recv_exact(
 
 def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Event) -> bytes:
     """Read exactly ``n`` bytes before ``deadline`` (a handshake: the whole of it has one deadline)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except _TICK:
-            if stop.is_set():
-                raise _PeerGone("transport closing", None) from None
-            if deadline.expired():
-                raise _PeerGone(f"the handshake did not finish in time ({got} of {n} bytes)", errno_mod.ETIMEDOUT) from None
-            continue
-        except OSError as e:
-            raise _PeerGone(f"connection broke: {e}", e.errno) from e
-        if k == 0:
-            raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
-        got += k
-    return bytes(buf)
+    return _recv_exact(sock, n, stop=stop, stall=math.inf, deadline=deadline)
 
 
 def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: threading.Event, stall: float) -> None:
