@@ -63,6 +63,14 @@ same requests run again with ``Plan(grants=False)`` (decode's
 grant check at the sink); ratio = e2e GB/s with grants / without (medians),
 target >= 0.95.
 
+Authentication (``open_GBps``, ``ratio_secret_vs_open``): every e2e run holds
+a deployment secret (CURVE on the control channel, signed bootstrap requests,
+the data connections' challenge-response), as the demo does; after each, the
+same requests run again without a secret. Ratio = GB/s with / without
+(medians), target >= 0.97. The poll rows time a peer with a secret and one
+without (``open_poll_us``) in the same rounds: the scheduler's round never
+touches the secret, so the two should match.
+
 ``poll`` rows: the scheduler-thread cost of ``poll()`` with ``--poll-requests``
 (8,192) requests in flight: a ``PrefillPeer`` (capacity = that many, started
 against an in-process bootstrap server) holding them all, a rotating ~1% of
@@ -106,6 +114,8 @@ from benchmarks._pipeline import post_pipelined  # noqa: E402
 
 TARGET_RATIO = 0.7
 GRANTS_TARGET = 0.95  # grants may cost at most 5% of end-to-end throughput
+SECRET_TARGET = 0.97  # authentication may cost at most 3% of end-to-end throughput
+SECRET = b"benchmarks/pd.py deployment secret"
 CONFIGS = (("1P1D", 1, 1), ("2P2D", 2, 2))
 
 
@@ -305,7 +315,8 @@ def _recv(conn: Connection, timeout: float, who: str) -> Any:
 
 
 def e2e_once(
-    name: str, prefill: int, decode: int, args: argparse.Namespace, seed: int, exclude: set[int], *, grants: bool = True
+    name: str, prefill: int, decode: int, args: argparse.Namespace, seed: int, exclude: set[int], *,
+    grants: bool = True, secret: bytes | None = SECRET,
 ) -> dict[str, Any]:
     """One ``demo.run``; returns its figures and the writes of every (prefill, decode, rank) pair."""
     from pdcore.demo import Plan, make_requests, run
@@ -324,6 +335,7 @@ def e2e_once(
         prefault=not args.no_prefault,
         timeout=args.timeout,
         grants=grants,
+        secret=secret,
     )
     sampler = CpuSampler(exclude)
     try:
@@ -363,7 +375,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
     for name, prefill, decode in CONFIGS:
         if name not in args.configs:
             continue
-        e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare = [], [], [], [], [], [], [], []
+        e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_ = [], [], [], [], [], [], [], [], []
         nbytes = nwrites = 0
         for k in range(args.repeats):
             say(f"{name}: e2e run {k + 1}/{args.repeats} ({args.requests} requests)")
@@ -383,6 +395,8 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             per_run.append(statistics.median(floors[-args.floor_repeats :]) / r["seconds"])
             say(f"{name}: the same run without grants {k + 1}/{args.repeats}")
             bare.append(e2e_once(name, prefill, decode, args, seed=k, exclude={p.pid for p in floor.procs}, grants=False)["seconds"])
+            say(f"{name}: the same run without a secret {k + 1}/{args.repeats}")
+            open_.append(e2e_once(name, prefill, decode, args, seed=k, exclude={p.pid for p in floor.procs}, secret=None)["seconds"])
             say(f"{name}: e2e {nbytes / r['seconds'] / 1e9:.3f} GB/s, floor {nbytes / statistics.median(floors[-args.floor_repeats:]) / 1e9:.3f} GB/s")
         sec, fsec = statistics.median(e2e), statistics.median(floors)
         rows.append({
@@ -414,6 +428,8 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "ratio_per_run": [round(x, 3) for x in per_run],
             "no_grants_GBps": round(nbytes / statistics.median(bare) / 1e9, 4),
             "ratio_grants_vs_none": round(statistics.median(bare) / sec, 3),
+            "open_GBps": round(nbytes / statistics.median(open_) / 1e9, 4),
+            "ratio_secret_vs_open": round(statistics.median(open_) / sec, 3),
             "e2e_cpu_s_per_GB": round(statistics.median(cpu) / (nbytes / 1e9), 3),
             "floor_cpu_s_per_GB": round(statistics.median(floor_cpu) / (nbytes / 1e9), 3),
             "cpu_ratio_floor_vs_e2e": round(statistics.median(floor_cpu) / statistics.median(cpu), 3),
@@ -435,110 +451,103 @@ def _sync(group: Any) -> None:
         dist.barrier(group=group)
 
 
-def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, port: int) -> dict[str, Any]:
-    """Median µs of ``PrefillPeer.poll`` and of the bare ``Agreement.round``, same workload, alternating."""
+def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: tuple[int, int]) -> dict[str, Any]:
+    """Median µs of ``PrefillPeer.poll`` (with a secret, and without) and of the bare ``Agreement.round``,
+    same workload, rotating which goes first. ``ports``: a bootstrap server with ``SECRET``, one without."""
     from pdcore import BootstrapInfo, PrefillConfig, PrefillPeer, Succeeded
     from pdcore._spec import State, Trigger
     from pdcore.agreement import Agreement
     from pdcore.table import StateTable
 
     far = 1e6  # no request times out during the benchmark
-    peer, _outbox = PrefillPeer.start(
-        PrefillConfig(
-            kv_buffers=[np.zeros(16 * 4096, np.uint8)], page_bytes=4096, num_pages=16, capacity=n,
-            tp_size=world, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
-            bootstrap_timeout=far, waiting_timeout=far,
-        )
-    )
+    table = StateTable(n, bootstrap_timeout=far, waiting_timeout=far)
+    bare = Agreement(table)
+    peers: dict[str, Any] = {}
     try:
-        table = StateTable(n, bootstrap_timeout=far, waiting_timeout=far)
-        bare = Agreement(table)
+        for name, port, secret in (("peer", ports[0], SECRET), ("open", ports[1], None)):
+            peers[name], _ = PrefillPeer.start(
+                PrefillConfig(
+                    kv_buffers=[np.zeros(16 * 4096, np.uint8)], page_bytes=4096, num_pages=16, capacity=n,
+                    tp_size=world, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
+                    bootstrap_timeout=far, waiting_timeout=far, secret=secret,
+                )
+            )
         serial = 0
-        peer_rids, bare_rids = [], []
+        rids: dict[str, list[str]] = {name: [] for name in (*peers, "bare")}
         for _ in range(n):
-            rid = f"req-{serial}"
-            peer.register(rid, BootstrapInfo("127.0.0.1", port, serial))
-            table.register(rid, time.monotonic())
-            peer_rids.append(rid)
-            bare_rids.append(rid)
+            for name, peer in peers.items():
+                peer.register(f"req-{serial}", BootstrapInfo("127.0.0.1", 1, serial))
+                rids[name].append(f"req-{serial}")
+            table.register(f"req-{serial}", time.monotonic())
+            rids["bare"].append(f"req-{serial}")
             serial += 1
         per_round = max(1, n // 100)
-        slot_p = {rid: i for i, rid in enumerate(peer_rids)}
-        slot_b = dict(slot_p)
+        slots = {name: {rid: i for i, rid in enumerate(r)} for name, r in rids.items()}
         bootstrapped = State.BOOTSTRAPPED
-        t_peer: list[float] = []
-        t_bare: list[float] = []
+        times: dict[str, list[float]] = {name: [] for name in rids}
         events = 0
         cursor = 0
 
-        def peer_round() -> list[Any]:
+        def timed(name: str) -> list[Any]:
             _sync(group)
             t0 = time.perf_counter()
-            out = peer.poll(group)
-            t_peer.append(time.perf_counter() - t0)
+            out = bare.round(time.monotonic(), group) if name == "bare" else peers[name].poll(group)
+            times[name].append(time.perf_counter() - t0)
             return out
 
-        def bare_round() -> list[Any]:
-            _sync(group)
-            t0 = time.perf_counter()
-            out = bare.round(time.monotonic(), group)
-            t_bare.append(time.perf_counter() - t0)
-            return out
-
+        order = list(rids)
         for k in range(rounds):
             # the I/O threads' work (not timed): 1% move on, those already bootstrapped land
             for j in range(per_round):
                 i = (cursor + j) % n
-                rid = peer_rids[i]
-                peer._fire(rid, Trigger.WRITES_LANDED if peer._table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED)
-                rid = bare_rids[i]
+                for name, peer in peers.items():
+                    rid = rids[name][i]
+                    peer._fire(rid, Trigger.WRITES_LANDED if peer._table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED)
+                rid = rids["bare"][i]
                 table.update(rid, Trigger.WRITES_LANDED if table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED, time.monotonic())
             cursor += per_round
-            if k % 2:
-                ev_p, ev_b = peer_round(), bare_round()
-            else:
-                ev_b, ev_p = bare_round(), peer_round()
-            events += len(ev_p)
+            first = order[k % len(order)]
+            got = {name: timed(name) for name in order[order.index(first):] + order[: order.index(first)]}
+            events += len(got["peer"])
             # the scheduler admits new requests in place of the finished ones (not timed)
-            for e in ev_p:
-                if isinstance(e, Succeeded):
-                    i = slot_p.pop(e.rid)
-                    rid = f"req-{serial}"
-                    peer.register(rid, BootstrapInfo("127.0.0.1", port, serial))
-                    peer_rids[i] = rid
-                    slot_p[rid] = i
-                    serial += 1
-            for e in ev_b:
-                if isinstance(e, Succeeded):
-                    i = slot_b.pop(e.rid)
-                    rid = f"new-{e.rid}"
-                    table.register(rid, time.monotonic())
-                    bare_rids[i] = rid
-                    slot_b[rid] = i
+            for name, evs in got.items():
+                for e in evs:
+                    if isinstance(e, Succeeded):
+                        i = slots[name].pop(e.rid)
+                        rid = f"req-{serial}"
+                        serial += 1
+                        if name == "bare":
+                            table.register(rid, time.monotonic())
+                        else:
+                            peers[name].register(rid, BootstrapInfo("127.0.0.1", 1, serial))
+                        rids[name][i] = rid
+                        slots[name][rid] = i
         warm = rounds // 10
-        paired = [p - b for p, b in zip(t_peer[warm:], t_bare[warm:])]
+        t_peer, t_bare, t_open = (times[name][warm:] for name in ("peer", "bare", "open"))
         return {
-            "overhead_us": statistics.median(paired) * 1e6,
-            "peer_us": statistics.median(t_peer[warm:]) * 1e6,
-            "bare_us": statistics.median(t_bare[warm:]) * 1e6,
-            "peer_p90_us": float(np.percentile(t_peer[warm:], 90)) * 1e6,
-            "bare_p90_us": float(np.percentile(t_bare[warm:], 90)) * 1e6,
+            "overhead_us": statistics.median(p - b for p, b in zip(t_peer, t_bare)) * 1e6,
+            "peer_us": statistics.median(t_peer) * 1e6,
+            "open_us": statistics.median(t_open) * 1e6,
+            "bare_us": statistics.median(t_bare) * 1e6,
+            "peer_p90_us": float(np.percentile(t_peer, 90)) * 1e6,
+            "bare_p90_us": float(np.percentile(t_bare, 90)) * 1e6,
             "events_per_round": events / rounds,
             "changing_per_round": per_round,
-            "in_flight": len(peer._table),
+            "in_flight": len(peers["peer"]._table),
         }
     finally:
-        peer.close()
+        for peer in peers.values():
+            peer.close()
 
 
-def _poll_rank(rank: int, world: int, store: str, n: int, rounds: int, port: int, out: Any) -> None:
+def _poll_rank(rank: int, world: int, store: str, n: int, rounds: int, ports: tuple[int, int], out: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        result = poll_rounds(n, rounds, dist.group.WORLD, rank, world, port)
+        result = poll_rounds(n, rounds, dist.group.WORLD, rank, world, ports)
         if rank == 0:
             out.put(result)
     except BaseException as e:
@@ -554,18 +563,18 @@ def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
     rows = []
     for world in (1, 2):
         say(f"poll: {args.poll_requests} in flight, world {world}, {args.rounds} rounds")
-        server = BootstrapServer()
-        port = server.start()
+        servers = [BootstrapServer(secret=SECRET), BootstrapServer()]
+        ports = (servers[0].start(), servers[1].start())
         try:
             if world == 1:
-                result = poll_rounds(args.poll_requests, args.rounds, None, 0, 1, port)
+                result = poll_rounds(args.poll_requests, args.rounds, None, 0, 1, ports)
             else:
                 ctx = mp.get_context("spawn")
                 out = ctx.Queue()
                 with tempfile.TemporaryDirectory(prefix="pdcore-bench-pd-") as tmp:
                     store = os.path.join(tmp, "store")
                     procs = [
-                        ctx.Process(target=_poll_rank, args=(r, world, store, args.poll_requests, args.rounds, port, out))
+                        ctx.Process(target=_poll_rank, args=(r, world, store, args.poll_requests, args.rounds, ports, out))
                         for r in range(world)
                     ]
                     for p in procs:
@@ -580,7 +589,8 @@ def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
                 if "error" in result:
                     raise RuntimeError(f"poll benchmark, world {world}: {result['error']}")
         finally:
-            server.close()
+            for server in servers:
+                server.close()
         rows.append({
             "kind": "poll",
             "role": "prefill",
@@ -594,6 +604,8 @@ def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
             "bare_round_us": round(result["bare_us"], 2),
             "peer_overhead_us": round(result["overhead_us"], 2),
             "peer_vs_bare": round(result["peer_us"] / result["bare_us"], 3),
+            "open_poll_us": round(result["open_us"], 2),
+            "secret_vs_open": round(result["peer_us"] / result["open_us"], 3),
             "peer_poll_p90_us": round(result["peer_p90_us"], 2),
             "bare_round_p90_us": round(result["bare_p90_us"], 2),
         })
@@ -656,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         "meets_target": all(r["ratio_e2e_vs_floor"] >= TARGET_RATIO for r in e2e) if e2e else None,
         "target_ratio_grants_vs_none": GRANTS_TARGET,
         "grants_meet_target": all(r["ratio_grants_vs_none"] >= GRANTS_TARGET for r in e2e) if e2e else None,
+        "target_ratio_secret_vs_open": SECRET_TARGET,
+        "secret_meets_target": all(r["ratio_secret_vs_open"] >= SECRET_TARGET for r in e2e) if e2e else None,
         "units": "GBps = 1e9 bytes/s; seconds and µs are medians; e2e seconds run from all ranks ready "
                  "to the last event (run_seconds: as run() returns, shutdown included)",
         "floor": "the TCP transport's write/completions API replaying the e2e run's coalesced batches "
@@ -674,22 +688,26 @@ def main(argv: list[str] | None = None) -> int:
               f"pages, 1..{args.max_pages} pages/request, window {args.window}) vs the TCP transport on the same batches")
         print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
               f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
-              f"{'no-grant GB/s':>13} {'grants/none':>11}")
+              f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11}")
         for r in e2e:
             print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
                   f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
                   f"{r['ratio_e2e_vs_floor']:>6.2f} {min(r['ratio_per_run']):>5.2f}-{max(r['ratio_per_run']):<5.2f} {r['e2e_cpu_s_per_GB']:>8.2f} {r['floor_cpu_s_per_GB']:>6.2f} {r['cpu_ratio_floor_vs_e2e']:>9.2f} "
                   f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
-                  f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f}")
+                  f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
+                  f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f}")
         print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
-              f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}")
+              f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
+              f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "
+              f"{'met' if summary['secret_meets_target'] else 'NOT met'}")
     polls = [r for r in rows if r["kind"] == "poll"]
     if polls:
         print(f"poll() with {args.poll_requests} requests in flight, ~1% changing per round, median µs ({args.rounds} rounds)")
-        print(f"{'world':>5} {'events/round':>12} {'peer poll':>10} {'bare round':>11} {'overhead':>9} {'peer/bare':>10}")
+        print(f"{'world':>5} {'events/round':>12} {'peer poll':>10} {'bare round':>11} {'overhead':>9} {'peer/bare':>10} "
+              f"{'open poll':>10} {'secret/open':>12}")
         for r in polls:
             print(f"{r['world']:>5} {r['events_per_round']:>12.1f} {r['peer_poll_us']:>10.1f} {r['bare_round_us']:>11.1f} "
-                  f"{r['peer_overhead_us']:>9.1f} {r['peer_vs_bare']:>9.2f}x")
+                  f"{r['peer_overhead_us']:>9.1f} {r['peer_vs_bare']:>9.2f}x {r['open_poll_us']:>10.1f} {r['secret_vs_open']:>11.2f}x")
     print(f"implementation: table {summary['table_implementation']}, plan {summary['plan_implementation']}; "
           f"{summary['seconds']} s (--json for every field)")
     return 0
