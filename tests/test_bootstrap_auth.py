@@ -403,14 +403,17 @@ def test_refusals_are_logged_once_per_source_without_secrets(
 
 
 def test_idle_sockets_at_the_cap_do_not_keep_legit_clients_out() -> None:
-    with BootstrapServer("127.0.0.1", 0, secret=SECRET, max_connections=64, request_timeout=60.0) as srv:
+    # header_timeout 30 s: only eviction can free a slot before the client's deadline (10 s)
+    with BootstrapServer(
+        "127.0.0.1", 0, secret=SECRET, max_connections=64, request_timeout=60.0, header_timeout=30.0
+    ) as srv:
         idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(64)]
         try:
             for i, sock in enumerate(idle):
                 if i % 2:
                     sock.sendall(b"PUT /v1/ranks HTTP/1.0\r\nContent-Length: 100\r\n")  # a slow drip, or nothing
             client = BootstrapClient("127.0.0.1", srv.port, secret=SECRET)
-            deadline = Deadline.after(1.5)  # well inside request_timeout (60 s) and header_timeout (2 s)
+            deadline = Deadline.after(10.0)  # well inside request_timeout (60 s) and header_timeout (30 s)
             assert client.register(reg(0), deadline) == "created"
             rank = client.rank(0, 0, deadline)
             assert rank is not None and rank.endpoint == "tcp://127.0.0.1:7000"
