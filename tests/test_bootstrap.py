@@ -403,14 +403,21 @@ def test_close_makes_port_reusable() -> None:
     again.close(soon())
 
 
-def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
+def run_cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``python -m pdcore bootstrap`` on any port (``$PDCORE_SECRET_FILE`` only if ``env`` sets it)."""
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pdcore.bootstrap import main; sys.exit(main(sys.argv[1:]))",
-         "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+    full_env = {k: v for k, v in os.environ.items() if k != "PDCORE_SECRET_FILE"}
+    full_env.update({"PYTHONPATH": str(repo), **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdcore", "bootstrap", "--host", "127.0.0.1", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=tmp_path,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def cli_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[int]:
+    """The CLI server's port; on exit it must stop cleanly on SIGTERM."""
+    proc = run_cli(tmp_path, *args, env=env)
     try:
         assert proc.stdout is not None
         with selectors.DefaultSelector() as sel:
@@ -418,8 +425,7 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
             assert sel.select(timeout=20), "the CLI did not print its port"
         line = proc.stdout.readline().decode()
         assert "listening on 127.0.0.1:" in line, line
-        port = int(line.rsplit(":", 1)[1])
-        assert BootstrapClient("127.0.0.1", port).health(soon())
+        yield int(line.rsplit(":", 1)[1])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
@@ -429,6 +435,11 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
+    with cli_server(tmp_path) as port:
+        assert BootstrapClient("127.0.0.1", port).health(soon())
 
 
 # --------------------------------------------------------------------------- pure validators

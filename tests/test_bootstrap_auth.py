@@ -45,32 +45,11 @@ from pdcore.bootstrap import (
 from pdcore.deadline import Deadline
 from pdcore.errors import StartError
 
+from test_bootstrap import LAYOUT, cli_server, raw, reg, run_cli, soon
+
 SECRET = b"deployment-secret-0123456789abcdef"
 OTHER = b"another-secret-0123456789abcdefgh"
 KEY = derive_key(SECRET, "bootstrap")
-LAYOUT = {"page_size": 16}
-
-
-def reg(tp_rank: int = 0, dp_rank: int = 0, **kw: Any) -> RankRegistration:
-    base: dict[str, Any] = dict(
-        session_id=f"p-{dp_rank}-{tp_rank}",
-        epoch=1,
-        endpoint=f"tcp://127.0.0.1:{7000 + 10 * dp_rank + tp_rank}",
-        tp_size=2,
-        dp_size=1,
-        tp_rank=tp_rank,
-        dp_rank=dp_rank,
-        layout=LAYOUT,
-        transport=f"{dp_rank:02x}{tp_rank:02x}" * 8,
-    )
-    base.update(kw)
-    return RankRegistration(**base)
-
-
-def soon(seconds: float = 5.0) -> Deadline:
-    return Deadline.after(seconds)
-
-
 class Clock:
     """The server's clock: real time plus a skew the test sets."""
 
@@ -98,14 +77,6 @@ def server(clock: Clock) -> Iterator[BootstrapServer]:
 @pytest.fixture
 def client(server: BootstrapServer) -> BootstrapClient:
     return BootstrapClient("127.0.0.1", server.port, secret=SECRET)
-
-
-def raw(port: int, data: bytes) -> bytes:
-    """Send bytes on a fresh connection and read the whole answer (bounded by a timeout)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
-        return b"".join(iter(lambda: sock.recv(65536), b""))
 
 
 def parse(answer: bytes) -> tuple[int, dict[str, str], Any]:
@@ -539,16 +510,6 @@ def test_unauthenticated_server_warns_at_start() -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def run_cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    repo = Path(__file__).resolve().parents[1]
-    full_env = {k: v for k, v in os.environ.items() if k != "PDCORE_SECRET_FILE"}
-    full_env.update({"PYTHONPATH": str(repo), **(env or {})})
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdcore", "bootstrap", "--host", "127.0.0.1", "--port", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=tmp_path,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("via", ["option", "env"])
 @pytest.mark.parametrize("content", [None, b"short\n"], ids=["missing", "too-short"])
 def test_cli_bad_secret_file_is_one_line_naming_it(tmp_path: Path, via: str, content: bytes | None) -> None:
@@ -569,23 +530,7 @@ def test_cli_serves_with_the_secret(tmp_path: Path, via: str) -> None:
     path = tmp_path / "secret"
     path.write_bytes(SECRET + b"\n")
     args, env = (("--secret-file", str(path)), None) if via == "option" else ((), {"PDCORE_SECRET_FILE": str(path)})
-    proc = run_cli(tmp_path, *args, env=env)
-    try:
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            assert sel.select(timeout=20), "the CLI did not print its port"
-        line = proc.stdout.readline().decode()
-        port = int(line.rsplit(":", 1)[1])
+    with cli_server(tmp_path, *args, env=env) as port:
         assert BootstrapClient("127.0.0.1", port, secret=SECRET).register(reg(0), soon()) == "created"
         with pytest.raises(AuthenticationError):
             BootstrapClient("127.0.0.1", port).rank(0, 0, soon())
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
