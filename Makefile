@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx transport/*.pyx)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,fuzz]'
+	$(PY) -m pip install -q -e '.[test,fuzz,cli,metrics]'
 	touch $@
 
 demo: $(STAMP)
