@@ -36,6 +36,7 @@ from transport.plan import Layout
 from . import wire
 from .agreement import Agreement
 from .auth import resolve_secret, warn_unauthenticated
+from .metrics import Counts, PeerCollector, check_registry
 from .config import PeerConfig
 from .control import ControlChannel, DeadPeer
 from .deadline import Deadline
@@ -133,6 +134,7 @@ class PeerBase:
         self._thread: threading.Thread | None = None
         self._io_threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
+        self.counts = Counts()  # what the metrics read (PeerConfig.metrics)
         self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
 
     # -- start and stop -----------------------------------------------------------------
@@ -170,6 +172,11 @@ class PeerBase:
             )
             self._channel.start()
             stack.callback(self._channel.close)
+            if cfg.metrics is not None:
+                check_registry(cfg.metrics, f"{type(cfg).__name__}.metrics")
+                collector = PeerCollector(self)
+                cfg.metrics.register(collector)
+                stack.callback(cfg.metrics.unregister, collector)
             self._thread = threading.Thread(target=self._run, name=f"pdcore-{self.ROLE}-worker", daemon=True)
             self._io_threads = [
                 threading.Thread(target=self._io_run, name=f"pdcore-{self.ROLE}-io-{i}", daemon=True)
@@ -305,7 +312,9 @@ class PeerBase:
         """The transfers whose state the replica agreed changed; every rank calls it in the same rounds."""
         if self._closed:
             raise PeerError(f"{self.ROLE} peer: closed")
+        started = time.perf_counter()
         events = self._agreement.round(time.monotonic(), replica)
+        self.counts.rounds.observe(time.perf_counter() - started)
         fencing = self._table.take_fencing()
         if self._fence_backlog:
             fencing, self._fence_backlog = self._fence_backlog + fencing, []
@@ -316,11 +325,19 @@ class PeerBase:
                 self._fence_backlog.append(rid)
             except PdError:  # closing: no worker, and the transport goes down with the peer
                 self._fenced(rid)
-        return self._settle(events) if events else events
+        if not events:
+            return events
+        settled = self._settle(events)
+        self.counts.ended(settled, self._TERMINAL)
+        return settled
 
     def has_in_flight(self) -> bool:
         """A transfer is still tracked: it may yet read or write the cache."""
         return self._table.has_in_flight()
+
+    def connected_peers(self) -> int:
+        """Peers this rank has a control connection to (a metric)."""
+        return len(self._channel._dealers)
 
     # -- role hooks -----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ Source ranks register where their control channel listens; sinks look up the
 replica's parallel info and each rank's endpoint. The HTTP API (JSON bodies)::
 
     GET /health                    200 {"status": "ok"}                     never authenticated
+    GET /metrics                   200 Prometheus text (given a registry)   never authenticated: counters only
     PUT /v1/ranks                  200 {"result": "created" | "unchanged" | "replaced"}
                                    400 malformed (names the field), 409 conflict,
                                    411 no Content-Length, 413 body too large
@@ -109,6 +110,7 @@ from . import auth
 from .auth import AuthenticationError
 from .deadline import Deadline, DeadlineExceeded
 from .errors import LocalProtocolError, RemoteProtocolError, StartError
+from .metrics import BootstrapCollector, check_registry
 from .wire import MAX_SESSION_ID, MAX_TP_SIZE, check_endpoint, check_json_object
 
 __all__ = [
@@ -283,6 +285,9 @@ class Registry:
 
     def __init__(self) -> None:
         self._slots: dict[tuple[int, int], tuple[RankRegistration, bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
     def register(self, reg: RankRegistration) -> Outcome:
         """Store a registration. Raises ``RemoteProtocolError`` (→ 409) on a conflict."""
@@ -662,6 +667,10 @@ class _Handler(BaseHTTPRequestHandler):
             if srv.begin_handling(self.conn):
                 self._reply(200, {"status": "ok"})
             return
+        if method == "GET" and path == "/metrics" and srv.metrics is not None:  # open: counters, no endpoints
+            if srv.begin_handling(self.conn):
+                self._metrics()
+            return
         body = b""
         has_body = self.headers.get("Content-Length") is not None or self.headers.get("Transfer-Encoding") is not None
         if (method == "PUT" and path == "/v1/ranks") or (srv.key is not None and has_body):
@@ -684,6 +693,17 @@ class _Handler(BaseHTTPRequestHandler):
         return self._not_found_or_not_allowed(method)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = do_OPTIONS = _dispatch
+
+    def _metrics(self) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = generate_latest(self.server.metrics)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
 
     def _get(self, path: str) -> None:
         if path == "/v1/parallel":
@@ -784,6 +804,7 @@ class _Server(ThreadingHTTPServer):
         max_connections: int,
         auth_window: float,
         clock: Callable[[], float],
+        metrics: Any = None,
     ) -> None:
         self.key = key
         self.max_body = max_body
@@ -792,6 +813,7 @@ class _Server(ThreadingHTTPServer):
         self.max_connections = max_connections
         self.auth_window = auth_window
         self.clock = clock
+        self.metrics = metrics
         self.registry = Registry()
         self.lock = threading.Lock()  # the registry's
         self.nonces = NonceCache()
@@ -951,6 +973,7 @@ class BootstrapServer:
         max_connections: int = 64,
         auth_window: float = DEFAULT_AUTH_WINDOW,
         clock: Callable[[], float] = time.time,
+        metrics: Any = None,
     ) -> None:
         for name, value in (("request_timeout", request_timeout), ("header_timeout", header_timeout),
                             ("auth_window", auth_window)):  # fmt: skip
@@ -967,6 +990,10 @@ class BootstrapServer:
         self._max_connections = max_connections
         self._auth_window = auth_window
         self._clock = clock
+        if metrics is not None:
+            check_registry(metrics, "bootstrap server: metrics")
+        self._metrics = metrics
+        self._collector = BootstrapCollector(self)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
@@ -982,6 +1009,15 @@ class BootstrapServer:
     def authenticated(self) -> bool:
         """True if requests must be signed (a secret was given)."""
         return self._key is not None
+
+    @property
+    def registered_ranks(self) -> int:
+        """Ranks in the registry now."""
+        server = self._server
+        if server is None:
+            return 0
+        with server.lock:
+            return len(server.registry)
 
     @property
     def stats(self) -> BootstrapStats:
@@ -1006,11 +1042,14 @@ class BootstrapServer:
                 max_connections=self._max_connections,
                 auth_window=self._auth_window,
                 clock=self._clock,
+                metrics=self._metrics,
             )
         except OSError as e:
             raise StartError(f"bootstrap server: cannot bind {self.host}:{self._port}: {e}") from e
         if self._key is None:
             auth.warn_unauthenticated("bootstrap server")
+        if self._metrics is not None:
+            self._metrics.register(self._collector)
         server.timeout = 0  # handle_request() is called only once the listening socket is readable
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -1057,6 +1096,8 @@ class BootstrapServer:
         for handler in handlers:
             handler.join(deadline.remaining())
         server.server_close()
+        if self._metrics is not None:
+            self._metrics.unregister(self._collector)
         os.close(self._wake_r)
         os.close(self._wake_w)
         alive = [t.name for t in [thread, *handlers] if t.is_alive()]

@@ -55,6 +55,8 @@ class PeerConfig:
     #: benchmarks/pd.py can show what grants cost. Fence before free then holds for nothing.
     unsafe_no_grants: bool = False
     secret: bytes | None = field(default=None, repr=False)
+    #: a ``prometheus_client.CollectorRegistry`` to publish this peer's metrics in (``pdcore.metrics``)
+    metrics: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> StartError:

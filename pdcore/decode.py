@@ -87,6 +87,7 @@ class DecodePeer(PeerBase):
     """A decode rank's PD transfer peer."""
 
     ROLE = "decode"
+    _TERMINAL = (RemotePrefillDone, Failed)
 
     def __init__(self, config: DecodeConfig) -> None:
         super().__init__(config)
@@ -110,6 +111,7 @@ class DecodePeer(PeerBase):
         """Track an admitted request; its prefill rank is looked up off the scheduler thread."""
         with self._lock:
             self._table.register(rid, time.monotonic())
+            self.counts.born(rid)
             request = _Request(rid, bootstrap.room, (bootstrap.host, bootstrap.port))
             self._requests[rid] = request
         source = self._known_source(request)

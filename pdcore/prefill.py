@@ -76,6 +76,7 @@ class PrefillPeer(PeerBase):
     """A prefill rank's PD transfer peer."""
 
     ROLE = "prefill"
+    _TERMINAL = (Succeeded, Failed)
 
     def __init__(self, config: PrefillConfig) -> None:
         super().__init__(config)
@@ -150,6 +151,7 @@ class PrefillPeer(PeerBase):
             if room in self._rooms:
                 raise LocalProtocolError(f"room {room} is already held by rid {self._rooms[room].rid!r}", rooms=(room,))
             self._table.register(rid, time.monotonic())
+            self.counts.born(rid)
             entry = _Room(rid, room)
             self._rooms[room] = entry
             self._by_rid[rid] = entry
@@ -399,6 +401,8 @@ class PrefillPeer(PeerBase):
                 deadline=Deadline.after(self._config.fence_timeout) if wait else None,
                 grant=entry.grant,
             )
+            self.counts.writes_posted += len(batch)
+            self.counts.bytes_posted += int(batch[:, 2].sum())
         except CapacityError:
             with self._lock:
                 entry.inflight -= 1
@@ -476,6 +480,10 @@ class PrefillPeer(PeerBase):
             log.warning("prefill peer: cannot tell %s about room %s: %s", endpoint, wire.rooms_of(msg), e)
 
     # -- failures from outside -----------------------------------------------------------
+
+    def connected_peers(self) -> int:
+        """Decode ranks with a data connection up (a metric)."""
+        return sum(1 for sink in list(self._sinks.values()) if sink.ready)
 
     def _peer_lost(self, dead: DeadPeer) -> None:
         self._lose_sink(dead.endpoint, f"decode peer lost: {dead.reason}")
