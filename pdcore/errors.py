@@ -4,9 +4,18 @@
 this process raises ``LocalProtocolError``; the one door that decodes a
 peer's bytes relabels it ``RemoteProtocolError``. Each carries ``rooms``: the
 rooms the error concerns, which the caller fails and nothing more.
+
+The base and the data plane's errors are defined in ``transport.errors`` (the
+bottom layer, which imports nothing from pdcore) and re-exported here as the
+same classes: ``PdError is transport.errors.TransportBaseError``, and
+``StartError``, ``CapacityError``, ``TransportError`` are transport's own. So
+``except PdError`` catches every error of the library and of its data plane.
 """
 
 from __future__ import annotations
+
+from transport.errors import CapacityError, StartError, TransportError
+from transport.errors import TransportBaseError as PdError
 
 __all__ = [
     "PdError",
@@ -21,33 +30,12 @@ __all__ = [
 ]
 
 
-class PdError(Exception):
-    """Base of every error this library raises on purpose."""
-
-
 class CollectiveError(PdError):
-    """The replica could not agree (mismatched request sets, a failed collective)."""
+    """The replica could not agree (mismatched request sets, a failed collective, a rank gone)."""
 
 
 class PeerError(PdError):
     """The transfer peer broke: it cannot serve past this."""
-
-
-class StartError(PdError):
-    """A peer, transport or server could not start; the message says what to fix."""
-
-
-class CapacityError(PdError):
-    """A bounded table or queue is full."""
-
-
-class TransportError(PdError):
-    """A data-plane operation failed; ``op`` names it and ``errno`` is kept when known."""
-
-    def __init__(self, message: str, *, op: str = "", errno: int | None = None) -> None:
-        super().__init__(message)
-        self.op = op
-        self.errno = errno
 
 
 class ProtocolError(PdError):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pdcore.errors import PdError
+from .errors import TransportBaseError
 
 __all__ = ["Layout", "PlanError", "validate"]
 
@@ -29,7 +29,7 @@ _U64_MAX = (1 << 64) - 1
 MAX_PAGE_ID = (1 << 63) - 1  # page ids are int64 in both twins
 
 
-class PlanError(PdError, ValueError):
+class PlanError(TransportBaseError, ValueError):
     """A transfer plan was asked for with inputs that cannot describe a transfer."""
 
 

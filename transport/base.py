@@ -104,9 +104,25 @@ connections are unauthenticated, as before. Only the handshake is
 authenticated, not each frame (a frame costs the same with a secret): an
 attacker on the network path can still tamper with an established stream.
 
-Errors: ``pdcore.errors.TransportError(message, op=..., errno=...)`` for data
-plane failures, ``CapacityError`` for back-pressure, ``StartError`` when a
-transport cannot start. A transport never imports pdcore state code.
+Errors and deadlines: this package stands alone
+-----------------------------------------------
+``transport`` imports nothing from ``pdcore`` (a test parses every module
+here to check it, and another imports the package with pdcore absent). It
+owns its errors, in ``transport.errors``: ``TransportError(message, op=...,
+errno=...)`` for data plane failures, ``CapacityError`` for back-pressure,
+``StartError`` when a transport cannot start, all subclasses of
+``TransportBaseError``; and its deadline, ``transport.deadline.Deadline``.
+
+How users still catch every library error as ``pdcore.PdError``: pdcore sits
+above and re-exports these very classes rather than defining its own.
+``pdcore.PdError`` *is* ``transport.errors.TransportBaseError`` (one class,
+two names), and pdcore's ``CollectiveError``, ``ProtocolError``, ... subclass
+it; ``pdcore.StartError``, ``pdcore.CapacityError`` and
+``pdcore.TransportError`` *are* ``transport.errors``' classes; and
+``pdcore.deadline.Deadline`` *is* ``transport.deadline.Deadline``. So
+``except pdcore.PdError`` catches every transport error, ``except
+pdcore.TransportError`` catches a transport's failures, and no error is
+defined twice.
 """
 
 from __future__ import annotations
@@ -129,8 +145,8 @@ from typing import Any, ClassVar, NamedTuple, TypeAlias
 
 import numpy as np
 
-from pdcore.deadline import Deadline
-from pdcore.errors import StartError, TransportError
+from .deadline import Deadline
+from .errors import StartError, TransportError
 
 __all__ = [
     "Batch",

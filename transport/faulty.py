@@ -46,9 +46,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pdcore.deadline import Deadline
-from pdcore.errors import StartError, TransportError
-
 from .base import (
     Batch,
     Completion,
@@ -61,6 +58,8 @@ from .base import (
     as_batch,
     call_on_done,
 )
+from .deadline import Deadline
+from .errors import StartError, TransportError
 
 __all__ = ["FaultyTransport", "WRAPPER_OPTIONS"]
 

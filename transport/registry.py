@@ -19,7 +19,7 @@ import importlib
 import threading
 from typing import Any
 
-from pdcore.errors import StartError
+from .errors import StartError
 
 from .base import Transport
 

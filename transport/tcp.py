@@ -78,9 +78,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pdcore.deadline import Deadline
-from pdcore.errors import CapacityError, StartError, TransportError
-
 from .base import (
     Batch,
     Completion,
@@ -109,6 +106,8 @@ from .base import (
     new_instance_id,
     same_mac,
 )
+from .deadline import Deadline
+from .errors import CapacityError, StartError, TransportError
 
 __all__ = ["Hello", "HelloError", "TcpTransport", "check_challenge", "check_proof", "decode_hello", "encode_hello"]
 

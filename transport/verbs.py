@@ -170,9 +170,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pdcore.deadline import Deadline
-from pdcore.errors import CapacityError, StartError, TransportError
-
 from .base import (
     HELLO_TIMEOUT,
     MAC_BYTES,
@@ -200,6 +197,8 @@ from .base import (
     new_instance_id,
     same_mac,
 )
+from .deadline import Deadline
+from .errors import CapacityError, StartError, TransportError
 
 __all__ = ["INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
 
