@@ -496,3 +496,25 @@ def test_deep_json_is_a_protocol_error() -> None:
 
 def test_body_cap_constant() -> None:
     assert MAX_BODY_BYTES == 1 << 20
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [(["--port", "99999"], "--port"), (["--request-timeout", "-1"], "--request-timeout"),
+     (["--max-body", "0"], "--max-body"), (["--port", "x"], "--port")],
+)  # fmt: skip
+def test_cli_refuses_a_bad_option_in_one_line(tmp_path: Path, args: list[str], named: str) -> None:
+    proc = run_cli(tmp_path, *args)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    last = err.decode().strip().splitlines()[-1]
+    assert named in last and "Traceback" not in err.decode()
+
+
+def test_cli_serves_metrics_when_asked(tmp_path: Path) -> None:
+    import urllib.request
+
+    with cli_server(tmp_path, "--metrics") as port:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    assert "pdcore_bootstrap_ranks 0.0" in text and "pdcore_bootstrap_busy_total" in text
