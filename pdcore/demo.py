@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -29,11 +30,14 @@ import tempfile
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+
+from .progress import RunProgress
 
 __all__ = ["Plan", "Request", "make_requests", "run", "main"]
 
@@ -329,7 +333,7 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                 inbox.announce(r.rid, got, request_pool_index=len(r.rid))
             now = time.monotonic()
             if rank == 0 and now - last_report > 0.25:
-                out.put(("progress", "decode", index, rank, (results["ok"], results["failed"])))
+                out.put(("progress", "decode", index, rank, (results["ok"], results["failed"], results["bytes"])))
                 last_report = now
             time.sleep(0.001)
         results.update(log=log, unfinished=len(admit) + live, **_leftovers(peer, plan))
@@ -365,8 +369,15 @@ def _rank_main(target: Any, *args: Any) -> None:
     out = args[-1]
     try:
         target(*args)
-    except BaseException:
-        out.put(("error", target.__name__, args[1], args[2], traceback.format_exc()))
+    except BaseException as e:
+        role = target.__name__.strip("_").removesuffix("_rank")  # "prefill" / "decode"
+        out.put(("error", role, args[1], args[2], (_cause(e), traceback.format_exc())))
+
+
+def _cause(e: BaseException) -> str:
+    """One line naming an exception: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 # ------------------------------------------------------------------------------ the run
@@ -381,6 +392,10 @@ class Outcome:
     errors: list[str]
     seconds: float
     killed_at: dict[tuple[str, int], float]
+    #: the run never started: one line naming the first rank that failed before every rank was ready, and why
+    start_failure: str | None = None
+    #: one line per entry of ``errors`` (``errors`` holds the tracebacks)
+    causes: list[str] = field(default_factory=list)
 
     def decode_logs_agree(self) -> bool:
         return _logs_agree(self.decode)
@@ -412,18 +427,29 @@ def _context() -> Any:
     return ctx
 
 
-def run(plan: Plan, *, progress: Any = None) -> Outcome:
-    """Run the plan; every wait is bounded by ``plan.timeout`` (plus start-up)."""
+def run(plan: Plan, *, progress: RunProgress | None = None) -> Outcome:
+    """Run the plan; every wait is bounded by ``plan.timeout`` (plus start-up).
+
+    A rank that fails before every rank is ready (its transport cannot start, say) ends the run
+    at once: the other ranks are killed and ``Outcome.start_failure`` names the rank and the cause.
+    ``progress`` (``pdcore.progress.RunProgress``) is told about set-up and about requests as they end.
+    """
     from .bootstrap import BootstrapServer
 
     ctx = _context()
     pipes: dict[Any, tuple[str, int, int]] = {}  # the runner's end of each rank's pipe
-    servers = [BootstrapServer(secret=plan.secret) for _ in plan.prefill_tp]
-    ports = [s.start() for s in servers]
     procs: dict[tuple[str, int], list[Any]] = {}
     results: dict[str, dict[tuple[int, int], dict[str, Any]]] = {"prefill": {}, "decode": {}}
     errors: list[str] = []
+    causes: list[str] = []
+    start_failure: str | None = None
     killed_at: dict[tuple[str, int], float] = {}
+    expected = sum(plan.prefill_tp) + sum(plan.decode_tp)
+    if progress is not None:
+        progress.starting(f"{expected} ranks (prefill tp {'+'.join(map(str, plan.prefill_tp))}, "
+                          f"decode tp {'+'.join(map(str, plan.decode_tp))})", expected)
+    servers = [BootstrapServer(secret=plan.secret) for _ in plan.prefill_tp]
+    ports = [s.start() for s in servers]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pdcore-demo-") as tmp:
         for role, sizes in (("prefill", plan.prefill_tp), ("decode", plan.decode_tp)):
@@ -442,10 +468,10 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
                     writer.close()  # the rank holds the only writer: its exit is our EOF
                     pipes[reader] = (role, index, rank)
                     procs[(role, index)].append(p)
-        expected = sum(len(v) for v in procs.values())
         ready = 0
         finished = 0
-        done_total = {index: 0 for index in range(len(plan.decode_tp))}
+        reported: set[tuple[str, int, int]] = set()  # ranks that sent their result (or error)
+        done_total = {index: (0, 0, 0) for index in range(len(plan.decode_tp))}  # (ok, failed, bytes) per replica
         hard_deadline = started + plan.timeout + 60.0
         try:
             inbox: deque[Any] = deque()
@@ -455,34 +481,60 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
                         try:
                             inbox.append(reader.recv())
                         except (EOFError, OSError):  # the rank exited or was killed
-                            del pipes[reader]
+                            who = pipes.pop(reader)
                             reader.close()
+                            if ready < expected and start_failure is None and who not in reported:
+                                start_failure = f"{who[0]} {who[1]} rank {who[2]} exited before it was ready"
+                                causes.append(start_failure)
+                    if start_failure is not None:
+                        break
                     if not inbox:
                         if not pipes or all(not p.is_alive() for ps in procs.values() for p in ps):
                             break
+                        if progress is not None:
+                            progress.ranks_ready(ready, expected)
                         continue
                 kind, role, index, rank, payload = inbox.popleft()
+                if kind in ("done", "error"):
+                    reported.add((role, index, rank))
                 if kind == "ready":
                     ready += 1
+                    if progress is not None:
+                        progress.ranks_ready(ready, expected)
                     if ready == expected:
                         started = time.monotonic()  # throughput counts from here, not from process start
+                        if progress is not None:
+                            progress.running(len(plan.requests))
                 elif kind == "error":
-                    errors.append(f"{role} {index} rank {rank}: {payload}")
+                    cause, trace = payload
+                    errors.append(f"{role} {index} rank {rank}: {trace}")
+                    causes.append(f"{role} {index} rank {rank}: {cause}")
                     finished += 1
+                    if ready < expected:  # the run never started: say so once, stop the other ranks now
+                        start_failure = causes[-1]
+                        break
                 elif kind == "done":
                     results[role][(index, rank)] = payload
                     finished += 1
+                    if role == "decode" and rank == 0:  # its last word: the replica's final counts
+                        done_total[index] = (payload["ok"], payload["failed"], payload["bytes"] * plan.decode_tp[index])
+                        if progress is not None:
+                            progress.update(*(sum(t[i] for t in done_total.values()) for i in range(3)))
                 elif kind == "progress":
-                    done_total[index] = payload[0] + payload[1]
+                    done_total[index] = (payload[0], payload[1], payload[2] * plan.decode_tp[index])
                     if progress is not None:
-                        progress(sum(done_total.values()), len(plan.requests))
+                        progress.update(*(sum(t[i] for t in done_total.values()) for i in range(3)))
                 for (krole, kindex), at in plan.kill.items():
-                    if (krole, kindex) not in killed_at and sum(done_total.values()) >= at:
+                    if (krole, kindex) not in killed_at and sum(t[0] + t[1] for t in done_total.values()) >= at:
                         for p in procs[(krole, kindex)]:
                             p.kill()
                         killed_at[(krole, kindex)] = time.time()
                         expected -= len(procs[(krole, kindex)])
         finally:
+            if start_failure is not None:  # the others would wait for it until their own timeouts
+                for ps in procs.values():
+                    for p in ps:
+                        p.kill()
             for ps in procs.values():
                 for p in ps:
                     p.join(timeout=10)
@@ -493,48 +545,158 @@ def run(plan: Plan, *, progress: Any = None) -> Outcome:
                 s.close()
             for reader in pipes:
                 reader.close()
-    if finished < expected:
+    if start_failure is None and finished < expected:
         errors.append(f"only {finished} of {expected} ranks reported within the deadline")
-    return Outcome(results["prefill"], results["decode"], errors, time.monotonic() - started, killed_at)
+        causes.append(errors[-1])
+    return Outcome(results["prefill"], results["decode"], errors, time.monotonic() - started, killed_at,
+                   start_failure, causes)
 
 
 # ------------------------------------------------------------------------------ CLI
+#
+# Shared with ``chaos``: a parser whose errors are one line, and argparse types that refuse a bad
+# value while parsing, naming the option, before anything starts.
+
+
+class CliParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose error is one line (``prog: error: argument --x: why``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def int_range(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``lo..hi``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"need an integer in {lo}..{hi}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"need an integer in {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
+def float_range(lo: float, hi: float, *, lo_open: bool = False, what: str = "a number") -> Callable[[str], float]:
+    """An argparse type: a finite number in ``lo..hi`` (``lo`` itself excluded if ``lo_open``)."""
+    bounds = f"above {lo:g} and at most {hi:g}" if lo_open else f"in {lo:g}..{hi:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"need {what} {bounds}, got {text!r}") from None
+        if not (math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi):
+            raise argparse.ArgumentTypeError(f"need {what} {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def transport_name(text: str) -> str:
+    """An argparse type: a registered transport (``transport.registry.available()``) or ``faulty:<one>``."""
+    from transport import registry
+
+    known = registry.available()
+    inner = text[len("faulty:"):] if text.startswith("faulty:") else text
+    if inner not in known:
+        names = ", ".join(known)
+        raise argparse.ArgumentTypeError(f"unknown transport {text!r}; choose one of {names}, or faulty:<one of them>")
+    return text
+
+
+def transport_help() -> str:
+    from transport import registry
+
+    return (f"data plane: {', '.join(registry.available())}, or faulty:<name> (that transport with injected "
+            "faults) (default: %(default)s)")
+
+
+def _secret_file(text: str) -> tuple[str, bytes | None]:
+    if text == "none":
+        return text, None
+    from .auth import load_secret
+    from .errors import StartError
+
+    try:
+        return text, load_secret(text)
+    except StartError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory, if the OS says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+PROGRESS_HELP = ("live progress: auto (a rich bar on a terminal, plain lines every few seconds otherwise), "
+                 "rich, plain or none (default: %(default)s)")
+MAX_REQUESTS = 1 << 20  # PeerConfig.capacity's bound (a demo's capacity is max(64, requests))
+
+
+def parser() -> CliParser:
+    p = CliParser(
+        prog="python -m pdcore demo",
+        description="Move N requests' KV cache from a prefill replica to a decode replica on this machine: "
+        "real processes (one per rank), real gloo groups, the chosen transport over loopback. Every byte of "
+        "every page is checked; prints a summary table and 'demo: OK' or 'demo: FAILED' (exit 0 / 1).",
+    )
+    p.add_argument("--requests", type=int_range(1, MAX_REQUESTS), default=200, metavar="N",
+                   help=f"requests to move (1..{MAX_REQUESTS}; default: %(default)s)")
+    p.add_argument("--prefill-tp", type=int_range(1, 64), default=2, metavar="N",
+                   help="ranks of the prefill replica (1..64, must equal --decode-tp; default: %(default)s)")
+    p.add_argument("--decode-tp", type=int_range(1, 64), default=2, metavar="N",
+                   help="ranks of the decode replica (1..64, must equal --prefill-tp; default: %(default)s)")
+    p.add_argument("--layers", type=int_range(1, 1024), default=8, metavar="N",
+                   help="KV cache buffers per rank (1..1024; default: %(default)s)")
+    p.add_argument("--page-bytes", type=int_range(1, 64 << 20), default=32768, metavar="BYTES",
+                   help=f"bytes per page per buffer (1..{64 << 20}; default: %(default)s)")
+    p.add_argument("--max-pages", type=int_range(1, 4096), default=16, metavar="N",
+                   help="pages per request: 1..this, at random (1..4096; default: %(default)s)")
+    p.add_argument("--transport", type=transport_name, default="tcp", metavar="NAME", help=transport_help())
+    p.add_argument("--seed", type=int_range(0, (1 << 63) - 1), default=0, metavar="N",
+                   help="seeds the requests' sizes and rooms (a non-negative integer; default: %(default)s)")
+    p.add_argument("--timeout", type=float_range(0, 86400, lo_open=True, what="seconds"), default=180.0,
+                   metavar="SECONDS", help="the run's deadline, after start-up (0 < SECONDS <= 86400; default: %(default)s)")
+    p.add_argument("--secret-file", type=_secret_file, metavar="PATH",
+                   help="file holding the deployment secret (16..4096 bytes), or 'none' to run unauthenticated "
+                   "(default: a random secret generated for this run)")
+    p.add_argument("--progress", choices=("auto", "rich", "plain", "none"), default="auto", help=PROGRESS_HELP)
+    p.add_argument("--verbose", action="store_true",
+                   help="print the traceback of every rank that raised (default: one line naming the cause)")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdcore demo", description="Move N requests' KV from P to D.")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--prefill-tp", type=int, default=2)
-    parser.add_argument("--decode-tp", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--page-bytes", type=int, default=32768)
-    parser.add_argument("--max-pages", type=int, default=16, help="pages per request: 1..this, at random")
-    parser.add_argument("--transport", default="tcp")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=180.0)
-    parser.add_argument(
-        "--secret-file",
-        help="the deployment secret (default: a random secret generated for this run; 'none' runs unauthenticated)",
-    )
-    args = parser.parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
     if args.prefill_tp != args.decode_tp:
-        parser.error("this release pairs prefill and decode ranks one to one: --prefill-tp must equal --decode-tp")
+        cli.error(f"argument --prefill-tp/--decode-tp: this release pairs prefill and decode ranks one to one, "
+                  f"so prefill tp must equal decode tp (got {args.prefill_tp} and {args.decode_tp})")
+    num_pages = max(512, 4 * args.max_pages * 32)
+    cache = (args.prefill_tp + args.decode_tp) * args.layers * num_pages * args.page_bytes
+    memory = memory_bytes()
+    if memory is not None and cache > memory:
+        cli.error(f"argument --page-bytes/--layers/--max-pages: {args.layers} layers x {num_pages} pages x "
+                  f"{args.page_bytes} bytes on {args.prefill_tp + args.decode_tp} ranks is {cache / 1e9:.1f} GB of "
+                  f"KV cache; this machine has {memory / 1e9:.1f} GB")
 
-    from .auth import load_secret
-    from .errors import StartError
     from .table import IMPLEMENTATION
 
     if args.secret_file is None:
         secret: bytes | None = secrets.token_bytes(32)
         auth_note = "authenticated (a secret generated for this run)"
-    elif args.secret_file == "none":
+    elif args.secret_file[1] is None:
         secret, auth_note = None, "UNAUTHENTICATED (--secret-file none)"
     else:
-        try:
-            secret = load_secret(args.secret_file)
-        except StartError as e:
-            parser.error(str(e))
-        auth_note = f"authenticated (secret from {args.secret_file})"
+        secret = args.secret_file[1]
+        auth_note = f"authenticated (secret from {args.secret_file[0]})"
 
     plan = Plan(
         requests=make_requests(args.requests, seed=args.seed, max_pages=args.max_pages),
@@ -542,29 +704,38 @@ def main(argv: list[str] | None = None) -> int:
         decode_tp=[args.decode_tp],
         layers=args.layers,
         page_bytes=args.page_bytes,
-        num_pages=max(512, 4 * args.max_pages * 32),
+        num_pages=num_pages,
         transport=args.transport,
         timeout=args.timeout,
         secret=secret,
     )
+    page = f"{args.page_bytes // 1024} KiB" if args.page_bytes % 1024 == 0 else f"{args.page_bytes} B"
     print(
         f"pdcore demo: {args.requests} requests, prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, "
-        f"{args.layers} layers x {args.page_bytes // 1024} KiB pages, transport {args.transport}, "
-        f"{IMPLEMENTATION} state table, {auth_note}"
+        f"{args.layers} layers x {page} pages, transport {args.transport}, "
+        f"{IMPLEMENTATION} state table, {auth_note}",
+        flush=True,
     )
-
-    def show(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(1, total)
-        print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests", end="", flush=True)
-
-    outcome = run(plan, progress=show if sys.stdout.isatty() else None)
-    print()
-    return report(plan, outcome)
+    with RunProgress("demo", mode=args.progress) as progress:
+        outcome = run(plan, progress=progress)
+    return report(plan, outcome, verbose=args.verbose)
 
 
-def report(plan: Plan, outcome: Outcome) -> int:
-    """Print the summary table; 0 only if every request succeeded and every byte matched."""
+def report(plan: Plan, outcome: Outcome, *, verbose: bool = False) -> int:
+    """Print the summary table; 0 only if every request succeeded and every byte matched.
+
+    A run that never started (``outcome.start_failure``) prints no table: one line naming the
+    rank and the cause (with ``verbose``, every rank's traceback too), then ``demo: FAILED``.
+    Errors of a run that started are one line each; ``verbose`` adds their tracebacks.
+    """
+    if outcome.start_failure is not None:
+        if verbose:
+            for error in outcome.errors:
+                print(f"error: {error}", file=sys.stderr)
+        hint = "" if verbose or not outcome.errors else " (--verbose shows the traceback)"
+        print(f"demo: could not start: {outcome.start_failure}{hint}", file=sys.stderr, flush=True)
+        print("demo: FAILED")
+        return 1
     decode = outcome.decode
     landed = [{rid for kind, rid, _ in r["log"] if kind == "RemotePrefillDone"} for r in decode.values()]
     mismatched = sorted({rid for r in decode.values() for rid in r["mismatched"]})
@@ -590,7 +761,7 @@ def report(plan: Plan, outcome: Outcome) -> int:
     for key, value in rows:
         print(f"| {key:<{width}} | {value:<32} |")
     print("+" + "-" * (width + 2) + "+" + "-" * 34 + "+")
-    for error in outcome.errors:
+    for error in outcome.errors if verbose else outcome.causes or outcome.errors:
         print(f"error: {error}", file=sys.stderr)
     good = not outcome.errors and failed == 0 and ok == expected and not mismatched and not tokens_bad and agree
     print("demo: OK" if good else "demo: FAILED")
