@@ -62,7 +62,22 @@ from typing import Any
 
 import numpy as np
 
-from .demo import Pages, Request, _cache, _leftovers, first_token, pattern
+from .demo import (
+    CliParser,
+    Pages,
+    Request,
+    _cache,
+    _cause,
+    _leftovers,
+    first_token,
+    float_range,
+    int_range,
+    memory_bytes,
+    pattern,
+    transport_help,
+    transport_name,
+)
+from .progress import RunProgress
 
 __all__ = ["ChaosPlan", "ChaosOutcome", "run", "report", "main", "faulty_control_channel"]
 
@@ -585,9 +600,9 @@ def _rank_main(target: Any, plan: ChaosPlan, role: str, index: int, gen: int, ra
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the runner asks a hung rank for its stacks
     try:
         target(plan, index, gen, rank, *args)
-    except BaseException:
+    except BaseException as e:
         try:
-            conn.send(("error", role, index, gen, rank, traceback.format_exc()))
+            conn.send(("error", role, index, gen, rank, (_cause(e), traceback.format_exc())))
         except OSError:
             pass
 
@@ -607,6 +622,7 @@ class _Incarnation:
     ready: set[int] = field(default_factory=set)
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    causes: dict[int, str] = field(default_factory=dict)  # one line per entry of ``errors``
     exited: set[int] = field(default_factory=set)
     killed: bool = False
     stopping: bool = False
@@ -632,11 +648,19 @@ class ChaosOutcome:
     seconds: float
     t0: float  # wall clock of the start, for the actions' and violations' times
     dispatched: int = 0
+    #: the run never started: one line naming the first rank that failed before every replica was up, and why
+    start_failure: str | None = None
+    #: one line per rank that raised (``errors`` holds the tracebacks)
+    causes: list[str] = field(default_factory=list)
 
 
 class _Runner:
-    def __init__(self, plan: ChaosPlan, tmp: str) -> None:
+    def __init__(self, plan: ChaosPlan, tmp: str, progress: RunProgress | None = None) -> None:
         self.plan = plan
+        self.progress = progress
+        self.pages_of: dict[str, int] = {}  # rid -> its pages (for the bytes progress shows)
+        self.ended = [0, 0, 0]  # on decode replicas: requests ended, of them failed, bytes landed
+        self.started = False  # every replica was up once: the faulty phase began
         self.tmp = tmp
         self.rng = random.Random(plan.seed)  # requests: pages, rooms, routing
         self.fault_rng = random.Random(plan.seed ^ 0xFA17)  # the fault schedule: its own stream, so it does not
@@ -724,11 +748,18 @@ class _Runner:
                           f"{self.plan.dead_after:g} s): it stopped itself right after handing over {payload} pages")
             elif kind == "ended" and inc.role == "decode":
                 inc.live.discard(payload[0])
+                self.ended[0] += 1
+                if payload[1] == "Failed":
+                    self.ended[1] += 1
+                else:
+                    plan = self.plan
+                    self.ended[2] += self.pages_of.get(payload[0], 0) * plan.page_bytes * plan.layers * plan.decode_tp
             elif kind == "done":
                 inc.done[rank] = payload
             elif kind == "error":
-                inc.errors[rank] = payload
-                self.note(f"{inc.name} rank {rank} raised: {payload.strip().splitlines()[-1]}")
+                inc.causes[rank], inc.errors[rank] = payload
+                if self.started:  # before, the run ends at once and says it once (start_failure)
+                    self.note(f"{inc.name} rank {rank} raised: {inc.causes[rank]}")
 
     def send(self, inc: _Incarnation, msg: Any) -> None:
         if inc.killed:
@@ -756,6 +787,7 @@ class _Runner:
                 self.send(dec, ("add", [r]))
                 self.send(pre, ("add", [r]))
                 dec.live.add(rid)
+                self.pages_of[rid] = r.pages
                 dec.dispatched.append(rid)
                 pre.dispatched.append(rid)
 
@@ -826,18 +858,57 @@ class _Runner:
 
     # -- the run
 
+    def ranks_ready(self) -> tuple[int, int]:
+        incs = list(self.current.values())
+        return sum(len(i.ready) for i in incs), sum(len(i.procs) for i in incs)
+
+    def start_failure(self) -> str | None:
+        """The first rank that raised or exited before every replica was up, and why."""
+        for inc in self.incs:
+            for rank in sorted(inc.causes):
+                return f"{inc.name} rank {rank}: {inc.causes[rank]}"
+            for rank in sorted(inc.exited - inc.ready - set(inc.done)):
+                return f"{inc.name} rank {rank} exited before it was ready (exit code {inc.procs[rank].exitcode})"
+        return None
+
+    def abort(self, why: str) -> ChaosOutcome:
+        """The run never started: kill every rank now (the others would wait for the failed one)."""
+        for inc in self.incs:
+            for p in inc.procs:
+                p.kill()
+            for p in inc.procs:
+                p.join(5)
+        for s in self.servers:
+            s.close()
+        for conn in list(self.by_conn):
+            conn.close()
+        errors = [f"{i.name} rank {r}: {e}" for i in self.incs for r, e in i.errors.items()]
+        return ChaosOutcome(self.plan, self.incs, self.actions, [], errors, time.monotonic() - self.m0, self.t0, 0,
+                            start_failure=why)
+
     def run(self) -> ChaosOutcome:
         plan = self.plan
+        progress = self.progress
+        if progress is not None:
+            ranks = plan.replicas * (plan.prefill_tp + plan.decode_tp)
+            progress.starting(f"{ranks} ranks ({plan.replicas} prefill and {plan.replicas} decode replicas of tp "
+                              f"{plan.prefill_tp})", ranks)
         for role in ("prefill", "decode"):
             for index in range(plan.replicas):
                 self.spawn(role, index)
         start_by = time.monotonic() + plan.start_timeout
         while not all(i.up for i in self.current.values()) and time.monotonic() < start_by:
             self.receive(0.1)
-            if any(i.errors for i in self.incs):
-                break
+            if progress is not None:
+                progress.ranks_ready(*self.ranks_ready())
+            why = self.start_failure()
+            if why is not None:
+                return self.abort(why)
         self.m0 = time.monotonic()
         self.t0 = time.time()
+        self.started = True
+        if progress is not None:
+            progress.running(plan.requests)
         self.note(f"all replicas up; seed {plan.seed}")
         phase_end = self.m0 + (plan.seconds if plan.seconds is not None else plan.max_seconds)
         next_fault = self.m0 + plan.warmup
@@ -849,6 +920,8 @@ class _Runner:
                 if not any(i.live for i in self.current.values() if i.role == "decode" and not i.killed):
                     break
             self.receive(0.02)
+            if progress is not None:
+                progress.update(*self.ended)
             self.run_timers()
             if self.armed is not None and (now >= self.armed[3] or self.armed[0].killed):
                 inc, ranks, seconds, _ = self.armed  # no big handover came: pause the rest from outside
@@ -874,6 +947,8 @@ class _Runner:
         pending = lambda: [(i, r) for i in stopping for r in range(len(i.procs)) if r not in i.done and r not in i.errors and r not in i.exited]  # noqa: E731
         while pending() and time.monotonic() < deadline:
             self.receive(0.1)
+            if progress is not None:
+                progress.update(*self.ended)
             self.run_timers(final=True)  # a rank that stopped itself late is resumed at once
         hung: list[str] = []
         for inc, rank in pending():
@@ -901,7 +976,9 @@ class _Runner:
         for conn in list(self.by_conn):
             conn.close()
         errors = [f"{i.name} rank {r}: {e}" for i in self.incs for r, e in i.errors.items()] + self.errors
-        return ChaosOutcome(plan, self.incs, self.actions, hung, errors, time.monotonic() - self.m0, self.t0, self.n)
+        causes = [f"{i.name} rank {r}: {c}" for i in self.incs for r, c in i.causes.items()] + self.errors
+        return ChaosOutcome(plan, self.incs, self.actions, hung, errors, time.monotonic() - self.m0, self.t0, self.n,
+                            causes=causes)
 
     def _stacks(self, inc: _Incarnation, rank: int) -> str:
         p = inc.procs[rank]
@@ -930,9 +1007,11 @@ def _context() -> Any:
     return ctx
 
 
-def run(plan: ChaosPlan) -> ChaosOutcome:
+def run(plan: ChaosPlan, *, progress: RunProgress | None = None) -> ChaosOutcome:
+    """Run the plan. A rank that raises (or exits) before every replica is up ends the run at once:
+    ``ChaosOutcome.start_failure`` names it. ``progress`` is told about set-up and requests as they end."""
     with tempfile.TemporaryDirectory(prefix="pdcore-chaos-") as tmp:
-        return _Runner(plan, tmp).run()
+        return _Runner(plan, tmp, progress).run()
 
 
 # ------------------------------------------------------------------------------ the invariants
@@ -1034,9 +1113,26 @@ def _reasons(survivors: list[Any]) -> Counter[str]:
     return out
 
 
-def report(outcome: ChaosOutcome) -> int:
+def report(outcome: ChaosOutcome, *, verbose: bool = False) -> int:
+    """Print the table of figures and invariants, then ``chaos: OK`` or ``chaos: FAILED``; 0 only if all hold.
+
+    A run that never started (``outcome.start_failure``) prints no table: one line naming the rank
+    and the cause (``verbose`` adds the tracebacks). A rank that raised later is one line in the
+    details of "no rank raised"; ``verbose`` shows its traceback there.
+    """
     plan = outcome.plan
+    if outcome.start_failure is not None:
+        if verbose:
+            for error in outcome.errors:
+                print(f"error: {error}", file=sys.stderr)
+        hint = "" if verbose or not outcome.errors else " (--verbose shows the traceback)"
+        print(f"chaos: could not start: {outcome.start_failure}{hint}", file=sys.stderr, flush=True)
+        print("chaos: FAILED")
+        return 1
     rows = check(outcome)
+    if not verbose and outcome.causes:
+        rows = [(name, fig, good, outcome.causes if name == "no rank raised" else details)
+                for name, fig, good, details in rows]
     survivors = [i for i in outcome.incarnations if not i.killed]
     decode_logs = [i.done[r]["log"] for i in survivors if i.role == "decode" for r in sorted(i.done)[:1]]
     ok = sum(1 for log in decode_logs for k, _, _ in log if k == "RemotePrefillDone")
@@ -1100,43 +1196,91 @@ def _replay_args(plan: ChaosPlan) -> str:
 # ------------------------------------------------------------------------------ CLI
 
 
+def parser() -> CliParser:
+    d = ChaosPlan()
+    fraction = float_range(0.0, 1.0, what="a fraction")
+    p = CliParser(
+        prog="python -m pdcore chaos",
+        description="2 prefill -> 2 decode replicas (tp 2 each by default) as real processes under replica kills, "
+        "SIGSTOP pauses, data-plane and control-plane faults; checks the invariants a scheduler relies on and "
+        "prints a table, then 'chaos: OK' or 'chaos: FAILED' (exit 0 / 1) with the command that replays the run.",
+    )
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--seconds", type=float_range(0, 86400, lo_open=True, what="seconds"), metavar="SECONDS",
+                        help=f"length of the faulty phase (0 < SECONDS <= 86400; default: {d.seconds:g} unless "
+                        "--requests is given)")
+    length.add_argument("--requests", type=int_range(1, 1 << 20), metavar="N",
+                        help=f"dispatch this many requests (1..{1 << 20}), then stop once they ended "
+                        f"(at most {d.max_seconds:g} s of faults); default: run for --seconds")
+    p.add_argument("--seed", type=int_range(0, (1 << 63) - 1), default=None, metavar="N",
+                   help="seeds the requests and the fault schedule (a non-negative integer; default: random, printed)")
+    p.add_argument("--transport", type=transport_name, default=d.transport, metavar="NAME", help=transport_help())
+    p.add_argument("--tp", type=int, default=d.prefill_tp, choices=(1, 2),
+                   help="ranks per replica, prefill and decode alike (1: no torch.distributed group; default: %(default)s)")
+    p.add_argument("--fail-rate", type=fraction, default=d.fail_rate, metavar="F",
+                   help="data plane (faulty:<name> only): fraction of batches failed (0..1; default: %(default)s)")
+    p.add_argument("--land-rate", type=fraction, default=d.land_rate, metavar="F",
+                   help="of those, the fraction posted first, so their bytes land (0..1; default: %(default)s)")
+    p.add_argument("--delay", type=float_range(0.0, 10.0, what="seconds"), default=d.delay, metavar="SECONDS",
+                   help="data plane: max extra completion delay (0..10; default: %(default)s)")
+    p.add_argument("--control-drop", type=fraction, default=d.control_drop, metavar="F",
+                   help="control plane: fraction of frames dropped (0..1; default: %(default)s)")
+    p.add_argument("--control-delay", type=fraction, default=d.control_delay, metavar="F",
+                   help=f"control plane: fraction of frames held back up to {d.control_max_delay:g} s, per-peer order "
+                   "kept (0..1; default: %(default)s)")
+    p.add_argument("--control-dup", type=fraction, default=d.control_dup, metavar="F",
+                   help="control plane: fraction of frames sent twice (0..1; default: %(default)s)")
+    p.add_argument("--control-corrupt", type=fraction, default=d.control_corrupt, metavar="F",
+                   help="control plane: fraction of frames with 1-3 bytes flipped (0..1; default: %(default)s)")
+    p.add_argument("--no-kills", action="store_true", help="no SIGKILL of replicas (default: kills and restarts)")
+    p.add_argument("--no-pauses", action="store_true", help="no SIGSTOP pauses of ranks (default: pauses)")
+    p.add_argument("--dead-after", type=float_range(0, 3600, lo_open=True, what="seconds"), default=d.dead_after,
+                   metavar="SECONDS", help=f"a peer silent this long is dead (above the {d.heartbeat_interval:g} s "
+                   "heartbeat, at most 3600; scaled by --slow; default: %(default)s)")
+    p.add_argument("--slow", type=float_range(0, 100, lo_open=True, what="a factor"), default=1.0, metavar="FACTOR",
+                   help="scale every timer (heartbeats, dead_after, timeouts, drain) for a slow machine, "
+                   "e.g. 4 under emulation (0 < FACTOR <= 100; default: %(default)s)")
+    p.add_argument("--window", type=int_range(1, 1024), default=d.window, metavar="N",
+                   help="live requests per decode replica (1..1024; default: %(default)s)")
+    p.add_argument("--layers", type=int_range(1, 1024), default=d.layers, metavar="N",
+                   help="KV cache buffers per rank (1..1024; default: %(default)s)")
+    p.add_argument("--page-bytes", type=int_range(1, 64 << 20), default=d.page_bytes, metavar="BYTES",
+                   help=f"bytes per page per buffer (1..{64 << 20}; default: %(default)s)")
+    p.add_argument("--num-pages", type=int_range(1, 1 << 20), default=d.num_pages, metavar="N",
+                   help=f"pages per buffer (1..{1 << 20}, at least --max-pages; default: %(default)s)")
+    p.add_argument("--max-pages", type=int_range(1, 4096), default=d.max_pages, metavar="N",
+                   help="pages per request: 1..this, at random (1..4096; default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no line per fault (default: one line per fault)")
+    p.add_argument("--unsafe-no-grants", action="store_true",
+                   help="check the checker: decode fences without grants; the canary row must then fail")
+    p.add_argument("--log-level", type=str.upper, default=d.log_level,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   help="of the ranks' pdcore loggers; WARNING shows every fault (default: %(default)s)")
+    p.add_argument("--progress", choices=("auto", "rich", "plain", "none"), default="auto",
+                   help="live progress: auto (a rich bar on a terminal, plain lines every few seconds otherwise), "
+                   "rich, plain or none (default: %(default)s)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the traceback of every rank that raised (default: one line naming the cause)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     d = ChaosPlan()
-    parser = argparse.ArgumentParser(
-        prog="python -m pdcore chaos",
-        description="2P(tp2) -> 2D(tp2) real processes under replica kills, SIGSTOP pauses, data-plane and "
-        "control-plane faults; checks the invariants and prints chaos: OK / FAILED.",
-    )
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument("--seconds", type=float, help=f"length of the faulty phase (default {d.seconds:g})")
-    length.add_argument("--requests", type=int, help="dispatch this many requests, then stop once they ended")
-    parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
-    parser.add_argument("--transport", default=d.transport, help="faulty:tcp, tcp, faulty:verbs, ...")
-    parser.add_argument("--tp", type=int, default=d.prefill_tp, choices=(1, 2),
-                        help="ranks per replica, prefill and decode alike (1: no torch.distributed group)")
-    parser.add_argument("--fail-rate", type=float, default=d.fail_rate, help="data plane: fraction of batches failed")
-    parser.add_argument("--land-rate", type=float, default=d.land_rate, help="of those, fraction posted first")
-    parser.add_argument("--delay", type=float, default=d.delay, help="data plane: max extra completion delay (s)")
-    parser.add_argument("--control-drop", type=float, default=d.control_drop)
-    parser.add_argument("--control-delay", type=float, default=d.control_delay)
-    parser.add_argument("--control-dup", type=float, default=d.control_dup)
-    parser.add_argument("--control-corrupt", type=float, default=d.control_corrupt)
-    parser.add_argument("--no-kills", action="store_true")
-    parser.add_argument("--no-pauses", action="store_true")
-    parser.add_argument("--dead-after", type=float, default=d.dead_after)
-    parser.add_argument("--slow", type=float, default=1.0,
-                        help="scale every timer (heartbeats, dead_after, timeouts, drain) for a slow machine, "
-                             "e.g. 4 under emulation (default 1)")
-    parser.add_argument("--window", type=int, default=d.window, help="live requests per decode replica")
-    parser.add_argument("--layers", type=int, default=d.layers)
-    parser.add_argument("--page-bytes", type=int, default=d.page_bytes)
-    parser.add_argument("--num-pages", type=int, default=d.num_pages)
-    parser.add_argument("--max-pages", type=int, default=d.max_pages, help="pages per request: 1..this, at random")
-    parser.add_argument("--quiet", action="store_true", help="no line per fault")
-    parser.add_argument("--unsafe-no-grants", action="store_true",
-                        help="check the checker: decode fences without grants; the canary row must then fail")
-    parser.add_argument("--log-level", default=d.log_level, help="of the ranks' pdcore loggers (WARNING shows every fault)")
-    args = parser.parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
+    if args.dead_after <= d.heartbeat_interval:
+        cli.error(f"argument --dead-after: must be above the heartbeat interval ({d.heartbeat_interval:g} s), "
+                  f"got {args.dead_after:g}")
+    if args.max_pages > args.num_pages:
+        cli.error(f"argument --max-pages: a request of {args.max_pages} pages would never fit in --num-pages "
+                  f"{args.num_pages}")
+    ranks = 2 * d.replicas * args.tp
+    cache = ranks * args.layers * args.num_pages * args.page_bytes
+    memory = memory_bytes()
+    if memory is not None and cache > memory:
+        cli.error(f"argument --page-bytes/--layers/--num-pages: {args.layers} layers x {args.num_pages} pages x "
+                  f"{args.page_bytes} bytes on {ranks} ranks is {cache / 1e9:.1f} GB of KV cache; "
+                  f"this machine has {memory / 1e9:.1f} GB")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     seconds = args.seconds if args.seconds is not None else (None if args.requests is not None else d.seconds)
     plan = ChaosPlan(
@@ -1144,11 +1288,9 @@ def main(argv: list[str] | None = None) -> int:
         land_rate=args.land_rate, delay=args.delay, control_drop=args.control_drop, control_delay=args.control_delay,
         control_dup=args.control_dup, control_corrupt=args.control_corrupt, kills=not args.no_kills,
         pauses=not args.no_pauses, dead_after=args.dead_after, window=args.window, verbose=not args.quiet,
-        log_level=args.log_level.upper(), layers=args.layers, page_bytes=args.page_bytes, num_pages=args.num_pages,
+        log_level=args.log_level, layers=args.layers, page_bytes=args.page_bytes, num_pages=args.num_pages,
         max_pages=args.max_pages, unsafe_no_grants=args.unsafe_no_grants, prefill_tp=args.tp, decode_tp=args.tp,
     )
-    if args.slow <= 0:
-        parser.error(f"--slow must be positive, got {args.slow}")
     plan = plan.slower(args.slow)
     from .table import IMPLEMENTATION
 
@@ -1156,7 +1298,9 @@ def main(argv: list[str] | None = None) -> int:
           f"transport {plan.transport}, dead_after {plan.dead_after:g} s, "
           + (f"{plan.seconds:g} s" if plan.seconds is not None else f"{plan.requests} requests")
           + f", {IMPLEMENTATION} state table", flush=True)
-    return report(run(plan))
+    with RunProgress("chaos", mode=args.progress) as progress:
+        outcome = run(plan, progress=progress)
+    return report(outcome, verbose=args.verbose)
 
 
 if __name__ == "__main__":
