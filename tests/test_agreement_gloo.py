@@ -19,7 +19,11 @@ def _progress_both(rank: int, world: int) -> dict:
 
 
 def _mismatch_both(rank: int, world: int) -> dict:
-    return {module: _mismatch(rank, world, module) for module in TWINS}
+    out = {module: _mismatch(rank, world, module) for module in TWINS}
+    for module in TWINS:  # the same process group: no second spawn
+        for case in SAME_COUNT_CASES:
+            out[(module, case)] = _same_count(rank, world, module, case)
+    return out
 
 
 def _progress(rank: int, world: int, module: str) -> list:
@@ -109,7 +113,7 @@ def _mismatch(rank: int, world: int, module: str) -> dict:
 @pytest.fixture(scope="module", params=[2, 4])
 def mismatch_runs(request: pytest.FixtureRequest) -> dict:
     per_rank = run_replica(_mismatch_both, request.param, timeout=90.0)
-    return {m: [r[m] for r in per_rank] for m in TWINS}
+    return {key: [r[key] for r in per_rank] for key in per_rank[0]}
 
 
 @pytest.mark.parametrize("module", TWINS)
@@ -121,3 +125,51 @@ def test_mismatched_registration_raises_on_every_rank_in_one_round(mismatch_runs
         assert "different numbers of live requests" in r["error"]
         assert f"this rank {4 if rank == 1 else 3}" in r["error"]
         assert r["rids"] == (["a", "b", "c", "only-on-rank-1"] if rank == 1 else ["a", "b", "c"])  # unchanged
+
+
+#: Every rank holds as many requests as the others, but not the same (slot, rid) pairs.
+SAME_COUNT_CASES = {
+    "other-rids": lambda rank: ["d", "e"] if rank == 0 else ["d", f"f{rank}"],
+    "same-rids-other-order": lambda rank: ["d", "e"] if rank == 0 else ["e", "d"],
+}
+
+
+def _same_count(rank: int, world: int, module: str, case: str) -> dict:
+    """Three rounds: agreed on a, b, c; then each rank registers two more rids (same count on
+    every rank, different rids or order on rank 0) that every rank has landed; then one more.
+    The second round must raise CollectiveError on every rank and change nothing."""
+    import torch.distributed as dist
+
+    from pdcore._spec import Trigger
+    from pdcore.agreement import Agreement
+    from pdcore.errors import CollectiveError
+
+    table = importlib.import_module(module).StateTable(16)
+    agreement = Agreement(table)
+    for rid in ("a", "b", "c"):
+        table.register(rid, 0.0)
+    rounds: list = [[type(e).__name__ for e in agreement.round(0.0, dist.group.WORLD)]]
+    for rid in SAME_COUNT_CASES[case](rank):
+        table.register(rid, 0.0)
+        table.update(rid, Trigger.WRITES_LANDED, 0.0)  # without the check, each would succeed now
+    for _ in range(2):
+        try:
+            rounds.append([(type(e).__name__, e.rid) for e in agreement.round(0.0, dist.group.WORLD)])
+        except CollectiveError as exc:
+            rounds.append(("CollectiveError", str(exc)))
+    return {"rounds": rounds, "rids": table.rids()}
+
+
+@pytest.mark.parametrize("case", sorted(SAME_COUNT_CASES))
+@pytest.mark.parametrize("module", TWINS)
+def test_same_count_other_requests_raise_on_every_rank_in_one_round(mismatch_runs: dict, module: str, case: str) -> None:
+    """A count is not an identity: ranks with as many requests but other rids (or the same rids in
+    other slots) would each decode another request's agreed state. Every rank refuses, in the same round."""
+    per_rank = mismatch_runs[(module, case)]
+    for rank, r in enumerate(per_rank):
+        first, second, third = r["rounds"]
+        assert first == [], f"rank {rank}: the agreed round emitted {first}"
+        assert second[0] == "CollectiveError", f"rank {rank} decoded {second} instead of refusing"
+        assert "live requests each, but not the same (slot, rid) set" in second[1]
+        assert third[0] == "CollectiveError", f"rank {rank}: the mismatch stays until the scheduler repairs it"
+        assert r["rids"] == ["a", "b", "c", *SAME_COUNT_CASES[case](rank)]  # nothing succeeded, nothing freed

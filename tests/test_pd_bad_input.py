@@ -203,3 +203,44 @@ def test_garbage_http_to_the_bootstrap_server_gets_clear_errors(pair: Pair) -> N
     pair.drive(rids)
     assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
     through_worker(pair.decode)
+
+
+@pytest.mark.parametrize("receiver", ["prefill", "decode"])
+def test_a_malformed_frame_from_a_registered_peer_fails_only_the_room_it_names(pair: Pair, receiver: str) -> None:
+    """The peer on the other side, registered and holding live rooms, sends one malformed frame
+    naming room X (through its own control connection, so the receiver knows the sender). A bad
+    frame is that room's problem, not proof that the peer is gone: only X fails, every other
+    room of that peer lands intact, and the peer is not declared dead."""
+    rids = [f"live{i}" for i in range(6)]
+    victim = "room-x"
+    for i, rid in enumerate(rids):
+        pair.register(rid, room=5000 + i)
+    pair.register(victim, room=5999)
+    sender_side = "decode" if receiver == "prefill" else "prefill"
+    to, frm = getattr(pair, receiver), getattr(pair, sender_side)
+    pair.pump(lambda: all(pair.seen("decode", "Bootstrapped", rid) for rid in [*rids, victim])
+              and frm.control_endpoint in to._channel._senders.values(), f"decode to bootstrap, {receiver} to know {sender_side}")
+    if receiver == "prefill":  # an announcement for X with a page twice
+        bad = wire.seal(_body(type="announce", room=5999, session_id="s", epoch=1, page_ids=[1, 1], request_pool_index=0))
+    else:  # a status for X with a state out of range
+        bad = wire.seal(_body(type="status", room=5999, state=17, rank=0))
+    with pytest.raises(Exception):
+        wire.decode(bad)  # it really is malformed
+    errors, dead = to._channel.stats.protocol_errors, (to._channel.stats.peers_dead, frm._channel.stats.peers_dead)
+    frm._channel._enqueue(to.control_endpoint, bad, ())  # raw bytes on the sender's own connection
+    _wait(lambda: to._channel.stats.protocol_errors > errors, "the malformed frame to be counted", pair)
+    pair.drive(rids)
+    pair.drive([victim], hold=[victim], timeout=10.0)  # X: nobody sends it; its failure ends it on both sides
+    assert to._channel.stats.protocol_errors == errors + 1
+    assert (to._channel.stats.peers_dead, frm._channel.stats.peers_dead) == dead, "a peer was declared dead"
+    assert pair.ended("prefill", victim) == "Failed" and pair.ended("decode", victim) == "Failed"
+    for rid in rids:
+        assert pair.ended("prefill", rid) == "Succeeded" and pair.ended("decode", rid) == "RemotePrefillDone", rid
+        assert pair.landed_intact(rid), rid
+    # the same peers still talk to each other: a new room goes through
+    pair.register("after", room=6000)
+    pair.drive(["after"])
+    assert pair.ended("decode", "after") == "RemotePrefillDone" and pair.landed_intact("after")
+    assert (to._channel.stats.peers_dead, frm._channel.stats.peers_dead) == dead
+    # the receiver failed X for what was wrong with the frame, not for a lost peer
+    assert ("page appears twice" if receiver == "prefill" else "bad status frame") in pair.reasons[(receiver, victim)]

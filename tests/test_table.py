@@ -314,3 +314,134 @@ def test_updates_from_many_threads_are_not_lost(table_impl: ModuleType) -> None:
     assert all(t.state(r) == State.SUCCESS for r in rids)
     events = solo_round(t, 1.0)
     assert events == [e for r in rids for e in (Bootstrapped(r), Succeeded(r))]
+
+
+# -- the fingerprint: which requests, not only how many -----------------------------------------
+
+
+def replica_round(tables: list, now: float = 0.0) -> list:
+    """A round of a simulated replica: encode every rank, MIN-reduce, decode every rank.
+
+    Each rank's outcome is its events, or ``("raised", type name, message)``."""
+    buffers = [t.encode(now) for t in tables]
+    reduced = np.minimum.reduce([b.copy() for b in buffers])
+    for b in buffers:
+        b[:] = reduced
+    out = []
+    for t in tables:
+        try:
+            out.append(t.decode())
+        except CollectiveError as exc:
+            out.append(("raised", type(exc).__name__, str(exc)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "rid, slot, value",
+    [
+        ("a", 0, 0x02C0BDBF481420F8),
+        ("a", 1, 0x832BE066BD43A3B8),  # the slot is hashed in too
+        ("req-0", 0, 0xAA072E09CA773097),
+        ("req-0", 1, 0xE6BC657B2134621B),
+        ("r", 7, 0xCCADA21307BDE96E),
+        ("réq/é", 3, 0x3E8689102DB54480),  # UTF-8 bytes, not code points
+    ],
+)
+def test_rid_hash_is_pinned(table_impl: ModuleType, rid: str, slot: int, value: int) -> None:
+    """Ranks in different processes (and builds) must compute the same bits: a change here is a wire change."""
+    assert table_impl.rid_hash(rid, slot) == value
+
+
+@pytest.mark.parametrize(
+    "order, fingerprint",
+    [
+        ("abc", "3c057d2d779d518203000000"),
+        ("cba", "af65533fce3ef0be03000000"),  # the same rids in other slots
+        ("xyz", "2d2f9763e207b61a03000000"),  # as many requests, other rids
+    ],
+)
+def test_fingerprint_bytes_are_pinned(table_impl: ModuleType, order: str, fingerprint: str) -> None:
+    t = table_impl.StateTable(4)
+    for rid in order:
+        t.register(rid, 0.0)
+    buf = t.encode(0.0)
+    fp = bytes(buf[4 : 4 + table_impl.FINGERPRINT_BYTES])
+    assert fp.hex() == fingerprint
+    assert bytes(buf[4 + table_impl.FINGERPRINT_BYTES :]) == bytes(255 - b for b in fp)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        pytest.param(["abc", "abd"], id="one-rid-differs"),
+        pytest.param(["abc", "xyz"], id="all-rids-differ"),
+        pytest.param(["abc", "cba"], id="same-rids-other-order"),
+        pytest.param(["abc", "bac"], id="two-swapped"),
+    ],
+)
+def test_same_count_different_requests_raise_on_every_rank(table_impl: ModuleType, sets: list, world: int) -> None:
+    """Ranks holding as many requests as each other, but not the same (slot, rid) pairs, must
+    refuse the round on every rank: decoding would act on another request's state."""
+    tables = [table_impl.StateTable(8) for _ in range(world)]
+    for k, t in enumerate(tables):
+        for rid in sets[0] if k < world - 1 else sets[1]:  # the last rank holds the other set
+            t.register(rid, 0.0)
+            t.update(rid, Trigger.WRITES_LANDED, 0.0)  # every rank would emit Succeeded this round
+    before = [snapshot(t) for t in tables]
+    outcomes = replica_round(tables)
+    for k, got in enumerate(outcomes):
+        assert got[:2] == ("raised", "CollectiveError"), f"rank {k} decoded {got!r}"
+        assert "not the same (slot, rid) set" in got[2]
+    assert [snapshot(t) for t in tables] == before  # nothing acted on
+
+
+def test_same_requests_in_the_same_order_agree(table_impl: ModuleType) -> None:
+    """The control case of the test above: identical registrations decode normally."""
+    tables = [table_impl.StateTable(8) for _ in range(3)]
+    for t in tables:
+        for rid in "abc":
+            t.register(rid, 0.0)
+            t.update(rid, Trigger.WRITES_LANDED, 0.0)
+    expected = [e for r in "abc" for e in (Bootstrapped(r), Succeeded(r))]
+    assert replica_round(tables) == [expected] * 3
+
+
+# -- the compiled decode's eight-slot skip ------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", [8, 9, 16, 17, 24])
+def test_a_change_in_any_single_slot_is_seen(table_impl: ModuleType, capacity: int) -> None:
+    """Every slot full and agreed; then exactly one slot changes. The compiled decode skips
+    unchanged runs eight slots at a time: a change in any position of a block (first, middle,
+    last) or of the tail must still produce its event."""
+    for changed in range(capacity):
+        t = table_impl.StateTable(capacity)
+        rids = [f"r{i}" for i in range(capacity)]
+        for rid in rids:
+            t.register(rid, 0.0)
+        assert solo_round(t) == []  # every slot agreed at BOOTSTRAPPING
+        rid = rids[changed]
+        assert t.slot(rid) == changed
+        t.update(rid, Trigger.PEERS_CONNECTED, 0.0)
+        assert solo_round(t) == [Bootstrapped(rid)], f"slot {changed} of {capacity}"
+        assert t.agreed(rid) == State.BOOTSTRAPPED
+        t.update(rid, Trigger.FAIL, 0.0, "lost")
+        assert solo_round(t) == [] and solo_round(t) == [Failed(rid)], f"slot {changed} of {capacity}"
+        assert rid not in t and len(t) == capacity - 1
+
+
+@pytest.mark.parametrize("capacity", [9, 17, 64])
+def test_changes_in_spread_slots_of_a_full_table(table_impl: ModuleType, capacity: int) -> None:
+    """The first slot of every block, and the last slot, change together: each one's event comes,
+    in registration order."""
+    t = table_impl.StateTable(capacity)
+    rids = [f"r{i}" for i in range(capacity)]
+    for rid in rids:
+        t.register(rid, 0.0)
+    solo_round(t)
+    picked = sorted({*range(0, capacity, 8), capacity - 1})
+    for slot in reversed(picked):
+        t.update(rids[slot], Trigger.WRITES_LANDED, 0.0)
+    assert solo_round(t) == [e for slot in picked for e in (Bootstrapped(rids[slot]), Succeeded(rids[slot]))]
+    assert t.rids() == [r for i, r in enumerate(rids) if i not in picked]
