@@ -363,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{summary['transport']} vs floor ({summary['floor']}), pages >= 64 KiB: median "
             f"{summary['median_ratio_pages_ge_64KiB']:.2f}, min {summary['min_ratio_pages_ge_64KiB']:.2f} "
-            f"(target {summary['target_ratio']}); {summary['seconds']:.0f} s; --json for every field"
+            f"(target >= {summary['target_ratio']}: "
+            f"{'met' if summary['min_ratio_pages_ge_64KiB'] >= summary['target_ratio'] else 'NOT met'}); "
+            f"{summary['seconds']:.0f} s; --json for every field"
         )
     return 0
 
