@@ -74,3 +74,63 @@ class Collector:
             ok = self._cond.wait_for(lambda: len(self.done) >= n, timeout=seconds)
             assert ok, f"only {len(self.done)} of {n} completions within {seconds} s"
             return list(self.done)
+
+
+class Ledger:
+    """Batches whose outcome can be read back from the sink's memory.
+
+    The source buffer holds ``bulk`` random bytes, then one ``marker``-byte slot per batch filled
+    with that batch's own value; the sink buffer has the same layout, zeroed. Batch ``i`` writes
+    the bulk (the same bytes every time) and then its own marker slot. ``check`` compares every
+    batch's completion with what landed: a batch that succeeded has its marker and the bulk in
+    place; a failed one may have landed any subset of its bytes (the contract), so each of its
+    bytes is either untouched or its own; no byte outside every batch's ranges changed.
+    """
+
+    def __init__(self, make: MakeTransport, batches: int, bulk: int, marker: int = 4096, **options: Any) -> None:
+        import numpy as np
+
+        self.batches, self.bulk, self.marker = batches, bulk, marker
+        self.src_t, self.dst_t = make(**options), make(**options)
+        n = bulk + batches * marker + marker  # a spare slot at the end: no batch writes it
+        self.src = np.zeros(n, np.uint8)
+        self.src[:bulk] = np.random.default_rng(5).integers(0, 256, bulk, dtype=np.uint8)
+        for i in range(batches + 1):
+            self.src[self._slot(i)] = self.fill(i)
+        self.dst = np.zeros(n, np.uint8)
+        self.rs, self.rd = self.src_t.register(self.src), self.dst_t.register(self.dst)
+        self.peer = self.src_t.connect(self.dst_t.endpoint(), deadline=Deadline.after(5))
+
+    def _slot(self, i: int) -> slice:
+        return slice(self.bulk + i * self.marker, self.bulk + (i + 1) * self.marker)
+
+    @staticmethod
+    def fill(i: int) -> int:
+        return i % 255 + 1
+
+    def batch(self, i: int) -> list[tuple[int, int, int]]:
+        off = self.bulk + i * self.marker
+        return [(self.rs.addr, self.rd.addr, self.bulk), (self.rs.addr + off, self.rd.addr + off, self.marker)]
+
+    def check(self, got: list[tuple[int, TransportError | None]], ids: list[int]) -> tuple[list[int], list[int]]:
+        """``got`` the completions of the batches ``ids`` (batch i posted as ``ids[i]``); returns
+        (indexes that succeeded, indexes that failed) after checking each against the bytes."""
+        import numpy as np
+
+        assert sorted(b for b, _ in got) == sorted(ids), "each batch completes exactly once"
+        outcome = dict(got)
+        ok, failed = [], []
+        bulk_src, bulk_dst = self.src[: self.bulk], self.dst[: self.bulk]
+        assert np.all((bulk_dst == 0) | (bulk_dst == bulk_src)), "bytes no batch wrote landed in the bulk"
+        for i, bid in enumerate(ids):
+            slot = self.dst[self._slot(i)]
+            if outcome[bid] is None:
+                ok.append(i)
+                assert (slot == self.fill(i)).all(), f"batch {i} reported success, but its marker did not land"
+                assert np.array_equal(bulk_dst, bulk_src), f"batch {i} reported success, but the bulk did not land"
+            else:
+                failed.append(i)
+                assert isinstance(outcome[bid], TransportError), outcome[bid]
+                assert set(np.unique(slot).tolist()) <= {0, self.fill(i)}, f"failed batch {i}: foreign bytes in its slot"
+        assert not self.dst[self._slot(self.batches)].any(), "bytes landed past every batch's ranges"
+        return ok, failed

@@ -25,7 +25,7 @@ from pdcore.errors import CapacityError, StartError, TransportError
 from transport.base import Completion, PeerHandle, Region, Transport, decode_endpoint
 
 import _transport_children
-from _transport_support import Collector, MakeTransport
+from _transport_support import Collector, Ledger, MakeTransport
 
 SPAWN = mp.get_context("spawn")
 
@@ -137,14 +137,14 @@ def test_many_concurrent_batches_from_several_threads(make_transport: MakeTransp
 
 
 def test_completions_in_posting_order_and_empty_batch_is_a_fence(make_transport: MakeTransport) -> None:
-    src_t, _dst_t, src, dst, rs, rd, peer = pair(make_transport, nbytes=4 << 20)
+    led = Ledger(make_transport, batches=5, bulk=4 << 20)
     done = Collector()
-    ids = [src_t.write(peer, [(rs.addr, rd.addr, 4 << 20)], done, deadline=Deadline.after(5)) for _ in range(5)]
-    fence = src_t.write(peer, [], done, deadline=Deadline.after(5))
+    ids = [led.src_t.write(led.peer, led.batch(i), done, deadline=Deadline.after(5)) for i in range(5)]
+    fence = led.src_t.write(led.peer, [], done, deadline=Deadline.after(5))
     got = done.wait(6)
     assert [b for b, _ in got] == ids + [fence]
-    assert all(e is None for _, e in got)
-    assert digest(dst) == digest(src)
+    assert got[-1][1] is None
+    assert led.check(got[:-1], ids) == ([0, 1, 2, 3, 4], [])
 
 
 def test_several_sources_and_sinks_at_once(make_transport: MakeTransport) -> None:
@@ -179,6 +179,85 @@ def test_source_rejects_ranges_outside_regions_synchronously(make_transport: Mak
         src_t.write(peer, [(rs.addr, rd.addr, 0)], done)
     assert e1.value.op == e2.value.op == "write"
     assert not done.done and not dst.any()
+
+
+def test_region_edges_are_exact_at_the_source(make_transport: MakeTransport) -> None:
+    """A write that ends exactly at a region's end is inside it; one byte more (or one before its
+    start, or across into the next region) is not, on either side: ``write`` raises before it
+    posts anything, whether the range is a batch's first write or follows a valid one."""
+    n = 4096
+    src_t, dst_t = make_transport(), make_transport()
+    src = np.random.default_rng(3).integers(1, 256, n, dtype=np.uint8)
+    two = np.zeros(2 * n + 64, np.uint8)  # the sink: two adjacent regions, then 64 bytes nobody registered
+    rs = src_t.register(src)
+    rd, rd2 = dst_t.register(two[:n]), dst_t.register(two[n : 2 * n])
+    assert rd.end == rd2.addr
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+    done = Collector()
+    refused = {
+        "local, one byte past the end": (rs.addr + n - 7, rd.addr, 8),
+        "local, starting at the end": (rs.addr + n, rd.addr, 1),
+        "local, one byte before the start": (rs.addr - 1, rd.addr, 8),
+        "local, the whole region and one byte": (rs.addr, rd.addr, n + 1),
+        "remote, one byte past the last region's end": (rs.addr, rd2.addr + n - 7, 8),
+        "remote, starting at the last region's end": (rs.addr, rd2.end, 1),
+        "remote, one byte before the first region": (rs.addr, rd.addr - 1, 8),
+        "remote, across two adjacent regions": (rs.addr, rd.end - 4, 8),
+        "remote, the whole region and one byte": (rs.addr, rd.addr, n + 1),
+    }
+    for what, write in refused.items():
+        for batch in ([write], [(rs.addr, rd.addr, 8), write]):  # alone, and after a valid write
+            with pytest.raises(TransportError) as e:
+                src_t.write(peer, batch, done)
+            assert e.value.op == "write", what
+            assert "not inside" in str(e.value), (what, str(e.value))
+    assert not done.done and not two.any(), "a refused write posted something"
+    # exactly at the edges: the last bytes of each region, and a whole region, land
+    ok = [
+        src_t.write(peer, [(rs.addr + n - 8, rd.addr + n - 8, 8)], done),
+        src_t.write(peer, [(rs.addr, rd2.addr, n)], done),
+        src_t.write(peer, [(rs.addr + n - 1, rd.addr, 1), (rs.addr, rd2.addr + n - 1, 1)], done),
+    ]
+    got = done.wait(3)
+    assert [b for b, _ in got] == ok and all(e is None for _, e in got), got
+    expected = np.zeros_like(two)
+    expected[n - 8 : n] = src[n - 8 :]
+    expected[n : 2 * n] = src
+    expected[0] = src[n - 1]
+    expected[2 * n - 1] = src[0]
+    assert np.array_equal(two, expected)
+
+
+@pytest.mark.transports("tcp")  # verbs: deregistering invalidates the rkey, tests/rdma checks that instead
+def test_region_edges_are_exact_at_the_sink(make_transport: MakeTransport) -> None:
+    """The source's endpoint is stale: the sink re-registered the same address one byte shorter.
+    A write that fits the old region but ends one byte past the new end passes the source's check;
+    the sink must refuse it with an error completion and land nothing, and the connection stays in
+    sync: a write ending exactly at the new end, posted right after it, lands."""
+    n = 4096
+    src_t, dst_t = make_transport(), make_transport()
+    src = np.random.default_rng(4).integers(1, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    rs = src_t.register(src)
+    old = dst_t.register(dst)
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+    dst_t.deregister(old)
+    new = dst_t.register(dst[: n - 1])
+    assert new.addr == old.addr and new.end == old.end - 1
+    done = Collector()
+    past = src_t.write(peer, [(rs.addr + n - 8, new.addr + n - 8, 8)], done)  # one byte past the new end
+    mixed = src_t.write(peer, [(rs.addr, new.addr, 8), (rs.addr + n - 2, new.addr + n - 2, 2)], done)
+    edge = src_t.write(peer, [(rs.addr + n - 9, new.addr + n - 9, 8)], done)  # ends exactly at the new end
+    after = src_t.write(peer, [(rs.addr, new.addr + 100, 16)], done)
+    got = dict(done.wait(4))
+    for refused in (past, mixed):
+        err = got[refused]
+        assert isinstance(err, TransportError) and err.op == "write" and "outside every region" in str(err), err
+    assert got[edge] is None and got[after] is None, got
+    expected = np.zeros_like(dst)
+    expected[n - 9 : n - 1] = src[n - 9 : n - 1]
+    expected[100:116] = src[:16]
+    assert np.array_equal(dst, expected), "a refused write landed, or the stream lost its place"
 
 
 @pytest.mark.transports("tcp")  # verbs: tests/rdma/test_verbs.py checks the work-completion status instead
@@ -330,15 +409,17 @@ def test_sink_survives_a_source_killed_mid_batch(
 
 
 def test_close_with_batches_in_flight_returns_in_time_and_fails_them(make_transport: MakeTransport) -> None:
-    src_t, dst_t, src, dst, rs, rd, peer = pair(make_transport, nbytes=8 << 20, max_inflight=32)
+    led = Ledger(make_transport, batches=32, bulk=8 << 20, max_inflight=32)
+    src_t, dst_t, peer = led.src_t, led.dst_t, led.peer
     done = Collector()
-    ids = [src_t.write(peer, [(rs.addr, rd.addr, 8 << 20)], done) for _ in range(32)]
+    ids = [src_t.write(peer, led.batch(i), done) for i in range(32)]
     t0 = time.monotonic()
     src_t.close(deadline=Deadline.after(3))
     assert time.monotonic() - t0 < 3
     got = done.wait(32, seconds=1)  # every batch completed exactly once by the time close returned
-    assert sorted(b for b, _ in got) == ids
-    assert any(isinstance(e, TransportError) for _, e in got)
+    assert [b for b, _ in got] == ids  # in posting order, failures included
+    ok, failed = led.check(got, ids)
+    assert failed, "close() with 256 MB in flight failed no batch"
     src_t.close()  # idempotent
     with pytest.raises(TransportError):
         src_t.register(np.zeros(16, np.uint8))
@@ -349,24 +430,26 @@ def test_close_with_batches_in_flight_returns_in_time_and_fails_them(make_transp
 
 
 def test_sink_close_with_incoming_batches_in_flight(make_transport: MakeTransport) -> None:
-    src_t, dst_t, _src, _dst, rs, rd, peer = pair(make_transport, nbytes=8 << 20, max_inflight=32)
+    led = Ledger(make_transport, batches=32, bulk=8 << 20, max_inflight=32)
     done = Collector()
-    for _ in range(32):
-        src_t.write(peer, [(rs.addr, rd.addr, 8 << 20)], done)
+    ids = [led.src_t.write(led.peer, led.batch(i), done) for i in range(32)]
     t0 = time.monotonic()
-    dst_t.close(deadline=Deadline.after(3))
+    led.dst_t.close(deadline=Deadline.after(3))
     assert time.monotonic() - t0 < 3
     got = done.wait(32, seconds=8)
-    assert len(got) == 32
+    assert [b for b, _ in got] == ids
+    led.check(got, ids)  # (the sink's buffer is still ours to read: close() only deregistered it)
 
 
 def test_disconnect_fails_in_flight_and_later_writes(make_transport: MakeTransport) -> None:
-    src_t, _dst_t, _src, _dst, rs, rd, peer = pair(make_transport, nbytes=8 << 20, max_inflight=16)
+    led = Ledger(make_transport, batches=16, bulk=8 << 20, max_inflight=16)
+    src_t, rs, rd, peer = led.src_t, led.rs, led.rd, led.peer
     done = Collector()
-    for _ in range(16):
-        src_t.write(peer, [(rs.addr, rd.addr, 8 << 20)], done)
+    ids = [src_t.write(peer, led.batch(i), done) for i in range(16)]
     src_t.disconnect(peer, deadline=Deadline.after(3))
-    assert len(done.wait(16, seconds=1)) == 16
+    got = done.wait(16, seconds=1)
+    assert [b for b, _ in got] == ids
+    led.check(got, ids)
     src_t.disconnect(peer)  # idempotent
     with pytest.raises(TransportError):
         src_t.write(peer, [(rs.addr, rd.addr, 1)], done)

@@ -207,3 +207,37 @@ def test_a_sink_at_its_connection_cap_refuses_more_with_a_clear_error() -> None:
     finally:
         for t in (*sources, sink):
             t.close(deadline=Deadline.after(5))
+
+
+def test_raw_frames_at_the_exact_edge_of_a_region(sink: transport.Transport) -> None:
+    """One byte past a region's end (or across into the adjacent region) is refused by the sink,
+    EFAULT with a message naming the write, nothing of the frame lands, and the stream keeps its
+    place (the payload is read and dropped): the next frame, ending exactly at the end, lands."""
+    n = 4096
+    mem = np.zeros(2 * n + 16, np.uint8)
+    r1, r2 = sink.register(mem[:n]), sink.register(mem[n : 2 * n])  # adjacent regions, then 16 bytes of nothing
+    assert r1.end == r2.addr
+    refused = [
+        [(r2.addr + n - 7, b"\x11" * 8)],  # one byte past the last region's end
+        [(r2.end, b"\x12")],  # starts at the end
+        [(r1.addr - 1, b"\x13" * 2)],  # one byte before the first region
+        [(r1.end - 1, b"\x14" * 2)],  # across the boundary of two regions
+        [(r1.addr, b"\x15" * 8), (r1.end - 3, b"\x16" * 4)],  # a valid write, then one byte past
+    ]
+    with _dial(sink) as s:
+        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 0
+        for seq, writes in enumerate(refused, 1):
+            s.sendall(_frame(seq, writes))
+            got = _ack(s)
+            assert got[:3] == (seq, 1, errno.EFAULT), (writes, got)
+            assert f"write {len(writes) - 1} of {len(writes)}" in got[3] and "outside every region" in got[3], got
+            assert not mem.any(), f"frame {seq} landed bytes"
+        # exactly at the ends, then a write spanning all of r2: all land, acks in order
+        s.sendall(_frame(10, [(r1.end - 8, b"\x21" * 8)]) + _frame(11, [(r2.end - 1, b"\x22")])
+                  + _frame(12, [(r1.addr, b"\x23")]))
+        assert [_ack(s)[:2] for _ in range(3)] == [(10, 0), (11, 0), (12, 0)]
+    expected = np.zeros_like(mem)
+    expected[n - 8 : n] = 0x21
+    expected[2 * n - 1] = 0x22
+    expected[0] = 0x23
+    assert np.array_equal(mem, expected)
