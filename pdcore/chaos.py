@@ -40,7 +40,6 @@ outlives ``close()``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import faulthandler
 import logging
