@@ -3,16 +3,23 @@
 For N in-flight requests and replicas of 1, 2 and 4 real processes (gloo on
 loopback), in one run and interleaved so drift hits all three alike:
 
-- library: ``Agreement.round``: deadline fold + vector + all-reduce MIN + events;
+- library: ``Agreement.round`` over the group (``agreement="group"``): deadline
+  fold + vector + gloo all-reduce MIN + events;
+- shm: ``Agreement.round`` through shared memory (``agreement="shm"``, every
+  rank on this host): the same round with the compiled MIN and barrier over a
+  segment instead of gloo;
 - reference: N Python objects with ``poll()``, a list comprehension,
   ``torch.tensor(..., dtype=torch.uint8)``, ``all_reduce(MIN)``, ``.tolist()``
   and a Python loop turning agreed values into events;
-- floor: the bare ``all_reduce(MIN)`` of a uint8 tensor of N.
+- floor: the bare ``all_reduce(MIN)`` of a uint8 tensor of N;
+- shm_floor: the bare shared-memory exchange (``ShmReducer.allreduce_min``) of
+  the table's buffer, without the table's encode and decode.
 
-In both of the first two, ~1% of the requests change state every round and
+In the first three, ~1% of the requests change state every round and
 finish (Bootstrapped, then Succeeded) a few rounds later, then a new request
 takes their place, so events are created every round. Prints median µs per
-round and the ratios; ``--json`` prints ``{"rows": [...]}``.
+round (per rank: rank 0's) and the ratios; ``--json`` prints ``{"rows": [...]}``
+with ``library_us``, ``shm_us``, ``reference_us`` and ``floor_us`` per row.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow the package pdcore imports
+    sys.path.insert(0, ROOT)
 
 SIZES = (64, 1024, 8192)
 WORLDS = (1, 2, 4)
@@ -52,21 +63,39 @@ def _workload(n: int):
     return per_round
 
 
-def _sync(group, world: int) -> None:
-    """Start every rank's timed section together, so no rank times another's untimed work."""
+def _sync(group, world: int, barrier=None) -> None:
+    """Start every rank's timed section together, so no rank times another's untimed work.
+
+    ``barrier``: the shared-memory rows sync through a round of their own (a small
+    segment), whose ranks leave within a few µs of each other; gloo's barrier lets
+    them go tens of µs apart, which a 30 µs round would count as its own cost.
+    """
     if world > 1:
+        if barrier is not None:
+            barrier()
+            return
         import torch.distributed as dist
 
         dist.barrier(group=group)
 
 
-def library_rounds(n: int, group, world: int) -> Iterator[float]:
+def _shm_barrier(group, world: int):
+    if world == 1:
+        return None
+    from pdcore.agreement import Agreement
+    from pdcore.table import StateTable
+
+    agreement = Agreement(StateTable(1), agreement="shm")
+    return lambda: agreement.round(0.0, group)
+
+
+def library_rounds(n: int, group, world: int, mode: str = "group") -> Iterator[float]:
     from pdcore._spec import Trigger
     from pdcore.agreement import Agreement
     from pdcore.table import StateTable
 
     table = StateTable(n, bootstrap_timeout=1e9, waiting_timeout=1e9)
-    agreement = Agreement(table)
+    agreement = Agreement(table, agreement=mode)
     serial = 0
     for _ in range(n):
         table.register(f"req-{serial}", 0.0)
@@ -75,13 +104,14 @@ def library_rounds(n: int, group, world: int) -> Iterator[float]:
     rids = [f"req-{i}" for i in range(n)]
     index = {rid: i for i, rid in enumerate(rids)}
     cursor = 0
+    barrier = _shm_barrier(group, world) if mode == "shm" else None
     while True:
         # I/O threads' work (not timed): 1% move on; those already bootstrapped land
         for j in range(per_round):
             rid = rids[(cursor + j) % n]
             table.update(rid, Trigger.WRITES_LANDED if table.agreed(rid) >= 2 else Trigger.PEERS_CONNECTED, 1.0)
         cursor += per_round
-        _sync(group, world)
+        _sync(group, world, barrier)
         t0 = time.perf_counter()
         events = agreement.round(1.0, group if world > 1 else None)
         yield time.perf_counter() - t0
@@ -151,7 +181,38 @@ def floor_rounds(n: int, group, world: int) -> Iterator[float]:
         yield time.perf_counter() - t0
 
 
-METHODS = {"library": library_rounds, "reference": reference_rounds, "floor": floor_rounds}
+def shm_rounds(n: int, group, world: int) -> Iterator[float]:
+    return library_rounds(n, group, world, "shm")
+
+
+def shm_floor_rounds(n: int, group, world: int) -> Iterator[float]:
+    """The bare shared-memory exchange of the same buffer: what ``shm`` pays beyond the table's own work."""
+    import numpy as np
+
+    from pdcore.agreement import Agreement
+    from pdcore.table import StateTable
+
+    table = StateTable(n)
+    agreement = Agreement(table, agreement="shm")
+    agreement.round(0.0, group if world > 1 else None)  # attaches the segment
+    reducer = agreement._shm  # the benchmark times the reducer alone, as floor times gloo alone
+    buf = np.full(table.buffer.shape, 3, dtype=np.uint8)
+    barrier = _shm_barrier(group, world)
+    while True:
+        _sync(group, world, barrier)
+        t0 = time.perf_counter()
+        if reducer is not None:
+            reducer.allreduce_min(buf)
+        yield time.perf_counter() - t0
+
+
+METHODS = {
+    "library": library_rounds,
+    "shm": shm_rounds,
+    "reference": reference_rounds,
+    "floor": floor_rounds,
+    "shm_floor": shm_floor_rounds,
+}
 
 
 def measure(world: int, rounds: int, repeats: int, group=None) -> list[dict]:
@@ -162,7 +223,8 @@ def measure(world: int, rounds: int, repeats: int, group=None) -> list[dict]:
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
         gens = {name: fn(n, group, world) for name, fn in METHODS.items()}
         for k in range(rounds * repeats):
-            for name in names[k % 3 :] + names[: k % 3]:  # rotate who goes first
+            first = k % len(names)
+            for name in names[first:] + names[:first]:  # rotate who goes first
                 dt = next(gens[name])
                 if k >= rounds // 10:  # drop warm-up
                     samples[name].append(dt)
@@ -172,8 +234,10 @@ def measure(world: int, rounds: int, repeats: int, group=None) -> list[dict]:
                 "world": world,
                 "requests": n,
                 "library_us": round(med["library"], 2),
+                "shm_us": round(med["shm"], 2),
                 "reference_us": round(med["reference"], 2),
                 "floor_us": round(med["floor"], 2),
+                "shm_floor_us": round(med["shm_floor"], 2),
             }
         )
     return rows
@@ -226,19 +290,32 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for world in args.worlds for row in run_world(world, rounds, repeats)]
     for row in rows:
         row["library_vs_floor"] = round(row["library_us"] / row["floor_us"], 3) if row["world"] > 1 else None
+        row["shm_vs_floor"] = round(row["shm_us"] / row["floor_us"], 3) if row["world"] > 1 else None
         row["reference_vs_library"] = round(row["reference_us"] / row["library_us"], 2)
     if args.json:
         print(json.dumps({"implementation": IMPLEMENTATION, "rows": rows}))
         return 0
     print(f"pdcore agreement round, {IMPLEMENTATION} table, median µs per round ({rounds} rounds × {repeats})")
-    print(f"{'world':>5} {'N':>6} {'library':>9} {'reference':>10} {'floor':>8} {'lib/floor':>10} {'ref/lib':>8}")
+    print(
+        f"{'world':>5} {'N':>6} {'library':>9} {'shm':>8} {'reference':>10} {'floor':>8} {'lib/floor':>10} "
+        f"{'shm/floor':>10} {'ref/lib':>8} {'shm bare':>9}"
+    )
     for r in rows:
         lf = f"{r['library_vs_floor']:.2f}×" if r["library_vs_floor"] is not None else "-"
+        sf = f"{r['shm_vs_floor']:.3f}×" if r["shm_vs_floor"] is not None else "-"
         print(
-            f"{r['world']:>5} {r['requests']:>6} {r['library_us']:>9.1f} {r['reference_us']:>10.1f} "
-            f"{r['floor_us']:>8.1f} {lf:>10} {r['reference_vs_library']:>7.1f}×"
+            f"{r['world']:>5} {r['requests']:>6} {r['library_us']:>9.1f} {r['shm_us']:>8.1f} {r['reference_us']:>10.1f} "
+            f"{r['floor_us']:>8.1f} {lf:>10} {sf:>10} {r['reference_vs_library']:>7.1f}× {r['shm_floor_us']:>9.1f}"
         )
-    print("targets: N=8192 world 2 library ≤ 1.15× floor; world 1 reference/library ≥ 30×")
+    print("round cost per rank (µs, median; group = gloo all-reduce, shm = shared memory):")
+    for r in rows:
+        if r["requests"] in (64, 8192) and r["world"] > 1:
+            print(
+                f"  world {r['world']} N={r['requests']:>5}: group {r['library_us']:.1f}, shm {r['shm_us']:.1f} "
+                f"(bare exchange {r['shm_floor_us']:.1f}; gloo floor {r['floor_us']:.1f})"
+            )
+    print("targets: N=8192 world 2 library ≤ 1.15× floor and shm ≤ 0.1× floor (≤ 30 µs); "
+          "world 1 reference/library ≥ 30×")
     return 0
 
 

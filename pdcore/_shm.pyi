@@ -1,0 +1,13 @@
+"""Typed surface of the compiled same-host round; ``_shm_py.ShmReducer`` is the same API."""
+
+import numpy as np
+import numpy.typing as npt
+
+from ._shm_py import Segment
+
+class ShmReducer:
+    def __init__(self, segment: Segment, timeout: float = ...) -> None: ...
+    @property
+    def rounds(self) -> int: ...
+    def close(self) -> None: ...
+    def allreduce_min(self, buf: npt.NDArray[np.uint8]) -> None: ...
