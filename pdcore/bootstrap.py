@@ -1311,21 +1311,6 @@ class BootstrapClient:
 # --------------------------------------------------------------------------- CLI
 
 
-def _bounded(kind: type, low: float, high: float = math.inf) -> Callable[[str], Any]:
-    """An argparse ``type`` that refuses values outside [low, high] with one line naming the range."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not (low <= value <= high and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"{text} is not in {low:g}..{high:g}")
-        return value
-
-    return parse
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pdcore bootstrap --host H --port P [--secret-file F]``: serve until SIGINT/SIGTERM.
 
@@ -1333,36 +1318,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     without either the server runs unauthenticated (and warns). A bad option or
     a secret file that cannot be read is one error line naming it, exit 2.
     """
-    parser = argparse.ArgumentParser(
+    from .cli import CliParser, float_range, int_range, secret_file
+
+    parser = CliParser(
         prog="python -m pdcore bootstrap",
         description="Run the bootstrap server of one prefill deployment: its ranks register where they listen, "
         "decode ranks look them up. Serves until SIGINT or SIGTERM; prints 'listening on HOST:PORT' once up.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=_bounded(int, 0, 65535), default=DEFAULT_PORT,
+    parser.add_argument("--port", type=int_range(0, 65535), default=DEFAULT_PORT,
                         help="port to bind, 0..65535, 0 = any free port (default: %(default)s)")
-    parser.add_argument("--max-body", type=_bounded(int, 1, 1 << 30), default=MAX_BODY_BYTES,
+    parser.add_argument("--max-body", type=int_range(1, 1 << 30), default=MAX_BODY_BYTES,
                         help="request body limit in bytes (default: %(default)s)")
-    parser.add_argument("--request-timeout", type=_bounded(float, 0.001), default=5.0,
+    parser.add_argument("--request-timeout", type=float_range(0.0, 3600.0, lo_open=True, what="seconds"), default=5.0,
                         help="seconds allowed for a whole request (default: %(default)s)")
-    parser.add_argument("--header-timeout", type=_bounded(float, 0.001), default=2.0,
+    parser.add_argument("--header-timeout", type=float_range(0.0, 3600.0, lo_open=True, what="seconds"), default=2.0,
                         help="seconds allowed for a request's line and headers (default: %(default)s)")
-    parser.add_argument("--secret-file",
+    parser.add_argument("--secret-file", type=secret_file, metavar="PATH",
                         help=f"file holding the deployment secret, 16..4096 bytes (default: ${auth.SECRET_FILE_ENV}; "
                         "'none' or neither: unauthenticated, with a warning)")
-    parser.add_argument("--auth-window", type=_bounded(float, 0.001, 3600), default=DEFAULT_AUTH_WINDOW,
+    parser.add_argument("--auth-window", type=float_range(0.0, 3600.0, lo_open=True, what="seconds"), default=DEFAULT_AUTH_WINDOW,
                         help="accepted clock difference of a signed request, seconds (default: %(default)s)")
     parser.add_argument("--metrics", action="store_true",
                         help="serve Prometheus metrics at GET /metrics (needs pdcore[metrics])")
     args = parser.parse_args(argv)
-    try:
-        if args.secret_file == "none":
-            secret = None
-        else:
-            secret = auth.load_secret(args.secret_file) if args.secret_file else auth.resolve_secret(None)
-    except StartError as e:  # names the file, never its content
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.secret_file is not None:
+        secret = args.secret_file[1]
+    else:
+        try:
+            secret = auth.resolve_secret(None)
+        except StartError as e:  # names the file, never its content
+            parser.error(f"${auth.SECRET_FILE_ENV}: {e}")
     registry = None
     if args.metrics:
         try:

@@ -61,21 +61,8 @@ from typing import Any
 
 import numpy as np
 
-from .demo import (
-    CliParser,
-    Pages,
-    Request,
-    _cache,
-    _cause,
-    _leftovers,
-    first_token,
-    float_range,
-    int_range,
-    memory_bytes,
-    pattern,
-    transport_help,
-    transport_name,
-)
+from .cli import CliParser, float_range, int_range, memory_bytes, transport_help, transport_name
+from .demo import Pages, Request, _cache, _cause, _leftovers, first_token, pattern
 from .progress import RunProgress
 
 __all__ = ["ChaosPlan", "ChaosOutcome", "run", "report", "main", "faulty_control_channel"]

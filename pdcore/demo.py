@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -30,13 +29,13 @@ import tempfile
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
+from .cli import CliParser, float_range, int_range, memory_bytes, secret_file, transport_help, transport_name
 from .progress import RunProgress
 
 __all__ = ["Plan", "Request", "make_requests", "run", "main"]
@@ -558,83 +557,6 @@ def run(plan: Plan, *, progress: RunProgress | None = None) -> Outcome:
 # value while parsing, naming the option, before anything starts.
 
 
-class CliParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose error is one line (``prog: error: argument --x: why``), exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
-
-
-def int_range(lo: int, hi: int) -> Callable[[str], int]:
-    """An argparse type: an integer in ``lo..hi``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"need an integer in {lo}..{hi}, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"need an integer in {lo}..{hi}, got {value}")
-        return value
-
-    return parse
-
-
-def float_range(lo: float, hi: float, *, lo_open: bool = False, what: str = "a number") -> Callable[[str], float]:
-    """An argparse type: a finite number in ``lo..hi`` (``lo`` itself excluded if ``lo_open``)."""
-    bounds = f"above {lo:g} and at most {hi:g}" if lo_open else f"in {lo:g}..{hi:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"need {what} {bounds}, got {text!r}") from None
-        if not (math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi):
-            raise argparse.ArgumentTypeError(f"need {what} {bounds}, got {text}")
-        return value
-
-    return parse
-
-
-def transport_name(text: str) -> str:
-    """An argparse type: a registered transport (``transport.registry.available()``) or ``faulty:<one>``."""
-    from transport import registry
-
-    known = registry.available()
-    inner = text[len("faulty:"):] if text.startswith("faulty:") else text
-    if inner not in known:
-        names = ", ".join(known)
-        raise argparse.ArgumentTypeError(f"unknown transport {text!r}; choose one of {names}, or faulty:<one of them>")
-    return text
-
-
-def transport_help() -> str:
-    from transport import registry
-
-    return (f"data plane: {', '.join(registry.available())}, or faulty:<name> (that transport with injected "
-            "faults) (default: %(default)s)")
-
-
-def _secret_file(text: str) -> tuple[str, bytes | None]:
-    if text == "none":
-        return text, None
-    from .auth import load_secret
-    from .errors import StartError
-
-    try:
-        return text, load_secret(text)
-    except StartError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def memory_bytes() -> int | None:
-    """This machine's physical memory, if the OS says."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 PROGRESS_HELP = ("live progress: auto (a rich bar on a terminal, plain lines every few seconds otherwise), "
                  "rich, plain or none (default: %(default)s)")
 MAX_REQUESTS = 1 << 20  # PeerConfig.capacity's bound (a demo's capacity is max(64, requests))
@@ -664,7 +586,7 @@ def parser() -> CliParser:
                    help="seeds the requests' sizes and rooms (a non-negative integer; default: %(default)s)")
     p.add_argument("--timeout", type=float_range(0, 86400, lo_open=True, what="seconds"), default=180.0,
                    metavar="SECONDS", help="the run's deadline, after start-up (0 < SECONDS <= 86400; default: %(default)s)")
-    p.add_argument("--secret-file", type=_secret_file, metavar="PATH",
+    p.add_argument("--secret-file", type=secret_file, metavar="PATH",
                    help="file holding the deployment secret (16..4096 bytes), or 'none' to run unauthenticated "
                    "(default: a random secret generated for this run)")
     p.add_argument("--progress", choices=("auto", "rich", "plain", "none"), default="auto", help=PROGRESS_HELP)
