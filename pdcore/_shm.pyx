@@ -13,7 +13,7 @@ import numpy as np
 
 from ._shm_py import (
     ABORTED, ARRIVED_MASK, DEAD, EXITED, GEN_MASK, GEN_SHIFT, LATE, LIVENESS_EVERY, LOCK_BASE, MAX_NAP,
-    OK, OUT_OF_STEP, SPIN_SECONDS, TIMED_OUT, CONTROL, Segment, round_error,
+    OK, OUT_OF_STEP, SPIN_SECONDS, TIMED_OUT, YIELD_SECONDS, CONTROL, Segment, round_error,
 )
 from .errors import CollectiveError
 
@@ -95,6 +95,7 @@ cdef uint64_t C_GEN_MASK = GEN_MASK
 cdef int C_GEN_SHIFT = GEN_SHIFT
 cdef long long C_LOCK_BASE = LOCK_BASE
 cdef double C_SPIN = SPIN_SECONDS
+cdef double C_YIELD = YIELD_SECONDS
 cdef double C_MAX_NAP = MAX_NAP
 cdef double C_LIVENESS = LIVENESS_EVERY
 cdef int S_OK = OK, S_TIMED_OUT = TIMED_OUT, S_EXITED = EXITED, S_LATE = LATE, S_OUT_OF_STEP = OUT_OF_STEP
@@ -174,7 +175,7 @@ cdef class ShmReducer:
         cdef uint64_t full = self._full
         cdef uint8_t* slots = self._base + self._data + (self._gen & 1) * self._world * self._stride
         cdef uint64_t w, want, flag, absent, gone
-        cdef double started, now, deadline, next_liveness, nap = 0.0
+        cdef double started, now, deadline, next_liveness, nap = 5e-6
         cdef int r
         memcpy(slots + self._rank * self._stride, buf, self._nbytes)
         # arrive: add our bit to round g, or open round g over the finished word of round g - 1
@@ -214,11 +215,10 @@ cdef class ShmReducer:
                 continue
             if now - started < C_SPIN:
                 pd_relax()
-            elif nap == 0.0:
-                nap = 10e-6
-                sched_yield()
+            elif now - started < C_YIELD:
+                sched_yield()  # returns at once on an idle core; gives the core to a rank that needs it
             else:
-                pd_nap(nap)
                 nap = nap * 2 if nap * 2 < C_MAX_NAP else C_MAX_NAP
+                pd_nap(nap)
         pd_min_slots(buf, slots, self._stride, self._world, self._nbytes)
         return S_OK

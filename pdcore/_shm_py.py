@@ -42,8 +42,10 @@ Every rank then raises ``CollectiveError`` in the same round, naming the
 missing ranks (from the bitmap), and the reducer stays broken (every later
 round raises at once), as a failed gloo group does.
 
-Wait: spin briefly (~``SPIN_SECONDS``), then yield, then sleep in growing
-naps (at most ``MAX_NAP`` seconds), checking locks every ``LIVENESS_EVERY``
+Wait: spin briefly (``SPIN_SECONDS``), then yield the core (until
+``YIELD_SECONDS``: on an idle core a yield returns at once, on a busy one it
+lets the rank we wait for run), then sleep in growing naps (at most
+``MAX_NAP`` seconds), checking locks every ``LIVENESS_EVERY``
 seconds and the deadline every pass. No step holds the GIL.
 
 Cleanup: rank 0 unlinks the file's name as soon as every rank attached (the
@@ -94,7 +96,8 @@ RANK_INFO = struct.Struct("=II")  # pid, state
 DATA_ALIGN = 64
 LOCK_BASE = 1 << 30  # rank r holds byte LOCK_BASE + r; the pure twin's mutex is LOCK_BASE - 1
 STALE_AFTER = 30.0
-SPIN_SECONDS = 50e-6
+SPIN_SECONDS = 20e-6  # then yield the core until YIELD_SECONDS, then nap
+YIELD_SECONDS = 300e-6
 MAX_NAP = 500e-6
 LIVENESS_EVERY = 1e-3
 
@@ -424,6 +427,9 @@ class ShmReducer:
                     status, missing = TIMED_OUT, self._full & ~(w & ARRIVED_MASK)
                 continue  # the next pass reads the outcome: aborted by us or another, or completed
             if now - started < SPIN_SECONDS:
+                continue
+            if now - started < YIELD_SECONDS:
+                time.sleep(0)
                 continue
             nap = min(MAX_NAP, nap * 2 or 20e-6)
             time.sleep(nap)
