@@ -8,11 +8,25 @@ rdma/) add their own conftest.
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import pytest
+from hypothesis import Phase, settings
 
 TWINS = {"cython": "pdcore._table", "python": "pdcore._table_py"}
+
+# Hypothesis profiles; a test that sets max_examples itself keeps its own. HYPOTHESIS_PROFILE picks
+# one: "default" for a developer's run, "ci" many more examples (the state machines explore more),
+# "mutants" the default count, derandomized and without shrinking, so tests/mutants/run.sh kills the
+# same way every run and does not spend minutes minimising a failure nobody reads.
+settings.register_profile("default", max_examples=150, deadline=None)
+settings.register_profile("ci", max_examples=600, deadline=None)
+settings.register_profile(
+    "mutants", max_examples=150, deadline=None, derandomize=True, database=None,
+    phases=(Phase.explicit, Phase.generate),
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from typing import Any
 
 import msgspec
@@ -244,3 +245,58 @@ def test_a_malformed_frame_from_a_registered_peer_fails_only_the_room_it_names(p
     assert (to._channel.stats.peers_dead, frm._channel.stats.peers_dead) == dead
     # the receiver failed X for what was wrong with the frame, not for a lost peer
     assert ("page appears twice" if receiver == "prefill" else "bad status frame") in pair.reasons[(receiver, victim)]
+
+
+SECRET = b"pd-bad-input: a deployment secret"
+
+
+def test_zap_admits_exactly_the_deployments_key() -> None:
+    """The ZAP verdict (sans-IO): only a CURVE client whose long-term key is the deployment's."""
+    from zmq.utils import z85
+
+    from pdcore.control import curve_keys, zap_reply
+
+    key = z85.decode(curve_keys(SECRET)[0])
+    other = z85.decode(zmq.curve_keypair()[0])
+
+    def request(mechanism: bytes = b"CURVE", credential: bytes = key) -> list[bytes]:
+        return [b"1.0", b"id-1", b"pdcore", b"127.0.0.1", b"", mechanism, credential]
+
+    assert zap_reply(request(), key) == ([b"1.0", b"id-1", b"200", b"OK", b"", b""], None)
+    for bad in (request(credential=other), request(credential=key[:-1]), request(mechanism=b"NULL"),
+                request()[:6], [b"0.9", *request()[1:]], []):
+        reply, refused = zap_reply(bad, key)
+        assert reply[2] == b"400" and refused is not None, bad
+
+
+def test_a_client_that_knows_the_public_key_but_not_the_secret_gets_nothing_in() -> None:
+    """The deployment's CURVE public key is not a secret a client can prove: an outsider that
+    has it (and its own key pair) completes CURVE's cryptography, and only the ZAP check keeps
+    it out. Its frames, claiming a peer's identity, are never delivered."""
+    from pdcore.control import curve_keys
+
+    from test_control import WAIT, Inbox
+
+    inbox = Inbox()
+    channel = inbox.channel("decode-0", secret=SECRET)
+    channel.start()
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, FAKE_PEER.encode())
+        public, own_secret = zmq.curve_keypair()
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve_keys(SECRET)[0], public, own_secret
+        sock.connect(channel.endpoint)
+        for room in (1, 2, 3):
+            sock.send(wire.encode(wire.Abort(room=room, reason="forged")), zmq.DONTWAIT)
+        deadline = Deadline.after(WAIT)
+        while channel.stats.auth_failures < 1:
+            assert not deadline.expired(), "the outsider's handshake was not refused"
+            threading.Event().wait(0.005)
+        sock.close(0)
+        assert inbox.messages.empty() and inbox.failed.empty(), "a frame of the outsider got in"
+        assert channel.stats.delivered == 0 and channel.stats.protocol_errors == 0
+    finally:
+        ctx.destroy(linger=0)
+        channel.close(Deadline.after(WAIT))

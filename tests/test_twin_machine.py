@@ -13,23 +13,40 @@ agreement's invariants:
   BOOTSTRAPPED, Succeeded only when every rank reached SUCCESS, Failed only when
   some rank failed; and Bootstrapped always precedes Succeeded, even when the
   agreed value skipped states.
+
+The capacity is drawn across the compiled decode's eight-slot word (6, 9, 17:
+below one word, one word and a tail, two words and a tail), and the scheduler
+rules spread live requests over the slots, so the compiled fast path that skips
+unchanged words runs next to the pure twin's slot-by-slot loop. Triggers are
+weighted toward the fence path (pages announced, writes posted, failures).
+
+The number of examples follows the hypothesis profile (``tests/conftest.py``):
+``HYPOTHESIS_PROFILE=ci`` runs many more. ``test_every_cell_of_the_grid`` is the
+deterministic complement: every (state, trigger) cell of ``_spec``, on both
+twins, in a slot of every block position.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pdcore import _table, _table_py
-from pdcore._spec import CODE_FAILED, CODE_FAILING, CODE_SUCCESS, Fence, State, Trigger
+from pdcore import _spec
+from pdcore._spec import CODE_FAILED, CODE_FAILING, CODE_SUCCESS, Fence, State, Timer, Trigger
 from pdcore.errors import PdError
 from pdcore.events import Bootstrapped, Failed, Succeeded
 
-CAPACITY = 6
-RIDS = st.sampled_from([f"r{i}" for i in range(9)])
-TRIGGERS = st.sampled_from(list(Trigger)) | st.integers(-2, 9)
+CAPACITIES = (6, 9, 17)  # below the compiled decode's 8-slot word, one word and a tail, two and a tail
+RIDS = st.sampled_from([f"r{i}" for i in range(20)])
+#: The fence path (announce, post, fail) counts twice as often as the rest.
+FENCE_PATH = [Trigger.PAGES_ANNOUNCED, Trigger.WRITES_POSTED, Trigger.FAIL, Trigger.ABORT]
+TRIGGERS = st.sampled_from(list(Trigger) + FENCE_PATH) | st.integers(-2, 9)
 
 
 def outcome(call):
@@ -45,10 +62,17 @@ def detailed(events: list) -> list:
 
 
 class Replica(RuleBasedStateMachine):
-    @initialize(ranks=st.integers(1, 4), bootstrap=st.sampled_from([1.0, 5.0]), waiting=st.sampled_from([2.0, 7.0]))
-    def start(self, ranks: int, bootstrap: float, waiting: float) -> None:
+    @initialize(
+        ranks=st.integers(1, 4),
+        capacity=st.sampled_from(CAPACITIES),
+        bootstrap=st.sampled_from([1.0, 5.0]),
+        waiting=st.sampled_from([2.0, 7.0]),
+    )
+    def start(self, ranks: int, capacity: int, bootstrap: float, waiting: float) -> None:
+        self.capacity = capacity
+
         def make(module):
-            return module.StateTable(CAPACITY, bootstrap_timeout=bootstrap, waiting_timeout=waiting)
+            return module.StateTable(capacity, bootstrap_timeout=bootstrap, waiting_timeout=waiting)
 
         self.ranks = [(make(_table), make(_table_py)) for _ in range(ranks)]
         self.now = 0.0
@@ -69,7 +93,20 @@ class Replica(RuleBasedStateMachine):
             self.live.append(rid)
             self.emitted[rid] = []
         else:
-            assert rid in self.live or len(self.live) == CAPACITY
+            assert rid in self.live or len(self.live) == self.capacity
+
+    @rule(data=st.data())
+    def fill_and_thin(self, data) -> None:
+        """The scheduler fills every free slot, then removes some requests: live slots end up
+        spread over the table, in every position of the 8-slot words, with holes between."""
+        for rid in [f"r{i}" for i in range(20)]:
+            if len(self.live) == self.capacity:
+                break
+            if rid not in self.live:
+                self.register(rid)
+        for rid in list(self.live):
+            if data.draw(st.integers(0, 2), label=f"remove {rid}?") == 0:
+                self.remove(rid)
 
     @rule(rid=RIDS)
     def remove(self, rid: str) -> None:
@@ -111,6 +148,17 @@ class Replica(RuleBasedStateMachine):
                 assert a[1] == State.FAILED  # sticky
             if a[1] == State.FAILED:
                 self.ever_failed.add((k, rid))
+
+    @rule(data=st.data(), arm=st.sampled_from([Trigger.PAGES_ANNOUNCED, Trigger.WRITES_POSTED]))
+    def fence_path(self, data, arm: int) -> None:
+        """The path fence-before-free exists for: every rank arms the fence, then one rank fails."""
+        if not self.live:
+            return
+        rid = data.draw(st.sampled_from(self.live), label="rid")
+        for k in range(len(self.ranks)):
+            self.update_rank(k, rid, arm, "")
+        k = data.draw(st.integers(0, len(self.ranks) - 1), label="failing rank")
+        self.update_rank(k, rid, data.draw(st.sampled_from([Trigger.FAIL, Trigger.ABORT]), label="how"), "qp error")
 
     @rule(dt=st.sampled_from([0.25, 1.0, 3.0]))
     def tick(self, dt: float) -> None:
@@ -208,7 +256,7 @@ class Replica(RuleBasedStateMachine):
     def diverge(self, rid: str) -> None:
         """One rank registers alone: the next round must raise CollectiveError on every rank."""
         lone_c, lone_p = self.ranks[-1]
-        if rid in self.live or len(self.live) == CAPACITY:
+        if rid in self.live or len(self.live) == self.capacity:
             return
         lone_c.register(rid, self.now)
         lone_p.register(rid, self.now)
@@ -223,5 +271,65 @@ class Replica(RuleBasedStateMachine):
         lone_p.remove(rid)
 
 
-Replica.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# max_examples comes from the loaded profile (tests/conftest.py): 150 by default, more under HYPOTHESIS_PROFILE=ci
+Replica.TestCase.settings = settings(stateful_step_count=50, deadline=None)
 TestReplica = Replica.TestCase
+
+
+# -- every cell of the grid, deterministically ---------------------------------------------------
+
+#: A path of triggers from BOOTSTRAPPING to each state (each step is itself a checked cell).
+PATHS = {
+    State.BOOTSTRAPPING: (),
+    State.BOOTSTRAPPED: (Trigger.PEERS_CONNECTED,),
+    State.WAITING_FOR_INPUT: (Trigger.PEERS_CONNECTED, Trigger.PAGES_ANNOUNCED),
+    State.TRANSFERRING: (Trigger.PEERS_CONNECTED, Trigger.PAGES_ANNOUNCED, Trigger.WRITES_POSTED),
+    State.SUCCESS: (Trigger.PEERS_CONNECTED, Trigger.WRITES_LANDED),
+    State.FAILED: (Trigger.PEERS_CONNECTED, Trigger.FAIL),
+}
+
+
+def model(steps: tuple) -> list[tuple[State, bool, int]]:
+    """(state, fence armed, rids handed to take_fencing) after each step, read from ``_spec`` alone."""
+    state, armed, fencing, out = State.BOOTSTRAPPING, False, 0, []
+    for trigger in steps:
+        new = _spec.TRANSITIONS[state][trigger]
+        armed = armed or (trigger in _spec.ARMS_FENCE and state != State.FAILED)
+        fencing += new != state and new == State.FAILED and armed
+        state = new
+        out.append((State(state), armed, fencing))
+    return out
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_every_cell_of_the_grid(table_impl: ModuleType, capacity: int) -> None:
+    """Each (state, trigger) pair of ``_spec.TRANSITIONS``, on this twin, in a slot at every
+    position of an 8-slot word (first, middle, last, the tail) with the other slots live: the
+    state returned and kept, the fence, the rids to fence, the byte encoded for the MIN, and the
+    timer the new state carries."""
+    registered = _spec.code_of(State.BOOTSTRAPPING, Fence.NONE, _spec.FREE)
+    for state in State:
+        for trigger in Trigger:
+            steps = (*PATHS[state], trigger)
+            expected = model(steps)
+            assert (model(PATHS[state])[-1][0] if PATHS[state] else State.BOOTSTRAPPING) == state  # the path is right
+            for slot in sorted({0, min(3, capacity - 1), min(7, capacity - 1), capacity - 1}):
+                t = table_impl.StateTable(capacity, bootstrap_timeout=1.0, waiting_timeout=2.0)
+                for i in range(capacity):
+                    t.register(f"other{i}" if i != slot else "cell", 0.0)
+                assert t.slot("cell") == slot
+                for step, (trig, (want, armed, fencing)) in enumerate(zip(steps, expected)):
+                    got = t.update("cell", trig, 0.0, "why")
+                    where = f"{state.name} x {trigger.name}, step {step} ({Trigger(trig).name}), slot {slot} of {capacity}"
+                    assert got == want == t.state("cell"), where
+                    assert t.fence("cell") == (Fence.ARMED if armed else Fence.NONE), where
+                want, armed, fencing = expected[-1]
+                assert t.take_fencing() == ["cell"] * fencing, where
+                buf = t.encode(0.0)
+                assert buf[slot] == _spec.code_of(want, Fence.ARMED if armed else Fence.NONE, registered), where
+                assert all(buf[i] == registered for i in range(capacity) if i != slot), where
+                t.fold(0.999)  # no timer is due yet (the shortest is 1 s)
+                assert t.state("cell") == want, where
+                t.fold(2.0)  # every timer is due: a state that carries one times out, others stay
+                timed_out = _spec.TIMERS[want] != Timer.NONE
+                assert t.state("cell") == (State.FAILED if timed_out else want), where
