@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure fuzz rdma mooncake bench bench-quick clean
+.PHONY: demo test test-pure mutants fuzz rdma mooncake bench bench-quick clean
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 $(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx transport/*.pyx)
@@ -26,6 +26,10 @@ test-pure: $(STAMP)
 	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport tests/test_peers.py tests/test_peers_dp.py \
 		tests/test_fence_races.py tests/test_recovery.py tests/test_hostile_sizes.py tests/test_worker_never_waits.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
+
+# Each planted bug in tests/mutants/ must fail the tests its patch names (MUTANTS=all: the slow ones too).
+mutants: $(STAMP)
+	PY=$(PY) bash tests/mutants/run.sh
 
 fuzz: $(STAMP)
 	bash fuzz/run.sh 20
