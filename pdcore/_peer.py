@@ -123,7 +123,7 @@ class PeerBase:
         self._table = StateTable(
             config.capacity, bootstrap_timeout=config.bootstrap_timeout, waiting_timeout=config.waiting_timeout
         )
-        self._agreement = Agreement(self._table)
+        self._agreement = Agreement(self._table, agreement=config.agreement, shm_timeout=config.agreement_timeout)
         self._lock = threading.RLock()
         self._work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(4 * config.max_pending)
         self._io_work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(config.max_pending)
@@ -220,7 +220,10 @@ class PeerBase:
             self._farewell()
         except Exception:  # best effort: closing must go on
             log.exception("%s peer: telling peers about in-flight rooms failed", self.ROLE)
-        self._owned.close()
+        try:
+            self._owned.close()
+        finally:
+            self._agreement.close()  # the other ranks hear of it at once, not at their next deadline
 
     def __enter__(self) -> PeerBase:
         return self

@@ -55,6 +55,10 @@ class PeerConfig:
     #: benchmarks/pd.py can show what grants cost. Fence before free then holds for nothing.
     unsafe_no_grants: bool = False
     secret: bytes | None = field(default=None, repr=False)
+    #: how the replica agrees each round: "auto" (shared memory when every rank is on this host, else the
+    #: group's all-reduce), "shm" or "group"; a rank silent for ``agreement_timeout`` fails the round
+    agreement: str = "auto"
+    agreement_timeout: float = 5.0
     #: a ``prometheus_client.CollectorRegistry`` to publish this peer's metrics in (``pdcore.metrics``)
     metrics: Any = field(default=None, repr=False, compare=False)
 
@@ -74,12 +78,14 @@ class PeerConfig:
         if not 1 <= self.capacity <= 1 << 20:
             raise bad("capacity", f"must be in 1..{1 << 20}, got {self.capacity}")
         for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "dead_after",
-                     "fence_timeout", "tombstone_ttl", "start_timeout"):
+                     "fence_timeout", "tombstone_ttl", "start_timeout", "agreement_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise bad(name, f"must be a positive number of seconds, got {value!r}")
         if self.heartbeat_interval >= self.dead_after:
             raise bad("heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
+        if self.agreement not in ("auto", "shm", "group"):
+            raise bad("agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
         if self.secret is not None:
             check_secret(self.secret, f"{type(self).__name__}.secret")
         if self.max_pending < 1:
