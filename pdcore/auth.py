@@ -9,8 +9,9 @@ Each plane gets its own key, ``HMAC-SHA256(secret, "pdcore/<label>")`` (the
 expand step of HKDF with the secret as the pseudo-random key), so a key that
 leaks from one plane opens no other: ``"bootstrap"`` (request and response
 MACs), ``"control-curve"`` (the ZeroMQ CURVE key pair), ``"tcp-hello"`` and
-``"verbs-hello"`` (the data-plane handshakes, derived inside ``transport``,
-which must not import pdcore; see ``transport.base.derive_key``).
+``"verbs-hello"`` (the data-plane handshakes). The rule, the MAC and the
+secret's bounds live in ``transport.base`` (the lower layer, which must not
+import pdcore) and are re-exported here.
 
 Without a secret everything runs as before, and ``warn_unauthenticated`` says
 so once per process.
@@ -21,12 +22,14 @@ where it matters (``hmac.compare_digest``) and need nothing installed.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import threading
 from typing import Final
+
+from transport.base import MAX_SECRET_BYTES, MIN_SECRET_BYTES, derive_key
+from transport.base import check_secret as _check_option
+from transport.base import hello_mac as mac
 
 from .errors import PdError, StartError
 
@@ -43,8 +46,6 @@ __all__ = [
 
 log = logging.getLogger("pdcore.auth")
 
-MIN_SECRET_BYTES: Final = 16
-MAX_SECRET_BYTES: Final = 4096
 SECRET_FILE_ENV: Final = "PDCORE_SECRET_FILE"
 
 
@@ -54,11 +55,9 @@ class AuthenticationError(PdError):
 
 def check_secret(secret: object, where: str) -> bytes:
     """``secret`` as bytes, or ``StartError`` naming ``where`` (never the secret's value)."""
-    if not isinstance(secret, (bytes, bytearray, memoryview)):
-        raise StartError(f"{where}: the secret must be bytes, got {type(secret).__name__}")
-    value = bytes(secret)
-    if not MIN_SECRET_BYTES <= len(value) <= MAX_SECRET_BYTES:
-        raise StartError(f"{where}: the secret has {len(value)} bytes, need {MIN_SECRET_BYTES}..{MAX_SECRET_BYTES}")
+    value = _check_option(secret, where) if secret is not None else None
+    if value is None:
+        raise StartError(f"{where}: the secret must be bytes, got None")
     return value
 
 
@@ -82,20 +81,6 @@ def resolve_secret(secret: bytes | None) -> bytes | None:
         return check_secret(secret, "secret")
     path = os.environ.get(SECRET_FILE_ENV)
     return load_secret(path) if path else None
-
-
-def derive_key(secret: bytes, label: str) -> bytes:
-    """The 32-byte key of one plane (``label``), derived from the deployment secret."""
-    return hmac.new(secret, b"pdcore/" + label.encode(), hashlib.sha256).digest()
-
-
-def mac(key: bytes, *parts: bytes) -> bytes:
-    """HMAC-SHA256 over ``parts``, each length-prefixed so no two part lists give the same input."""
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    for part in parts:
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-    return h.digest()
 
 
 _warned = False

@@ -490,9 +490,9 @@ def test_nonce_cache_at_its_bound_raises_a_floor_never_forgets() -> None:
 
 
 def test_secrets_are_checked_at_construction() -> None:
-    with pytest.raises(StartError, match="bootstrap server: the secret has 3 bytes"):
+    with pytest.raises(StartError, match="bootstrap server: the secret option has 3 bytes"):
         BootstrapServer(secret=b"abc")
-    with pytest.raises(StartError, match="the secret must be bytes"):
+    with pytest.raises(StartError, match="the secret option must be bytes"):
         BootstrapClient("127.0.0.1", 1, secret="text")  # type: ignore[arg-type]
 
 
