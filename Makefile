@@ -4,15 +4,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure mutants fuzz rdma mooncake bench bench-quick clean
+.PHONY: demo test test-pure mutants fuzz wheel rdma mooncake bench bench-quick clean
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
+# One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
 $(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx transport/*.pyx)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,fuzz,cli,metrics]'
-	touch $@
+	@echo "setup: a virtual environment in $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --disable-pip-version-check --upgrade pip
+	@echo "setup: torch 2.13.0 (CPU)"
+	@$(PY) -m pip install -qq --disable-pip-version-check torch==2.13.0
+	@echo "setup: pdcore and its extras; compiling the Cython state tables (~1 min)"
+	@$(PY) -m pip install -qq --disable-pip-version-check -e '.[test,fuzz,cli,metrics]'
+	@touch $@
+	@echo "setup: done"
 
 demo: $(STAMP)
 	$(PY) -m pdcore demo
@@ -24,12 +29,17 @@ test: $(STAMP)
 # The same behaviour with every compiled module swapped for its pure-Python twin.
 test-pure: $(STAMP)
 	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport tests/test_peers.py tests/test_peers_dp.py \
-		tests/test_fence_races.py tests/test_recovery.py tests/test_hostile_sizes.py tests/test_worker_never_waits.py
+		tests/test_fence_races.py tests/test_recovery.py tests/test_hostile_sizes.py tests/test_worker_never_waits.py \
+		tests/test_agreement_shm.py tests/test_transport_standalone.py tests/test_peers_auth.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
 
 # Each planted bug in tests/mutants/ must fail the tests its patch names (MUTANTS=all: the slow ones too).
 mutants: $(STAMP)
 	PY=$(PY) bash tests/mutants/run.sh
+
+# The wheel a user installs: built from this tree, installed in a fresh venv, running the demo.
+wheel: $(STAMP)
+	bash ci/wheel-check.sh
 
 fuzz: $(STAMP)
 	bash fuzz/run.sh 20
