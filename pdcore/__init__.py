@@ -24,6 +24,12 @@ _EXPORTS = {
     "PrefillOutbox": "prefill",
     "PrefillPeer": "prefill",
     "TransferPeer": "_peer",
+    "EmbeddingChunk": "epd.types",
+    "EmbeddingItem": "epd.types",
+    "EmbeddingReceiver": "epd.types",
+    "EmbeddingSender": "epd.types",
+    "LandedItem": "epd.types",
+    "LandedRequest": "epd.types",
     "BootstrapInfo": "events",
     "Bootstrapped": "events",
     "Event": "events",
@@ -64,6 +70,14 @@ if TYPE_CHECKING:
     from .auth import AuthenticationError
     from .config import DecodeConfig, PeerConfig, PrefillConfig
     from .decode import DecodeInbox, DecodePeer
+    from .epd.types import (
+        EmbeddingChunk,
+        EmbeddingItem,
+        EmbeddingReceiver,
+        EmbeddingSender,
+        LandedItem,
+        LandedRequest,
+    )
     from .errors import (
         CapacityError,
         CollectiveError,
