@@ -74,7 +74,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -109,7 +109,24 @@ from .base import (
 from .deadline import Deadline
 from .errors import CapacityError, StartError, TransportError
 
-__all__ = ["Hello", "HelloError", "TcpTransport", "check_challenge", "check_proof", "decode_hello", "encode_hello"]
+# The per-batch work (a batch's frame, the sink's checks of a frame, the acks) has two twins, chosen
+# here as transport.plan chooses its own: PDCORE_PURE_PYTHON=1 the pure one, else the compiled one.
+IMPLEMENTATION = "python" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "cython"
+if TYPE_CHECKING or IMPLEMENTATION == "python":
+    from . import _tcp_fast_py as _fast
+else:
+    from . import _tcp_fast as _fast  # type: ignore[no-redef]  # ImportError here means a broken build
+
+__all__ = [
+    "IMPLEMENTATION",
+    "Hello",
+    "HelloError",
+    "TcpTransport",
+    "check_challenge",
+    "check_proof",
+    "decode_hello",
+    "encode_hello",
+]
 
 log = logging.getLogger("transport.tcp")
 
@@ -132,9 +149,15 @@ _KEY_LABEL = "tcp-hello"
 _SINK_ROLE = b"tcp/3 sink"
 _SOURCE_ROLE = b"tcp/3 source"
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
-_DESC = np.dtype([("addr", "<u8"), ("length", "<u8")])
+_SEQ = struct.Struct("<Q")  # a frame's first field: written once the batch has its place in line
 _DESC_PAIR = struct.Struct("<QQ")
 _ACK = struct.Struct("<QIiI")
+assert _FRAME.size == _fast.FRAME_SIZE and _ACK.size == _fast.ACK_SIZE
+_U64 = np.dtype(np.uint64)
+_NO_RANGES = np.zeros(0, np.uint64)
+_NO_REGIONS: tuple[Any, ...] = (_NO_RANGES, _NO_RANGES, np.zeros(0, np.uint8), [], [])
+_SEND_FLAGS = int(socket.MSG_NOSIGNAL)  # plain ints: or-ing the enum members costs a microsecond a call
+_DIRECT_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 _MAX_MSG = 4096
 _IOV_CHUNK = 512  # below IOV_MAX (1024 on Linux)
 _SEND_GATHER = 4 * _IOV_CHUNK
@@ -336,7 +359,7 @@ def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], 
     i, n = 0, len(bufs)
     while i < n:
         try:
-            sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], socket.MSG_NOSIGNAL)
+            sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], _SEND_FLAGS)
         except _TICK:
             sent = 0
         if not on_progress(sent):
@@ -406,6 +429,12 @@ class _TcpPeer(PeerHandle):
     error: TransportError | None = None
     last_progress: float = 0.0
     threads: list[threading.Thread] = field(default_factory=list)
+    remote_ranges: tuple[np.ndarray, np.ndarray] = (_NO_RANGES, _NO_RANGES)  # the endpoint's regions: starts, lengths
+
+
+def _ranges(regions: tuple[Region, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of regions sorted by address, as the fast path's ``uint64`` arrays."""
+    return np.array([r.addr for r in regions], np.uint64), np.array([r.length for r in regions], np.uint64)
 
 
 class TcpTransport(Transport):
@@ -457,6 +486,10 @@ class TcpTransport(Transport):
         self._guarded: set[int] = set()  # keys of regions registered with require_grant
         self._grant_landing: dict[int, set[socket.socket]] = {}  # grant key -> connections landing through it
         self._landing_cond = threading.Condition()
+        # The registered regions as the fast path reads them (both sides): starts, lengths,
+        # guarded flags, keys, views. Replaced whole, under _landing_cond, by register/deregister.
+        self._snap: tuple[Any, ...] = _NO_REGIONS
+        self._grant_ranges: dict[int, tuple[Grant, np.ndarray, np.ndarray]] = {}  # key -> its ranges as arrays
         self._peers: dict[int, _TcpPeer] = {}
         self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}  # every accepted connection
         self._live: set[int] = set()  # the sids among them past their handshake: what max_sinks bounds
@@ -493,7 +526,18 @@ class TcpTransport(Transport):
         if require_grant:
             self._guarded.add(region.key)
         self._regions.add(region)
+        with self._landing_cond:
+            self._resnap()
         return region
+
+    def _resnap(self) -> None:
+        """Rebuild ``_snap`` from the region table. Holds ``_landing_cond``: a sink checks a frame
+        under it, so a deregistered region takes no frame that starts landing after this."""
+        regions = [(r, self._locals.get(r.key)) for r in self._regions.snapshot()]
+        regions = [(r, local) for r, local in regions if local is not None]
+        starts, lengths = _ranges(tuple(r for r, _ in regions))
+        guarded = np.array([r.key in self._guarded for r, _ in regions], np.uint8)
+        self._snap = (starts, lengths, guarded, [r.key for r, _ in regions], [local.view for _, local in regions])
 
     def grant(self, source: bytes, ranges: Any) -> Grant:
         self._check_open("grant")
@@ -512,6 +556,7 @@ class TcpTransport(Transport):
             if self._grants.get(key) not in (None, grant):
                 return  # another sink's grant: keys are per sink
             self._grants.pop(key)  # no frame through it starts landing from now on (a second revoke still waits)
+            self._grant_ranges.pop(key, None)
             self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=deadline.remaining())
             cut = list(self._grant_landing.get(key, ()))
         for conn in cut:  # a frame still landing (a paused or stalled source): stop it
@@ -529,6 +574,7 @@ class TcpTransport(Transport):
             return
         deadline = deadline or Deadline.after(self._peer_timeout)
         with self._landing_cond:
+            self._resnap()
             self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
             self._guarded.discard(region.key)
             busy = self._landing.pop(region.key, 0)
@@ -570,6 +616,7 @@ class TcpTransport(Transport):
             sock.close()
             raise
         peer = _TcpPeer(next(self._peer_ids), remote, RegionTable(remote.regions), sock=sock, ack_sock=ack_sock)
+        peer.remote_ranges = _ranges(remote.regions)
         peer.last_progress = time.monotonic()
         with self._lock:
             if self._closed:
@@ -632,6 +679,8 @@ class TcpTransport(Transport):
             raise TransportError("refresh: the endpoint is of another transport instance", op="refresh")
         new = RegionTable(remote.regions)
         peer.remote, peer.regions = remote, new
+        if isinstance(peer, _TcpPeer):
+            peer.remote_ranges = _ranges(remote.regions)
 
     def disconnect(self, peer: PeerHandle, *, deadline: Deadline | None = None) -> None:
         p = self._own(peer)
@@ -656,31 +705,24 @@ class TcpTransport(Transport):
         p = self._own(peer)
         if not 0 <= grant < 1 << 64:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
-        arr = as_batch(batch)
-        bufs: list[Any] = [b"", b""]
+        if type(batch) is np.ndarray and batch.dtype is _U64 and batch.ndim == 2 and batch.shape[1] == 3 and batch.flags.c_contiguous:
+            arr = batch  # the plan's output as it is: as_batch would only check for a zero length, as frame() does
+        else:
+            arr = as_batch(batch)
         if len(arr) > self._max_batch_writes:
+            as_batch(arr)  # a zero length is reported first, as for any batch
             raise TransportError(f"a batch holds at most {self._max_batch_writes} writes, got {len(arr)}", op="write")
-        remote = p.regions
-        loc: Region | None = None
-        rem: Region | None = None
-        view = memoryview(b"")
-        for la, ra, n in arr.tolist():  # consecutive writes mostly hit the same regions: check those first
-            if loc is None or not (loc.addr <= la and la + n <= loc.addr + loc.length):
-                loc = self._regions.find(la, n)
-                local = self._locals.get(loc.key) if loc is not None else None
-                if loc is None or local is None:
-                    raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
-                view = local.view
-            if rem is None or not (rem.addr <= ra and ra + n <= rem.addr + rem.length):
-                rem = remote.find(ra, n)
-                if rem is None:
-                    raise TransportError(f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write")
-            off = la - loc.addr
-            bufs.append(view[off : off + n])
-        desc = np.empty(len(arr), _DESC)
-        desc["addr"] = arr[:, 1]
-        desc["length"] = arr[:, 2]
-        bufs[1] = memoryview(desc.tobytes())
+        snap = self._snap
+        rem_starts, rem_lengths = p.remote_ranges
+        # one pass: every local and remote range checked, the head (header, descriptors) and the views built
+        code, i, bufs = _fast.frame(arr, grant, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
+        if bufs is None:
+            la, ra, n = (int(x) for x in arr[i])
+            if code == _fast.FRAME_ZERO_LENGTH:
+                raise TransportError("a write in the batch has length 0", op="write")
+            if code == _fast.FRAME_LOCAL_OUTSIDE:
+                raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
+            raise TransportError(f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write")
         with p.lock:
             if p.error is not None or p.closed:
                 raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
@@ -700,7 +742,7 @@ class TcpTransport(Transport):
             p.slots += 1
             p.seq += 1
             batch_id = next(self._batch_ids)
-            bufs[0] = memoryview(_FRAME.pack(p.seq, len(arr), 0, grant))
+            _SEQ.pack_into(bufs[0], 0, p.seq)
             if not p.unsent and not p.unacked:
                 p.last_progress = time.monotonic()
             p.unsent.append(_Pending(batch_id, p.seq, bufs, on_done))
@@ -721,7 +763,7 @@ class TcpTransport(Transport):
         i, n = 0, len(bufs)
         try:
             while i < n:
-                sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], _DIRECT_FLAGS)
                 p.last_progress = time.monotonic()
                 i = _advance(bufs, i, sent)
         except OSError:
@@ -780,25 +822,32 @@ class TcpTransport(Transport):
 
         while True:
             try:
-                seq, status, err, msg_len = _ACK.unpack(reader.read(_ACK.size, idle))
-                if msg_len > _MAX_MSG:
-                    raise _PeerGone(f"ack message of {msg_len} bytes", errno_mod.EPROTO)
-                msg = reader.read(msg_len, None).decode("utf-8", "replace") if msg_len else ""
+                acks = reader.acks(idle)  # every whole ack that came in: the sink sends them gathered
             except _PeerGone as e:
                 self._fail_peer(p, TransportError(f"peer lost: {e}", op="write", errno=e.errno))
                 return
             with p.deliver:
+                items = []
                 with p.lock:
                     if p.error is not None:
                         return
-                    item = p.unacked.popleft() if p.unacked and p.unacked[0].seq == seq else None
-                    if item is not None:
+                    for ack in acks:
+                        item = p.unacked.popleft() if p.unacked and p.unacked[0].seq == ack[0] else None
+                        if item is None:
+                            break
+                        items.append(item)
+                    if items:
                         p.last_progress = time.monotonic()
-                if item is None:
+                for item, (_seq, status, err, msg) in zip(items, acks):
+                    error = None
+                    if status:
+                        text = msg.decode("utf-8", "replace")
+                        error = TransportError(f"peer refused the batch: {text}", op="write", errno=err or None)
+                    self._deliver(p, item, error)
+                if len(items) < len(acks):
+                    seq = acks[len(items)][0]
                     self._fail_peer(p, TransportError(f"peer acked batch {seq} out of order", op="write", errno=errno_mod.EPROTO))
                     return
-                error = None if status == 0 else TransportError(f"peer refused the batch: {msg}", op="write", errno=err or None)
-                self._deliver(p, item, error)
 
     def _deliver(self, p: _TcpPeer, item: _Pending, error: TransportError | None) -> None:
         deliver(self._queue, p, item.batch_id, item.on_done, error)
@@ -950,10 +999,24 @@ class TcpTransport(Transport):
                 seq, count, _, grant = _FRAME.unpack(head)
                 if count > self._max_batch_writes:
                     return  # the stream cannot be trusted past a frame this broken
-                desc = _recv_exact(conn, count * _DESC.itemsize, stop=self._stop, stall=stall) if count else b""
+                desc = b""
+                if count:
+                    want = count * _DESC_PAIR.size
+                    try:  # the descriptors mostly came with the header: one call
+                        desc = conn.recv(want)
+                    except _TICK:
+                        pass
+                    else:
+                        if not desc:
+                            return
+                    if len(desc) < want:
+                        desc += _recv_exact(conn, want - len(desc), stop=self._stop, stall=stall)
                 status, err, msg, nbytes = self._land(conn, desc, grant, source)
-                body = msg.encode()[:_MAX_MSG]
-                acks.append(_ACK.pack(seq, status, err, len(body)) + body)
+                if status:
+                    body = msg.encode()[:_MAX_MSG]
+                    acks.append(_ACK.pack(seq, status, err, len(body)) + body)
+                else:
+                    acks.append(_ACK.pack(seq, 0, 0, 0))
                 acked_bytes += nbytes
                 if len(acks) >= _ACK_GATHER or acked_bytes >= _ACK_GATHER_BYTES:
                     conn.sendall(b"".join(acks), socket.MSG_NOSIGNAL)
@@ -972,46 +1035,35 @@ class TcpTransport(Transport):
 
         A write must lie inside one registered region and, with ``grant``, inside
         that live grant of ``source``; with grant 0 its region must not require
-        grants. Returns the ack's status, errno and message, and the payload size."""
-        views: list[memoryview] = []
-        keys: list[int] = []
-        refused, err = "", errno_mod.EACCES  # EFAULT for a target outside every region, EACCES for a grant refusal
-        total = 0
-        locals_ = self._locals
-        find = self._regions.find
-        check = self._grants.check
-        guarded = self._guarded
-        last: Region | None = None
-        view = memoryview(b"")
-        count = len(desc) // _DESC_PAIR.size
+        grants. Returns the ack's status, errno and message, and the payload size.
+        The checks run in ``_fast.check_frame`` over the descriptor bytes, under
+        ``_landing_cond`` (what revoke and deregister wait on)."""
         with self._landing_cond:
-            for i, (addr, length) in enumerate(_DESC_PAIR.iter_unpack(desc)):
-                if last is None or not (last.addr <= addr and addr + length <= last.addr + last.length) or not length:
-                    last = find(addr, length) if length else None
-                    if last is None:
-                        refused = f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
-                        err = errno_mod.EFAULT
-                        break
-                    if not grant and last.key in guarded:
-                        refused = f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
-                        break
-                    if last.key not in keys:
-                        keys.append(last.key)
-                    view = locals_[last.key].view
-                if grant:
-                    why = check(grant, source, addr, length)
-                    if why:
-                        refused = f"write {i} of {count}: {why}"
-                        break
-                off = addr - last.addr
-                views.append(view[off : off + length])
-                total += length
-            if not refused:
-                for k in keys:
+            state, g_starts, g_lengths = self._grant_state(grant, source) if grant else (0, _NO_RANGES, _NO_RANGES)
+            starts, lengths, guarded, keys, regions = self._snap
+            code, i, total, views, used = _fast.check_frame(
+                desc, starts, lengths, guarded, keys, regions, grant, state, g_starts, g_lengths
+            )
+            if views is not None:
+                for k in used:
                     self._landing[k] += 1
                 if grant:
                     self._grant_landing.setdefault(grant, set()).add(conn)
-        if refused:
+        if views is None:
+            count = len(desc) // _DESC_PAIR.size
+            addr, length = _DESC_PAIR.unpack_from(desc, i * _DESC_PAIR.size)
+            err = errno_mod.EACCES  # EFAULT for a target outside every region, EACCES for a grant refusal
+            if code == _fast.LAND_OUTSIDE_REGIONS:
+                refused = f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
+                err = errno_mod.EFAULT
+            elif code == _fast.LAND_NEEDS_GRANT:
+                refused = f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
+            elif code == _fast.LAND_GRANT_NOT_LIVE:
+                refused = f"write {i} of {count}: grant {grant} is not live at the sink (revoked, or never granted)"
+            elif code == _fast.LAND_GRANT_OTHER_SOURCE:
+                refused = f"write {i} of {count}: grant {grant} was given to another source"
+            else:
+                refused = f"write {i} of {count}: [{addr:#x}, +{length}) is outside grant {grant}"
             total = sum(n for _a, n in _DESC_PAIR.iter_unpack(desc))
             self._discard(conn, total)
             return 1, err, refused, total
@@ -1026,7 +1078,7 @@ class TcpTransport(Transport):
             raise _PeerGone(f"connection broke mid-batch: {e}", e.errno) from e
         finally:
             with self._landing_cond:
-                for k in keys:
+                for k in used:
                     self._landing[k] -= 1
                 if grant:
                     conns = self._grant_landing.get(grant)
@@ -1036,6 +1088,21 @@ class TcpTransport(Transport):
                             del self._grant_landing[grant]
                 self._landing_cond.notify_all()
         return 0, 0, "", total
+
+    def _grant_state(self, key: int, source: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+        """``(0, starts, lengths)`` of grant ``key`` if it is live and ``source``'s, else ``(the
+        LAND_* refusal, empty, empty)``: ``GrantTable.check``'s rules, looked up once per frame.
+        Holds ``_landing_cond``."""
+        g = self._grants.get(key)
+        if g is None:
+            return _fast.LAND_GRANT_NOT_LIVE, _NO_RANGES, _NO_RANGES
+        if g.source != source:
+            return _fast.LAND_GRANT_OTHER_SOURCE, _NO_RANGES, _NO_RANGES
+        cached = self._grant_ranges.get(key)
+        if cached is None or cached[0] is not g:
+            starts, lengths = np.array(g.ranges, np.uint64).reshape(-1, 2).T
+            cached = self._grant_ranges[key] = (g, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
+        return 0, cached[1], cached[2]
 
     def _discard(self, conn: socket.socket, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK) or 1))
@@ -1079,6 +1146,8 @@ class TcpTransport(Transport):
                         s.close()
         for region in self._regions.clear():
             self._locals.pop(region.key, None)
+        with self._landing_cond:
+            self._resnap()
         # completions nobody will take still hold slots; they are dropped with the transport
         alive = [t.name for t in threads if t.is_alive()]
         if alive:
@@ -1128,20 +1197,36 @@ class _Reader:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
 
-    def read(self, n: int, idle: Callable[[], None] | None) -> bytes:
-        """``n`` bytes; on a tick with nothing buffered call ``idle`` (raises to give up), else stall rules."""
+    def acks(self, idle: Callable[[], None]) -> list[tuple[int, int, int, bytes]]:
+        """Every whole ack buffered, reading until there is one: ``(seq, status, errno, message)``.
+
+        On a tick with nothing buffered ``idle`` runs (raises to give up); with part of an ack
+        buffered, the stall rules apply. An ack whose message is over ``_MAX_MSG`` raises
+        ``_PeerGone`` once the acks before it were returned."""
+        while True:
+            out, self._start, bad = _fast.parse_acks(self._buf, self._start, self._end, _MAX_MSG)
+            if out:
+                return out
+            if bad:
+                raise _PeerGone(f"ack message of {bad} bytes", errno_mod.EPROTO)
+            self._fill(idle if self._end == self._start else None)
+
+    def _fill(self, idle: Callable[[], None] | None) -> None:
+        """Receive at least one more byte (making room first)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < _ACK.size + _MAX_MSG:
+            rest = self._end - self._start
+            self._buf[:rest] = self._buf[self._start : self._end]
+            self._start, self._end = 0, rest
         last = time.monotonic()
-        while self._end - self._start < n:
-            if self._start and (self._end == self._start or len(self._buf) - self._start < n):
-                rest = self._end - self._start
-                self._buf[:rest] = self._buf[self._start : self._end]
-                self._start, self._end = 0, rest
+        while True:
             try:
                 k = self._sock.recv_into(self._view[self._end :])
             except _TICK:
                 if self._stop.is_set():
                     raise _PeerGone("transport closing", None) from None
-                if self._end == self._start and idle is not None:
+                if idle is not None:
                     idle()
                     last = time.monotonic()
                 elif time.monotonic() - last >= self._stall:
@@ -1152,10 +1237,7 @@ class _Reader:
             if k == 0:
                 raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
             self._end += k
-            last = time.monotonic()
-        out = bytes(self._view[self._start : self._start + n])
-        self._start += n
-        return out
+            return
 
 
 def _no_op() -> None:
