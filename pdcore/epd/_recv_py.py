@@ -56,6 +56,10 @@ def check_config(
     slots: int, slot_rows: int, max_requests: int, max_items: int, rank: int, ranks: int, sharded: bool, timeout: float
 ) -> None:
     """The constructor's checks, shared by both twins."""
+    for name, value in (("slots", slots), ("slot_rows", slot_rows), ("max_requests", max_requests),
+                        ("max_items", max_items), ("rank", rank), ("ranks", ranks)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if not 0 < slots <= MAX_SLOTS:
         raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {slots!r}")
     if not 0 < slot_rows < (1 << 62):
@@ -298,9 +302,10 @@ class ReceiveTable:
     def _item(self, rid: str, index: int) -> int:
         rec = self._rec(rid)
         base = rec * self._max_items
-        for k in range(self._n_items[rec]):
-            if self._iindex[base + k] == index:
-                return base + k
+        if not isinstance(index, bool) and isinstance(index, int):
+            for k in range(self._n_items[rec]):
+                if self._iindex[base + k] == index:
+                    return base + k
         raise LocalProtocolError(f"rid {rid!r} has no item {index!r}")
 
     def _check_slot(self, slot: object) -> None:
