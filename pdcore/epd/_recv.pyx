@@ -614,7 +614,7 @@ cdef class ReceiveTable:
         cdef int64_t[::1] a
         cdef bint consistent = True
         arr = np.asarray(agreed)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):  # [] is a float array: no codes is fine
             raise LocalProtocolError(f"agreed codes must be a 1-d integer vector, got {arr.dtype} of shape {arr.shape}")
         length = arr.shape[0]
         if arr.dtype.kind == "u" and arr.dtype.itemsize == 8:

@@ -529,7 +529,7 @@ class ReceiveTable:
 
     def _check_agreed(self, agreed: Any, sent: list[int]) -> list[int]:
         arr = np.asarray(agreed)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):  # [] is a float array: no codes is fine
             raise LocalProtocolError(f"agreed codes must be a 1-d integer vector, got {arr.dtype} of shape {arr.shape}")
         n, cap = len(sent), self._max_requests
         if arr.shape[0] == self._buffer.shape[0]:
