@@ -86,6 +86,8 @@ def frame(
     fails it, and None. A zero length anywhere fails first; then, write by write, the local range,
     then the remote one.
     """
+    if len(loc_lengths) != len(loc_starts) or len(rem_lengths) != len(rem_starts) or len(loc_views) != len(loc_starts):
+        raise ValueError("region starts, lengths and views differ in length")
     rows = batch.tolist()
     for i, (_la, _ra, n) in enumerate(rows):
         if n == 0:
@@ -129,13 +131,17 @@ def check_frame(
     regions written (each once, in order of first use); or a ``LAND_*`` code, the index of the
     first write that fails it, 0, None, None.
     """
+    n = len(starts)
+    if len(lengths) != n or len(guarded) != n or len(keys) != n or len(views) != n or len(grant_lengths) != len(grant_starts):
+        raise ValueError("region starts, lengths, flags, keys and views differ in length")
     rs, rl = starts.tolist(), lengths.tolist()
     gs, gl = grant_starts.tolist(), grant_lengths.tolist()
     out: list[memoryview] = []
     used: list[int] = []
     total = 0
     last = -1
-    for i, (addr, length) in enumerate(_PAIR.iter_unpack(desc)):
+    for i in range(len(desc) // _PAIR.size):  # a trailing partial pair is ignored, as by the compiled twin
+        addr, length = _PAIR.unpack_from(desc, _PAIR.size * i)
         if last < 0 or not length or not (rs[last] <= addr and addr + length <= rs[last] + rl[last]):
             last = _find(rs, rl, addr, length) if length else -1
             if last < 0:
@@ -159,6 +165,8 @@ def parse_acks(buf: Any, start: int, end: int, max_msg: int) -> tuple[list[tuple
     """Every whole ack in ``buf[start:end]``: ``(acks, new start, bad)``; each ack is ``(seq, status,
     errno, message bytes)``. ``bad`` is the message length of an ack whose message is longer than
     ``max_msg`` (parsing stops before it; the acks before it are returned), else 0."""
+    if start < 0 or end > len(buf) or start > end:
+        raise ValueError(f"[{start}, {end}) is not inside a buffer of {len(buf)} bytes")
     out: list[tuple[int, int, int, bytes]] = []
     while end - start >= ACK_SIZE:
         seq, status, err, n = _ACK.unpack_from(buf, start)

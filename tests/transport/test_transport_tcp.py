@@ -241,3 +241,277 @@ def test_raw_frames_at_the_exact_edge_of_a_region(sink: transport.Transport) -> 
     expected[2 * n - 1] = 0x22
     expected[0] = 0x23
     assert np.array_equal(mem, expected)
+
+
+# ---------------------------------------------------------------------- the fast path's twins
+#
+# transport._tcp_fast (compiled) and transport._tcp_fast_py (pure) must give identical results, and
+# both the results of the checks they replaced: RegionTable.find for every range, GrantTable.check
+# for every write through a grant (the oracles below are that code, as it stood in tcp.py).
+
+import importlib  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import Any  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from transport.base import GrantTable, Region, RegionTable  # noqa: E402
+
+_TOP = 1 << 64
+
+
+@pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])
+def fast_impl(request: pytest.FixtureRequest) -> ModuleType:
+    """The fast-path twin, imported by name: a missing build fails the [cython] tests."""
+    return importlib.import_module("transport._tcp_fast" if request.param == "cython" else "transport._tcp_fast_py")
+
+
+def _both() -> tuple[ModuleType, ModuleType]:
+    return importlib.import_module("transport._tcp_fast"), importlib.import_module("transport._tcp_fast_py")
+
+
+class _Span:
+    """Stands for a region's view: slicing it says which region and which bytes (any address fits)."""
+
+    def __init__(self, j: int) -> None:
+        self.j = j
+
+    def __getitem__(self, s: slice) -> tuple[int, int, int]:
+        return (self.j, s.start, s.stop)
+
+
+@st.composite
+def _regions(draw: Any, max_regions: int = 5) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping (start, length) pairs, some adjacent, some at the top of the address space."""
+    n = draw(st.integers(0, max_regions))
+    top = draw(st.booleans())
+    lengths = [draw(st.one_of(st.integers(1, 64), st.integers(1, 1 << 40))) for _ in range(n)]
+    gaps = [draw(st.one_of(st.just(0), st.integers(1, 64), st.integers(1, 1 << 40))) for _ in range(n)]
+    span = sum(lengths) + sum(gaps)
+    addr = (_TOP - span) if top else draw(st.integers(1, 1 << 20))
+    addr = max(addr, 1)
+    out = []
+    for gap, length in zip(gaps, lengths):
+        addr += gap if out or not top else 0
+        out.append((addr, length))
+        addr += length
+    return [(a, n) for a, n in out if a + n <= _TOP]
+
+
+@st.composite
+def _write(draw: Any, regions: list[tuple[int, int]]) -> tuple[int, int]:
+    """A write near a region's edges (inside, one byte out, across), or anywhere, or of length 0."""
+    if regions and draw(st.integers(0, 4)):
+        start, length = draw(st.sampled_from(regions))
+        off = draw(st.sampled_from([0, 1, length - 1, length, length + 1, draw(st.integers(0, length))]))
+        n = draw(st.sampled_from([1, length - off, length - off + 1, draw(st.integers(0, 1 << 41))]))
+        addr = start + off
+    else:
+        addr, n = draw(st.integers(0, _TOP - 1)), draw(st.one_of(st.just(0), st.integers(0, 1 << 41)))
+    return min(max(addr, 0), _TOP - 1), min(max(n, 0), _TOP - 1)
+
+
+def _arrays(regions: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([a for a, _ in regions], np.uint64), np.array([n for _, n in regions], np.uint64)
+
+
+def _table(regions: list[tuple[int, int]]) -> RegionTable:
+    return RegionTable([Region(a, n, j + 1) for j, (a, n) in enumerate(regions)])
+
+
+def _oracle_frame(batch: list[tuple[int, int, int]], grant: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Any:
+    """What write() did before the fast path: (code, index, head bytes, views)."""
+    if any(n == 0 for _la, _ra, n in batch):
+        return 1, next(i for i, w in enumerate(batch) if w[2] == 0), None, None
+    lt, rt = _table(local), _table(remote)
+    views = []
+    for i, (la, ra, n) in enumerate(batch):
+        loc = lt.find(la, n)
+        if loc is None:
+            return 2, i, None, None
+        if rt.find(ra, n) is None:
+            return 3, i, None, None
+        views.append((loc.key - 1, la - loc.addr, la - loc.addr + n))
+    head = tcp._FRAME.pack(0, len(batch), 0, grant) + b"".join(struct.pack("<QQ", ra, n) for _la, ra, n in batch)
+    return 0, 0, head, views
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_frame_twins_agree_with_each_other_and_the_old_checks(data: Any) -> None:
+    local, remote = data.draw(_regions()), data.draw(_regions())
+    n = data.draw(st.integers(0, 6))
+    batch = [(*data.draw(_write(local)), 0) for _ in range(n)]
+    batch = [(la, data.draw(_write(remote))[0], ln) for la, ln, _ in batch]  # remote addr near remote edges
+    grant = data.draw(st.sampled_from([0, 1, _TOP - 1]))
+    arr = np.array(batch, np.uint64).reshape(-1, 3)
+    want = _oracle_frame(batch, grant, local, remote)
+    for impl in _both():
+        code, index, bufs = impl.frame(arr, grant, *_arrays(local), [_Span(j) for j in range(len(local))], *_arrays(remote))
+        got = (code, index, None, None) if bufs is None else (code, index, bytes(bufs[0]), list(bufs[1:]))
+        assert got == want, impl.__name__
+
+
+def _oracle_check(desc: bytes, regions: list[tuple[int, int]], guarded: list[bool], grants: GrantTable, grant: int, source: bytes) -> Any:
+    """What _land did before the fast path: (code, index, total, views, keys)."""
+    table = _table(regions)
+    views, keys, total = [], [], 0
+    pairs = list(struct.iter_unpack("<QQ", desc))
+    last = None
+    for i, (addr, length) in enumerate(pairs):
+        if last is None or not (last.addr <= addr and addr + length <= last.addr + last.length) or not length:
+            last = table.find(addr, length) if length else None
+            if last is None:
+                return 1, i, 0, None, None
+            if not grant and guarded[last.key - 1]:
+                return 2, i, 0, None, None
+            if last.key not in keys:
+                keys.append(last.key)
+        if grant:
+            why = grants.check(grant, source, addr, length)
+            if why:
+                code = 3 if "not live" in why else 4 if "another source" in why else 5
+                return code, i, 0, None, None
+        views.append((last.key - 1, addr - last.addr, addr - last.addr + length))
+        total += length
+    return 0, 0, total, views, keys
+
+
+def _grant_state(grants: GrantTable, key: int, source: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+    """tcp.TcpTransport._grant_state over a bare GrantTable."""
+    g = grants.get(key)
+    if g is None:
+        return 3, np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    if g.source != source:
+        return 4, np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    return (0, *_arrays(list(g.ranges)))
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_check_frame_twins_agree_with_each_other_and_the_old_checks(data: Any) -> None:
+    regions = data.draw(_regions())
+    guarded = [data.draw(st.booleans()) for _ in regions]
+    writes = [data.draw(_write(regions)) for _ in range(data.draw(st.integers(0, 6)))]
+    desc = b"".join(struct.pack("<QQ", a, n) for a, n in writes)
+    me, other = b"S" * 16, b"T" * 16
+    grants = GrantTable()
+    if regions:  # grant ranges: pieces of the regions (or all of one), some given to another source
+        for _ in range(data.draw(st.integers(1, 3))):
+            start, length = data.draw(st.sampled_from(regions))
+            off = data.draw(st.integers(0, length - 1))
+            ranges = [(start + off, data.draw(st.integers(1, length - off)))]
+            if data.draw(st.booleans()) and off > 0:
+                ranges.append((start, data.draw(st.integers(1, off))))
+            grants.add(data.draw(st.sampled_from([me, me, other])), ranges)
+    grant = data.draw(st.sampled_from([0, 1, 2, 3, 4]))
+    state, g_starts, g_lengths = _grant_state(grants, grant, me) if grant else (0, *_arrays([]))
+    want = _oracle_check(desc, regions, guarded, grants, grant, me)
+    keys = [j + 1 for j in range(len(regions))]
+    for impl in _both():
+        got = impl.check_frame(
+            desc, *_arrays(regions), np.array(guarded, np.uint8), keys, [_Span(j) for j in range(len(regions))],
+            grant, state, g_starts, g_lengths,
+        )
+        assert (got[0], got[1], got[2], got[3], got[4]) == want, impl.__name__
+
+
+def test_check_frame_edges(fast_impl: ModuleType) -> None:
+    """The exact ends of a region and of the address space, zero lengths, lengths that would wrap."""
+    regions = [(4096, 4096), (8192, 4096), (_TOP - 4096, 4096)]  # two adjacent, one ending at 2**64
+    starts, lengths = _arrays(regions)
+    spans = [_Span(j) for j in range(3)]
+
+    def check(addr: int, n: int, grant: int = 0, state: int = 0, granted: list[tuple[int, int]] = ()) -> tuple[int, int]:
+        desc = struct.pack("<QQ", addr, n)
+        code, index, total, views, keys = fast_impl.check_frame(
+            desc, starts, lengths, np.zeros(3, np.uint8), [1, 2, 3], spans, grant, state, *_arrays(list(granted))
+        )
+        assert (views is None) == bool(code) and (total == n if not code else total == 0)
+        return code, index
+
+    assert check(4096, 4096) == (0, 0) and check(8191, 1) == (0, 0) and check(8192, 4096) == (0, 0)
+    assert check(8191, 2) == (1, 0)  # across two adjacent regions: in neither
+    assert check(12287, 2) == (1, 0) and check(12288, 1) == (1, 0) and check(4095, 1) == (1, 0)
+    assert check(4096, 0) == (1, 0)  # a zero length is outside every region, as before
+    assert check(_TOP - 1, 1) == (0, 0) and check(_TOP - 4096, 4096) == (0, 0)
+    assert check(_TOP - 1, 2) == (1, 0) and check(_TOP - 1, _TOP - 1) == (1, 0)  # would wrap past 2**64
+    assert check(0, _TOP - 1) == (1, 0) and check(4096, _TOP - 1) == (1, 0)
+    granted = [(4096 + 100, 50)]
+    assert check(4196, 50, 7, 0, granted) == (0, 0) and check(4196, 51, 7, 0, granted) == (5, 0)
+    assert check(4195, 1, 7, 0, granted) == (5, 0) and check(4245, 1, 7, 0, granted) == (0, 0) and check(4246, 1, 7, 0, granted) == (5, 0)
+    assert check(4196, 1, 7, 3, granted) == (3, 0) and check(4196, 1, 7, 4, granted) == (4, 0)
+    assert check(0, 1, 7, 3, granted) == (1, 0)  # outside every region is said first, as before
+    # guarded regions need a grant; the index names the first failing write; keys once each, in order
+    desc = b"".join(struct.pack("<QQ", a, n) for a, n in [(8192, 8), (4096, 8), (8200, 8), (4100, 8)])
+    assert fast_impl.check_frame(desc, starts, lengths, np.array([0, 1, 0], np.uint8), [1, 2, 3], spans, 0, 0, *_arrays([]))[:2] == (2, 0)
+    got = fast_impl.check_frame(desc, starts, lengths, np.zeros(3, np.uint8), [11, 12, 13], spans, 0, 0, *_arrays([]))
+    assert got == (0, 0, 32, [(1, 0, 8), (0, 0, 8), (1, 8, 16), (0, 4, 12)], [12, 11])
+    assert fast_impl.check_frame(b"", starts, lengths, np.zeros(3, np.uint8), [1, 2, 3], spans, 0, 0, *_arrays([])) == (0, 0, 0, [], [])
+    with pytest.raises(ValueError):
+        fast_impl.check_frame(b"", starts, lengths, np.zeros(2, np.uint8), [1, 2, 3], spans, 0, 0, *_arrays([]))
+
+
+def test_frame_edges(fast_impl: ModuleType) -> None:
+    """A zero length is reported before any range; then, write by write, local before remote."""
+    local, remote = [(4096, 4096)], [(_TOP - 4096, 4096)]
+    args = (*_arrays(local), [_Span(0)], *_arrays(remote))
+
+    def frame(batch: list[tuple[int, int, int]], grant: int = 0) -> Any:
+        return fast_impl.frame(np.array(batch, np.uint64).reshape(-1, 3), grant, *args)
+
+    code, index, bufs = frame([(4096, _TOP - 4096, 4096), (4096, _TOP - 1, 1)], grant=_TOP - 1)
+    assert (code, index) == (0, 0) and bufs[1:] == [(0, 0, 4096), (0, 0, 1)]
+    assert bytes(bufs[0]) == tcp._FRAME.pack(0, 2, 0, _TOP - 1) + struct.pack("<QQQQ", _TOP - 4096, 4096, _TOP - 1, 1)
+    bufs[0][:8] = b"\x01" * 8  # the head is writable: write() puts the seq in place
+    assert frame([(0, 0, 1), (4096, _TOP - 1, 0)])[:2] == (1, 1)
+    assert frame([(4096, _TOP - 1, 1), (8191, 0, 2)])[:2] == (2, 1)
+    assert frame([(8191, 0, 1)])[:2] == (3, 0) and frame([(8191, _TOP - 1, 2)])[:2] == (2, 0)
+    assert frame([(4096, _TOP - 1, 2)])[:2] == (3, 0)  # one byte past 2**64 on the remote side
+    code, index, bufs = frame([])
+    assert (code, index) == (0, 0) and bytes(bufs[0]) == tcp._FRAME.pack(0, 0, 0, 0) and bufs[1:] == []
+
+
+def _acks_bytes(acks: list[tuple[int, int, int, bytes]]) -> bytes:
+    return b"".join(tcp._ACK.pack(seq, status, err, len(msg)) + msg for seq, status, err, msg in acks)
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_parse_acks_twins_agree(data: Any) -> None:
+    acks = data.draw(st.lists(st.tuples(
+        st.integers(0, _TOP - 1), st.integers(0, 1), st.integers(-(1 << 31), (1 << 31) - 1), st.binary(max_size=40),
+    ), max_size=6))
+    raw = bytearray(_acks_bytes(acks))
+    if data.draw(st.booleans()):  # an ack with a message over the bound
+        raw += tcp._ACK.pack(9, 1, 5, data.draw(st.integers(41, (1 << 32) - 1)))
+    start = data.draw(st.integers(0, len(raw)))
+    end = data.draw(st.integers(start, len(raw)))
+    compiled, pure = _both()
+    got = compiled.parse_acks(raw, start, end, 40)
+    assert got == pure.parse_acks(raw, start, end, 40)
+    if start == 0 and end == len(raw):
+        assert got[0] == acks
+
+
+def test_parse_acks_edges(fast_impl: ModuleType) -> None:
+    one = _acks_bytes([(1, 0, 0, b"")])
+    two = _acks_bytes([(2, 1, errno.EACCES, "refus\u00e9".encode())])
+    buf = bytearray(one + two + one[:7])
+    assert fast_impl.parse_acks(buf, 0, len(buf), 4096) == ([(1, 0, 0, b""), (2, 1, errno.EACCES, "refus\u00e9".encode())], len(one + two), 0)
+    assert fast_impl.parse_acks(buf, 0, len(one) - 1, 4096) == ([], 0, 0)
+    assert fast_impl.parse_acks(buf, len(one), len(one) + len(two) - 1, 4096) == ([], len(one), 0)
+    bad = bytearray(one + tcp._ACK.pack(3, 1, -1, 4097) + b"x" * 10)
+    assert fast_impl.parse_acks(bad, 0, len(bad), 4096) == ([(1, 0, 0, b"")], len(one), 4097)
+    assert fast_impl.parse_acks(bad, len(one), len(bad), 4096) == ([], len(one), 4097)
+    assert fast_impl.parse_acks(bytearray(tcp._ACK.pack(_TOP - 1, 7, -(1 << 31), 0)), 0, 20, 0) == ([(_TOP - 1, 7, -(1 << 31), b"")], 20, 0)
+    with pytest.raises(ValueError):
+        fast_impl.parse_acks(buf, 0, len(buf) + 1, 4096)
+
+
+def test_the_transport_uses_the_chosen_twin() -> None:
+    import os
+
+    want = "transport._tcp_fast_py" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "transport._tcp_fast"
+    assert tcp._fast.__name__ == want and tcp.IMPLEMENTATION == ("python" if want.endswith("_py") else "cython")
