@@ -418,7 +418,12 @@ class _Pending:
 class _TcpPeer(PeerHandle):
     sock: socket.socket | None = None
     ack_sock: socket.socket | None = None
-    lock: threading.Condition = field(default_factory=threading.Condition)
+    # Two conditions on one mutex: ``lock`` wakes writers waiting for a slot (every completion
+    # notifies it), ``wake`` only the sender thread (work for it, or an error), so completions
+    # do not wake the sender for nothing: a thread hop per batch is what small batches cannot afford.
+    mutex: threading.RLock = field(default_factory=threading.RLock)
+    lock: threading.Condition = field(init=False)
+    wake: threading.Condition = field(init=False)
     deliver: threading.RLock = field(default_factory=threading.RLock)
     unsent: deque[_Pending] = field(default_factory=deque)
     unacked: deque[_Pending] = field(default_factory=deque)
@@ -430,6 +435,10 @@ class _TcpPeer(PeerHandle):
     last_progress: float = 0.0
     threads: list[threading.Thread] = field(default_factory=list)
     remote_ranges: tuple[np.ndarray, np.ndarray] = (_NO_RANGES, _NO_RANGES)  # the endpoint's regions: starts, lengths
+
+    def __post_init__(self) -> None:
+        self.lock = threading.Condition(self.mutex)
+        self.wake = threading.Condition(self.mutex)
 
 
 def _ranges(regions: tuple[Region, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -751,7 +760,7 @@ class TcpTransport(Transport):
                 p.sending = True
                 out = _take(p)
             else:
-                p.lock.notify_all()
+                p.wake.notify()
         if direct:
             self._send_direct(p, out)
         return batch_id
@@ -772,7 +781,7 @@ class TcpTransport(Transport):
             p.outbuf = bufs[i:] if i < n else None
             p.sending = False
             if p.outbuf is not None or p.unsent:
-                p.lock.notify_all()
+                p.wake.notify()
 
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
         return self._queue.get(max_items, deadline)
@@ -788,7 +797,7 @@ class TcpTransport(Transport):
 
         while True:
             with p.lock:
-                p.lock.wait_for(lambda: p.error is not None or (not p.sending and (p.outbuf is not None or p.unsent)))
+                p.wake.wait_for(lambda: p.error is not None or (not p.sending and (p.outbuf is not None or p.unsent)))
                 if p.error is not None:
                     return
                 p.sending = True
@@ -863,6 +872,7 @@ class TcpTransport(Transport):
                 p.unacked.clear()
                 p.unsent.clear()
                 p.lock.notify_all()
+                p.wake.notify_all()
             for s in (p.sock, p.ack_sock):
                 if s is not None:
                     try:
