@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -384,18 +384,36 @@ class Lockstep(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def land(self, data: st.DataObject) -> None:
-        rid = self.pick_rid(data)
-        index = data.draw(st.sampled_from(self.indices.get(rid, []) + [99]), label="index")
+        asked = [(rid, i) for rid, idx in self.indices.items() for i in idx
+                 if self.tables[1].item_state(rid, i) == ItemState.RECEIVING]
+        if asked and data.draw(st.integers(0, 4), label="land an asked item"):
+            rid, index = data.draw(st.sampled_from(asked), label="asked")
+        else:  # anything: an unknown rid or index, an item not asked yet, a repeat
+            rid = self.pick_rid(data)
+            index = data.draw(st.sampled_from(self.indices.get(rid, []) + [99]), label="index")
         self.both("landed", rid, index, self.now)
 
     @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
         self.both("fail", self.pick_rid(data), "boom", self.now)
 
-    @rule(dt=st.floats(0.0, 6.0))
+    @rule(data=st.data())
+    def fail_an_asked_request_and_settle(self, data: st.DataObject) -> None:
+        """The fence path, weighted: a request whose items were asked fails, and the replica settles it."""
+        self.ask()
+        asked = sorted({rid for rid, idx in self.indices.items() for i in idx
+                        if self.tables[1].item_state(rid, i) in (ItemState.RECEIVING, ItemState.LANDED)})
+        if asked:
+            self.both("fail", data.draw(st.sampled_from(asked), label="asked rid"), "encode peer lost", self.now)
+        self.settle(data)
+
+    @rule(dt=st.floats(0.0, 12.0))
     def tick(self, dt: float) -> None:
         self.now += dt
+        before = [self.tables[1].state(rid) for rid in self.indices]
         self.both("fold", self.now)
+        after = [self.tables[1].state(rid) for rid in self.indices]
+        event(f"fold: {sum(a != b for a, b in zip(before, after))} timed out")
 
     @rule(data=st.data())
     def settle(self, data: st.DataObject) -> None:
@@ -430,19 +448,28 @@ class Lockstep(RuleBasedStateMachine):
                 del self.indices[rid]
         kind, fencing = self.both("take_fencing")
         assert not self.fencing & set(fencing)
+        event(f"settle: landed {min(len(landed), 2)}, failed {min(len(failed), 2)}, quarantined {min(len(fencing), 2)}")
         self.fencing |= set(fencing)
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        chosen = data.draw(st.lists(st.sampled_from(sorted(self.held) + [0, self.slots]), max_size=3), label="slots")
+        if self.held and data.draw(st.integers(0, 4), label="release held slots"):
+            chosen = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, max_size=3, unique=True))
+        else:  # anything: a slot not held, out of range, twice
+            chosen = data.draw(st.lists(st.sampled_from(sorted(self.held) + [0, self.slots]), max_size=3), label="slots")
         kind, _ = self.both("release", chosen)
+        event(f"release {kind}")
         if kind == "ok":
             self.held -= set(chosen)
 
     @rule(data=st.data())
     def fence(self, data: st.DataObject) -> None:
-        slot = data.draw(st.sampled_from(sorted(self.fencing) + [0]), label="slot")
+        if self.fencing and data.draw(st.integers(0, 4), label="fence a quarantined slot"):
+            slot = data.draw(st.sampled_from(sorted(self.fencing)), label="slot")
+        else:
+            slot = data.draw(st.sampled_from(sorted(self.fencing) + [0, -1]), label="slot")
         kind, _ = self.both("fenced", slot)
+        event(f"fenced {kind}")
         if kind == "ok":
             self.fencing.discard(slot)
 
@@ -478,7 +505,7 @@ class Lockstep(RuleBasedStateMachine):
 
 PAD = _spec.PAD
 Lockstep.TestCase.settings = settings(
-    stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+    stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
 )
 test_twins_in_lockstep = pytest.mark.compiled(Lockstep.TestCase)
 
