@@ -313,6 +313,23 @@ def test_the_buffer_has_one_length_whatever_is_staged(recv: ModuleType) -> None:
     assert lengths == {7 + 2 * recv.FINGERPRINT_BYTES}
 
 
+def test_the_pd_agreement_drives_the_table(recv: ModuleType) -> None:
+    from pdcore.agreement import Agreement
+
+    t = recv.ReceiveTable(2, 8)
+    t.stage("a", items(3), 0.0)
+    t.stage("b", items(3), 0.0)
+    for ask in t.take_ready():
+        t.landed(ask.rid, ask.index, 0.0)
+        break
+    agreement = Agreement(t)  # a replica of one rank: encode, no collective, decode
+    try:
+        assert [r.rid for r in agreement.round(1.0)] == ["a"] and t.rids() == ["b"]
+        assert agreement.round(2.0) == [] and t.rids() == ["b"]
+    finally:
+        agreement.close()
+
+
 # -- both twins in lockstep ----------------------------------------------------------------------------------------------
 
 
@@ -428,9 +445,15 @@ class Lockstep(RuleBasedStateMachine):
             for pos, c in enumerate(own):
                 agreed[pos] = data.draw(st.integers(0, c), label=f"agreed {pos}")
         slots_before = {(rid, i): self.tables[1].slot_of(rid, i) for rid in rids for i in self.indices[rid]}
-        if data.draw(st.integers(0, 9), label="unguarded") == 0:
+        how = data.draw(st.sampled_from(["settle", "settle", "unguarded", "in place"]), label="how")
+        if how == "unguarded":
             agreed = list(agreed[: len(rids)])
-        kind, landed = self.both("settle", agreed)
+        if how == "in place":  # the collective reduced each table's own buffer, as Agreement does
+            for table in self.tables:
+                table.buffer[:] = agreed
+            kind, landed = self.both("decode")
+        else:
+            kind, landed = self.both("settle", agreed)
         assert kind == "ok"
         codes = [int(c) for c in agreed[: len(rids)]]
         assert [r.rid for r in landed] == [rid for rid, c in zip(rids, codes) if c == 2]

@@ -609,6 +609,15 @@ cdef class ReceiveTable:
             self._lease()
             return landed
 
+    def decode(self):
+        """``settle(self.buffer)``: the round's second half when the reduction ran in place on ``buffer``.
+
+        With it the table is what ``pdcore.agreement.Agreement`` drives
+        (``encode(now)``, MIN of ``buffer`` across the replica, ``decode()``),
+        over the group's collective or shared memory, mismatch guard included.
+        """
+        return self.settle(self._buffer)
+
     cdef int64_t[::1] _check_agreed(self, agreed):
         cdef Py_ssize_t n = self._n_sent, cap = self._max_requests, j, length
         cdef int64_t[::1] a

@@ -527,6 +527,15 @@ class ReceiveTable:
             self._lease()
             return landed
 
+    def decode(self) -> list[LandedRequest]:
+        """``settle(self.buffer)``: the round's second half when the reduction ran in place on ``buffer``.
+
+        With it the table is what ``pdcore.agreement.Agreement`` drives
+        (``encode(now)``, MIN of ``buffer`` across the replica, ``decode()``),
+        over the group's collective or shared memory, mismatch guard included.
+        """
+        return self.settle(self._buffer)
+
     def _check_agreed(self, agreed: Any, sent: list[int]) -> list[int]:
         arr = np.asarray(agreed)
         if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):  # [] is a float array: no codes is fine
