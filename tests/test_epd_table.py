@@ -615,3 +615,79 @@ def test_a_mismatched_staged_set_fails_every_rank_in_the_same_round(recv: Module
     assert messages == {case == "extra"}
     for t, rids in zip(tables, order):  # nothing changed
         assert t.rids() == rids
+
+
+# -- a real replica: one process per rank, the PD agreement over gloo and over shared memory ----------------------------
+
+
+def _epd_replica_rank(rank: int, world: int) -> dict[str, Any]:
+    """Per twin and agreement mode: a few rounds of progress, then a mismatched staged order."""
+    import torch.distributed as dist
+
+    from pdcore.agreement import Agreement
+
+    out: dict[str, Any] = {}
+    for name, module in TWINS.items():
+        recv = importlib.import_module(module)
+        for mode in ("group", "shm"):
+            t = recv.ReceiveTable(4, 8, rank=rank, ranks=world, sharded=True, timeout=30.0)
+            agreement = Agreement(t, agreement=mode)
+            rounds = []
+            try:
+                for rid in ("a", "b", "c"):  # two items each: a and b lease the 4 slots, c waits
+                    t.stage(rid, items(5, 3), 0.0)
+                for rnd in range(6):
+                    t.take_ready()  # the peer asks the encode ranks
+                    for rid, due in (("a", rank), ("c", 3)):  # rank k lands a's rows k rounds late
+                        if rid in t and rnd >= due:
+                            for i in (0, 1):
+                                if t.item_state(rid, i) in (ItemState.RECEIVING, ItemState.LANDED):
+                                    t.landed(rid, i, float(rnd))
+                    if rnd == 1 and rank == world - 1 and "b" in t:
+                        t.fail("b", f"rank {rank} lost its encode peer", float(rnd))
+                    landed = agreement.round(float(rnd), dist.group.WORLD)
+                    rounds.append(([(r.rid, [(i.row_start, i.row_count) for i in r.items]) for r in landed],
+                                   [rid for rid, _ in t.failed()]))
+                    t.release([i.slot for r in landed for i in r.items if i.slot is not None])
+                    for slot in t.take_fencing():
+                        t.fenced(slot)
+                out[f"{name}/{mode}/rounds"] = rounds
+                mismatch = recv.ReceiveTable(4, 8, rank=rank, ranks=world)
+                agreement.close()
+                agreement = Agreement(mismatch, agreement=mode)
+                for rid in (["x", "y"] if rank == 0 else ["y", "x"]):
+                    mismatch.stage(rid, [], 0.0)
+                try:
+                    agreement.round(0.0, dist.group.WORLD)
+                    out[f"{name}/{mode}/mismatch"] = "agreed"
+                except CollectiveError as exc:
+                    out[f"{name}/{mode}/mismatch"] = type(exc).__name__ + (": order" if "same (order, rid) set" in str(exc) else "")
+                out[f"{name}/{mode}/mode"] = agreement.mode
+            finally:
+                agreement.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_real_replica_settles_the_same_on_every_rank() -> None:
+    from replica import run_replica
+
+    world = 2
+    per_rank = run_replica(_epd_replica_rank, world)
+    for key in per_rank[0]:
+        name, mode, what = key.split("/")
+        values = [r[key] for r in per_rank]
+        if what == "mode":
+            assert set(values) == {mode}, key
+        elif what == "mismatch":
+            assert set(values) == {"CollectiveError: order"}, key
+        else:
+            rids = [[([rid for rid, _ in landed], failed) for landed, failed in rounds] for rounds in values]
+            assert all(r == rids[0] for r in rids), (key, rids)
+            landed_when = {rid: n for n, (landed, _) in enumerate(rids[0]) for rid in landed}
+            failed_when = {rid: n for n, (_, failed) in enumerate(rids[0]) for rid in failed}
+            assert landed_when == {"a": world - 1, "c": 3} and failed_when == {"b": 1}, (key, rids[0])
+            shares = [dict(landed) for rounds in values for landed, _ in rounds]
+            a = [s["a"] for s in shares if "a" in s]  # rank 0's share, then rank 1's: they tile each image
+            assert a == [[(0, 3), (0, 2)], [(3, 2), (2, 1)]], (key, a)
+    assert {key.split("/")[0] for key in per_rank[0]} == set(TWINS)
