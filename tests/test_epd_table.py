@@ -295,6 +295,20 @@ def test_bad_calls_change_nothing(recv: ModuleType) -> None:
         t.settle([1])  # a settle consumes its encode
 
 
+def test_a_bad_clock_fails_before_anything_changes(recv: ModuleType) -> None:
+    t = recv.ReceiveTable(2, 8)
+    for call in (lambda: t.stage("a", items(1), None), lambda: t.encode("soon"), lambda: t.fold(None)):
+        with pytest.raises(TypeError):
+            call()
+    assert len(t) == 0 and t.free_slots() == 2
+    t.stage("a", items(1), 0)  # an int clock is a clock
+    with pytest.raises(TypeError):
+        t.landed("a", 0, None)
+    with pytest.raises(TypeError):
+        t.fail("a", "x", None)
+    assert t.state("a") == RequestState.RECEIVING
+
+
 def test_a_request_staged_between_encode_and_settle_waits_for_the_next_round(recv: ModuleType) -> None:
     t = recv.ReceiveTable(2, 8)
     t.stage("a", [], 0.0)

@@ -132,6 +132,13 @@ def mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
     )
 
 
+def _clock(now: object) -> float:
+    """``now`` as the compiled twin's ``double`` argument takes it: a number, or ``TypeError``."""
+    if isinstance(now, (str, bytes, bytearray)):
+        raise TypeError(f"now must be a number of seconds, got {type(now).__name__} {now!r}")
+    return float(now)  # type: ignore[arg-type]
+
+
 def _item_step(rid: str, index: int, state: int, trigger: ItemTrigger) -> ItemState:
     new = _spec.ITEM_TRANSITIONS[state][trigger]
     if new is ILLEGAL:
@@ -316,6 +323,7 @@ class ReceiveTable:
 
     def stage(self, rid: str, items: Sequence[EmbeddingItem], now: float) -> None:
         """Start receiving ``rid``'s items; never blocks: items that find no free slot wait, on the request's clock."""
+        now = _clock(now)  # as the compiled twin's ``double now``: a bad clock fails before anything changes
         check_items(rid, items, self._slots, self._slot_rows, self._max_items, self._ranks, self._sharded)
         with self._lock:
             if rid in self._rec_of:
@@ -350,6 +358,7 @@ class ReceiveTable:
 
     def landed(self, rid: str, index: int, now: float) -> RequestState:
         """Item ``index`` of ``rid`` landed on this rank; returns the request's state."""
+        now = _clock(now)
         with self._lock:
             i = self._item(rid, index)
             rec = i // self._max_items
@@ -363,6 +372,7 @@ class ReceiveTable:
 
     def fail(self, rid: str, reason: str, now: float) -> RequestState:
         """``rid`` failed on this rank (``reason`` is kept); returns its state, FAILED."""
+        now = _clock(now)
         with self._lock:
             rec = self._rec(rid)
             self._request_step(rec, RequestTrigger.FAIL, reason or "failed")
@@ -466,6 +476,7 @@ class ReceiveTable:
 
     def fold(self, now: float) -> None:
         """Turn every passed deadline into a TIMEOUT transition."""
+        now = _clock(now)
         with self._lock:
             self._fold(now)
 
@@ -484,6 +495,7 @@ class ReceiveTable:
 
     def encode(self, now: float) -> np.ndarray:
         """Fold deadlines, then fill and return ``buffer`` for the all-reduce MIN (codes in staging order)."""
+        now = _clock(now)
         with self._lock:
             self._fold(now)
             codes = [self._state[rec] for rec in self._rec_of.values()]
