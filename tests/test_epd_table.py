@@ -54,6 +54,7 @@ def round_(table: Any, now: float = 0.0) -> list[LandedRequest]:
 # -- the spec ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.compiled
 def test_compiled_grids_are_the_spec() -> None:
     from pdcore.epd import _recv
 
@@ -95,6 +96,7 @@ def test_slot_grid_quarantine_and_hold_have_one_door_each() -> None:
         assert (grid[SlotState.LEASED][trigger] == SlotState.FENCING) == (state in _spec.ASKED)
 
 
+@pytest.mark.compiled
 def test_stub_names_match_the_twin() -> None:
     from pdcore.epd import _recv
 
@@ -106,6 +108,7 @@ def test_stub_names_match_the_twin() -> None:
     assert stub_names <= set(dir(_recv.ReceiveTable))
 
 
+@pytest.mark.compiled
 def test_the_chooser_picks_the_twin_on_request() -> None:
     code = "import pdcore.epd.table as t; print(t.IMPLEMENTATION, t.ReceiveTable.__module__)"
     for env, expect in (("1", "python pdcore.epd._recv_py"), ("", "cython pdcore.epd._recv")):
