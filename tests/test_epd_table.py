@@ -634,6 +634,16 @@ def test_a_mismatched_staged_set_fails_every_rank_in_the_same_round(recv: Module
         assert t.rids() == rids
 
 
+@pytest.mark.parametrize("torn", [{"sharded": True}, {"ranks": 3, "rank": 1}])
+def test_a_torn_split_fails_every_rank_in_the_first_round(recv: ModuleType, torn: dict[str, Any]) -> None:
+    tables = [recv.ReceiveTable(4, 8, rank=r, ranks=2, sharded=False) for r in range(2)]
+    tables[1] = recv.ReceiveTable(4, 8, **{"rank": 1, "ranks": 2, "sharded": False, **torn})
+    agreed = _agree(tables, 0.0)  # nothing staged yet: the split alone differs
+    for t in tables:
+        with pytest.raises(CollectiveError, match="split the images differently"):
+            t.settle(agreed.copy())
+
+
 # -- a real replica: one process per rank, the PD agreement over gloo and over shared memory ----------------------------
 
 
@@ -678,7 +688,7 @@ def _epd_replica_rank(rank: int, world: int) -> dict[str, Any]:
                     agreement.round(0.0, dist.group.WORLD)
                     out[f"{name}/{mode}/mismatch"] = "agreed"
                 except CollectiveError as exc:
-                    out[f"{name}/{mode}/mismatch"] = type(exc).__name__ + (": order" if "same (order, rid) set" in str(exc) else "")
+                    out[f"{name}/{mode}/mismatch"] = type(exc).__name__ + (": order" if "(order, rid) set" in str(exc) else "")
                 out[f"{name}/{mode}/mode"] = agreement.mode
             finally:
                 agreement.close()

@@ -32,6 +32,7 @@ from ._recv_py import (
     Ask,
     check_config,
     check_items,
+    config_salt,
     mismatch_message,
     shard,
 )
@@ -209,7 +210,7 @@ cdef class ReceiveTable:
         self._n_free = slots
         self._n_held = 0
         self._seq = 0
-        self._fp_sum = 0
+        self._fp_sum = config_salt(ranks, sharded)
         self._next_deadline = math.inf
         self._n_sent = -1
         self._sent = np.zeros(max_requests, dtype=np.uint8)

@@ -116,6 +116,17 @@ def check_items(rid: object, items: object, slots: int, slot_rows: int, max_item
             )
 
 
+def config_salt(ranks: int, sharded: bool) -> int:
+    """The fingerprint's starting value: what decides how the ranks split each image.
+
+    Ranks built with a different ``ranks`` or ``sharded`` would receive shares
+    that do not tile the image; with the salt their fingerprints differ from
+    the first round on, staged requests or not, so every rank raises
+    ``CollectiveError`` at once instead of publishing torn rows.
+    """
+    return rid_hash(f"pdcore.epd receiver: ranks={ranks} sharded={bool(sharded)}", 0)
+
+
 def mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
     """Name what differs between the ranks: the number of staged requests, or which they are."""
     count = int.from_bytes(mine[8:], "little")
@@ -125,7 +136,10 @@ def mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
             f"min {int.from_bytes(lowest[8:], 'little')} / max {int.from_bytes(highest[8:], 'little')})"
         )
     else:
-        what = f"the ranks hold {count} staged requests each, but not the same (order, rid) set"
+        what = (
+            f"the ranks hold {count} staged requests each, but not the same (order, rid) set, "
+            "or their tables split the images differently (ranks, sharded)"
+        )
     return (
         f"EPD receiver agreement refused: {what}; this rank's fingerprint is {mine.hex()}. "
         "Every rank must stage the same rids in the same order and settle the same codes."
@@ -207,7 +221,7 @@ class ReceiveTable:
         self._fencing: list[int] = []
         # the round
         self._seq = 0
-        self._fp_sum = 0
+        self._fp_sum = config_salt(ranks, sharded)
         self._sent: list[int] | None = None  # this rank's codes at the last encode, until settle
         self._failed: list[tuple[str, str]] = []
         self._buffer = np.full(max_requests + 2 * FINGERPRINT_BYTES, PAD, dtype=np.uint8)
