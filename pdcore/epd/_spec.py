@@ -49,8 +49,10 @@ raises ``LocalProtocolError``.
 The agreement. Each round ``encode(now)`` folds deadlines, then writes one
 code byte per staged request in staging order, ``PAD`` (255, neutral under
 MIN) up to the configured request capacity, and the PD table's fingerprint
-pair (``h`` then ``255-h``) of the staged (sequence, rid) set: the buffer has
-the same length on every rank whatever each rank holds. The replica reduces
+pair (``h`` then ``255-h``) of the staged (sequence, rid) set, salted with how
+the tables split each image (``ranks``, ``sharded``: a torn flag fails the
+first round, not the rows): the buffer has the same length on every rank
+whatever each rank holds. The replica reduces
 it with MIN; ``settle(agreed)`` checks the pair (``min(h)+min(255-h) == 255``
 for every byte only if every rank holds the same set: otherwise
 ``CollectiveError`` on every rank, nothing changed), then acts in staging
