@@ -9,9 +9,12 @@ a buffer. The loops run in C over the batch array and the descriptor bytes; Pyth
 made only for what the caller keeps (the head, the views, the acks). See the twin for the contract.
 """
 
+cimport numpy as cnp
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport int32_t, uint32_t, uint64_t
+
+cnp.import_array()
 
 __all__ = [
     "ACK_SIZE",
@@ -52,6 +55,19 @@ cdef enum:
     _ACK = 20  # seq u64, status u32, errno i32, message length u32
 
 
+cdef inline int _array(cnp.ndarray a, int typenum, int ndim, const void** data, Py_ssize_t* n) except -1:
+    """The data and length of a C-contiguous, aligned, native-order array of ``typenum`` and
+    ``ndim`` dimensions (the last of a 2-d one must be 3); ``ValueError`` otherwise. Typed
+    memoryviews would do the same at several times the cost per call, the cost that counts here."""
+    if (cnp.PyArray_TYPE(a) != typenum or cnp.PyArray_NDIM(a) != ndim or not cnp.PyArray_ISCARRAY_RO(a)
+            or (ndim == 2 and cnp.PyArray_DIM(a, 1) != 3)):
+        raise ValueError(f"expected a contiguous {'(n, 3)' if ndim == 2 else '1-d'} array of "
+                         f"{'uint8' if typenum == cnp.NPY_UINT8 else 'uint64'}, got {a.dtype} {(<object>a).shape}")
+    data[0] = cnp.PyArray_DATA(a)
+    n[0] = cnp.PyArray_DIM(a, 0)
+    return 0
+
+
 cdef inline uint64_t _get64(const unsigned char* p) noexcept nogil:
     return (<uint64_t>p[0] | <uint64_t>p[1] << 8 | <uint64_t>p[2] << 16 | <uint64_t>p[3] << 24
             | <uint64_t>p[4] << 32 | <uint64_t>p[5] << 40 | <uint64_t>p[6] << 48 | <uint64_t>p[7] << 56)
@@ -87,18 +103,27 @@ cdef inline Py_ssize_t _find(const uint64_t* starts, const uint64_t* lengths, Py
     return lo - 1
 
 
-def frame(const uint64_t[:, ::1] batch, uint64_t grant,
-          const uint64_t[::1] loc_starts, const uint64_t[::1] loc_lengths, list loc_views,
-          const uint64_t[::1] rem_starts, const uint64_t[::1] rem_lengths):
+def frame(cnp.ndarray batch not None, uint64_t grant, cnp.ndarray loc_starts not None,
+          cnp.ndarray loc_lengths not None, list loc_views not None,
+          cnp.ndarray rem_starts not None, cnp.ndarray rem_lengths not None):
     """Check a batch (a C-contiguous ``(n, 3)`` ``uint64`` array) and build what goes on the wire:
     ``(0, 0, [head, view, ...])`` or ``(FRAME_* code, index of the first failing write, None)``."""
-    cdef Py_ssize_t n = batch.shape[0], i, j
-    cdef Py_ssize_t nl = loc_starts.shape[0], nr = rem_starts.shape[0]
+    cdef const uint64_t* w = NULL
+    cdef const uint64_t* ls = NULL
+    cdef const uint64_t* ll = NULL
+    cdef const uint64_t* rs = NULL
+    cdef const uint64_t* rl = NULL
+    cdef Py_ssize_t n = 0, nl = 0, nl2 = 0, nr = 0, nr2 = 0, i, j, off
     cdef uint64_t la, ra, length
-    if loc_lengths.shape[0] != nl or rem_lengths.shape[0] != nr or len(loc_views) != nl:
+    _array(batch, cnp.NPY_UINT64, 2, <const void**>&w, &n)
+    _array(loc_starts, cnp.NPY_UINT64, 1, <const void**>&ls, &nl)
+    _array(loc_lengths, cnp.NPY_UINT64, 1, <const void**>&ll, &nl2)
+    _array(rem_starts, cnp.NPY_UINT64, 1, <const void**>&rs, &nr)
+    _array(rem_lengths, cnp.NPY_UINT64, 1, <const void**>&rl, &nr2)
+    if nl2 != nl or nr2 != nr or len(loc_views) != nl:
         raise ValueError("region starts, lengths and views differ in length")
     for i in range(n):
-        if batch[i, 2] == 0:
+        if w[3 * i + 2] == 0:
             return FRAME_ZERO_LENGTH, i, None
     head = PyByteArray_FromStringAndSize(NULL, _HEAD + _PAIR * n)
     cdef unsigned char* h = <unsigned char*>PyByteArray_AS_STRING(head)
@@ -106,15 +131,10 @@ def frame(const uint64_t[:, ::1] batch, uint64_t grant,
     _put64(h + 8, <uint64_t>n)  # count u32, then the 0 u32
     _put64(h + 16, grant)
     bufs = [memoryview(head)]
-    cdef const uint64_t* ls = &loc_starts[0] if nl else NULL
-    cdef const uint64_t* ll = &loc_lengths[0] if nl else NULL
-    cdef const uint64_t* rs = &rem_starts[0] if nr else NULL
-    cdef const uint64_t* rl = &rem_lengths[0] if nr else NULL
-    cdef Py_ssize_t off
     for i in range(n):
-        la = batch[i, 0]
-        ra = batch[i, 1]
-        length = batch[i, 2]
+        la = w[3 * i]
+        ra = w[3 * i + 1]
+        length = w[3 * i + 2]
         j = _find(ls, ll, nl, la, length)
         if j < 0:
             return FRAME_LOCAL_OUTSIDE, i, None
@@ -127,25 +147,28 @@ def frame(const uint64_t[:, ::1] batch, uint64_t grant,
     return FRAME_OK, 0, bufs
 
 
-def check_frame(const unsigned char[::1] desc,
-                const uint64_t[::1] starts, const uint64_t[::1] lengths, const unsigned char[::1] guarded,
-                list keys, list views,
-                uint64_t grant, int grant_state,
-                const uint64_t[::1] grant_starts, const uint64_t[::1] grant_lengths):
+def check_frame(bytes desc not None, cnp.ndarray starts not None, cnp.ndarray lengths not None,
+                cnp.ndarray guarded not None, list keys not None, list views not None,
+                uint64_t grant, int grant_state, cnp.ndarray grant_starts not None, cnp.ndarray grant_lengths not None):
     """Check every write of a frame before any lands: ``(0, 0, total, views, keys)`` or
     ``(LAND_* code, index of the first failing write, 0, None, None)``."""
-    cdef Py_ssize_t count = desc.shape[0] // _PAIR, nreg = starts.shape[0], ng = grant_starts.shape[0]
-    cdef Py_ssize_t i, j, last = -1, off
+    cdef const uint64_t* rs = NULL
+    cdef const uint64_t* rl = NULL
+    cdef const unsigned char* flags = NULL
+    cdef const uint64_t* gs = NULL
+    cdef const uint64_t* gl = NULL
+    cdef Py_ssize_t nreg = 0, nreg2 = 0, nflags = 0, ng = 0, ng2 = 0, i, j, last = -1, off
+    cdef Py_ssize_t count = len(desc) // _PAIR
+    cdef const unsigned char* d = <const unsigned char*>desc
     cdef uint64_t addr, length, total = 0
     cdef bint overflow = False
-    if (lengths.shape[0] != nreg or guarded.shape[0] != nreg or len(keys) != nreg or len(views) != nreg
-            or grant_lengths.shape[0] != ng):
+    _array(starts, cnp.NPY_UINT64, 1, <const void**>&rs, &nreg)
+    _array(lengths, cnp.NPY_UINT64, 1, <const void**>&rl, &nreg2)
+    _array(guarded, cnp.NPY_UINT8, 1, <const void**>&flags, &nflags)
+    _array(grant_starts, cnp.NPY_UINT64, 1, <const void**>&gs, &ng)
+    _array(grant_lengths, cnp.NPY_UINT64, 1, <const void**>&gl, &ng2)
+    if nreg2 != nreg or nflags != nreg or len(keys) != nreg or len(views) != nreg or ng2 != ng:
         raise ValueError("region starts, lengths, flags, keys and views differ in length")
-    cdef const unsigned char* d = &desc[0] if count else NULL
-    cdef const uint64_t* rs = &starts[0] if nreg else NULL
-    cdef const uint64_t* rl = &lengths[0] if nreg else NULL
-    cdef const uint64_t* gs = &grant_starts[0] if ng else NULL
-    cdef const uint64_t* gl = &grant_lengths[0] if ng else NULL
     out = []
     used = []
     for i in range(count):
@@ -155,7 +178,7 @@ def check_frame(const unsigned char[::1] desc,
         if j < 0:
             return LAND_OUTSIDE_REGIONS, i, 0, None, None
         if j != last:
-            if not grant and guarded[j]:
+            if not grant and flags[j]:
                 return LAND_NEEDS_GRANT, i, 0, None, None
             key = keys[j]
             if key not in used:
@@ -176,15 +199,16 @@ def check_frame(const unsigned char[::1] desc,
     return LAND_OK, 0, total, out, used
 
 
-def parse_acks(const unsigned char[::1] buf, Py_ssize_t start, Py_ssize_t end, Py_ssize_t max_msg):
-    """Every whole ack in ``buf[start:end]``: ``(acks, new start, bad)``, each ack ``(seq, status,
-    errno, message bytes)``; ``bad`` is the length of a too-long message (parsing stops there), else 0."""
-    cdef const unsigned char* b = &buf[0] if buf.shape[0] else NULL
+def parse_acks(bytearray buf not None, Py_ssize_t start, Py_ssize_t end, Py_ssize_t max_msg):
+    """Every whole ack in ``buf[start:end]`` (a ``bytearray``): ``(acks, new start, bad)``, each ack
+    ``(seq, status, errno, message bytes)``; ``bad`` is the length of a too-long message (parsing
+    stops there), else 0."""
+    cdef const unsigned char* b = <const unsigned char*>PyByteArray_AS_STRING(buf)
     cdef uint64_t seq
     cdef uint32_t status, n
     cdef int32_t err
-    if start < 0 or end > buf.shape[0] or start > end:
-        raise ValueError(f"[{start}, {end}) is not inside a buffer of {buf.shape[0]} bytes")
+    if start < 0 or end > len(buf) or start > end:
+        raise ValueError(f"[{start}, {end}) is not inside a buffer of {len(buf)} bytes")
     out = []
     while end - start >= _ACK:
         seq = _get64(b + start)

@@ -11,7 +11,9 @@ Three pure functions, no I/O and no locks (the caller holds what it needs):
 
 Regions are given as a snapshot: ``starts`` and ``lengths`` (``uint64`` arrays sorted by start,
 not overlapping), and per region its view (a writable ``memoryview`` of all of it), its key and
-whether it requires a grant (``guarded``, ``uint8``). Result codes, not messages: ``transport.tcp``
+whether it requires a grant (``guarded``, ``uint8``). Every array is a C-contiguous, aligned,
+native-order numpy array (``ValueError`` otherwise; ``TypeError`` for what is not an array, or not
+the ``bytes``/``bytearray``/``list`` asked for). Result codes, not messages: ``transport.tcp``
 words the errors, so both twins give the same ones.
 """
 
@@ -61,6 +63,22 @@ _PAIR = struct.Struct("<QQ")
 _ACK = struct.Struct("<QIiI")
 
 
+def _array(a: Any, dtype: type, ndim: int) -> None:
+    """``TypeError`` unless a numpy array; ``ValueError`` unless C-contiguous, aligned, native
+    ``dtype`` of ``ndim`` dimensions (``(n, 3)`` when 2): what the compiled twin reads in C."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"expected a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype or a.ndim != ndim or not (a.flags.c_contiguous and a.flags.aligned) or (ndim == 2 and a.shape[1] != 3):
+        raise ValueError(
+            f"expected a contiguous {'(n, 3)' if ndim == 2 else '1-d'} array of {np.dtype(dtype).name}, got {a.dtype} {a.shape}"
+        )
+
+
+def _of(value: Any, kind: type, what: str) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} must be {kind.__name__}, got {type(value).__name__}")
+
+
 def _find(starts: list[int], lengths: list[int], addr: int, length: int) -> int:
     """The index of the region holding all of ``[addr, addr + length)``, or -1."""
     i = bisect.bisect_right(starts, addr) - 1
@@ -86,6 +104,10 @@ def frame(
     fails it, and None. A zero length anywhere fails first; then, write by write, the local range,
     then the remote one.
     """
+    _array(batch, np.uint64, 2)
+    for a in (loc_starts, loc_lengths, rem_starts, rem_lengths):
+        _array(a, np.uint64, 1)
+    _of(loc_views, list, "loc_views")
     if len(loc_lengths) != len(loc_starts) or len(rem_lengths) != len(rem_starts) or len(loc_views) != len(loc_starts):
         raise ValueError("region starts, lengths and views differ in length")
     rows = batch.tolist()
@@ -131,6 +153,12 @@ def check_frame(
     regions written (each once, in order of first use); or a ``LAND_*`` code, the index of the
     first write that fails it, 0, None, None.
     """
+    _of(desc, bytes, "desc")
+    for a in (starts, lengths, grant_starts, grant_lengths):
+        _array(a, np.uint64, 1)
+    _array(guarded, np.uint8, 1)
+    _of(keys, list, "keys")
+    _of(views, list, "views")
     n = len(starts)
     if len(lengths) != n or len(guarded) != n or len(keys) != n or len(views) != n or len(grant_lengths) != len(grant_starts):
         raise ValueError("region starts, lengths, flags, keys and views differ in length")
@@ -165,6 +193,7 @@ def parse_acks(buf: Any, start: int, end: int, max_msg: int) -> tuple[list[tuple
     """Every whole ack in ``buf[start:end]``: ``(acks, new start, bad)``; each ack is ``(seq, status,
     errno, message bytes)``. ``bad`` is the message length of an ack whose message is longer than
     ``max_msg`` (parsing stops before it; the acks before it are returned), else 0."""
+    _of(buf, bytearray, "buf")
     if start < 0 or end > len(buf) or start > end:
         raise ValueError(f"[{start}, {end}) is not inside a buffer of {len(buf)} bytes")
     out: list[tuple[int, int, int, bytes]] = []

@@ -166,6 +166,7 @@ _SEND_GATHER = 4 * _IOV_CHUNK
 _ACK_GATHER = 16
 _ACK_GATHER_BYTES = 1 << 20  # buffers of queued batches the sender sends in one go
 _DISCARD_CHUNK = 1 << 20
+_AHEAD = 24 + 16  # bytes a sink reads past a payload: the next frame's header and first descriptor
 
 
 # ---------------------------------------------------------------------- the hello (sans-IO)
@@ -981,47 +982,59 @@ class TcpTransport(Transport):
             stall = self._peer_timeout
             acks: list[bytes] = []  # acks not sent yet: flushed before the sink would wait for data
             acked_bytes = 0
+            # Stream bytes read ahead: a payload is received together with up to _AHEAD bytes after
+            # it (the next frame's header and first descriptor, when already here), one call per
+            # frame where three would do. Never payload bytes: a frame with writes has a descriptor
+            # after its header, and one without has no payload.
+            carry = bytearray()
             while not self._stop.is_set():
-                head = b""
-                if acks:  # more frames already here? then land them first and ack them together
-                    try:
-                        head = conn.recv(_FRAME.size, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        pass
-                    else:
-                        if not head:
+                if acks and len(carry) < _FRAME.size:  # more frames already here? then land them first, ack together
+                    if not carry:
+                        try:
+                            more = conn.recv(_FRAME.size, socket.MSG_DONTWAIT)
+                        except BlockingIOError:
+                            more = None
+                        if more == b"":
                             return
-                    if not head:
-                        conn.sendall(b"".join(acks), socket.MSG_NOSIGNAL)
+                        if more:
+                            carry += more
+                    if not carry:
+                        conn.sendall(b"".join(acks), _SEND_FLAGS)
                         acks.clear()
                         acked_bytes = 0
-                if not head:
+                if not carry:
                     try:  # the common case, one call; the helper handles ticks and short reads
                         head = conn.recv(_FRAME.size)
                     except _TICK:
                         head = None
                     if head == b"":
                         return
-                if head is None or len(head) < _FRAME.size:
-                    head = head or b""
-                    idle = None if head else _no_op
-                    head += _recv_exact(conn, _FRAME.size - len(head), stop=self._stop, stall=stall, idle=idle)
-                seq, count, _, grant = _FRAME.unpack(head)
+                    if head:
+                        carry += head
+                if len(carry) < _FRAME.size:
+                    idle = None if carry else _no_op
+                    carry += _recv_exact(conn, _FRAME.size - len(carry), stop=self._stop, stall=stall, idle=idle)
+                seq, count, _, grant = _FRAME.unpack_from(carry)
+                del carry[: _FRAME.size]
                 if count > self._max_batch_writes:
                     return  # the stream cannot be trusted past a frame this broken
                 desc = b""
                 if count:
                     want = count * _DESC_PAIR.size
-                    try:  # the descriptors mostly came with the header: one call
-                        desc = conn.recv(want)
-                    except _TICK:
-                        pass
-                    else:
-                        if not desc:
+                    if len(carry) < want:
+                        try:  # the descriptors mostly came with the header: one call
+                            more = conn.recv(want - len(carry))
+                        except _TICK:
+                            more = None
+                        if more == b"":
                             return
-                    if len(desc) < want:
-                        desc += _recv_exact(conn, want - len(desc), stop=self._stop, stall=stall)
-                status, err, msg, nbytes = self._land(conn, desc, grant, source)
+                        if more:
+                            carry += more
+                        if len(carry) < want:
+                            carry += _recv_exact(conn, want - len(carry), stop=self._stop, stall=stall)
+                    desc = bytes(carry)
+                    carry.clear()  # a frame with writes: its descriptors end what was read ahead
+                status, err, msg, nbytes = self._land(conn, desc, grant, source, None if carry else carry)
                 if status:
                     body = msg.encode()[:_MAX_MSG]
                     acks.append(_ACK.pack(seq, status, err, len(body)) + body)
@@ -1040,8 +1053,13 @@ class TcpTransport(Transport):
                 self._sinks.pop(sid, None)
                 self._live.discard(sid)
 
-    def _land(self, conn: socket.socket, desc: bytes, grant: int, source: bytes) -> tuple[int, int, str, int]:
+    def _land(
+        self, conn: socket.socket, desc: bytes, grant: int, source: bytes, ahead: bytearray | None = None
+    ) -> tuple[int, int, str, int]:
         """Validate every write of a frame, then receive its payload into place (or discard it).
+
+        With ``ahead`` (empty), the bytes that came right after the payload in the same call, up
+        to ``_AHEAD``, are appended to it (the sink loop's read-ahead).
 
         A write must lie inside one registered region and, with ``grant``, inside
         that live grant of ``source``; with grant 0 its region must not require
@@ -1078,7 +1096,13 @@ class TcpTransport(Transport):
             self._discard(conn, total)
             return 1, err, refused, total
         try:
-            got = conn.recvmsg_into(views)[0] if len(views) <= _IOV_CHUNK else 0  # the common case, one call
+            got = 0
+            if views and len(views) < _IOV_CHUNK:  # the common case, one call; and what follows, if here
+                tail = memoryview(bytearray(_AHEAD)) if ahead is not None else None
+                got = conn.recvmsg_into(views if tail is None else [*views, tail])[0]
+                if got > total:
+                    ahead += tail[: got - total]  # type: ignore[index, operator]  # tail is set when ahead is
+                    got = total
             if got != total:
                 _skip(views, got)
                 _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)

@@ -515,3 +515,44 @@ def test_the_transport_uses_the_chosen_twin() -> None:
 
     want = "transport._tcp_fast_py" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "transport._tcp_fast"
     assert tcp._fast.__name__ == want and tcp.IMPLEMENTATION == ("python" if want.endswith("_py") else "cython")
+
+
+def test_twins_refuse_the_same_malformed_arguments() -> None:
+    """What the compiled twin cannot read in C is refused, by both, with the same exception type."""
+    u64, empty = np.zeros(2, np.uint64), np.zeros(0, np.uint64)
+    batch = np.zeros((1, 3), np.uint64)
+    frames = [
+        (np.zeros((1, 3), np.int64), u64, u64, [0, 0], empty, empty),  # another dtype
+        (np.zeros((1, 4), np.uint64), u64, u64, [0, 0], empty, empty),  # not (n, 3)
+        (np.zeros((2, 6), np.uint64)[:, ::2], u64, u64, [0, 0], empty, empty),  # not C-contiguous
+        (batch, u64.astype(">u8"), u64, [0, 0], empty, empty),  # not native order
+        (batch, u64, u64[:1], [0, 0], empty, empty),  # lengths differ
+        (batch, u64, u64, [0], empty, empty),
+        ([[1, 2, 3]], u64, u64, [0, 0], empty, empty),  # not an array
+        (batch, u64, u64, (0, 0), empty, empty),  # views not a list
+    ]
+    compiled, pure = _both()
+    for args in frames:
+        errors = []
+        for impl in (compiled, pure):
+            with pytest.raises((TypeError, ValueError)) as e:
+                impl.frame(args[0], 0, *args[1:])
+            errors.append(e.type)
+        assert errors[0] is errors[1], args
+    flags = np.zeros(2, np.uint8)
+    checks = [
+        (bytearray(16), u64, u64, flags, [1, 2], [0, 0]),  # desc not bytes
+        (b"", u64, u64, flags.astype(np.uint64), [1, 2], [0, 0]),  # flags not uint8
+        (b"", u64, u64[::2].copy()[:1], flags, [1, 2], [0, 0]),
+        (b"", u64, u64, flags, (1, 2), [0, 0]),
+    ]
+    for args in checks:
+        errors = []
+        for impl in (compiled, pure):
+            with pytest.raises((TypeError, ValueError)) as e:
+                impl.check_frame(*args, 0, 0, empty, empty)
+            errors.append(e.type)
+        assert errors[0] is errors[1], args
+    for impl in (compiled, pure):
+        with pytest.raises(TypeError):
+            impl.parse_acks(bytes(20), 0, 20, 0)
