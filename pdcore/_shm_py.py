@@ -402,7 +402,11 @@ class ShmReducer:
         next_liveness = started + LIVENESS_EVERY
         nap = 0.0
         while status == OK:
-            w = self._word()
+            read = self._swap(lambda x: None, deadline + 1.0)  # under the mutex: plain reads raced with it
+            if read is None:
+                status, missing = TIMED_OUT, self._full & ~bit
+                break
+            w = read[0]
             if w >> GEN_SHIFT != g or w & ARRIVED_MASK == self._full:
                 break  # everyone arrived (or the word already moved on to the next round)
             if w & ABORTED:
@@ -437,7 +441,7 @@ class ShmReducer:
             self._broken = round_error(seg, status, self._gen, missing, self._timeout)
             raise self._broken
         # every rank's slot of this parity is written and stays so until every rank arrived at the next
-        # round; the plain read of the word above is ordered after the writers' locked swaps (x86 TSO)
+        # round; the word was read under the mutex, after the writers' swaps
         slots = np.frombuffer(seg.map, dtype=np.uint8, count=seg.world * seg.stride, offset=base)
         slots = slots.reshape(seg.world, seg.stride)[:, :n]
         np.minimum.reduce(slots, axis=0, out=buf)
