@@ -50,13 +50,25 @@ connected peer one sender and one ack reader. ``close()`` wakes and joins
 every one of them.
 
 Per-batch costs, the limit for small batches (a Python thread hop costs tens
-of microseconds on a busy machine), are kept down three ways: a writer that
+of microseconds on a busy machine), are kept down these ways: a writer that
 finds nobody sending sends its batch itself with ``MSG_DONTWAIT`` and hands
 only a remainder to the sender thread; the sender gathers every queued batch
 into one ``sendmsg``; a sink that finds the next frame already waiting lands it
 before acking, and sends the gathered acks together (at most
 ``_ACK_GATHER`` batches or ``_ACK_GATHER_BYTES``, and always before it would
-block), which the source's ack reader reads in one ``recv``.
+block), which the source's ack reader reads in one ``recv`` and delivers under
+one lock; the sink receives each payload together with the next frame's header
+and first descriptor when they are already there (one ``recvmsg`` per pipelined
+frame); a completion wakes only writers waiting for a slot, never the sender.
+The per-batch loops are compiled (``transport._tcp_fast``, its pure twin
+``_tcp_fast_py`` under ``PDCORE_PURE_PYTHON=1``; ``IMPLEMENTATION`` names the
+one in use): ``frame`` checks a batch's local and remote ranges and builds its
+head (header and descriptors) and payload views in one pass; ``check_frame``
+checks every write of a frame against the sink's regions and the grant, over
+the descriptor bytes, before a byte lands (the grant looked up once per frame,
+by ``_grant_state``, with ``GrantTable.check``'s rules); ``parse_acks`` reads
+every whole ack in the reader's buffer. The error messages are worded here,
+from their result codes, so both twins give the same ones.
 """
 
 from __future__ import annotations
