@@ -134,7 +134,8 @@ class PeerBase:
         self._thread: threading.Thread | None = None
         self._io_threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
-        self.counts = Counts()  # what the metrics read (PeerConfig.metrics)
+        # what the metrics read; None without a registry, so a peer without metrics pays nothing for them
+        self.counts = Counts() if config.metrics is not None else None
         self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
 
     # -- start and stop -----------------------------------------------------------------
@@ -315,9 +316,13 @@ class PeerBase:
         """The transfers whose state the replica agreed changed; every rank calls it in the same rounds."""
         if self._closed:
             raise PeerError(f"{self.ROLE} peer: closed")
-        started = time.perf_counter()
-        events = self._agreement.round(time.monotonic(), replica)
-        self.counts.rounds.observe(time.perf_counter() - started)
+        counts = self.counts
+        if counts is None:
+            events = self._agreement.round(time.monotonic(), replica)
+        else:
+            started = time.perf_counter()
+            events = self._agreement.round(time.monotonic(), replica)
+            counts.rounds.observe(time.perf_counter() - started)
         fencing = self._table.take_fencing()
         if self._fence_backlog:
             fencing, self._fence_backlog = self._fence_backlog + fencing, []
@@ -331,7 +336,8 @@ class PeerBase:
         if not events:
             return events
         settled = self._settle(events)
-        self.counts.ended(settled, self._TERMINAL)
+        if counts is not None:
+            counts.ended(settled, self._TERMINAL)
         return settled
 
     def has_in_flight(self) -> bool:

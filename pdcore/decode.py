@@ -111,7 +111,8 @@ class DecodePeer(PeerBase):
         """Track an admitted request; its prefill rank is looked up off the scheduler thread."""
         with self._lock:
             self._table.register(rid, time.monotonic())
-            self.counts.born(rid)
+            if self.counts is not None:
+                self.counts.born(rid)
             request = _Request(rid, bootstrap.room, (bootstrap.host, bootstrap.port))
             self._requests[rid] = request
         source = self._known_source(request)

@@ -151,7 +151,8 @@ class PrefillPeer(PeerBase):
             if room in self._rooms:
                 raise LocalProtocolError(f"room {room} is already held by rid {self._rooms[room].rid!r}", rooms=(room,))
             self._table.register(rid, time.monotonic())
-            self.counts.born(rid)
+            if self.counts is not None:
+                self.counts.born(rid)
             entry = _Room(rid, room)
             self._rooms[room] = entry
             self._by_rid[rid] = entry
@@ -401,8 +402,9 @@ class PrefillPeer(PeerBase):
                 deadline=Deadline.after(self._config.fence_timeout) if wait else None,
                 grant=entry.grant,
             )
-            self.counts.writes_posted += len(batch)
-            self.counts.bytes_posted += int(batch[:, 2].sum())
+            if self.counts is not None:
+                self.counts.writes_posted += len(batch)
+                self.counts.bytes_posted += int(batch[:, 2].sum())
         except CapacityError:
             with self._lock:
                 entry.inflight -= 1
