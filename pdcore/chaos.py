@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from .cli import CliParser, float_range, int_range, memory_bytes, transport_help, transport_name
+from .cli import CliParser, float_range, int_range, memory_bytes, report_start_failure, transport_help, transport_name
 from .demo import Pages, Request, _cache, _cause, _leftovers, first_token, pattern
 from .progress import RunProgress
 
@@ -1108,13 +1108,7 @@ def report(outcome: ChaosOutcome, *, verbose: bool = False) -> int:
     """
     plan = outcome.plan
     if outcome.start_failure is not None:
-        if verbose:
-            for error in outcome.errors:
-                print(f"error: {error}", file=sys.stderr)
-        hint = "" if verbose or not outcome.errors else " (--verbose shows the traceback)"
-        print(f"chaos: could not start: {outcome.start_failure}{hint}", file=sys.stderr, flush=True)
-        print("chaos: FAILED")
-        return 1
+        return report_start_failure("chaos", outcome.start_failure, outcome.errors, verbose=verbose)
     rows = check(outcome)
     if not verbose and outcome.causes:
         rows = [(name, fig, good, outcome.causes if name == "no rank raised" else details)

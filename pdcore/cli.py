@@ -9,13 +9,23 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .auth import load_secret
 from .errors import StartError
 
-__all__ = ["CliParser", "int_range", "float_range", "transport_name", "transport_help", "secret_file", "memory_bytes"]
+__all__ = [
+    "CliParser",
+    "int_range",
+    "float_range",
+    "transport_name",
+    "transport_help",
+    "secret_file",
+    "memory_bytes",
+    "report_start_failure",
+]
 
 
 class CliParser(argparse.ArgumentParser):
@@ -90,3 +100,14 @@ def memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def report_start_failure(command: str, cause: str, errors: Sequence[str], *, verbose: bool) -> int:
+    """A run that never started: one line naming the cause (``verbose``: every rank's error first), no table."""
+    if verbose:
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
+    hint = "" if verbose or not errors else " (--verbose shows the traceback)"
+    print(f"{command}: could not start: {cause}{hint}", file=sys.stderr, flush=True)
+    print(f"{command}: FAILED")
+    return 1

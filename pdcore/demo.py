@@ -35,7 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from .cli import CliParser, float_range, int_range, memory_bytes, secret_file, transport_help, transport_name
+from .cli import (
+    CliParser,
+    float_range,
+    int_range,
+    memory_bytes,
+    report_start_failure,
+    secret_file,
+    transport_help,
+    transport_name,
+)
 from .progress import RunProgress
 
 __all__ = ["Plan", "Request", "make_requests", "run", "main"]
@@ -651,13 +660,7 @@ def report(plan: Plan, outcome: Outcome, *, verbose: bool = False) -> int:
     Errors of a run that started are one line each; ``verbose`` adds their tracebacks.
     """
     if outcome.start_failure is not None:
-        if verbose:
-            for error in outcome.errors:
-                print(f"error: {error}", file=sys.stderr)
-        hint = "" if verbose or not outcome.errors else " (--verbose shows the traceback)"
-        print(f"demo: could not start: {outcome.start_failure}{hint}", file=sys.stderr, flush=True)
-        print("demo: FAILED")
-        return 1
+        return report_start_failure("demo", outcome.start_failure, outcome.errors, verbose=verbose)
     decode = outcome.decode
     landed = [{rid for kind, rid, _ in r["log"] if kind == "RemotePrefillDone"} for r in decode.values()]
     mismatched = sorted({rid for r in decode.values() for rid in r["mismatched"]})
