@@ -130,6 +130,7 @@ from __future__ import annotations
 import abc
 import bisect
 import ctypes
+import errno as errno_mod
 import hashlib
 import hmac
 import logging
@@ -725,6 +726,11 @@ def hello_mac(key: bytes, *parts: bytes) -> bytes:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.digest()
+
+
+def auth_failed(where: str, why: str) -> TransportError:
+    """A handshake that did not authenticate: what ``connect`` raises, naming the sink ``where`` (host:port)."""
+    return TransportError(f"authentication failed: {where}: {why}", op="connect", errno=errno_mod.EACCES)
 
 
 def same_mac(a: bytes, b: bytes) -> bool:

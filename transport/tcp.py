@@ -91,6 +91,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .base import (
+    auth_failed,
     Batch,
     Completion,
     CompletionQueue,
@@ -665,7 +666,7 @@ class TcpTransport(Transport):
             try:
                 _nonce, answer = check_challenge(key, hello, body)
             except HelloError:
-                raise _auth_error(where, "it could not prove that it holds the deployment secret (different secrets?)") from None
+                raise auth_failed(where, "it could not prove that it holds the deployment secret (different secrets?)") from None
             sock.sendall(answer)
             status = self._reply(sock, where, deadline)
         if status == _OK:
@@ -681,11 +682,11 @@ class TcpTransport(Transport):
         if status == _WRONG_INSTANCE:
             raise TransportError(f"{where} is another transport instance than the endpoint names (restarted?)", op="connect")
         if status == _AUTH_REQUIRED:
-            raise _auth_error(where, "it requires the deployment secret and this transport has none (its secret option is unset)")
+            raise auth_failed(where, "it requires the deployment secret and this transport has none (its secret option is unset)")
         if status == _AUTH_UNSUPPORTED:
-            raise _auth_error(where, "it has no deployment secret and this transport authenticates every connection")
+            raise auth_failed(where, "it has no deployment secret and this transport authenticates every connection")
         if status == _AUTH_FAILED:
-            raise _auth_error(where, "it did not accept this transport's proof of the deployment secret")
+            raise auth_failed(where, "it did not accept this transport's proof of the deployment secret")
         raise TransportError(f"{where} answered the hello with unknown status {status}", op="connect", errno=errno_mod.EPROTO)
 
     def _reply(self, sock: socket.socket, where: str, deadline: Deadline) -> int:
@@ -1290,5 +1291,3 @@ def _no_op() -> None:
     pass
 
 
-def _auth_error(where: str, why: str) -> TransportError:
-    return TransportError(f"authentication failed: {where}: {why}", op="connect", errno=errno_mod.EACCES)

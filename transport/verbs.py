@@ -171,6 +171,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .base import (
+    auth_failed,
     HELLO_TIMEOUT,
     MAC_BYTES,
     NONCE_BYTES,
@@ -856,11 +857,11 @@ class VerbsTransport(Transport):
             if magic != _MAGIC or version != _VERSION:
                 raise TransportError(f"{host}:{port} does not speak pdcore verbs v{_VERSION}", op="connect")
             if status == _AUTH_REQUIRED:
-                raise _auth_error(host, port, "it requires the deployment secret and this transport has none (its secret option is unset)")
+                raise auth_failed(f"{host}:{port}", "it requires the deployment secret and this transport has none (its secret option is unset)")
             if status == _AUTH_UNSUPPORTED:
-                raise _auth_error(host, port, "it has no deployment secret and this transport authenticates every connection")
+                raise auth_failed(f"{host}:{port}", "it has no deployment secret and this transport authenticates every connection")
             if status == _AUTH_FAILED:
-                raise _auth_error(host, port, "it did not accept this transport's proof of the deployment secret")
+                raise auth_failed(f"{host}:{port}", "it did not accept this transport's proof of the deployment secret")
             if status == _TOO_MANY:
                 raise TransportError(
                     f"{host}:{port} refused the connection: the sink already holds its maximum of {rqpn} source "
@@ -921,7 +922,7 @@ class VerbsTransport(Transport):
         sink_nonce, mac = _CHALLENGE.unpack(recv(_CHALLENGE.size))
         if not same_mac(mac, hello_mac(key, _SINK_ROLE, sink, self._instance, nonce, sink_nonce)):
             host, _, port = where.rpartition(":")
-            raise _auth_error(host, port, "it could not prove that it holds the deployment secret (different secrets?)")
+            raise auth_failed(f"{host}:{port}", "it could not prove that it holds the deployment secret (different secrets?)")
         sock.sendall(_PROOF.pack(hello_mac(key, _SOURCE_ROLE, sink, self._instance, nonce, sink_nonce, info), info))
         return _REPLY.unpack(recv(_REPLY.size))
 
@@ -1475,8 +1476,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _auth_error(host: str, port: Any, why: str) -> TransportError:
-    return TransportError(f"authentication failed: {host}:{port}: {why}", op="connect", errno=errno_mod.EACCES)
 
 
 def _hangup(sock: Any) -> bytes | None:
