@@ -37,9 +37,10 @@ from . import wire
 from .agreement import Agreement
 from .auth import resolve_secret, warn_unauthenticated
 from .metrics import Counts, PeerCollector, check_registry
-from .config import PeerConfig
+from .config import NodeConfig, PeerConfig
 from .control import ControlChannel, DeadPeer
-from .deadline import Deadline
+from .bootstrap import BootstrapClient, RankRegistration
+from .deadline import Deadline, DeadlineExceeded
 from .errors import CapacityError, PdError, PeerError, StartError
 from .events import BootstrapInfo, Event
 from .table import StateTable
@@ -113,30 +114,54 @@ class PeerBase:
 
     ROLE = "peer"
 
-    def __init__(self, config: PeerConfig) -> None:
-        self._config = config
+    def __init__(self, config: NodeConfig) -> None:
+        self._config: Any = config
         self._secret = resolve_secret(config.secret)  # before the first word with anyone
         if self._secret is None:
             warn_unauthenticated(f"{self.ROLE} peer")
         self.session_id = f"{self.ROLE}-{os.urandom(6).hex()}"
         self.epoch = time.time_ns() // 1000  # a restarted rank comes back with a larger epoch
-        self._table = StateTable(
-            config.capacity, bootstrap_timeout=config.bootstrap_timeout, waiting_timeout=config.waiting_timeout
-        )
-        self._agreement = Agreement(self._table, agreement=config.agreement, shm_timeout=config.agreement_timeout)
+        self._init_table()
         self._lock = threading.RLock()
         self._work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(4 * config.max_pending)
         self._io_work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(config.max_pending)
         self._stop = threading.Event()
-        self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.capacity)
+        self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.max_pending)
         self._owned = contextlib.ExitStack()
         self._closed = False
         self._thread: threading.Thread | None = None
         self._io_threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
         # what the metrics read; None without a registry, so a peer without metrics pays nothing for them
-        self.counts = Counts() if config.metrics is not None else None
+        self.counts = Counts() if self._metrics is not None else None
         self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
+
+    @property
+    def _metrics(self) -> Any:
+        return getattr(self._config, "metrics", None)
+
+    def _init_table(self) -> None:
+        """The PD transfer table and its agreement (the encode peer has neither)."""
+        config = self._config
+        assert isinstance(config, PeerConfig)
+        self._table = StateTable(
+            config.capacity, bootstrap_timeout=config.bootstrap_timeout, waiting_timeout=config.waiting_timeout
+        )
+        self._agreement: Any = Agreement(
+            self._table, agreement=config.agreement, shm_timeout=config.agreement_timeout
+        )
+
+    def _register_memory(self) -> None:
+        """Register the KV cache with the transport: written through grants."""
+        cfg = self._config
+        assert isinstance(cfg, PeerConfig)
+        regions = []
+        for i, (buf, page) in enumerate(zip(cfg.kv_buffers, cfg.page_bytes_per_buffer)):
+            region = self._transport.register(buf, require_grant=not cfg.unsafe_no_grants)
+            if region.length < page * cfg.num_pages:
+                raise StartError(f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}")
+            regions.append(region)
+        self._layout = kv_layout(regions, cfg)
 
     # -- start and stop -----------------------------------------------------------------
 
@@ -151,15 +176,7 @@ class PeerBase:
         with contextlib.ExitStack() as stack:
             self._transport = transport_mod.create(cfg.transport, **options)
             stack.callback(self._transport.close)
-            regions = []
-            for i, (buf, page) in enumerate(zip(cfg.kv_buffers, cfg.page_bytes_per_buffer)):
-                region = self._transport.register(buf, require_grant=not cfg.unsafe_no_grants)  # written through grants
-                if region.length < page * cfg.num_pages:
-                    raise StartError(
-                        f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}"
-                    )
-                regions.append(region)
-            self._layout = kv_layout(regions, cfg)
+            self._register_memory()
             self._channel = ControlChannel(
                 self._on_frame,
                 session_id=self.session_id,
@@ -173,11 +190,12 @@ class PeerBase:
             )
             self._channel.start()
             stack.callback(self._channel.close)
-            if cfg.metrics is not None:
-                check_registry(cfg.metrics, f"{type(cfg).__name__}.metrics")
+            registry = self._metrics
+            if registry is not None:
+                check_registry(registry, f"{type(cfg).__name__}.metrics")
                 collector = PeerCollector(self)
-                cfg.metrics.register(collector)
-                stack.callback(cfg.metrics.unregister, collector)
+                registry.register(collector)
+                stack.callback(registry.unregister, collector)
             self._thread = threading.Thread(target=self._run, name=f"pdcore-{self.ROLE}-worker", daemon=True)
             self._io_threads = [
                 threading.Thread(target=self._io_run, name=f"pdcore-{self.ROLE}-io-{i}", daemon=True)
@@ -224,13 +242,55 @@ class PeerBase:
         try:
             self._owned.close()
         finally:
-            self._agreement.close()  # the other ranks hear of it at once, not at their next deadline
+            if self._agreement is not None:
+                self._agreement.close()  # the other ranks hear of it at once, not at their next deadline
 
     def __enter__(self) -> PeerBase:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- registering with this deployment's bootstrap server (prefill and encode ranks) ------------
+
+    def _follow_epoch(self, deadline: Deadline) -> None:
+        """Start past the epoch the server holds for this slot: a rank restarted after the clock
+        stepped back would otherwise be refused as older than its own previous incarnation."""
+        cfg = self._config
+        held = self._ask_bootstrap("this rank's slot", lambda c, d: c.rank(cfg.dp_rank, cfg.tp_rank, d), deadline)
+        if held is not None and held.epoch >= self.epoch:
+            self.epoch = held.epoch + 1
+
+    def _register_with_bootstrap(self, layout: dict[str, Any], deadline: Deadline) -> None:
+        cfg = self._config
+        registration = RankRegistration(
+            session_id=self.session_id,
+            epoch=self.epoch,
+            endpoint=self.control_endpoint,
+            tp_size=cfg.tp_size,
+            dp_size=cfg.dp_size,
+            tp_rank=cfg.tp_rank,
+            dp_rank=cfg.dp_rank,
+            layout=layout,
+            transport=self._transport.instance.hex(),
+        )
+        self._ask_bootstrap("this rank", lambda c, d: c.register(registration, d), deadline)
+
+    def _ask_bootstrap(self, what: str, call: Any, deadline: Deadline) -> Any:
+        """``call(client, slice)`` in slices of at most 2 s until it answers or ``deadline`` passes: the
+        server may not be up yet. A refusal is a ``StartError`` naming ``what``."""
+        cfg = self._config
+        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port, secret=self._secret)
+        last: Exception | None = None
+        while not deadline.expired():
+            try:
+                return call(client, Deadline.after(min(2.0, deadline.remaining())).earliest(deadline))
+            except (OSError, DeadlineExceeded) as e:  # not up yet: retry
+                last = e
+                time.sleep(min(0.1, max(0.0, deadline.remaining())))
+            except PdError as e:
+                raise StartError(f"{self.ROLE} peer: the bootstrap server refused {what}: {e}") from e
+        raise StartError(f"{self.ROLE} peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
 
     # -- the worker ------------------------------------------------------------------------
 

@@ -14,17 +14,23 @@ from typing import Any
 from .auth import check_secret
 from .errors import StartError
 
-__all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
+__all__ = ["NodeConfig", "PeerConfig", "PrefillConfig", "DecodeConfig", "check_registration"]
+
+
+def _bad(config: object, name: str, why: str) -> StartError:
+    return StartError(f"{type(config).__name__}.{name}: {why}")
+
+
+def _check_seconds(config: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise _bad(config, name, f"must be a positive number of seconds, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
-class PeerConfig:
-    """What both peers need: the KV cache memory, the replica's shape, the knobs.
-
-    ``kv_buffers`` are the cache's buffers (one per layer and K/V, say): numpy
-    arrays or contiguous CPU tensors, each holding ``num_pages`` pages of
-    ``page_bytes`` bytes (one value for all buffers, or one per buffer). They
-    are registered with the transport; the peer keeps them alive.
+class NodeConfig:
+    """What every rank's peer needs, whatever its role: its place in the replica, the planes, the knobs.
 
     ``secret`` is the deployment's shared secret (bytes, 16..4096; every rank
     and the bootstrap server hold the same one): it authenticates the bootstrap
@@ -33,28 +39,51 @@ class PeerConfig:
     unauthenticated and the peer says so once. It never appears in a repr.
     """
 
-    kv_buffers: Sequence[Any]
-    page_bytes: Sequence[int] | int
-    num_pages: int
     tp_size: int = 1
     tp_rank: int = 0
     host: str = "127.0.0.1"
     transport: str = "tcp"
     transport_options: Mapping[str, Any] = field(default_factory=dict)
-    capacity: int = 4096
-    bootstrap_timeout: float = 120.0
-    waiting_timeout: float = 300.0
     heartbeat_interval: float = 1.0
     dead_after: float = 10.0
-    fence_timeout: float = 30.0
     tombstone_ttl: float = 60.0
     start_timeout: float = 30.0
     max_pending: int = 4096
+    secret: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tp_size <= 1024 or not 0 <= self.tp_rank < self.tp_size:
+            raise _bad(self, "tp_rank", f"need 0 <= tp_rank < tp_size <= 1024, got {self.tp_rank}/{self.tp_size}")
+        _check_seconds(self, ("heartbeat_interval", "dead_after", "tombstone_ttl", "start_timeout"))
+        if self.heartbeat_interval >= self.dead_after:
+            raise _bad(self, "heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
+        if self.secret is not None:
+            check_secret(self.secret, f"{type(self).__name__}.secret")
+        if self.max_pending < 1:
+            raise _bad(self, "max_pending", f"must be positive, got {self.max_pending}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig(NodeConfig):
+    """What both PD peers need: the KV cache memory and the transfer table's knobs (and ``NodeConfig``'s).
+
+    ``kv_buffers`` are the cache's buffers (one per layer and K/V, say): numpy
+    arrays or contiguous CPU tensors, each holding ``num_pages`` pages of
+    ``page_bytes`` bytes (one value for all buffers, or one per buffer). They
+    are registered with the transport; the peer keeps them alive.
+    """
+
+    kv_buffers: Sequence[Any]
+    page_bytes: Sequence[int] | int
+    num_pages: int
+    capacity: int = 4096
+    bootstrap_timeout: float = 120.0
+    waiting_timeout: float = 300.0
+    fence_timeout: float = 30.0
     max_parked_pages: int = 1 << 20  # page ids of announcements parked per sender (before their room registers)
     #: Benchmarks only: decode takes writes without grants and closes fences without revoking, so
     #: benchmarks/pd.py can show what grants cost. Fence before free then holds for nothing.
     unsafe_no_grants: bool = False
-    secret: bytes | None = field(default=None, repr=False)
     #: how the replica agrees each round: "auto" (shared memory when every rank is on this host, else the
     #: group's all-reduce), "shm" or "group"; a rank silent for ``agreement_timeout`` fails the round
     agreement: str = "auto"
@@ -63,35 +92,21 @@ class PeerConfig:
     metrics: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> StartError:
-            return StartError(f"{type(self).__name__}.{name}: {why}")
-
+        super().__post_init__()
         if not self.kv_buffers:
-            raise bad("kv_buffers", "at least one buffer is needed")
+            raise _bad(self, "kv_buffers", "at least one buffer is needed")
         if self.num_pages < 1:
-            raise bad("num_pages", f"must be positive, got {self.num_pages}")
+            raise _bad(self, "num_pages", f"must be positive, got {self.num_pages}")
         sizes = self.page_bytes_per_buffer
         if len(sizes) != len(self.kv_buffers) or any(s < 1 for s in sizes):
-            raise bad("page_bytes", f"one positive size or one per buffer ({len(self.kv_buffers)}), got {self.page_bytes}")
-        if not 1 <= self.tp_size <= 1024 or not 0 <= self.tp_rank < self.tp_size:
-            raise bad("tp_rank", f"need 0 <= tp_rank < tp_size <= 1024, got {self.tp_rank}/{self.tp_size}")
+            raise _bad(self, "page_bytes", f"one positive size or one per buffer ({len(self.kv_buffers)}), got {self.page_bytes}")
         if not 1 <= self.capacity <= 1 << 20:
-            raise bad("capacity", f"must be in 1..{1 << 20}, got {self.capacity}")
-        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "dead_after",
-                     "fence_timeout", "tombstone_ttl", "start_timeout", "agreement_timeout"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise bad(name, f"must be a positive number of seconds, got {value!r}")
-        if self.heartbeat_interval >= self.dead_after:
-            raise bad("heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
+            raise _bad(self, "capacity", f"must be in 1..{1 << 20}, got {self.capacity}")
+        _check_seconds(self, ("bootstrap_timeout", "waiting_timeout", "fence_timeout", "agreement_timeout"))
         if self.agreement not in ("auto", "shm", "group"):
-            raise bad("agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
-        if self.secret is not None:
-            check_secret(self.secret, f"{type(self).__name__}.secret")
-        if self.max_pending < 1:
-            raise bad("max_pending", f"must be positive, got {self.max_pending}")
+            raise _bad(self, "agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
         if self.max_parked_pages < 1:
-            raise bad("max_parked_pages", f"must be positive, got {self.max_parked_pages}")
+            raise _bad(self, "max_parked_pages", f"must be positive, got {self.max_parked_pages}")
 
     @property
     def page_bytes_per_buffer(self) -> tuple[int, ...]:
@@ -111,10 +126,15 @@ class PrefillConfig(PeerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.bootstrap_port < 65536:
-            raise StartError(f"PrefillConfig.bootstrap_port: {self.bootstrap_port} is not a TCP port")
-        if not 1 <= self.dp_size <= 1024 or not 0 <= self.dp_rank < self.dp_size:
-            raise StartError(f"PrefillConfig.dp_rank: need 0 <= dp_rank < dp_size, got {self.dp_rank}/{self.dp_size}")
+        check_registration(self)
+
+
+def check_registration(config: Any) -> None:
+    """The fields of a rank that registers with its deployment's bootstrap server (prefill, encode)."""
+    if not 0 < config.bootstrap_port < 65536:
+        raise _bad(config, "bootstrap_port", f"{config.bootstrap_port} is not a TCP port")
+    if not 1 <= config.dp_size <= 1024 or not 0 <= config.dp_rank < config.dp_size:
+        raise _bad(config, "dp_rank", f"need 0 <= dp_rank < dp_size, got {config.dp_rank}/{config.dp_size}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,12 +27,11 @@ from transport.plan import Layout, PlanError, plan
 from . import wire
 from ._peer import PeerBase
 from ._spec import State, Trigger
-from .bootstrap import BootstrapClient, RankRegistration
 from .parking import Parking
 from .config import PrefillConfig
 from .control import DeadPeer
-from .deadline import Deadline, DeadlineExceeded
-from .errors import CapacityError, LocalProtocolError, PdError, StartError
+from .deadline import Deadline
+from .errors import CapacityError, LocalProtocolError, PdError
 from .events import BootstrapInfo, Event, Failed, Succeeded
 
 __all__ = ["PrefillPeer", "PrefillOutbox"]
@@ -94,53 +93,12 @@ class PrefillPeer(PeerBase):
         peer._follow_epoch(deadline)
         peer._start()
         try:
-            peer._register_with_bootstrap(deadline)
+            layout = {"page_bytes": list(peer._layout.page_bytes), "num_pages": peer._layout.num_pages}
+            peer._register_with_bootstrap(layout, deadline)
         except BaseException:
             peer.close()
             raise
         return peer, PrefillOutbox(peer)
-
-    def _follow_epoch(self, deadline: Deadline) -> None:
-        """Start past the epoch the server holds for this slot: a rank restarted after the clock
-        stepped back would otherwise be refused as older than its own previous incarnation."""
-        cfg = self._config
-        assert isinstance(cfg, PrefillConfig)
-        held = self._ask_bootstrap("this rank's slot", lambda c, d: c.rank(cfg.dp_rank, cfg.tp_rank, d), deadline)
-        if held is not None and held.epoch >= self.epoch:
-            self.epoch = held.epoch + 1
-
-    def _register_with_bootstrap(self, deadline: Deadline) -> None:
-        cfg = self._config
-        assert isinstance(cfg, PrefillConfig)
-        registration = RankRegistration(
-            session_id=self.session_id,
-            epoch=self.epoch,
-            endpoint=self.control_endpoint,
-            tp_size=cfg.tp_size,
-            dp_size=cfg.dp_size,
-            tp_rank=cfg.tp_rank,
-            dp_rank=cfg.dp_rank,
-            layout={"page_bytes": list(self._layout.page_bytes), "num_pages": self._layout.num_pages},
-            transport=self._transport.instance.hex(),
-        )
-        self._ask_bootstrap("this rank", lambda c, d: c.register(registration, d), deadline)
-
-    def _ask_bootstrap(self, what: str, call: Any, deadline: Deadline) -> Any:
-        """``call(client, slice)`` in slices of at most 2 s until it answers or ``deadline`` passes: the
-        server may not be up yet. A refusal is a ``StartError`` naming ``what``."""
-        cfg = self._config
-        assert isinstance(cfg, PrefillConfig)
-        client = BootstrapClient(cfg.bootstrap_host, cfg.bootstrap_port, secret=self._secret)
-        last: Exception | None = None
-        while not deadline.expired():
-            try:
-                return call(client, Deadline.after(min(2.0, deadline.remaining())).earliest(deadline))
-            except (OSError, DeadlineExceeded) as e:  # not up yet: retry
-                last = e
-                time.sleep(min(0.1, max(0.0, deadline.remaining())))
-            except PdError as e:
-                raise StartError(f"prefill peer: the bootstrap server refused {what}: {e}") from e
-        raise StartError(f"prefill peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
 
     # -- the scheduler's calls ------------------------------------------------------------
 
