@@ -32,6 +32,13 @@ SEEDS = [
         wire.Abort(room=12, reason="gone"),
         wire.AbortAck(room=12, rank=1),
         wire.Heartbeat(session_id="p", epoch=1, seq=99),
+        wire.EmbedRegister(session_id="prefill-1", epoch=2, endpoint=b"tcp\x00", tp_size=4, tp_rank=1),
+        wire.EmbedAsk(room=5, session_id="prefill-1", epoch=2, rank=1, ranks=4, sharded=True, rows=9, row_start=3,
+                      row_count=2, hidden=8, dtype="torch.float16", deepstack_width=16, addr=4096,
+                      deepstack_addr=8192, grant=3),
+        wire.EmbedAsk(room=5, session_id="p", epoch=0, rank=3, ranks=4, sharded=True, rows=2, row_start=2,
+                      row_count=0, hidden=1, dtype="torch.int8"),
+        wire.EmbedStatus(room=5, ok=False, rank=0, reason="dtype"),
     )
 ]  # fmt: skip
 

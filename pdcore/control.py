@@ -666,7 +666,7 @@ class ControlChannel:
                 self._senders.clear()
             self._senders[ident] = sender
         now = time.monotonic()
-        if isinstance(msg, (wire.Heartbeat, wire.Register)):
+        if isinstance(msg, (wire.Heartbeat, wire.Register, wire.EmbedRegister)):
             for dead in self._liveness.introduced(sender, msg.session_id, msg.epoch, now):
                 self._peer_dead(dead, drop=dead.endpoint != sender)
             if sender not in self._dealers:

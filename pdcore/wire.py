@@ -55,6 +55,9 @@ __all__ = [
     "Abort",
     "AbortAck",
     "Heartbeat",
+    "EmbedRegister",
+    "EmbedAsk",
+    "EmbedStatus",
     "Message",
     "MESSAGE_TYPES",
     "encode",
@@ -65,7 +68,7 @@ __all__ = [
     "check_json_object",
 ]
 
-PROTOCOL_VERSION: Final = 2  # 2: a CRC-32 per frame; Announce.grant, Status.register_again
+PROTOCOL_VERSION: Final = 3  # 2: a CRC-32 per frame; Announce.grant, Status.register_again. 3: EPD frames
 MAGIC: Final = b"pd"
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 _CRC: Final = struct.Struct("<I")
@@ -82,6 +85,7 @@ MAX_REASON: Final = 1024
 MAX_TRANSPORT_ENDPOINT: Final = 4096
 MAX_JSON_DEPTH: Final = 32
 MAX_CONTROL_ENDPOINT: Final = 255  # a ZMQ routing id is at most 255 bytes
+MAX_DTYPE: Final = 32
 
 _U64 = (1 << 64) - 1
 _I31 = (1 << 31) - 1
@@ -96,6 +100,8 @@ Count = Annotated[int, Meta(ge=0, le=_I31)]
 StateValue = Annotated[int, Meta(ge=0, le=5)]  # DESIGN §3: 0 Failed ... 5 Success
 SessionId = Annotated[str, Meta(min_length=1, max_length=MAX_SESSION_ID, pattern=r"^[!-~]+$")]
 Reason = Annotated[str, Meta(max_length=MAX_REASON)]
+Rows = Annotated[int, Meta(ge=0, le=(1 << 62) - 1)]
+DType = Annotated[str, Meta(min_length=1, max_length=MAX_DTYPE, pattern=r"^[a-z0-9_.]+$")]
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -173,8 +179,53 @@ class Heartbeat(_Msg, tag="heartbeat"):
     seq: U64
 
 
-Message = Union[Register, Announce, Status, Abort, AbortAck, Heartbeat]
-MESSAGE_TYPES: Final = (Register, Announce, Status, Abort, AbortAck, Heartbeat)
+class EmbedRegister(_Msg, tag="embed_register"):
+    """EPD, prefill rank → encode rank, once per (session, epoch): where its receive slots are."""
+
+    session_id: SessionId
+    epoch: U64
+    endpoint: Annotated[bytes, Meta(min_length=1, max_length=MAX_TRANSPORT_ENDPOINT)]
+    tp_size: TpSize
+    tp_rank: Rank
+
+
+class EmbedAsk(_Msg, tag="embed_ask"):
+    """EPD, prefill rank → encode rank: write rows ``[row_start, row_start + row_count)`` of the
+    image of ``room`` into ``addr`` (and its deepstack rows into ``deepstack_addr``) through ``grant``.
+
+    ``rank`` of ``ranks`` is the asking prefill rank in its replica; ``rows`` (the
+    image's span), ``hidden``, ``dtype`` and ``deepstack_width`` are what it expects,
+    checked by the sender against the chunk before any byte moves. An empty shard
+    asks for 0 rows (``addr`` 0): it is the fan-out's "I am here"."""
+
+    room: Room
+    session_id: SessionId
+    epoch: U64
+    rank: Rank
+    ranks: TpSize
+    sharded: bool
+    rows: Rows
+    row_start: Rows
+    row_count: Rows
+    hidden: Rows
+    dtype: DType
+    deepstack_width: Rows = 0
+    addr: U64 = 0
+    deepstack_addr: U64 = 0
+    grant: U64 = 0
+
+
+class EmbedStatus(_Msg, tag="embed_status"):
+    """EPD, encode rank → prefill rank: the room's rows for this rank landed (``ok``), or the room failed."""
+
+    room: Room
+    ok: bool
+    rank: Rank
+    reason: Reason = ""
+
+
+Message = Union[Register, Announce, Status, Abort, AbortAck, Heartbeat, EmbedRegister, EmbedAsk, EmbedStatus]
+MESSAGE_TYPES: Final = (Register, Announce, Status, Abort, AbortAck, Heartbeat, EmbedRegister, EmbedAsk, EmbedStatus)
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(Message)
@@ -265,14 +316,19 @@ def check_json_object(value: object, field: str) -> dict[str, Any]:
 def _check(msg: Message) -> None:
     """Rules msgspec's per-field constraints cannot express (cross-field, nested JSON)."""
     kind = type(msg)
-    if kind is Register:
-        assert isinstance(msg, Register)
+    if kind is Register or kind is EmbedRegister:
+        assert isinstance(msg, (Register, EmbedRegister))
         if msg.tp_rank >= msg.tp_size:
             raise LocalProtocolError(f"register.tp_rank: {msg.tp_rank} is not below tp_size {msg.tp_size}")
-        for i, r in enumerate(msg.regions):
-            if r.addr + r.length - 1 > _U64:
-                raise LocalProtocolError(f"register.regions[{i}]: addr + length overflows 64 bits")
-        check_json_object(msg.layout, "register.layout")
+        if kind is Register:
+            assert isinstance(msg, Register)
+            for i, r in enumerate(msg.regions):
+                if r.addr + r.length - 1 > _U64:
+                    raise LocalProtocolError(f"register.regions[{i}]: addr + length overflows 64 bits")
+            check_json_object(msg.layout, "register.layout")
+    elif kind is EmbedAsk:
+        assert isinstance(msg, EmbedAsk)
+        _check_ask(msg)
     elif kind is Announce:
         assert isinstance(msg, Announce)
         if len(set(msg.page_ids)) != len(msg.page_ids):
@@ -282,6 +338,25 @@ def _check(msg: Message) -> None:
         lp = msg.first_token_logprob
         if lp is not None and not math.isfinite(lp):
             raise LocalProtocolError(f"status.first_token_logprob: {lp!r} is not finite", rooms=(msg.room,))
+
+
+def _check_ask(msg: EmbedAsk) -> None:
+    def bad(why: str) -> LocalProtocolError:
+        return LocalProtocolError(f"embed_ask.{why}", rooms=(msg.room,))
+
+    if msg.rank >= msg.ranks:
+        raise bad(f"rank: {msg.rank} is not below ranks {msg.ranks}")
+    if msg.rows < 1 or msg.hidden < 1:
+        raise bad(f"rows/hidden: {msg.rows}/{msg.hidden} must be positive")
+    if msg.row_start + msg.row_count > msg.rows:
+        raise bad(f"row_count: rows {msg.row_start}+{msg.row_count} run past the image's {msg.rows}")
+    if (msg.addr == 0) != (msg.row_count == 0):
+        raise bad(f"addr: {msg.addr:#x} with row_count {msg.row_count} (an empty shard has no address, rows need one)")
+    if (msg.deepstack_addr != 0) != (msg.deepstack_width != 0 and msg.row_count != 0):
+        raise bad(
+            f"deepstack_addr: {msg.deepstack_addr:#x} with deepstack_width {msg.deepstack_width} and row_count "
+            f"{msg.row_count} (deepstack rows need an address exactly when there are some)"
+        )
 
 
 def seal(body: bytes) -> bytes:

@@ -39,6 +39,14 @@ MESSAGES: list[wire.Message] = [
     wire.Status(room=6, state=5, rank=0, first_token_logprob=0, spec_candidate_ids=()),
     wire.Abort(room=9, reason="client went away"),
     wire.Abort(room=9),
+    wire.EmbedRegister(session_id="prefill-3", epoch=7, endpoint=b"\x00qp", tp_size=4, tp_rank=3),
+    wire.EmbedAsk(room=11, session_id="prefill-3", epoch=7, rank=3, ranks=4, sharded=True, rows=10, row_start=8,
+                  row_count=2, hidden=4096, dtype="torch.bfloat16", deepstack_width=12288, addr=1 << 40,
+                  deepstack_addr=1 << 41, grant=99),
+    wire.EmbedAsk(room=11, session_id="p", epoch=0, rank=0, ranks=8, sharded=True, rows=3, row_start=3, row_count=0,
+                  hidden=1, dtype="torch.float32"),
+    wire.EmbedStatus(room=11, ok=True, rank=1),
+    wire.EmbedStatus(room=11, ok=False, rank=0, reason="hidden 4096 != 2048"),
     wire.AbortAck(room=9, rank=2),
     wire.Heartbeat(session_id="prefill-1", epoch=(1 << 64) - 1, seq=0),
 ]
@@ -69,6 +77,7 @@ def test_every_type_is_covered() -> None:
 STATUS = as_dict(wire.Status(room=77, state=5, rank=0))
 ANNOUNCE = as_dict(wire.Announce(room=77, session_id="d", epoch=1, page_ids=(1, 2), request_pool_index=3))
 REGISTER = as_dict(MESSAGES[0])
+ASK = as_dict(next(m for m in MESSAGES if isinstance(m, wire.EmbedAsk)))
 
 
 def with_(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
@@ -118,6 +127,19 @@ MALFORMED: list[tuple[str, Any, str, tuple[int, ...]]] = [
     ("register-region-zero", with_(REGISTER, regions=[{"addr": 1, "length": 0, "key": 1}]), "$.regions[0].length", ()),
     ("register-region-wrap", with_(REGISTER, regions=[{"addr": 2**64 - 1, "length": 2, "key": 1}]), "regions[0]", ()),
     ("register-region-extra", with_(REGISTER, regions=[{"addr": 1, "length": 1, "key": 1, "x": 0}]), "`x`", ()),
+    ("ask-rank-ge-ranks", with_(ASK, rank=4), "embed_ask.rank", (11,)),
+    ("ask-rows-zero", with_(ASK, rows=0, row_start=0, row_count=0, addr=0, deepstack_addr=0), "rows/hidden", (11,)),
+    ("ask-span", with_(ASK, row_count=3), "embed_ask.row_count", (11,)),
+    ("ask-rows-neg", with_(ASK, row_start=-1), "$.row_start", (11,)),
+    ("ask-no-addr", with_(ASK, addr=0), "embed_ask.addr", (11,)),
+    ("ask-empty-with-addr", with_(ASK, row_count=0, deepstack_addr=0), "embed_ask.addr", (11,)),
+    ("ask-deepstack-no-addr", with_(ASK, deepstack_addr=0), "embed_ask.deepstack_addr", (11,)),
+    ("ask-dtype-space", with_(ASK, dtype="torch float"), "$.dtype", (11,)),
+    ("ask-dtype-long", with_(ASK, dtype="f" * 33), "$.dtype", (11,)),
+    ("ask-sharded-int", with_(ASK, sharded=1), "$.sharded", (11,)),
+    ("embed-status-ok-missing", {"type": "embed_status", "room": 4, "rank": 0}, "`ok`", (4,)),
+    ("embed-register-rank", {"type": "embed_register", "session_id": "p", "epoch": 1, "endpoint": b"e",
+                             "tp_size": 2, "tp_rank": 2}, "tp_rank", ()),
     ("heartbeat-seq-neg", {"type": "heartbeat", "session_id": "p", "epoch": 1, "seq": -1}, "$.seq", ()),
     ("type-unknown", {"type": "status2", "room": 5}, "$.type", (5,)),
     ("type-missing", {"room": 5, "state": 5, "rank": 0}, "`type`", (5,)),
@@ -139,14 +161,14 @@ def test_malformed_names_field_and_rooms(body: Any, field: str, rooms: tuple[int
         (b"", "frame.magic"),
         (b"pd", "frame.magic"),
         (b"xx\x01\x80", "frame.magic"),
-        (b"pd\x02", "frame.checksum"),
-        (b"pd\x02\x00\x00\x00\x00\x80", "frame.checksum"),
+        (b"pd\x03", "frame.checksum"),
+        (b"pd\x03\x00\x00\x00\x00\x80", "frame.checksum"),
         (wire.seal(b""), "frame.body"),
         (wire.seal(b"\xc1"), "frame.body"),
         (wire.seal(b"\x81"), "frame.body"),  # truncated map
         (wire.seal(b"\x82\xa4type\xa8register\xa6layout" + b"\x81\xa1a" * 100_000 + b"\xc0"), "nested"),  # bomb
         (wire.seal(b"\x91" * 100_000 + b"\xc0"), "got `array`"),
-        (b"pd\x02" + b"\x00" * (wire.MAX_FRAME_BYTES), "exceeds"),
+        (b"pd\x03" + b"\x00" * (wire.MAX_FRAME_BYTES), "exceeds"),
     ],
     ids=["empty", "header-only", "bad-magic", "no-checksum", "bad-checksum", "no-body", "bad-opcode", "truncated", "deep",
          "deep-array", "too-big"],
@@ -158,7 +180,7 @@ def test_garbage(data: bytes, field: str) -> None:
     assert info.value.rooms == ()
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
 def test_wrong_version_fails_the_named_room(version: int) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         wire.decode(frame(STATUS, version=version))
