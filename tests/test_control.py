@@ -109,7 +109,7 @@ def test_bad_frames_are_counted_and_the_thread_lives_on(
     good = wire.Status(room=9, state=5, rank=0)
     body = msgspec.msgpack.decode(wire.encode(wire.Status(room=7, state=5, rank=0))[7:])
     sock.send(b"\x00\xffgarbage")
-    sock.send(wire.MAGIC + b"\x03" + msgspec.msgpack.encode(body))  # another protocol version, room 7
+    sock.send(wire.MAGIC + bytes([wire.PROTOCOL_VERSION + 1]) + msgspec.msgpack.encode(body))  # another version, room 7
     sock.send(wire.seal(msgspec.msgpack.encode({**body, "room": 8, "state": 99})))  # malformed, room 8
     sock.send_multipart([b"extra", wire.encode(wire.Abort(room=10))])  # two frames in one message, room 10
     sock.send(b"")
