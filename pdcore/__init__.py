@@ -24,6 +24,9 @@ _EXPORTS = {
     "PrefillOutbox": "prefill",
     "PrefillPeer": "prefill",
     "TransferPeer": "_peer",
+    "EncodeConfig": "epd.config",
+    "ReceiverConfig": "epd.config",
+    "EncodePeer": "epd.encode",
     "EmbeddingChunk": "epd.types",
     "EmbeddingItem": "epd.types",
     "EmbeddingReceiver": "epd.types",
@@ -70,6 +73,8 @@ if TYPE_CHECKING:
     from .auth import AuthenticationError
     from .config import DecodeConfig, PeerConfig, PrefillConfig
     from .decode import DecodeInbox, DecodePeer
+    from .epd.config import EncodeConfig, ReceiverConfig
+    from .epd.encode import EncodePeer
     from .epd.types import (
         EmbeddingChunk,
         EmbeddingItem,

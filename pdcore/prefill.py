@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from transport.plan import Layout, PlanError, plan
@@ -31,8 +31,12 @@ from .parking import Parking
 from .config import PrefillConfig
 from .control import DeadPeer
 from .deadline import Deadline
-from .errors import CapacityError, LocalProtocolError, PdError
+from .errors import CapacityError, LocalProtocolError, PdError, PeerError
 from .events import BootstrapInfo, Event, Failed, Succeeded
+
+if TYPE_CHECKING:
+    from .epd.config import ReceiverConfig
+    from .epd.receiver import Receiver
 
 __all__ = ["PrefillPeer", "PrefillOutbox"]
 
@@ -83,6 +87,7 @@ class PrefillPeer(PeerBase):
         self._by_rid: dict[str, _Room] = {}
         self._pending = Parking(config.max_pending, config.max_parked_pages)
         self._sinks: dict[str, _Sink] = {}
+        self._receiver: Receiver | None = None
 
     @classmethod
     def start(cls, config: PrefillConfig) -> tuple[PrefillPeer, PrefillOutbox]:
@@ -99,6 +104,19 @@ class PrefillPeer(PeerBase):
             peer.close()
             raise
         return peer, PrefillOutbox(peer)
+
+    def embedding_receiver(self, config: ReceiverConfig) -> Receiver:
+        """EPD: this rank's receiver of the encode nodes' embeddings, over this peer's planes (one per peer).
+
+        Its receive slots are registered with the transport now and for the receiver's life."""
+        if self._receiver is not None:
+            raise LocalProtocolError("embedding_receiver: this prefill peer has its receiver already")
+        if self._closed:
+            raise PeerError("prefill peer: closed")
+        from .epd.receiver import Receiver
+
+        self._receiver = Receiver(self, config)
+        return self._receiver
 
     # -- the scheduler's calls ------------------------------------------------------------
 
@@ -177,6 +195,8 @@ class PrefillPeer(PeerBase):
             self._on_announce(sender, msg)
         elif isinstance(msg, wire.Abort):
             self._on_abort(sender, msg)
+        elif isinstance(msg, wire.EmbedStatus) and self._receiver is not None:
+            self._receiver._on_status(sender, msg)
         else:
             log.warning("prefill peer: unexpected %s from %s", type(msg).__name__, sender)
 
@@ -447,6 +467,8 @@ class PrefillPeer(PeerBase):
 
     def _peer_lost(self, dead: DeadPeer) -> None:
         self._lose_sink(dead.endpoint, f"decode peer lost: {dead.reason}")
+        if self._receiver is not None:
+            self._receiver._lose_source(dead.endpoint, dead.reason)
 
     def _lose_sink(self, endpoint: str, reason: str) -> None:
         sink = self._sinks.pop(endpoint, None)
@@ -469,9 +491,13 @@ class PrefillPeer(PeerBase):
             entry = self._rooms.get(room)
             if entry is not None:
                 self._fire(entry.rid, Trigger.FAIL, reason)
+        if self._receiver is not None:
+            self._receiver._rooms_failed(rooms, reason)
 
     def _tick(self, now: float) -> None:
         super()._tick(now)
+        if self._receiver is not None:
+            self._receiver._tick(now)
         with self._lock:
             expired = self._pending.expire(now)
         for room, sender in expired:
@@ -479,6 +505,8 @@ class PrefillPeer(PeerBase):
             self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
 
     def _farewell(self) -> None:
+        if self._receiver is not None:
+            self._receiver._farewell()
         with self._lock:
             live = list(self._rooms.values())
         for entry in live:

@@ -1,0 +1,112 @@
+"""Configuration of the EPD roles, validated when built: a bad value is a ``StartError`` naming the field.
+
+``ReceiverConfig`` shapes a prefill rank's receiver (``PrefillPeer.embedding_receiver``);
+``EncodeConfig`` starts an encode rank's peer (``EncodePeer.start``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import NodeConfig, check_registration
+from ..errors import StartError
+from .types import DTYPE_ITEMSIZE
+
+__all__ = ["ReceiverConfig", "EncodeConfig"]
+
+
+def _bad(config: object, name: str, why: str) -> StartError:
+    return StartError(f"{type(config).__name__}.{name}: {why}")
+
+
+def _positive_int(config: object, name: str, hi: int) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= hi:
+        raise _bad(config, name, f"must be an int in 1..{hi}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverConfig:
+    """A prefill rank's receiver of image embeddings.
+
+    ``slots`` receive slots of ``slot_rows`` rows each, a row being ``hidden``
+    elements of ``dtype`` (``str(torch.dtype)``), plus ``deepstack_width``
+    elements per row in a second buffer when the model has deepstack rows.
+    The slots are cut from one buffer registered once for the receiver's life
+    (``buffer``, or allocated here; ``deepstack_buffer`` likewise). With
+    ``shard_rows`` each rank of the replica receives its contiguous share of
+    every image's rows and the ranks rebuild the rest (the same value on every
+    rank: a torn flag fails the first round on every rank). A staged request
+    whose rows have not all landed ``timeout`` seconds after ``stage`` fails.
+    """
+
+    slots: int
+    slot_rows: int
+    hidden: int
+    dtype: str
+    deepstack_width: int = 0
+    shard_rows: bool = False
+    timeout: float = 300.0
+    max_requests: int = 4096
+    max_items: int = 64
+    buffer: Any = None
+    deepstack_buffer: Any = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "slots", 1 << 16)
+        _positive_int(self, "slot_rows", (1 << 62) - 1)
+        _positive_int(self, "hidden", 1 << 24)
+        _positive_int(self, "max_requests", 1 << 20)
+        _positive_int(self, "max_items", 1 << 10)
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise _bad(self, "dtype", f"{self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+        if isinstance(self.deepstack_width, bool) or not isinstance(self.deepstack_width, int) or self.deepstack_width < 0:
+            raise _bad(self, "deepstack_width", f"must be an int >= 0, got {self.deepstack_width!r}")
+        if not isinstance(self.shard_rows, bool):
+            raise _bad(self, "shard_rows", f"must be a bool, got {self.shard_rows!r}")
+        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise _bad(self, "timeout", f"must be a positive number of seconds, got {self.timeout!r}")
+        if self.max_requests * self.max_items > 1 << 24:
+            raise _bad(self, "max_items", f"max_requests * max_items must be at most {1 << 24}")
+        if self.deepstack_buffer is not None and not self.deepstack_width:
+            raise _bad(self, "deepstack_buffer", "given without a deepstack_width")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def deepstack_row_bytes(self) -> int:
+        return self.deepstack_width * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeConfig(NodeConfig):
+    """An encode rank: the memory its embeddings are sent from, and its deployment's bootstrap server.
+
+    ``send_buffers`` (numpy arrays or contiguous CPU tensors) are registered
+    once; every ``EmbeddingChunk.source`` must lie inside one of them. A begun
+    room waits ``park_timeout`` seconds for its rows and for every prefill rank
+    of its block to ask (and an ask waits as long for its room to begin), then
+    fails on both sides. At most ``max_rooms`` rooms are begun or parked.
+    """
+
+    send_buffers: Sequence[Any]
+    bootstrap_host: str
+    bootstrap_port: int
+    dp_size: int = 1
+    dp_rank: int = 0
+    park_timeout: float = 120.0
+    max_rooms: int = 4096
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_registration(self)
+        if not self.send_buffers:
+            raise _bad(self, "send_buffers", "at least one buffer is needed")
+        if not (isinstance(self.park_timeout, (int, float)) and math.isfinite(self.park_timeout) and self.park_timeout > 0):
+            raise _bad(self, "park_timeout", f"must be a positive number of seconds, got {self.park_timeout!r}")
+        _positive_int(self, "max_rooms", 1 << 20)
