@@ -236,9 +236,8 @@ class EncodePeer(PeerBase):
         now = time.monotonic()
         for room in rooms:
             with self._rooms_lock:
-                begun = self._rooms.begun(room)
-            if begun:
-                self._act_later(self._rooms_call("fail", room, reason, now))
+                actions = self._rooms.fail(room, reason, now) if self._rooms.begun(room) else []
+            self._act_later(actions)
 
     def _tick(self, now: float) -> None:
         super()._tick(now)

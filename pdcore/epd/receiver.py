@@ -135,12 +135,21 @@ class Receiver:
 
     def stage(self, rid: str, items: list[EmbeddingItem] | tuple[EmbeddingItem, ...]) -> None:
         """Start receiving ``rid``'s items' embeddings; never blocks (an item with no free slot waits)."""
-        self._table.stage(rid, items, time.monotonic())
-        records = [_Item(rid, item) for item in items]
-        with self._lock:
+        records = [_Item(rid, item) for item in items if isinstance(item, EmbeddingItem)]
+        with self._lock:  # before the table: the worker may lease its slots as soon as it is staged
+            if rid in self._by_rid:
+                raise LocalProtocolError(f"rid {rid!r} is already staged")
             self._by_rid[rid] = records
             for record in records:
                 self._items[(rid, record.item.index)] = record
+        try:
+            self._table.stage(rid, items, time.monotonic())
+        except BaseException:
+            with self._lock:
+                del self._by_rid[rid]
+                for record in records:
+                    self._items.pop((rid, record.item.index), None)
+            raise
         self._pump()
 
     def poll(self) -> list[int]:
