@@ -6,6 +6,12 @@
 - ``_spec``: the receiver's states, triggers and grids: the one source of truth.
 - ``table``: the chooser of the receiver's state table and slot pool, compiled
   (``_recv``) or its pure twin (``_recv_py``, ``PDCORE_PURE_PYTHON=1``).
+- ``config``: ``ReceiverConfig`` and ``EncodeConfig``.
+- ``receiver``: ``Receiver``, what ``PrefillPeer.embedding_receiver`` returns:
+  the table plus the I/O (lookups, grants, asks, fences) over the prefill
+  peer's planes.
+- ``sending``: an encode rank's rooms, sans-IO (``SendRooms``); ``encode``:
+  ``EncodePeer`` and its ``Sender``, which perform them.
 
 Importing this package imports only the types: no torch, no ZeroMQ.
 
