@@ -53,7 +53,7 @@ def _page(layout: KvLayout, first: int, count: int, pair: int) -> np.ndarray:
 def cases(draw: st.DrawFn) -> tuple[KvLayout, int, int, np.ndarray, np.ndarray, int]:
     order = draw(st.sampled_from(["hnd", "nhd", "mla"]))
     h = 1 if order == "mla" else draw(st.sampled_from([1, 2, 4, 8]))
-    tps = [1, 2, 3, 4, 6, 8, 16] if order == "mla" else [x for x in (1, 2, 4, 8, 16) if h % x == 0 or x % h == 0]
+    tps = [x for x in (1, 2, 3, 4, 5, 6, 8, 16) if order == "mla" or x > h or h % x == 0]
     p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
     layout = KvLayout(order=order, kv_heads=h, head_bytes=draw(st.sampled_from([1, 2, 6])),
                       page_tokens=draw(st.sampled_from([1, 2, 4])), layers=draw(st.integers(1, 3)))
@@ -148,6 +148,9 @@ def test_tp_that_cannot_share_heads_is_refused() -> None:
     layout = KvLayout(order="hnd", kv_heads=4, head_bytes=8, page_tokens=4, layers=2)
     with pytest.raises(LocalProtocolError, match="cannot share 4 KV heads"):
         layout.heads(0, 3)
+    two = KvLayout(order="nhd", kv_heads=2, head_bytes=8, page_tokens=4, layers=1)
+    assert [two.heads(r, 3) for r in range(3)] == [(0, 1), (0, 1), (1, 1)]  # D3 over H2: replicated unevenly
+    assert [two.sources(1, 3, d) for d in range(3)] == [(0,), (0,), (0,)]
     with pytest.raises(LocalProtocolError, match="kv_layout: unknown field"):
         KvLayout.from_json({**layout.to_json(), "x": 1})
     assert KvLayout.from_json(layout.to_json()) == layout

@@ -8,15 +8,15 @@ each (for MLA: one latent of ``head_bytes`` per token, the same on every rank).
 
 Heads on a rank ``r`` of ``tp`` (``heads(r, tp)``): with ``tp <= H`` the
 contiguous range ``[r*H/tp, (r+1)*H/tp)`` (``tp`` must divide H); with
-``tp > H`` (``H`` must divide ``tp``) one head, ``r // (tp/H)``, replicated
-over ``tp/H`` ranks. A page of a buffer on that rank holds
+``tp > H`` one head, ``(r*H) // tp``, replicated over the ``tp/H`` (or, when
+H does not divide tp, ``floor`` or ``ceil`` of it) ranks that hold it. A page of a buffer on that rank holds
 ``page_tokens x heads x head_bytes`` bytes: heads outermost (HND: each head's
 tokens contiguous) or tokens outermost (NHD: each token's heads contiguous).
 
 Who writes what (``assignment``): decode rank ``d`` of ``D`` needs its heads;
 each head comes from exactly one prefill rank of ``P``: the only holder when
-``P <= H``; when ``P > H`` the head's holders are ``P/H`` ranks and the one at
-offset ``d % (P/H)`` writes (spreading the load). MLA: every prefill rank holds
+``P <= H``; when ``P > H`` the head's holders are a run of ranks and the one at
+offset ``d % len(run)`` writes (spreading the load). MLA: every prefill rank holds
 the whole latent and ``(d*P) // D`` writes all of it. ``sources(d)`` are the
 prefill ranks that owe decode rank ``d`` bytes; ``targets(p)`` the decode ranks
 prefill rank ``p`` writes to (empty for some ranks under MLA: they still take
@@ -86,12 +86,12 @@ class KvLayout:
         return self.layers if self.order == "mla" else 2 * self.layers
 
     def check_tp(self, tp: int, what: str = "tp") -> None:
-        """``tp`` ranks can share the heads: ``tp`` divides H, or H divides ``tp`` (replicated heads)."""
+        """``tp`` ranks can share the heads: ``tp`` divides H, or exceeds it (replicated heads)."""
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise LocalProtocolError(f"{what}: must be a positive int, got {tp!r}")
         h = self.kv_heads
-        if self.order != "mla" and h % tp and tp % h:
-            raise LocalProtocolError(f"{what} {tp} cannot share {h} KV heads: one must divide the other")
+        if self.order != "mla" and tp <= h and h % tp:
+            raise LocalProtocolError(f"{what} {tp} cannot share {h} KV heads evenly: it must divide them or exceed them")
 
     def heads(self, rank: int, tp: int) -> tuple[int, int]:
         """(first head, head count) held by ``rank`` of ``tp``."""
@@ -104,7 +104,7 @@ class KvLayout:
         if tp <= h:
             per = h // tp
             return rank * per, per
-        return rank // (tp // h), 1
+        return (rank * h) // tp, 1
 
     def page_bytes(self, tp: int) -> int:
         """Bytes of one page of one buffer on a rank of ``tp``."""
@@ -128,8 +128,9 @@ class KvLayout:
                 out.append(Share(src, head, end - head))
                 head = end
         else:
-            reps = p_tp // h
-            out = [Share(head * reps + d % reps, head, 1) for head in range(first, first + count)]
+            for head in range(first, first + count):
+                lo, hi = -(-head * p_tp // h), -(-(head + 1) * p_tp // h)  # the ranks r with (r*H)//P == head
+                out.append(Share(lo + d % (hi - lo), head, 1))
         return tuple(out)
 
     def sources(self, prefill_tp: int, decode_tp: int, d: int) -> tuple[int, ...]:
