@@ -104,9 +104,12 @@ def kv_layout(regions: list[Any], config: PeerConfig) -> Layout:
     return Layout([r.addr for r in regions], config.page_bytes_per_buffer, config.num_pages)
 
 
-def layout_json(layout: Layout) -> dict[str, Any]:
-    """What a peer needs to plan writes into our cache (and what the bootstrap server compares)."""
-    return {"bases": list(layout.bases), "page_bytes": list(layout.page_bytes), "num_pages": layout.num_pages}
+def layout_json(layout: Layout, kv: Any = None) -> dict[str, Any]:
+    """What a peer needs to plan writes into our cache: its pages, and what they hold (``KvLayout``) if known."""
+    out = {"bases": list(layout.bases), "page_bytes": list(layout.page_bytes), "num_pages": layout.num_pages}
+    if kv is not None:
+        out["kv"] = kv.to_json()
+    return out
 
 
 class PeerBase:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .auth import check_secret
-from .errors import StartError
+from .errors import LocalProtocolError, StartError
+from .kv.layout import KvLayout
 
 __all__ = ["NodeConfig", "PeerConfig", "PrefillConfig", "DecodeConfig", "check_registration"]
 
@@ -90,9 +91,13 @@ class PeerConfig(NodeConfig):
     agreement_timeout: float = 5.0
     #: a ``prometheus_client.CollectorRegistry`` to publish this peer's metrics in (``pdcore.metrics``)
     metrics: Any = field(default=None, repr=False, compare=False)
+    #: what the pages hold (``pdcore.kv.KvLayout``: heads, page order, MLA), the same on both deployments;
+    #: None: opaque pages, and prefill and decode must have the same tp size
+    kv_layout: KvLayout | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_kv_layout()
         if not self.kv_buffers:
             raise _bad(self, "kv_buffers", "at least one buffer is needed")
         if self.num_pages < 1:
@@ -107,6 +112,23 @@ class PeerConfig(NodeConfig):
             raise _bad(self, "agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
         if self.max_parked_pages < 1:
             raise _bad(self, "max_parked_pages", f"must be positive, got {self.max_parked_pages}")
+
+    def _check_kv_layout(self) -> None:
+        layout = self.kv_layout
+        if layout is None:
+            return
+        if not isinstance(layout, KvLayout):
+            raise _bad(self, "kv_layout", f"must be a pdcore.kv.KvLayout or None, got {type(layout).__name__}")
+        try:
+            layout.check_tp(self.tp_size, "tp_size")
+        except LocalProtocolError as e:
+            raise _bad(self, "kv_layout", str(e)) from None
+        if len(self.kv_buffers) != layout.buffers:
+            raise _bad(self, "kv_buffers", f"the kv_layout has {layout.buffers} buffers per rank, got {len(self.kv_buffers)}")
+        want = layout.page_bytes(self.tp_size)
+        if any(b != want for b in self.page_bytes_per_buffer):
+            raise _bad(self, "page_bytes", f"the kv_layout gives {want} bytes per page on a rank of tp {self.tp_size}, "
+                       f"got {self.page_bytes}")
 
     @property
     def page_bytes_per_buffer(self) -> tuple[int, ...]:

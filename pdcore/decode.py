@@ -36,6 +36,8 @@ from .config import DecodeConfig
 from .control import DeadPeer
 from .deadline import Deadline, DeadlineExceeded
 from .errors import LocalProtocolError, PdError
+from .kv.layout import KvLayout
+from .kv.routing import routing
 from .events import BootstrapInfo, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
 
 __all__ = ["DecodePeer", "DecodeInbox"]
@@ -61,14 +63,22 @@ def page_ranges(layout: Any, page_ids: Any) -> list[tuple[int, int]]:
 
 
 @dataclass(eq=False)
+class _Link:
+    """A prefill rank a request talks to: one that writes to this rank (``owes``), or one told only of the room."""
+
+    endpoint: str
+    owes: bool
+    grant: Any = None  # the transport grant of the announced pages, until revoked
+    landed: wire.Status | None = None  # its success status
+
+
+@dataclass(eq=False)
 class _Request:
     rid: str
     room: int
     server: tuple[str, int]
-    source: str | None = None  # the prefill rank's control endpoint
+    links: tuple[_Link, ...] = ()  # the prefill ranks of the room, once bootstrapped (sources first)
     request_pool_index: int = -1
-    landed: wire.Status | None = None
-    grant: Any = None  # the transport grant of the announced pages, until revoked
     abort_sent: bool = False
 
 
@@ -115,28 +125,33 @@ class DecodePeer(PeerBase):
                 self.counts.born(rid)
             request = _Request(rid, bootstrap.room, (bootstrap.host, bootstrap.port))
             self._requests[rid] = request
-        source = self._known_source(request)
-        if source is not None:  # the common case: a deployment we already talk to
-            self._connected(request, source)
+        links = self._known_links(request)
+        if links is not None:  # the common case: a deployment we already talk to
+            self._connected(request, links)
             return
         try:
             self._submit(self._bootstrap, request)
         except PdError as e:
             self._fire(rid, Trigger.FAIL, str(e))
 
-    def _known_source(self, request: _Request) -> str | None:
-        """The paired prefill rank if it is cached and already has our Register; never does I/O."""
+    def _known_links(self, request: _Request) -> tuple[_Link, ...] | None:
+        """The room's prefill ranks if they are cached and all have our Register; never does I/O."""
         deployment = self._deployments.get(request.server)
-        info = deployment.info if deployment is not None else None
-        if info is None or not info.complete:
+        if deployment is None:
             return None
-        source = deployment.ranks.get((request.room % info.dp_size, self._config.tp_rank))
-        return source if source in self._registered else None
+        try:
+            links = self._links_of(deployment, request)
+        except PdError:
+            return None  # the worker's bootstrap fails it, naming why
+        if links is None or any(link.endpoint not in self._registered for link in links):
+            return None
+        return links
 
-    def _connected(self, request: _Request, source: str) -> None:
+    def _connected(self, request: _Request, links: tuple[_Link, ...]) -> None:
         with self._lock:
-            request.source = source
-            self._by_source[(source, request.room)] = request
+            request.links = links
+            for link in links:
+                self._by_source[(link.endpoint, request.room)] = request
         self._fire(request.rid, Trigger.PEERS_CONNECTED)
 
     def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
@@ -154,15 +169,15 @@ class DecodePeer(PeerBase):
             return
         deployment = self._deployments.setdefault(request.server, _Deployment())
         try:
-            source = self._source_of(deployment, request)
+            links = self._links_of(deployment, request)
         except PdError as e:
             self._fire(request.rid, Trigger.FAIL, f"bootstrap {request.server[0]}:{request.server[1]}: {e}")
             return
-        if source is None:  # not looked up (or not up) yet: the table's bootstrap timeout bounds the wait
+        if links is None:  # not looked up (or not up) yet: the table's bootstrap timeout bounds the wait
             deployment.waiting.append(request)
             self._look_up(request.server, deployment)
             return
-        if source not in self._registered:
+        for source in [link.endpoint for link in links if link.endpoint not in self._registered]:
             cfg = self._config
             self._channel.send(
                 source,
@@ -171,25 +186,41 @@ class DecodePeer(PeerBase):
                     epoch=self.epoch,
                     endpoint=self._transport.endpoint(),
                     regions=tuple(wire.Region(addr=r.addr, length=r.length, key=r.key) for r in self._transport.regions()),
-                    layout=layout_json(self._layout),
+                    layout=layout_json(self._layout, cfg.kv_layout),
                     tp_size=cfg.tp_size,
                     tp_rank=cfg.tp_rank,
                 ),
             )
             self._registered.add(source)
-        self._connected(request, source)
+        self._connected(request, links)
 
-    def _source_of(self, deployment: _Deployment, request: _Request) -> str | None:
-        """The paired prefill rank's control endpoint as far as the cache knows; raises if it cannot pair."""
+    def _pairs(self, info: ParallelInfo, room: int) -> list[tuple[tuple[int, int], bool]]:
+        """The (dp rank, tp rank) of every prefill rank of ``room`` this rank talks to, and whether it owes
+        this rank bytes (sources first); raises ``LocalProtocolError`` if the deployments cannot pair."""
+        cfg = self._config
+        kv = info.layout.get("kv")
+        theirs = None if kv is None else KvLayout.from_json(kv)
+        if theirs != cfg.kv_layout:
+            raise LocalProtocolError(f"prefill KV layout {theirs} differs from this cache's {cfg.kv_layout}")
+        route = routing(cfg.kv_layout, info.tp_size, cfg.tp_size)
+        if cfg.kv_layout is None and list(info.layout.get("page_bytes", [])) != list(self._layout.page_bytes):
+            raise LocalProtocolError(f"prefill page sizes {info.layout.get('page_bytes')} differ from this cache's")
+        dp = room % info.dp_size
+        d = cfg.tp_rank
+        return [((dp, p), True) for p in route.sources(d)] + [((dp, p), False) for p in route.notified(d)]
+
+    def _links_of(self, deployment: _Deployment, request: _Request) -> tuple[_Link, ...] | None:
+        """The room's prefill ranks as far as the cache knows (None: look them up); raises if it cannot pair."""
         info = deployment.info
         if info is None or not info.complete:
             return None
-        cfg = self._config
-        if info.tp_size != cfg.tp_size:
-            raise LocalProtocolError(f"prefill tp size {info.tp_size} differs from decode tp size {cfg.tp_size}")
-        if list(info.layout.get("page_bytes", [])) != list(self._layout.page_bytes):
-            raise LocalProtocolError(f"prefill page sizes {info.layout.get('page_bytes')} differ from this cache's")
-        return deployment.ranks.get((request.room % info.dp_size, cfg.tp_rank))
+        links = []
+        for key, owes in self._pairs(info, request.room):
+            endpoint = deployment.ranks.get(key)
+            if endpoint is None:
+                return None
+            links.append(_Link(endpoint, owes))
+        return tuple(links)
 
     def _look_up(self, server: tuple[str, int], deployment: _Deployment) -> None:
         if deployment.looking or time.monotonic() < deployment.next_try or not deployment.waiting:
@@ -210,7 +241,8 @@ class DecodePeer(PeerBase):
             if info is None or not info.complete:
                 info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
             if info is not None and info.complete:
-                for key in {(room % info.dp_size, self._config.tp_rank) for room in rooms} - set(deployment.ranks):
+                keys = {key for room in rooms for key, _ in self._pairs(info, room)}
+                for key in keys - set(deployment.ranks):
                     ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
         except (OSError, DeadlineExceeded) as e:
             log.debug("decode peer: bootstrap %s:%d not reachable yet: %s", *server, e)
@@ -241,7 +273,7 @@ class DecodePeer(PeerBase):
         request = self._requests.get(rid)
         if request is None:
             return
-        if request.source is None:
+        if not request.links:
             self._fire(rid, Trigger.FAIL, "pages announced before the request was bootstrapped")
             return
         if self._fire(rid, Trigger.PAGES_ANNOUNCED) in (None, State.FAILED):
@@ -249,26 +281,31 @@ class DecodePeer(PeerBase):
         request.request_pool_index = request_pool_index
         try:
             if not self._config.unsafe_no_grants:
-                request.grant = self._transport.grant(self._instances[request.source], page_ranges(self._layout, page_ids))
+                ranges = page_ranges(self._layout, page_ids)
+                for link in request.links:
+                    if link.owes:
+                        link.grant = self._transport.grant(self._instances[link.endpoint], ranges)
         except (KeyError, ValueError, PdError) as e:
             self._fire(rid, Trigger.FAIL, f"cannot grant the pages to the prefill rank: {e}")
+            self._revoke(request)  # the grants made before this one
             return
         if self._fire(rid, Trigger.PAGES_ANNOUNCED) in (None, State.FAILED):
-            # the worker failed the room meanwhile (its revoke may have run before the grant existed)
+            # the worker failed the room meanwhile (its revoke may have run before the grants existed)
             self._revoke(request)
             return
         try:
-            self._channel.send(
-                request.source,
-                wire.Announce(
-                    room=request.room,
-                    session_id=self.session_id,
-                    epoch=self.epoch,
-                    page_ids=page_ids,
-                    request_pool_index=request_pool_index,
-                    grant=request.grant.key if request.grant is not None else 0,
-                ),
-            )
+            for link in request.links:
+                self._channel.send(
+                    link.endpoint,
+                    wire.Announce(
+                        room=request.room,
+                        session_id=self.session_id,
+                        epoch=self.epoch,
+                        page_ids=page_ids if link.owes else (),  # a rank that owes nothing only hears of the room
+                        request_pool_index=request_pool_index,
+                        grant=link.grant.key if link.grant is not None else 0,
+                    ),
+                )
         except PdError as e:
             self._fire(rid, Trigger.FAIL, f"announcing the pages failed: {e}")
 
@@ -287,11 +324,15 @@ class DecodePeer(PeerBase):
             if isinstance(msg, wire.Abort) or msg.state == State.FAILED:
                 self._fire(request.rid, Trigger.FAIL, f"prefill failed the room: {msg.reason}")
             elif msg.state == State.SUCCESS:
+                link = next((l for l in request.links if l.endpoint == sender), None)
+                if link is None or not link.owes:
+                    return  # only a rank that writes here reports a landing
                 if msg.first_token is None:
                     self._fire(request.rid, Trigger.FAIL, "prefill reported a landing without a first token")
                     return
-                request.landed = msg
-                self._fire(request.rid, Trigger.WRITES_LANDED)
+                link.landed = msg
+                if all(l.landed is not None for l in request.links if l.owes):  # every source's bytes landed
+                    self._fire(request.rid, Trigger.WRITES_LANDED)
         else:
             log.warning("decode peer: unexpected %s from %s", type(msg).__name__, sender)
 
@@ -299,40 +340,43 @@ class DecodePeer(PeerBase):
         request = self._requests.get(rid)
         if request is None:
             return
-        if request.source is not None and not request.abort_sent:
+        if request.links and not request.abort_sent:
             request.abort_sent = True
-            try:
-                self._channel.send(request.source, wire.Abort(room=request.room, reason="failed on the decode replica"))
-            except PdError as e:
-                log.warning("decode peer: cannot ask %s to stop room %d: %s", request.source, request.room, e)
+            for link in request.links:
+                try:
+                    self._channel.send(link.endpoint, wire.Abort(room=request.room, reason="failed on the decode replica"))
+                except PdError as e:
+                    log.warning("decode peer: cannot ask %s to stop room %d: %s", link.endpoint, request.room, e)
         self._revoke(request)
 
     def _revoke(self, request: _Request) -> None:
-        """Take the room's grant back, then close its fence: from here nothing lands in its pages."""
-        grant = request.grant
-        if grant is not None:
+        """Take the room's grants back, then close its fence: from here nothing lands in its pages."""
+        for link in request.links:
+            if link.grant is None:
+                continue
             try:
-                self._transport.revoke(grant, deadline=Deadline.after(_REVOKE_WAIT))
+                self._transport.revoke(link.grant, deadline=Deadline.after(_REVOKE_WAIT))
             except PdError as e:  # not confirmed: the fence stays armed, the next tick tries again
                 log.warning("decode peer: revoking room %d's grant failed: %s", request.room, e)
                 if request not in self._unrevoked:
                     self._unrevoked.append(request)
                 return
-            request.grant = None
+            link.grant = None
         self._fenced(request.rid)
 
     def _abort_unannounced(self, request: _Request) -> None:
         """A room that failed here before its pages were announced armed no fence, so no ``Abort``
         went to its prefill rank: tell it (best effort), or its room waits there for its bootstrap
         timer. Prefill answers with an ``AbortAck`` for a room this rank no longer tracks (ignored)."""
-        if request.source not in self._registered:  # lost, or never sent our Register
-            return
-        try:
-            self._channel.send(
-                request.source, wire.Abort(room=request.room, reason="failed on the decode replica before announcing")
-            )
-        except PdError as e:
-            log.debug("decode peer: cannot tell %s that room %d failed: %s", request.source, request.room, e)
+        for link in request.links:
+            if link.endpoint not in self._registered:  # lost, or never sent our Register
+                continue
+            try:
+                self._channel.send(
+                    link.endpoint, wire.Abort(room=request.room, reason="failed on the decode replica before announcing")
+                )
+            except PdError as e:
+                log.debug("decode peer: cannot tell %s that room %d failed: %s", link.endpoint, request.room, e)
 
     # -- failures from outside -------------------------------------------------------------------
 
@@ -346,7 +390,7 @@ class DecodePeer(PeerBase):
             if endpoint in deployment.ranks.values():
                 deployment.info, deployment.ranks = None, {}  # look it up afresh: it may come back elsewhere
         with self._lock:
-            bound = [r for r in self._requests.values() if r.source == endpoint]
+            bound = [r for r in self._requests.values() if any(l.endpoint == endpoint for l in r.links)]
         for request in bound:
             request.abort_sent = True  # nobody to tell
             self._fire(request.rid, Trigger.FAIL, reason)
@@ -370,9 +414,9 @@ class DecodePeer(PeerBase):
 
     def _farewell(self) -> None:
         for request in list(self._requests.values()):
-            if request.source is not None:
+            for link in request.links:
                 try:
-                    self._channel.send(request.source, wire.Abort(room=request.room, reason="decode peer closed"))
+                    self._channel.send(link.endpoint, wire.Abort(room=request.room, reason="decode peer closed"))
                 except PdError:
                     pass
 
@@ -384,14 +428,15 @@ class DecodePeer(PeerBase):
             if isinstance(event, (Succeeded, Failed)):
                 with self._lock:
                     request = self._requests.pop(event.rid)
-                    if request.source is not None:
-                        self._by_source.pop((request.source, request.room), None)
-                if isinstance(event, Failed) and request.source is not None and not request.abort_sent:
+                    for link in request.links:
+                        self._by_source.pop((link.endpoint, request.room), None)
+                if isinstance(event, Failed) and request.links and not request.abort_sent:
                     self._abort_unannounced(request)
                 if isinstance(event, Succeeded):
-                    if request.grant is not None:  # every byte landed: the grant only goes
-                        self._transport.revoke(request.grant, deadline=Deadline.after(_REVOKE_WAIT), settled=True)
-                    landed = request.landed
+                    for link in request.links:
+                        if link.grant is not None:  # every byte landed: the grant only goes
+                            self._transport.revoke(link.grant, deadline=Deadline.after(_REVOKE_WAIT), settled=True)
+                    landed = next(l.landed for l in request.links if l.owes)
                     assert landed is not None and landed.first_token is not None  # checked when it arrived
                     event = RemotePrefillDone(
                         RemotePrefill(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transport.plan import Layout, PlanError, plan
+from transport.plan import Layout
 
 from . import wire
 from ._peer import PeerBase
@@ -32,6 +32,8 @@ from .config import PrefillConfig
 from .control import DeadPeer
 from .deadline import Deadline
 from .errors import CapacityError, LocalProtocolError, PdError, PeerError
+from .kv.layout import KvLayout
+from .kv.routing import Routing, routing
 from .events import BootstrapInfo, Event, Failed, Succeeded
 
 if TYPE_CHECKING:
@@ -44,17 +46,27 @@ log = logging.getLogger("pdcore.prefill")
 
 
 @dataclass(eq=False)
+class _Dst:
+    """A decode rank that announced a room here."""
+
+    rank: int
+    pages: Any  # its destination page ids (np.uint32: 4 bytes a page, not a tuple's ~36)
+    grant: int  # its transport grant for those pages
+    owed: bool  # this rank writes to it (False: it only told us of the room: MLA, replicated heads)
+
+
+@dataclass(eq=False)
 class _Room:
     rid: str
     room: int
-    dst: str | None = None  # the decode rank's control endpoint
-    dst_pages: Any = ()
-    grant: int = 0  # the decode rank's transport grant for dst_pages
+    dsts: dict[str, _Dst] = field(default_factory=dict)  # decode control endpoint -> its announcement
+    route: Routing | None = None  # the pairing of the announcing decode replica with ours
     cached_tokens: int = 0
     logprob: float | None = None
     inflight: int = 0  # batches posted and not completed
+    landing: int = 0  # batches of the hand-over that have not landed yet
     ack_to: set[str] = field(default_factory=set)  # decode ranks owed an AbortAck once drained
-    told: bool = False  # the decode rank heard of this room's end
+    told: bool = False  # the decode ranks heard of this room's end
 
 
 @dataclass(eq=False)
@@ -66,6 +78,8 @@ class _Sink:
     layout: Layout | None
     handle: Any | None  # transport PeerHandle; None while the I/O thread connects
     error: str = ""
+    rank: int = 0  # its tp rank
+    route: Routing | None = None  # how its replica pairs with ours
     endpoint: bytes = b""  # its transport endpoint: a handle lost to a transient failure is connected again
     connecting: bool = False
     waiting: list[tuple[Any, ...]] = field(default_factory=list)  # (room entry, worker call, args) awaiting the connection
@@ -99,6 +113,8 @@ class PrefillPeer(PeerBase):
         peer._start()
         try:
             layout = {"page_bytes": list(peer._layout.page_bytes), "num_pages": peer._layout.num_pages}
+            if config.kv_layout is not None:
+                layout["kv"] = config.kv_layout.to_json()
             peer._register_with_bootstrap(layout, deadline)
         except BaseException:
             peer.close()
@@ -208,22 +224,32 @@ class PrefillPeer(PeerBase):
         if old is not None:
             self._lose_sink(sender, f"decode rank {sender} re-registered (session {msg.session_id})")
         error = ""
-        layout = None
-        if (msg.tp_size, msg.tp_rank) != (cfg.tp_size, cfg.tp_rank):
-            error = f"decode rank {msg.tp_rank}/{msg.tp_size} cannot pair with prefill rank {cfg.tp_rank}/{cfg.tp_size}"
-        else:
-            try:
-                layout = Layout(msg.layout["bases"], msg.layout["page_bytes"], msg.layout["num_pages"])
-                if layout.page_bytes != self._layout.page_bytes:
-                    error = f"decode layout {layout.page_bytes} differs from this cache's {self._layout.page_bytes}"
-            except (KeyError, TypeError, ValueError) as e:
-                error = f"decode layout is malformed: {e}"
+        layout = route = None
+        try:
+            kv = msg.layout.get("kv")
+            theirs = None if kv is None else KvLayout.from_json(kv)
+            if theirs != cfg.kv_layout:
+                raise LocalProtocolError(f"decode KV layout {theirs} differs from this cache's {cfg.kv_layout}")
+            route = routing(cfg.kv_layout, cfg.tp_size, msg.tp_size)
+            if msg.tp_rank not in route.expects(cfg.tp_rank):
+                raise LocalProtocolError(
+                    f"decode rank {msg.tp_rank}/{msg.tp_size} does not pair with prefill rank {cfg.tp_rank}/{cfg.tp_size}"
+                )
+            layout = Layout(msg.layout["bases"], msg.layout["page_bytes"], msg.layout["num_pages"])
+            want = self._layout.page_bytes if cfg.kv_layout is None else (cfg.kv_layout.page_bytes(msg.tp_size),) * len(
+                self._layout.page_bytes)
+            if layout.page_bytes != want:
+                raise LocalProtocolError(f"decode page sizes {layout.page_bytes} differ from the expected {want}")
+        except LocalProtocolError as e:
+            error = str(e)
+        except (KeyError, TypeError, ValueError) as e:
+            error = f"decode layout is malformed: {e}"
         if error:
             log.warning("prefill peer: %s", error)
-        sink = _Sink(msg.session_id, msg.epoch, layout, None, error, msg.endpoint)
+        sink = _Sink(msg.session_id, msg.epoch, layout, None, error, rank=msg.tp_rank, route=route, endpoint=msg.endpoint)
         self._sinks[sender] = sink
-        if not error:
-            self._connect(sender, sink)
+        if not error and route is not None and route.owes(cfg.tp_rank, msg.tp_rank):
+            self._connect(sender, sink)  # a rank we owe nothing only tells us of rooms: no data connection
 
     # -- data connections: made on the I/O thread, adopted by the worker -----------------------
 
@@ -291,18 +317,23 @@ class PrefillPeer(PeerBase):
 
     def _adopt(self, entry: _Room, sender: str, msg: wire.Announce) -> None:
         sink = self._sinks.get(sender)
-        if sink is not None and not sink.error and not sink.ready:  # Bootstrapped means the data path is up
+        me = self._config.tp_rank
+        owed = sink is not None and sink.route is not None and sink.route.owes(me, sink.rank)
+        if owed and not sink.error and not sink.ready:  # Bootstrapped means the data path is up
             self._when_connected(sender, sink, entry, self._adopt, entry, sender, msg)
             return
+        complete = False
         with self._lock:
-            if entry.dst is not None:
-                reason = f"room {entry.room} was announced twice ({entry.dst} and {sender})"
-            elif sink is None or sink.error:
+            if sender in entry.dsts:
+                reason = f"room {entry.room} was announced twice by {sender}"
+            elif sink is None or sink.error or sink.route is None:
                 reason = sink.error if sink else f"decode rank {sender} announced before registering (or was dropped)"
+            elif entry.route is not None and entry.route is not sink.route:
+                reason = f"room {entry.room} was announced by decode ranks of different tp sizes"
             else:
-                entry.dst = sender
-                entry.dst_pages = np.asarray(msg.page_ids, np.uint32)  # 4 bytes a page, not a tuple's ~36
-                entry.grant = msg.grant
+                entry.route = sink.route
+                entry.dsts[sender] = _Dst(sink.rank, np.asarray(msg.page_ids, np.uint32), msg.grant, owed)
+                complete = len(entry.dsts) == len(sink.route.expects(me))
                 reason = ""
         if reason:
             status = wire.Status(
@@ -311,7 +342,8 @@ class PrefillPeer(PeerBase):
             self._tell(sender, status)
             self._fire(entry.rid, Trigger.FAIL, reason)
             return
-        self._fire(entry.rid, Trigger.PEERS_CONNECTED)
+        if complete:  # every decode rank this rank pairs with for the room announced
+            self._fire(entry.rid, Trigger.PEERS_CONNECTED)
 
     def _on_abort(self, sender: str, msg: wire.Abort) -> None:
         with self._lock:
@@ -346,77 +378,98 @@ class PrefillPeer(PeerBase):
             entry = self._by_rid.get(rid)
         if entry is None:
             return True  # the request ended meanwhile
-        sink = self._sinks.get(entry.dst) if entry.dst else None
-        if sink is None:
+        route = entry.route
+        if route is None:
             self._fail(entry, "pages handed over before a decode rank announced the room")
             return True
-        if not sink.ready:
-            if not wait:
-                return False  # the worker parks it until the data connection is up
-            self._when_connected(entry.dst, sink, entry, self._send, rid, page_ids, first_token, candidates)
-            return True
-        dst = entry.dst_pages
-        if len(page_ids) < len(dst):
-            self._fail(entry, f"decode announced {len(dst)} pages, prefill handed over only {len(page_ids)}")
-            return True
-        try:  # decode may hold a prefix already: write the tail
-            batch = plan(self._layout, sink.layout, page_ids[len(page_ids) - len(dst) :], dst)
-        except PlanError as e:
-            self._fail(entry, f"cannot plan the transfer: {e}")
-            return True
+        me = self._config.tp_rank
+        batches = []
+        for endpoint, dst in list(entry.dsts.items()):
+            if not dst.owed:
+                continue
+            sink = self._sinks.get(endpoint)
+            if sink is None:
+                self._fail(entry, f"decode rank {endpoint} was lost before the hand-over")
+                return True
+            if not sink.ready:
+                if not wait:
+                    return False  # the worker parks it until the data connection is up
+                self._when_connected(endpoint, sink, entry, self._send, rid, page_ids, first_token, candidates)
+                return True
+            if len(page_ids) < len(dst.pages):
+                self._fail(entry, f"decode rank {dst.rank} announced {len(dst.pages)} pages, prefill handed over only "
+                           f"{len(page_ids)}")
+                return True
+            try:  # decode may hold a prefix already: write the tail
+                batch = route.plan(me, dst.rank, self._layout, sink.layout, page_ids[len(page_ids) - len(dst.pages) :], dst.pages)
+            except PdError as e:
+                self._fail(entry, f"cannot plan the transfer to decode rank {dst.rank}: {e}")
+                return True
+            batches.append((sink, dst, batch))
+        if len(batches) > 1 and not wait:
+            return False  # several decode ranks: the worker posts them, waiting for room
         with self._lock:  # counted before "writes posted": an abort in between must not ack "drained"
-            entry.inflight += 1
+            entry.inflight += len(batches)
+            entry.landing = len(batches)
         if self._fire(rid, Trigger.WRITES_POSTED) in (None, State.FAILED):
             with self._lock:
-                entry.inflight -= 1
+                entry.inflight -= len(batches)
             self._drained(entry)  # failed meanwhile: post nothing, and owe no ack for it
             return True
+        if not batches:  # this rank owes no decode rank anything for this room (MLA, replicated heads)
+            self._fire(rid, Trigger.WRITES_LANDED)
+            return True
         done = functools.partial(self._landed, entry, first_token, candidates)
-        try:
-            self._transport.write(
-                sink.handle,
-                batch,
-                done,
-                deadline=Deadline.after(self._config.fence_timeout) if wait else None,
-                grant=entry.grant,
-            )
-            if self.counts is not None:
-                self.counts.writes_posted += len(batch)
-                self.counts.bytes_posted += int(batch[:, 2].sum())
-        except CapacityError:
-            with self._lock:
-                entry.inflight -= 1
-            if not wait:
-                return False  # the worker posts it, waiting for room
-            self._fail(entry, f"the transport had no room for {self._config.fence_timeout:g} s")
-            self._drained(entry)
-        except PdError as e:
-            with self._lock:
-                entry.inflight -= 1
-            self._fail(entry, f"posting the writes failed: {e}")
-            self._drained(entry)
+        for i, (sink, dst, batch) in enumerate(batches):
+            try:
+                self._transport.write(
+                    sink.handle,
+                    batch,
+                    done,
+                    deadline=Deadline.after(self._config.fence_timeout) if wait else None,
+                    grant=dst.grant,
+                )
+                if self.counts is not None:
+                    self.counts.writes_posted += len(batch)
+                    self.counts.bytes_posted += int(batch[:, 2].sum())
+            except CapacityError:
+                with self._lock:
+                    entry.inflight -= len(batches) - i
+                if not wait:  # the only batch: nothing was posted
+                    return False  # the worker posts it, waiting for room
+                self._fail(entry, f"the transport had no room for {self._config.fence_timeout:g} s")
+                self._drained(entry)
+                return True
+            except PdError as e:
+                with self._lock:
+                    entry.inflight -= len(batches) - i
+                self._fail(entry, f"posting the writes failed: {e}")
+                self._drained(entry)
+                return True
         return True
 
     def _landed(self, entry: _Room, first_token: int, candidates: tuple[int, ...] | None, _batch: int, error: Any) -> None:
         """Transport thread: the batch completed. Only table updates and queued frames here."""
         with self._lock:
             entry.inflight -= 1
+            entry.landing -= 1
+            last = entry.landing == 0
         if error is not None:
             self._fail(entry, f"transfer failed: {error}")
-        elif entry.dst is not None and self._fire(entry.rid, Trigger.WRITES_LANDED) == State.SUCCESS:
+        elif last and self._fire(entry.rid, Trigger.WRITES_LANDED) == State.SUCCESS:
             # success is told only for a room still live here: never for one this rank already failed
-            self._tell(
-                entry.dst,
-                wire.Status(
-                    room=entry.room,
-                    state=State.SUCCESS,
-                    rank=self._config.tp_rank,
-                    first_token=first_token,
-                    cached_tokens=entry.cached_tokens,
-                    first_token_logprob=entry.logprob,
-                    spec_candidate_ids=candidates,
-                ),
+            status = wire.Status(
+                room=entry.room,
+                state=State.SUCCESS,
+                rank=self._config.tp_rank,
+                first_token=first_token,
+                cached_tokens=entry.cached_tokens,
+                first_token_logprob=entry.logprob,
+                spec_candidate_ids=candidates,
             )
+            for endpoint, dst in list(entry.dsts.items()):
+                if dst.owed:
+                    self._tell(endpoint, status)
         self._drained(entry)
 
     def _fail(self, entry: _Room, reason: str) -> None:
@@ -424,12 +477,15 @@ class PrefillPeer(PeerBase):
         self._fire(entry.rid, Trigger.FAIL, reason)
         self._notify_failed(entry, reason)
 
-    def _notify_failed(self, entry: _Room, reason: str) -> None:
+    def _notify_failed(self, entry: _Room, reason: str, lost: str = "") -> None:
         with self._lock:
-            dst, already = entry.dst, entry.told
+            dsts, already = list(entry.dsts), entry.told
             entry.told = True
-        if dst is not None and not already:
-            self._tell(dst, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+        if not already:
+            for endpoint in dsts:
+                if endpoint == lost:
+                    continue  # gone: nobody to tell
+                self._tell(endpoint, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
 
     def _drained(self, entry: _Room) -> None:
         """If the room failed and nothing of it is in flight: close the fence, acknowledge aborts."""
@@ -473,14 +529,14 @@ class PrefillPeer(PeerBase):
     def _lose_sink(self, endpoint: str, reason: str) -> None:
         sink = self._sinks.pop(endpoint, None)
         with self._lock:
-            bound = [e for e in self._rooms.values() if e.dst == endpoint]
+            bound = [e for e in self._rooms.values() if endpoint in e.dsts]
             self._pending.drop_sender(endpoint)
         if sink is not None:  # announcements waiting for its data connection name it too
-            bound += [e for e, _fn, _args in sink.waiting if e.dst is None and self._by_rid.get(e.rid) is e]
+            bound += [e for e, _fn, _args in sink.waiting if endpoint not in e.dsts and self._by_rid.get(e.rid) is e]
             sink.waiting = []
         for entry in bound:
-            entry.told = True  # nobody to tell
             self._fire(entry.rid, Trigger.FAIL, reason)
+            self._notify_failed(entry, reason, lost=endpoint)  # the room's other decode ranks hear
         if sink is not None and sink.handle is not None:
             self._transport.disconnect(sink.handle)  # fails what is in flight, promptly
         for entry in bound:

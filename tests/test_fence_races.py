@@ -41,7 +41,8 @@ def test_a_full_work_queue_keeps_the_fence_armed(pair: Pair) -> None:
     rid, room = "burst", 10
     _announced(pair, rid, room)
     decode = pair.decode
-    grant = decode._requests[rid].grant
+    [link] = decode._requests[rid].links
+    grant = link.grant
     real_submit = decode._submit
     refusing = [True]
 
@@ -73,7 +74,7 @@ def test_an_abort_between_writes_posted_and_the_post_waits_for_the_write(pair: P
     def fire(rid_: str, trigger: int, reason: str = "") -> Any:
         state = real_fire(rid_, trigger, reason)
         if trigger == Trigger.WRITES_POSTED:  # decode's Abort is handled right here, inside the window
-            prefill._on_abort(entry.dst, wire.Abort(room=room, reason="race"))
+            prefill._on_abort(next(iter(entry.dsts)), wire.Abort(room=room, reason="race"))
         return state
 
     def tell(endpoint: str, msg: Any) -> None:

@@ -47,7 +47,7 @@ def _bad_frames(live_room: int) -> list[tuple[str, list[bytes], tuple[int, ...]]
         ("not a pdcore frame", [b"GET / HTTP/1.1\r\n\r\n"], ()),
         ("header only, truncated", [b"pd"], ()),
         ("empty frame", [b""], ()),
-        ("protocol version 3", [wire.MAGIC + b"\x03" + good[7:]], (123456789,)),
+        ("the next protocol version", [wire.MAGIC + bytes([wire.PROTOCOL_VERSION + 1]) + good[7:]], (123456789,)),
         ("version 0 naming a room", [wire.MAGIC + b"\x00" + _body(type="abort", room=987654321)], (987654321,)),
         ("body not msgpack", [wire.seal(b"\xc1\xc1\xc1")], ()),
         ("unknown message type", [wire.seal(_body(type="shutdown", room=5))], (5,)),
