@@ -145,10 +145,16 @@ class PrefillConfig(PeerConfig):
     bootstrap_port: int
     dp_size: int = 1
     dp_rank: int = 0
+    #: layer-wise hand-over (``PrefillOutbox.layers_done``) starts writes early only for prompts of at least
+    #: this many pages; shorter ones are sent at ``finish``
+    layerwise_min_pages: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_registration(self)
+        if isinstance(self.layerwise_min_pages, bool) or not isinstance(self.layerwise_min_pages, int) \
+                or self.layerwise_min_pages < 0:
+            raise _bad(self, "layerwise_min_pages", f"must be an int >= 0, got {self.layerwise_min_pages!r}")
 
 
 def check_registration(config: Any) -> None:

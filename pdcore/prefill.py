@@ -67,6 +67,14 @@ class _Room:
     landing: int = 0  # batches of the hand-over that have not landed yet
     ack_to: set[str] = field(default_factory=set)  # decode ranks owed an AbortAck once drained
     told: bool = False  # the decode ranks heard of this room's end
+    # the hand-over (PrefillOutbox): whole (send) or layer by layer (begin, layers_done, finish)
+    pages: Any = None  # the source page ids, prompt order
+    plans: list[tuple[_Sink, _Dst, Any, int]] | None = None  # per owed decode rank: its writes, rows per buffer
+    sent: int = 0  # buffers posted so far
+    final: bool = False  # finish came: every buffer is posted, the first token is known
+    first_token: int = 0
+    candidates: tuple[int, ...] | None = None
+    success_told: bool = False
 
 
 @dataclass(eq=False)
@@ -193,8 +201,18 @@ class PrefillPeer(PeerBase):
 
     def _hand_over(self, rid: str, page_ids: np.ndarray, first_token: int, candidates: tuple[int, ...] | None) -> None:
         """Post on the caller's thread when the transport has room; else the worker waits for room."""
-        if not self._send(rid, page_ids, first_token, candidates, wait=False):
-            self._submit_or_fail(rid, self._send, rid, page_ids, first_token, candidates)
+        finish = (first_token, candidates)
+        if not self._post(rid, page_ids, None, finish, wait=False):
+            self._submit_or_fail(rid, self._post, rid, page_ids, None, finish)
+
+    def _stream(self, rid: str, page_ids: Any, upto: int | None, finish: tuple[int, tuple[int, ...] | None] | None) -> None:
+        """Layer-wise hand-over (``PrefillOutbox.begin``/``layers_done``/``finish``): the worker posts, in order."""
+        self._submit_or_fail(rid, self._post, rid, page_ids, upto, finish)
+
+    @property
+    def _buffers_per_layer(self) -> int:
+        layout = self._config.kv_layout
+        return 2 if layout is not None and layout.order != "mla" else 1
 
     def _submit_or_fail(self, rid: str, fn: Any, *args: Any) -> None:
         try:
@@ -362,15 +380,17 @@ class PrefillPeer(PeerBase):
 
     # -- worker: sending --------------------------------------------------------------------
 
-    def _send(
+    def _post(
         self,
         rid: str,
-        page_ids: np.ndarray,
-        first_token: int,
-        candidates: tuple[int, ...] | None,
+        page_ids: Any,
+        upto: int | None,
+        finish: tuple[int, tuple[int, ...] | None] | None,
         wait: bool = True,
     ) -> bool:
-        """Plan and post ``rid``'s writes; False only when not ``wait``-ing and the peer is at its bound.
+        """Post ``rid``'s writes of the buffers of layers ``[0, upto)`` not posted yet, or of every buffer
+        with ``finish`` (first token, candidates), which ends the hand-over; ``page_ids`` (not None) names the
+        source pages. False only when not ``wait``-ing and the transport is at its bound (nothing posted).
 
         The worker waits (up to ``fence_timeout``) for room; the outbox's caller never does.
         """
@@ -382,44 +402,51 @@ class PrefillPeer(PeerBase):
         if route is None:
             self._fail(entry, "pages handed over before a decode rank announced the room")
             return True
-        me = self._config.tp_rank
-        batches = []
+        if page_ids is not None and entry.pages is None:
+            entry.pages = page_ids
+        if entry.pages is None:
+            self._fail(entry, "layers handed over before their pages (PrefillOutbox.begin)")
+            return True
+        nbuf = len(self._layout.bases)
+        if finish is not None:
+            hi = nbuf
+        elif len(entry.pages) < self._config.layerwise_min_pages:
+            return True  # a short prompt: its layers go at the end, with finish
+        else:
+            hi = min(nbuf, max(0, upto or 0) * self._buffers_per_layer)
         for endpoint, dst in list(entry.dsts.items()):
-            if not dst.owed:
-                continue
-            sink = self._sinks.get(endpoint)
-            if sink is None:
+            sink = self._sinks.get(endpoint) if dst.owed else None
+            if dst.owed and sink is None:
                 self._fail(entry, f"decode rank {endpoint} was lost before the hand-over")
                 return True
-            if not sink.ready:
+            if sink is not None and not sink.ready:
                 if not wait:
                     return False  # the worker parks it until the data connection is up
-                self._when_connected(endpoint, sink, entry, self._send, rid, page_ids, first_token, candidates)
+                self._when_connected(endpoint, sink, entry, self._post, rid, page_ids, upto, finish)
                 return True
-            if len(page_ids) < len(dst.pages):
-                self._fail(entry, f"decode rank {dst.rank} announced {len(dst.pages)} pages, prefill handed over only "
-                           f"{len(page_ids)}")
-                return True
-            try:  # decode may hold a prefix already: write the tail
-                batch = route.plan(me, dst.rank, self._layout, sink.layout, page_ids[len(page_ids) - len(dst.pages) :], dst.pages)
-            except PdError as e:
-                self._fail(entry, f"cannot plan the transfer to decode rank {dst.rank}: {e}")
-                return True
-            batches.append((sink, dst, batch))
+        if entry.plans is None and not self._plan(entry, route):
+            return True
+        assert entry.plans is not None
+        lo = entry.sent
+        batches = [(sink, dst, writes[lo * rows : hi * rows]) for sink, dst, writes, rows in entry.plans if hi > lo]
+        batches = [b for b in batches if len(b[2])]
         if len(batches) > 1 and not wait:
             return False  # several decode ranks: the worker posts them, waiting for room
         with self._lock:  # counted before "writes posted": an abort in between must not ack "drained"
             entry.inflight += len(batches)
-            entry.landing = len(batches)
+            entry.landing += len(batches)
         if self._fire(rid, Trigger.WRITES_POSTED) in (None, State.FAILED):
             with self._lock:
                 entry.inflight -= len(batches)
+                entry.landing -= len(batches)
             self._drained(entry)  # failed meanwhile: post nothing, and owe no ack for it
             return True
-        if not batches:  # this rank owes no decode rank anything for this room (MLA, replicated heads)
-            self._fire(rid, Trigger.WRITES_LANDED)
-            return True
-        done = functools.partial(self._landed, entry, first_token, candidates)
+        entry.sent = max(lo, hi)
+        if finish is not None:
+            with self._lock:
+                entry.final = True
+                entry.first_token, entry.candidates = finish
+        done = functools.partial(self._landed, entry)
         for i, (sink, dst, batch) in enumerate(batches):
             try:
                 self._transport.write(
@@ -432,45 +459,77 @@ class PrefillPeer(PeerBase):
                 if self.counts is not None:
                     self.counts.writes_posted += len(batch)
                     self.counts.bytes_posted += int(batch[:, 2].sum())
-            except CapacityError:
-                with self._lock:
-                    entry.inflight -= len(batches) - i
-                if not wait:  # the only batch: nothing was posted
-                    return False  # the worker posts it, waiting for room
-                self._fail(entry, f"the transport had no room for {self._config.fence_timeout:g} s")
-                self._drained(entry)
-                return True
             except PdError as e:
                 with self._lock:
                     entry.inflight -= len(batches) - i
-                self._fail(entry, f"posting the writes failed: {e}")
+                    entry.landing -= len(batches) - i
+                if isinstance(e, CapacityError) and not wait:  # the only batch: nothing was posted
+                    with self._lock:
+                        entry.final = False
+                    entry.sent = lo
+                    return False  # the worker posts it, waiting for room
+                if isinstance(e, CapacityError):
+                    self._fail(entry, f"the transport had no room for {self._config.fence_timeout:g} s")
+                else:
+                    self._fail(entry, f"posting the writes failed: {e}")
                 self._drained(entry)
                 return True
+        self._check_landed(entry)  # nothing was left to post (or it all landed already)
         return True
 
-    def _landed(self, entry: _Room, first_token: int, candidates: tuple[int, ...] | None, _batch: int, error: Any) -> None:
-        """Transport thread: the batch completed. Only table updates and queued frames here."""
+    def _plan(self, entry: _Room, route: Routing) -> bool:
+        """Plan the writes to every decode rank this rank owes, once per hand-over; False if the room failed."""
+        me = self._config.tp_rank
+        plans = []
+        pages = entry.pages
+        for endpoint, dst in list(entry.dsts.items()):
+            if not dst.owed:
+                continue
+            sink = self._sinks[endpoint]
+            if len(pages) < len(dst.pages):
+                self._fail(entry, f"decode rank {dst.rank} announced {len(dst.pages)} pages, prefill handed over only "
+                           f"{len(pages)}")
+                return False
+            try:  # decode may hold a prefix already: write the tail
+                writes = route.plan(me, dst.rank, self._layout, sink.layout, pages[len(pages) - len(dst.pages) :], dst.pages)
+            except PdError as e:
+                self._fail(entry, f"cannot plan the transfer to decode rank {dst.rank}: {e}")
+                return False
+            plans.append((sink, dst, writes, len(writes) // len(self._layout.bases)))  # buffer-major, rows alike
+        entry.plans = plans
+        return True
+
+    def _landed(self, entry: _Room, _batch: int, error: Any) -> None:
+        """Transport thread: a batch completed. Only table updates and queued frames here."""
         with self._lock:
             entry.inflight -= 1
             entry.landing -= 1
-            last = entry.landing == 0
         if error is not None:
             self._fail(entry, f"transfer failed: {error}")
-        elif last and self._fire(entry.rid, Trigger.WRITES_LANDED) == State.SUCCESS:
+        else:
+            self._check_landed(entry)
+        self._drained(entry)
+
+    def _check_landed(self, entry: _Room) -> None:
+        """Once the hand-over finished and every batch landed: the room succeeds here; its decode ranks hear."""
+        with self._lock:
+            if not entry.final or entry.landing or entry.success_told:
+                return
+            entry.success_told = True
+        if self._fire(entry.rid, Trigger.WRITES_LANDED) == State.SUCCESS:
             # success is told only for a room still live here: never for one this rank already failed
             status = wire.Status(
                 room=entry.room,
                 state=State.SUCCESS,
                 rank=self._config.tp_rank,
-                first_token=first_token,
+                first_token=entry.first_token,
                 cached_tokens=entry.cached_tokens,
                 first_token_logprob=entry.logprob,
-                spec_candidate_ids=candidates,
+                spec_candidate_ids=entry.candidates,
             )
             for endpoint, dst in list(entry.dsts.items()):
                 if dst.owed:
                     self._tell(endpoint, status)
-        self._drained(entry)
 
     def _fail(self, entry: _Room, reason: str) -> None:
         """Fail the room here and tell its decode rank at once."""
@@ -585,10 +644,32 @@ class PrefillPeer(PeerBase):
 
 
 class PrefillOutbox:
-    """The model executor's side of a prefill peer: hand over a request's prefilled pages."""
+    """The model executor's side of a prefill peer: hand over a request's prefilled pages.
+
+    Whole (``send``, after the forward pass), or layer by layer so the writes
+    overlap the forward pass: ``begin`` with the pages, ``layers_done`` as each
+    layer's KV is written, ``finish`` with the first token. A prompt of fewer
+    than ``PrefillConfig.layerwise_min_pages`` pages is sent at ``finish``
+    whatever ``layers_done`` says (short prompts lose by streaming). A room
+    that fails meanwhile is fenced as any other: partially streamed layers included.
+    """
 
     def __init__(self, peer: PrefillPeer) -> None:
         self._peer = peer
+
+    def begin(self, rid: str, page_ids: Any) -> None:
+        """Layer-wise: the pages (prompt order) the forward pass is filling for ``rid``. Never blocks."""
+        self._peer._stream(rid, _page_ids(page_ids), None, None)
+
+    def layers_done(self, rid: str, upto: int) -> None:
+        """Layers ``[0, upto)`` of ``rid``'s pages are final: their writes may start. Never blocks."""
+        if isinstance(upto, bool) or not isinstance(upto, int) or upto < 0:
+            raise LocalProtocolError(f"layers_done({rid!r}): upto must be an int >= 0, got {upto!r}")
+        self._peer._stream(rid, None, upto, None)
+
+    def finish(self, rid: str, first_token: int, spec_candidate_ids: Any = None) -> None:
+        """The forward pass is done: the remaining layers go, then the first token. Never blocks."""
+        self._peer._stream(rid, None, None, _finish(rid, first_token, spec_candidate_ids))
 
     def send(
         self, rid: str, page_ids: Any, first_token: int, spec_candidate_ids: Any = None
@@ -598,8 +679,15 @@ class PrefillOutbox:
         Never blocks; the pages must stay unchanged until the request's
         ``Succeeded`` or ``Failed`` event.
         """
-        pages = page_ids if isinstance(page_ids, np.ndarray) else np.fromiter(page_ids, np.int64)
-        if first_token < 0:
-            raise LocalProtocolError(f"send({rid!r}): first_token {first_token} is negative")
-        candidates = None if spec_candidate_ids is None else tuple(int(c) for c in spec_candidate_ids)
-        self._peer._hand_over(rid, pages, int(first_token), candidates)
+        first, candidates = _finish(rid, first_token, spec_candidate_ids)
+        self._peer._hand_over(rid, _page_ids(page_ids), first, candidates)
+
+
+def _page_ids(page_ids: Any) -> np.ndarray:
+    return page_ids if isinstance(page_ids, np.ndarray) else np.fromiter(page_ids, np.int64)
+
+
+def _finish(rid: str, first_token: int, spec_candidate_ids: Any) -> tuple[int, tuple[int, ...] | None]:
+    if first_token < 0:
+        raise LocalProtocolError(f"send({rid!r}): first_token {first_token} is negative")
+    return int(first_token), None if spec_candidate_ids is None else tuple(int(c) for c in spec_candidate_ids)

@@ -107,7 +107,9 @@ def test_prefill_never_tells_success_for_a_room_it_failed(pair: Pair) -> None:
     prefill._tell = tell  # type: ignore[method-assign]
     prefill.abort_room(rid, room)  # the room fails here first
     assert prefill._table.state(rid) == State.FAILED
-    entry.inflight += 1  # a batch of it was in flight...
-    prefill._landed(entry, token(rid), None, 1, None)  # ...and reports success
+    entry.inflight += 1  # the last batch of its finished hand-over was in flight...
+    entry.landing += 1
+    entry.final, entry.first_token = True, token(rid)
+    prefill._landed(entry, 1, None)  # ...and reports success
     through_worker(prefill)
     assert not [m for m in told if isinstance(m, wire.Status) and m.state == State.SUCCESS], told

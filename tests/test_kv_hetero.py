@@ -17,6 +17,8 @@ from test_kv_plan import _page
 
 from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, PrefillConfig, PrefillPeer
 from pdcore import RemotePrefillDone, Succeeded
+from pd_pair import through_worker
+
 from pdcore.bootstrap import BootstrapServer
 from pdcore.deadline import Deadline
 from pdcore.kv import KvLayout
@@ -27,7 +29,7 @@ N = 3  # pages per request
 
 class Hetero:
     def __init__(self, layout: KvLayout | None, p_tp: int, d_tp: int, *, decode_layout: Any = "same",
-                 page_bytes: int | None = None) -> None:
+                 page_bytes: int | None = None, **prefill_knobs: Any) -> None:
         self.layout, self.p_tp, self.d_tp = layout, p_tp, d_tp
         dl = layout if decode_layout == "same" else decode_layout
         knobs = dict(num_pages=PAGES, heartbeat_interval=0.05, dead_after=30.0, bootstrap_timeout=20.0,
@@ -36,13 +38,14 @@ class Hetero:
         self.port = self.server.start()
         self.prefill: list[tuple[PrefillPeer, Any, list[np.ndarray]]] = []
         self.decode: list[tuple[DecodePeer, Any, list[np.ndarray]]] = []
+        self.events: dict[tuple[str, int], list[Any]] = {}
         try:
             for p in range(p_tp):
                 pb = page_bytes or layout.page_bytes(p_tp)
                 cache = [np.zeros(PAGES * pb, np.uint8) for _ in range(layout.buffers if layout else 2)]
                 peer, outbox = PrefillPeer.start(PrefillConfig(
                     kv_buffers=cache, page_bytes=pb, tp_size=p_tp, tp_rank=p, kv_layout=layout,
-                    bootstrap_host="127.0.0.1", bootstrap_port=self.port, **knobs))
+                    bootstrap_host="127.0.0.1", bootstrap_port=self.port, **knobs, **prefill_knobs))
                 self.prefill.append((peer, outbox, cache))
             for d in range(d_tp):
                 pb = page_bytes or dl.page_bytes(d_tp)
@@ -155,5 +158,128 @@ def test_layouts_that_differ_fail_naming_the_layout() -> None:
         ended = h.run(["x"], decode_only=True)
         for d in range(2):
             assert "KV layout" in ended[("decode", d, "x")] and "differs" in ended[("decode", d, "x")], ended
+    finally:
+        h.close()
+
+
+# -- layer-wise streaming ------------------------------------------------------------------------------------
+
+LAYERWISE = KvLayout(order="hnd", kv_heads=4, head_bytes=4, page_tokens=2, layers=3)
+
+
+def _poll_until(h: Hetero, cond: Any, what: str, timeout: float = 10.0) -> dict[tuple[str, int], Any]:
+    """Poll every rank until ``cond(events)``; events: {(side, rank): [event, ...]}."""
+    deadline = Deadline.after(timeout)
+    while not cond(h.events):
+        assert not deadline.expired(), f"timed out waiting for {what}: {h.events}"
+        for side, ranks in (("prefill", h.prefill), ("decode", h.decode)):
+            for rank, (peer, _, _) in enumerate(ranks):
+                h.events.setdefault((side, rank), []).extend(peer.poll(None))
+    return h.events
+
+
+def _bootstrapped(h: Hetero, rid: str) -> None:
+    for i, (peer, _, _) in enumerate(h.prefill + h.decode):
+        peer.register(rid, BootstrapInfo("127.0.0.1", h.port, 500))
+    h.events = {}
+    _poll_until(h, lambda ev: all(any(isinstance(e, Bootstrapped) for e in ev.get(("decode", d), []))
+                                  for d in range(h.d_tp)), "decode to bootstrap")
+    for d, (_, inbox, _) in enumerate(h.decode):
+        inbox.announce(rid, h.dst_pages(0), request_pool_index=0)
+    _poll_until(h, lambda ev: all(any(isinstance(e, Bootstrapped) for e in ev.get(("prefill", p), []))
+                                  for p in range(h.p_tp)), "prefill to bootstrap")
+
+
+def _layer_landed(h: Hetero, layer: int) -> bool:
+    """Every decode rank holds layer ``layer``'s K and V of request 0 exactly."""
+    pb = h.layout.page_bytes(h.d_tp)
+    for d, (_, _, cache) in enumerate(h.decode):
+        first, count = h.layout.heads(d, h.d_tp)
+        for pair, page in enumerate(h.dst_pages(0)):
+            want = _page(h.layout, first, count, pair)
+            for b in (2 * layer, 2 * layer + 1):
+                if not np.array_equal(cache[b][page * pb : (page + 1) * pb], want[b]):
+                    return False
+    return True
+
+
+def test_layers_land_while_later_layers_compute_and_equal_a_whole_send() -> None:
+    h = Hetero(LAYERWISE, 2, 4, layerwise_min_pages=1)
+    try:
+        _bootstrapped(h, "s")
+        for p, (_, outbox, cache) in enumerate(h.prefill):
+            h.fill(p, cache, 0)
+            outbox.begin("s", h.src_pages(0))
+            outbox.layers_done("s", 1)  # layer 0 is final; layers 1 and 2 still "computing"
+        deadline = Deadline.after(10)
+        while not _layer_landed(h, 0):  # bytes of layer 0 land before the forward pass finished
+            assert not deadline.expired(), "layer 0 did not land before finish"
+            for peer, _, _ in h.prefill + h.decode:
+                peer.poll(None)
+        assert not _layer_landed(h, 2), "layer 2 landed before it was handed over"
+        for _, outbox, _ in h.prefill:
+            outbox.layers_done("s", 2)
+            outbox.finish("s", first_token=9)
+        _poll_until(h, lambda ev: all(any(isinstance(e, RemotePrefillDone) for e in ev.get(("decode", d), []))
+                                      for d in range(h.d_tp)), "decode to land")
+        assert all(h.intact(d, 0) for d in range(h.d_tp)), "the streamed bytes differ from the whole request's"
+    finally:
+        h.close()
+
+
+def test_a_short_prompt_waits_for_finish() -> None:
+    h = Hetero(LAYERWISE, 2, 2, layerwise_min_pages=N + 1)
+    try:
+        _bootstrapped(h, "short")
+        posted: list[int] = []
+        for p, (peer, outbox, cache) in enumerate(h.prefill):
+            real = peer._transport.write
+            peer._transport.write = lambda *a, _real=real, **k: (posted.append(1), _real(*a, **k))[1]
+            h.fill(p, cache, 0)
+            outbox.begin("short", h.src_pages(0))
+            outbox.layers_done("short", 3)
+            through_worker(peer)
+        assert not posted, "a prompt below layerwise_min_pages streamed"
+        for _, outbox, _ in h.prefill:
+            outbox.finish("short", first_token=3)
+        _poll_until(h, lambda ev: all(any(isinstance(e, RemotePrefillDone) for e in ev.get(("decode", d), []))
+                                      for d in range(h.d_tp)), "decode to land")
+        assert posted and all(h.intact(d, 0) for d in range(h.d_tp))
+    finally:
+        h.close()
+
+
+def test_a_room_aborted_after_some_layers_landed_is_fenced() -> None:
+    h = Hetero(LAYERWISE, 2, 4, layerwise_min_pages=1)
+    try:
+        _bootstrapped(h, "cut")
+        for p, (_, outbox, cache) in enumerate(h.prefill):
+            h.fill(p, cache, 0)
+            outbox.begin("cut", h.src_pages(0))
+            outbox.layers_done("cut", 1)
+        deadline = Deadline.after(10)
+        while not _layer_landed(h, 0):
+            assert not deadline.expired(), "layer 0 did not land"
+            for peer, _, _ in h.prefill + h.decode:
+                peer.poll(None)
+        for peer, _, _ in h.decode:
+            peer.abort_room("cut", 500)
+        _poll_until(h, lambda ev: all(any(isinstance(e, Failed) for e in ev.get(("decode", d), []))
+                                      for d in range(h.d_tp)), "decode to fail the room")
+        pb = LAYERWISE.page_bytes(4)
+        for _, _, cache in h.decode:  # the pages are handed back: the scheduler reuses them (a canary)
+            for buf in cache:
+                for page in h.dst_pages(0):
+                    buf[page * pb : (page + 1) * pb] = 0xA5
+        for peer, outbox, _ in h.prefill:  # the prefill side goes on as if nothing happened
+            outbox.layers_done("cut", 3)
+            outbox.finish("cut", first_token=1)
+            through_worker(peer)
+        _poll_until(h, lambda ev: all(any(isinstance(e, Failed) for e in ev.get(("prefill", p), []))
+                                      for p in range(h.p_tp)), "prefill to fail the room")
+        for _, _, cache in h.decode:
+            for buf in cache:
+                for page in h.dst_pages(0):
+                    assert (buf[page * pb : (page + 1) * pb] == 0xA5).all(), "a byte landed after the fence"
     finally:
         h.close()
