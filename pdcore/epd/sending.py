@@ -71,6 +71,7 @@ class _Room:
     asks: dict[int, tuple[str, wire.EmbedAsk]] = field(default_factory=dict)  # prefill rank -> (endpoint, ask)
     writing: int = -1  # writes posted and not completed; -1 before the room started writing
     failed: str = ""
+    told: set[int] = field(default_factory=set)  # prefill ranks told the room's final status
 
 
 class SendRooms:
@@ -190,13 +191,12 @@ class SendRooms:
         entry.writing -= 1
         asked = entry.asks.get(rank)
         out: list[Action] = []
-        if asked is not None:
-            if error:
-                out.append(self._tell(asked[0], room, False, f"writing the rows failed: {error}"))
-                entry.failed = entry.failed or f"writing the rows to prefill rank {rank} failed: {error}"
-            elif not entry.failed:
-                out.append(self._tell(asked[0], room, True, ""))
-        if entry.writing == 0:
+        if asked is not None and rank not in entry.told:  # each asker hears one final status
+            entry.told.add(rank)
+            out.append(self._tell(asked[0], room, not error, f"writing the rows failed: {error}" if error else ""))
+        if error:  # the room fails: the askers not told yet hear it now, not when their own writes complete
+            out += self._fail(entry, f"writing the rows to prefill rank {rank} failed: {error}", now)
+        if entry.writing == 0 and self._rooms.get(room) is entry:
             self._conclude(entry, entry.failed or f"room {room} was sent already", now)
         return out
 
@@ -256,6 +256,7 @@ class SendRooms:
         entry.writing = 0
         for endpoint, ask in entry.asks.values():
             if ask.row_count == 0:
+                entry.told.add(ask.rank)
                 out.append(self._tell(endpoint, entry.room, True, ""))
                 continue
             batch = [(chunk.source + ask.row_start * row, ask.addr, ask.row_count * row)]
@@ -291,7 +292,9 @@ class SendRooms:
         if entry.failed:
             return []
         entry.failed = reason
-        out: list[Action] = [self._tell(endpoint, entry.room, False, reason) for endpoint, _ in entry.asks.values()]
+        untold = [(rank, endpoint) for rank, (endpoint, _) in entry.asks.items() if rank not in entry.told]
+        entry.told.update(rank for rank, _ in untold)
+        out: list[Action] = [self._tell(endpoint, entry.room, False, reason) for _, endpoint in untold]
         if entry.writing <= 0:  # nothing reads the rows: it concludes now (else when the writes complete)
             self._conclude(entry, reason, now)
         return out
