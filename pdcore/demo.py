@@ -107,6 +107,16 @@ class Plan:
     grants: bool = True
     #: the deployment secret every rank and bootstrap server of the run holds (None: unauthenticated)
     secret: bytes | None = field(default=None, repr=False)
+    #: what the pages hold (``pdcore.kv.KvLayout``); None: opaque pages of ``layers`` buffers, one pattern
+    #: per (request, rank), prefill and decode tp equal. With it, ``layers`` is ignored (the layout's buffers),
+    #: tp sizes may differ, and every decode rank checks exactly its heads
+    kv: Any = None
+    #: prefill hands requests over layer by layer (``PrefillOutbox.begin``/``layers_done``/``finish``)
+    layerwise: bool = False
+    #: "tiny": prefill ranks compute real KV with ``pdcore.kv.tiny`` and decode ranks decode greedily from
+    #: it, checking the tokens against one process's (needs ``kv``)
+    model: str | None = None
+    decode_steps: int = 4
 
 
 def make_requests(n: int, *, seed: int = 0, max_pages: int = 16, prefill: int = 1, decode: int = 1) -> list[Request]:
@@ -172,17 +182,28 @@ def _join(store: str, rank: int, world: int) -> Any:
     return dist.group.WORLD
 
 
-def _cache(plan: Plan) -> list[np.ndarray]:
-    bufs = [np.zeros(plan.num_pages * plan.page_bytes, np.uint8) for _ in range(plan.layers)]
+def _page_bytes(plan: Any, tp: int) -> int:
+    kv = getattr(plan, "kv", None)  # chaos plans have opaque pages
+    return plan.page_bytes if kv is None else kv.page_bytes(tp)
+
+
+def _buffers(plan: Any) -> int:
+    kv = getattr(plan, "kv", None)
+    return plan.layers if kv is None else kv.buffers
+
+
+def _cache(plan: Any, tp: int = 1) -> list[np.ndarray]:
+    bufs = [np.zeros(plan.num_pages * _page_bytes(plan, tp), np.uint8) for _ in range(_buffers(plan))]
     if plan.prefault:
         for buf in bufs:
             buf.fill(0)
     return bufs
 
 
-def _knobs(plan: Plan) -> dict[str, Any]:
+def _knobs(plan: Plan, tp: int) -> dict[str, Any]:
     return {
-        "page_bytes": plan.page_bytes,
+        "page_bytes": _page_bytes(plan, tp),
+        "kv_layout": plan.kv,
         "num_pages": plan.num_pages,
         "transport": plan.transport,
         "capacity": max(64, len(plan.requests)),
@@ -222,12 +243,14 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
 def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out: Any) -> None:
     from . import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
 
-    group = _join(store, rank, plan.prefill_tp[index])
-    cache = _cache(plan)
+    tp = plan.prefill_tp[index]
+    group = _join(store, rank, tp)
+    cache = _cache(plan, tp)
     peer, outbox = PrefillPeer.start(
-        PrefillConfig(kv_buffers=cache, tp_size=plan.prefill_tp[index], tp_rank=rank,
-                      bootstrap_host="127.0.0.1", bootstrap_port=port, **_knobs(plan))
+        PrefillConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
+                      layerwise_min_pages=1 if plan.layerwise else 16, **_knobs(plan, tp))
     )
+    contents = _Contents(plan, rank, tp)
     out.put(("ready", "prefill", index, rank, os.getpid()))
     mine = [r for r in plan.requests if r.prefill == index]
     by_rid = {r.rid: r for r in mine}
@@ -272,13 +295,15 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
                     next_step = time.monotonic() + plan.prefill_step
                 if plan.record_pages:
                     sent[r.rid] = got
-                if plan.verify:
-                    data = pattern(r.rid, rank, r.pages * plan.page_bytes)
-                    for layer, buf in enumerate(cache):
-                        view = buf.reshape(plan.num_pages, plan.page_bytes)
-                        view[got] = np.roll(data, layer).reshape(r.pages, plan.page_bytes)
                 peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
-                outbox.send(r.rid, got, first_token(r.rid), [first_token(r.rid) % 97])
+                token = contents.fill(r, got, cache) if plan.verify else first_token(r.rid)
+                if plan.layerwise:  # the forward pass fills the layers one by one: each goes as it is done
+                    outbox.begin(r.rid, got)
+                    for layer in range(contents.layers):
+                        outbox.layers_done(r.rid, layer + 1)
+                    outbox.finish(r.rid, token, [token % 97])
+                else:
+                    outbox.send(r.rid, got, token, [token % 97])
             time.sleep(0.001)  # a real scheduler runs a forward pass here
         out.put(("done", "prefill", index, rank, {"log": log, "pages": sent, **_leftovers(peer, plan)}))
     finally:
@@ -288,9 +313,11 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
 def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str, out: Any) -> None:
     from . import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
-    group = _join(store, rank, plan.decode_tp[index])
-    cache = _cache(plan)
-    peer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=cache, tp_size=plan.decode_tp[index], tp_rank=rank, **_knobs(plan)))
+    tp = plan.decode_tp[index]
+    group = _join(store, rank, tp)
+    cache = _cache(plan, tp)
+    peer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, **_knobs(plan, tp)))
+    contents = _Contents(plan, rank, tp)
     out.put(("ready", "decode", index, rank, os.getpid()))
     mine = [r for r in plan.requests if r.decode == index]
     by_rid = {r.rid: r for r in mine}
@@ -324,12 +351,14 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                 if isinstance(event, RemotePrefillDone):
                     results["latency"].append(time.monotonic() - started[event.rid])
                     remote = event.remote
-                    if remote.bootstrap_token != first_token(event.rid) or remote.request_pool_index != len(event.rid):
+                    r = by_rid[event.rid]
+                    want = contents.first_token(r, remote.bootstrap_token) if plan.verify else first_token(event.rid)
+                    if remote.bootstrap_token != want or remote.request_pool_index != len(event.rid):
                         results["tokens_bad"].append(event.rid)
-                    if plan.verify and not _verify(plan, cache, event.rid, rank, got):
+                    if plan.verify and not contents.check(r, got, cache, remote.bootstrap_token, group):
                         results["mismatched"].append(event.rid)
                     results["ok"] += 1
-                    results["bytes"] += len(got) * plan.page_bytes * plan.layers
+                    results["bytes"] += len(got) * _page_bytes(plan, tp) * _buffers(plan)
                 else:
                     assert isinstance(event, Failed)
                     results["failed"] += 1
@@ -350,12 +379,86 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
         peer.close()
 
 
-def _verify(plan: Plan, cache: list[np.ndarray], rid: str, rank: int, got: list[int]) -> bool:
-    data = pattern(rid, rank, len(got) * plan.page_bytes)
-    return all(
-        np.array_equal(buf.reshape(plan.num_pages, plan.page_bytes)[got].reshape(-1), np.roll(data, layer))
-        for layer, buf in enumerate(cache)
-    )
+class _Contents:
+    """What a rank writes into a request's pages and what a decode rank checks, for each kind of run.
+
+    - opaque pages (``plan.kv`` None): a pattern unique per (request, rank), one roll of it per buffer;
+    - a KV layout: bytes that are a function of (request, buffer, token, head, byte), so any prefill rank
+      holding a head writes the same bytes and each decode rank checks exactly its heads;
+    - ``plan.model == "tiny"``: the KV of a tiny seeded decoder over a prompt made from the rid; the
+      decode replica decodes ``decode_steps`` tokens from its heads and checks them against one process's.
+    """
+
+    def __init__(self, plan: Plan, rank: int, tp: int) -> None:
+        self.plan, self.rank, self.tp = plan, rank, tp
+        self.layers = plan.layers if plan.kv is None else plan.kv.layers
+        self.model = None
+        if plan.model == "tiny":
+            import torch
+
+            from .kv.tiny import Tiny
+
+            torch.set_num_threads(1)  # one rank per process on a shared machine: no intra-op thread pools
+            self.model = Tiny(plan.kv, seed=7)
+
+    def _seed(self, rid: str) -> int:
+        return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=4).digest(), "little")
+
+    def prompt(self, r: Request) -> list[int]:
+        from .kv.tiny import VOCAB
+
+        t = self.plan.kv.page_tokens
+        n = max(1, r.pages * t - self._seed(r.rid) % t)  # the last page partly filled
+        return np.random.default_rng(self._seed(r.rid)).integers(0, VOCAB, n).tolist()
+
+    def first_token(self, r: Request, sent: int) -> int:
+        """The first token decode must receive (with a model, ``check`` compares it with one process's)."""
+        return sent if self.model is not None else first_token(r.rid)
+
+    def fill(self, r: Request, got: list[int], cache: list[np.ndarray]) -> int:
+        """Prefill: write the request's pages; returns its first token."""
+        plan = self.plan
+        if plan.kv is None:
+            data = pattern(r.rid, self.rank, r.pages * plan.page_bytes)
+            for layer, buf in enumerate(cache):
+                buf.reshape(plan.num_pages, plan.page_bytes)[got] = np.roll(data, layer).reshape(r.pages, plan.page_bytes)
+            return first_token(r.rid)
+        if self.model is not None:
+            token, kv = self.model.prefill(self.prompt(r))
+            self.model.write_pages(kv, self.rank, self.tp, got, cache)
+            return token
+        from .kv.pattern import page_content
+
+        first, count = plan.kv.heads(self.rank, self.tp)
+        pb = plan.kv.page_bytes(self.tp)
+        for pair, page in enumerate(got):
+            content = page_content(plan.kv, self._seed(r.rid), first, count, pair)
+            for b, buf in enumerate(cache):
+                buf[page * pb : (page + 1) * pb] = content[b]
+        return first_token(r.rid)
+
+    def check(self, r: Request, got: list[int], cache: list[np.ndarray], token: int, group: Any) -> bool:
+        """Decode: the request's pages hold what they must (with a model: they decode to the right tokens)."""
+        plan = self.plan
+        if plan.kv is None:
+            data = pattern(r.rid, self.rank, len(got) * plan.page_bytes)
+            return all(
+                np.array_equal(buf.reshape(plan.num_pages, plan.page_bytes)[got].reshape(-1), np.roll(data, layer))
+                for layer, buf in enumerate(cache)
+            )
+        if self.model is not None:
+            prompt = self.prompt(r)
+            kv = self.model.read_pages(self.rank, self.tp, got, len(prompt), cache)
+            tokens = self.model.decode(kv, token, plan.decode_steps, self.rank, self.tp, group)
+            return tokens == self.model.reference(prompt, plan.decode_steps)
+        from .kv.pattern import page_content
+
+        first, count = plan.kv.heads(self.rank, self.tp)
+        pb = plan.kv.page_bytes(self.tp)
+        return all(
+            np.array_equal(buf[page * pb : (page + 1) * pb], page_content(plan.kv, self._seed(r.rid), first, count, pair)[b])
+            for pair, page in enumerate(got) for b, buf in enumerate(cache)
+        )
 
 
 class _ToRunner:
@@ -581,13 +684,30 @@ def parser() -> CliParser:
     p.add_argument("--requests", type=int_range(1, MAX_REQUESTS), default=200, metavar="N",
                    help=f"requests to move (1..{MAX_REQUESTS}; default: %(default)s)")
     p.add_argument("--prefill-tp", type=int_range(1, 64), default=2, metavar="N",
-                   help="ranks of the prefill replica (1..64, must equal --decode-tp; default: %(default)s)")
+                   help="ranks of the prefill replica (1..64; without --layout it must equal --decode-tp; "
+                   "default: %(default)s)")
     p.add_argument("--decode-tp", type=int_range(1, 64), default=2, metavar="N",
-                   help="ranks of the decode replica (1..64, must equal --prefill-tp; default: %(default)s)")
+                   help="ranks of the decode replica (1..64; default: %(default)s)")
     p.add_argument("--layers", type=int_range(1, 1024), default=8, metavar="N",
-                   help="KV cache buffers per rank (1..1024; default: %(default)s)")
+                   help="model layers with --layout (K and V buffers each, one latent with mla), else KV cache "
+                   "buffers per rank (1..1024; default: %(default)s)")
     p.add_argument("--page-bytes", type=int_range(1, 64 << 20), default=32768, metavar="BYTES",
-                   help=f"bytes per page per buffer (1..{64 << 20}; default: %(default)s)")
+                   help=f"bytes per page per buffer without --layout (1..{64 << 20}; default: %(default)s)")
+    p.add_argument("--layout", choices=("opaque", "hnd", "nhd", "mla"), default="opaque",
+                   help="what a page holds: opaque bytes (prefill and decode tp equal), KV heads outermost (hnd) "
+                   "or tokens outermost (nhd) split over the ranks, or an MLA latent every rank holds "
+                   "(default: %(default)s)")
+    p.add_argument("--kv-heads", type=int_range(1, 1024), default=8, metavar="N",
+                   help="KV heads of the model with --layout hnd/nhd (1..1024; default: %(default)s)")
+    p.add_argument("--head-bytes", type=int_range(1, 1 << 20), default=None, metavar="BYTES",
+                   help="bytes per head (mla: per latent) per token (default: 256, or 64 with --model tiny)")
+    p.add_argument("--page-tokens", type=int_range(1, 1024), default=16, metavar="N",
+                   help="tokens per page with --layout (1..1024; default: %(default)s)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="prefill hands each request over layer by layer (begin / layers_done / finish)")
+    p.add_argument("--model", choices=("none", "tiny"), default="none",
+                   help="tiny: prefill ranks compute a tiny seeded decoder's KV, decode ranks decode 4 tokens from "
+                   "their heads and compare them with one process's (needs --layout; default: %(default)s)")
     p.add_argument("--max-pages", type=int_range(1, 4096), default=16, metavar="N",
                    help="pages per request: 1..this, at random (1..4096; default: %(default)s)")
     p.add_argument("--transport", type=transport_name, default="tcp", metavar="NAME", help=transport_help())
@@ -601,21 +721,45 @@ def parser() -> CliParser:
     p.add_argument("--progress", choices=("auto", "rich", "plain", "none"), default="auto", help=PROGRESS_HELP)
     p.add_argument("--verbose", action="store_true",
                    help="print the traceback of every rank that raised (default: one line naming the cause)")
+    from .epd.demo import add_arguments
+
+    add_arguments(p)  # --epd and its options
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
-    if args.prefill_tp != args.decode_tp:
-        cli.error(f"argument --prefill-tp/--decode-tp: this release pairs prefill and decode ranks one to one, "
-                  f"so prefill tp must equal decode tp (got {args.prefill_tp} and {args.decode_tp})")
+    kv = None
+    if args.layout == "opaque":
+        if args.prefill_tp != args.decode_tp:
+            cli.error(f"argument --prefill-tp/--decode-tp: opaque pages pair prefill and decode ranks one to one, so "
+                      f"the tp sizes must be equal (got {args.prefill_tp} and {args.decode_tp}); give --layout to "
+                      "pair different sizes")
+        if args.model != "none":
+            cli.error("argument --model: a model needs a KV layout (--layout hnd, nhd or mla)")
+    else:
+        from .errors import LocalProtocolError
+        from .kv import KvLayout
+
+        head_bytes = args.head_bytes or (64 if args.model == "tiny" else 256)
+        if args.model == "tiny" and head_bytes % 8:
+            cli.error(f"argument --head-bytes: the tiny model stores float64, {head_bytes} is not a multiple of 8")
+        try:
+            kv = KvLayout(order=args.layout, kv_heads=1 if args.layout == "mla" else args.kv_heads,
+                          head_bytes=head_bytes, page_tokens=args.page_tokens, layers=args.layers)
+            kv.check_tp(args.prefill_tp, "--prefill-tp")
+            kv.check_tp(args.decode_tp, "--decode-tp")
+        except LocalProtocolError as e:
+            cli.error(f"argument --layout/--kv-heads: {e}")
     num_pages = max(512, 4 * args.max_pages * 32)
-    cache = (args.prefill_tp + args.decode_tp) * args.layers * num_pages * args.page_bytes
+    page_bytes = [args.page_bytes] * 2 if kv is None else [kv.page_bytes(args.prefill_tp), kv.page_bytes(args.decode_tp)]
+    buffers = args.layers if kv is None else kv.buffers
+    cache = (args.prefill_tp * page_bytes[0] + args.decode_tp * page_bytes[1]) * buffers * num_pages
     memory = memory_bytes()
     if memory is not None and cache > memory:
-        cli.error(f"argument --page-bytes/--layers/--max-pages: {args.layers} layers x {num_pages} pages x "
-                  f"{args.page_bytes} bytes on {args.prefill_tp + args.decode_tp} ranks is {cache / 1e9:.1f} GB of "
+        cli.error(f"argument --page-bytes/--layers/--max-pages: {buffers} buffers x {num_pages} pages x "
+                  f"{page_bytes} bytes on {args.prefill_tp + args.decode_tp} ranks is {cache / 1e9:.1f} GB of "
                   f"KV cache; this machine has {memory / 1e9:.1f} GB")
 
     from .table import IMPLEMENTATION
@@ -628,6 +772,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         secret = args.secret_file[1]
         auth_note = f"authenticated (secret from {args.secret_file[0]})"
+    if args.epd:
+        from .epd import demo as epd_demo
+
+        return epd_demo.main(args, cli, secret=secret, auth_note=auth_note, num_pages=num_pages)
 
     plan = Plan(
         requests=make_requests(args.requests, seed=args.seed, max_pages=args.max_pages),
@@ -639,12 +787,20 @@ def main(argv: list[str] | None = None) -> int:
         transport=args.transport,
         timeout=args.timeout,
         secret=secret,
+        kv=kv,
+        layerwise=args.layerwise,
+        model=None if args.model == "none" else args.model,
     )
-    page = f"{args.page_bytes // 1024} KiB" if args.page_bytes % 1024 == 0 else f"{args.page_bytes} B"
+    if kv is None:
+        page = f"{args.page_bytes // 1024} KiB" if args.page_bytes % 1024 == 0 else f"{args.page_bytes} B"
+        shape = f"{args.layers} layers x {page} pages"
+    else:
+        heads = "an MLA latent" if kv.order == "mla" else f"{kv.kv_heads} KV heads ({kv.order})"
+        shape = (f"{kv.layers} layers, {heads} of {kv.head_bytes} B, {kv.page_tokens} tokens a page"
+                 f"{', layer-wise' if args.layerwise else ''}{', tiny model' if args.model == 'tiny' else ''}")
     print(
         f"pdcore demo: {args.requests} requests, prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, "
-        f"{args.layers} layers x {page} pages, transport {args.transport}, "
-        f"{IMPLEMENTATION} state table, {auth_note}",
+        f"{shape}, transport {args.transport}, {IMPLEMENTATION} state table, {auth_note}",
         flush=True,
     )
     with RunProgress("demo", mode=args.progress) as progress:

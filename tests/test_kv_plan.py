@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pdcore.errors import LocalProtocolError
 from pdcore.kv import KvLayout
 from pdcore.kv import _heads_py
+from pdcore.kv.pattern import page_content
 from pdcore.kv.plan import plan
 
 try:
@@ -20,33 +21,18 @@ except ImportError:  # the pure-only run (PDCORE_PURE_PYTHON=1) may have no buil
     _heads = None
 
 
-def _value(layer_buf: np.ndarray, token: np.ndarray, head: np.ndarray, byte: np.ndarray) -> np.ndarray:
-    """The KV byte every rank that holds (buffer, token, head, byte) holds: any source gives the same."""
-    return ((layer_buf * 131 + token * 29 + head * 71 + byte * 7 + (token * head) % 13) % 251).astype(np.uint8)
+def _page(layout: KvLayout, first: int, count: int, pair: int) -> np.ndarray:
+    """(buffers, tokens x heads x bytes) in the layout's order for heads [first, first+count) of pair ``pair``."""
+    return page_content(layout, 0, first, count, pair)
 
 
 def _fill(layout: KvLayout, rank: int, tp: int, num_pages: int, pages: np.ndarray) -> np.ndarray:
     """A prefill rank's cache, (buffers, pages, page bytes): pair i's tokens [i*T, (i+1)*T) in page pages[i]."""
-    t, b = layout.page_tokens, layout.head_bytes
     first, count = layout.heads(rank, tp)
-    mem = np.zeros((layout.buffers, num_pages, t * count * b), np.uint8)
+    mem = np.zeros((layout.buffers, num_pages, layout.page_bytes(tp)), np.uint8)
     for i, page in enumerate(pages):
-        mem[:, page] = _page(layout, first, count, i).reshape(layout.buffers, -1)
+        mem[:, page] = _page(layout, first, count, i)
     return mem
-
-
-def _page(layout: KvLayout, first: int, count: int, pair: int) -> np.ndarray:
-    """(buffers, tokens x heads x bytes) in the layout's order for heads [first, first+count) of pair ``pair``."""
-    t, b = layout.page_tokens, layout.head_bytes
-    buf = np.arange(layout.buffers)[:, None, None, None]
-    heads = np.arange(first, first + count)
-    tokens = pair * t + np.arange(t)
-    byte = np.arange(b)
-    if layout.order == "hnd":
-        v = _value(buf, tokens[None, None, :, None], heads[None, :, None, None], byte[None, None, None, :])
-    else:  # nhd, mla: tokens outermost
-        v = _value(buf, tokens[None, :, None, None], heads[None, None, :, None], byte[None, None, None, :])
-    return v.reshape(layout.buffers, -1)
 
 
 @st.composite
