@@ -4,11 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure mutants fuzz wheel rdma mooncake bench bench-quick clean
+.PHONY: demo test test-pure test-long mutants fuzz wheel rdma mooncake bench bench-quick clean
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
-$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx transport/*.pyx)
+$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx pdcore/*/*.pyx transport/*.pyx)
 	@echo "setup: a virtual environment in $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -qq --disable-pip-version-check --upgrade pip
@@ -23,8 +23,12 @@ demo: $(STAMP)
 	$(PY) -m pdcore demo
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not rdma"  # RDMA runs on a real device: make rdma
+	$(PY) -m pytest -m "not rdma and not long"  # RDMA runs on a real device: make rdma; the long matrices: make test-long
 	$(MAKE) --no-print-directory test-pure
+
+# Every case of the matrices whose short variant `make test` runs (heterogeneous TP, the tiny model, ...).
+test-long: $(STAMP)
+	$(PY) -m pytest -m "long"
 
 # The same behaviour with every compiled module swapped for its pure-Python twin.
 test-pure: $(STAMP)
@@ -58,11 +62,13 @@ bench-quick: $(STAMP) mooncake
 	$(PY) benchmarks/agreement.py --quick
 	$(PY) benchmarks/transport.py --quick
 	$(PY) benchmarks/pd.py --quick
+	$(PY) benchmarks/kv.py --quick
 
 bench: $(STAMP) mooncake
 	$(PY) benchmarks/agreement.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/pd.py
+	$(PY) benchmarks/kv.py
 
 clean:
 	rm -rf build $(VENV) pdcore/*.c pdcore/*.so transport/*.c transport/*.so

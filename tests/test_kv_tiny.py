@@ -49,11 +49,18 @@ def _decode_rank(rank: int, world: int, layout: KvLayout, first: int, caches: li
     return model.decode(kv, first, STEPS, rank, world, dist.group.WORLD)
 
 
-CASES = [("hnd", 4, 2, 4), ("nhd", 4, 4, 2), ("nhd", 2, 1, 3), ("mla", 1, 4, 2), ("mla", 1, 2, 4)]
+LONG = pytest.mark.long
+CASES = [pytest.param("hnd", 4, 2, 4, marks=LONG), ("nhd", 4, 4, 2), ("nhd", 2, 1, 3), ("mla", 1, 2, 4),
+         pytest.param("mla", 1, 4, 2, marks=LONG)]
+
+
+def _id(case: object) -> str:
+    o, h, p, d = getattr(case, "values", case)
+    return f"{o}-H{h}-P{p}-D{d}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("order", "heads", "p_tp", "d_tp"), CASES, ids=[f"{o}-H{h}-P{p}-D{d}" for o, h, p, d in CASES])
+@pytest.mark.parametrize(("order", "heads", "p_tp", "d_tp"), CASES, ids=[_id(c) for c in CASES])
 def test_split_kv_decodes_the_tokens_of_one_process(order: str, heads: int, p_tp: int, d_tp: int) -> None:
     layout = KvLayout(order=order, kv_heads=heads, head_bytes=64, page_tokens=4, layers=2)
     model = Tiny(layout, seed=5)
