@@ -10,7 +10,11 @@ page check. The unit tests at the top need no process.
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +33,7 @@ from pdcore.epd.demo import (
     summarize,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 KNOBS: dict[str, Any] = dict(layers=2, page_bytes=4096, num_pages=256, timeout=60.0, heartbeat_interval=0.25,
                              dead_after=5.0, secret=secrets.token_bytes(32))
 
@@ -126,3 +131,39 @@ def test_a_broken_deployment_fails_its_requests_and_a_wrong_row_is_caught(
     assert s.rows_verified == s.rows_expected and not s.leftovers
     # an image of a failed request that no prefill rank asked for waits at its encode rank (park timeout)
     assert s.unconcluded <= {i.room for rid in broken for i in plan.images[rid]}
+
+
+# ------------------------------------------------------------------------------ the command line
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PDCORE_SECRET_FILE", "COLUMNS")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "pdcore", "demo", *args], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=REPO)
+
+
+def test_help_lists_the_epd_options_with_their_defaults() -> None:
+    done = _cli("--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    for option in ("--epd", "--epd-shard", "--encode-tp", "--encode-dp", "--max-images", "--max-rows", "--hidden",
+                   "--deepstack"):
+        assert option in text
+    assert "mixed (replica 0 full copies, replica 1 shards), all or none (default: mixed)" in text
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--encode-tp", "3"], "--encode-tp"),
+    (["--prefill-tp", "1", "--decode-tp", "1"], "--encode-tp"),  # the default 1,2 does not divide 1
+    (["--encode-tp", "1,2", "--encode-dp", "1"], "--encode-dp"),
+    (["--encode-tp", "0"], "--encode-tp"),
+    (["--epd-shard", "half"], "--epd-shard"),
+    (["--max-rows", "65536", "--hidden", "65536"], "--max-rows"),
+    (["--layout", "hnd"], "--layout"),
+])
+def test_a_bad_epd_option_is_refused_in_one_line(args: list[str], option: str) -> None:
+    done = _cli("--epd", *args)
+    assert done.returncode == 2 and not done.stdout, (done.stdout, done.stderr)
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and option in err[0] and "Traceback" not in done.stderr, err
