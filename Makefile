@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx pdcore/*/*.pyx transpo
 
 demo: $(STAMP)
 	$(PY) -m pdcore demo
+	$(PY) -m pdcore demo --epd  # encode -> prefill -> decode: every received row and every page checked
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not rdma and not long"  # RDMA runs on a real device: make rdma; the long matrices: make test-long
@@ -37,6 +38,7 @@ test-pure: $(STAMP)
 		tests/test_agreement_shm.py tests/test_transport_standalone.py tests/test_peers_auth.py \
 		tests/test_epd_types.py tests/test_epd_table.py tests/test_kv_plan.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
+	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --epd --requests 40
 
 # Each planted bug in tests/mutants/ must fail the tests its patch names (MUTANTS=all: the slow ones too).
 mutants: $(STAMP)

@@ -534,7 +534,8 @@ def _context() -> Any:
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
-    ctx.set_forkserver_preload(["pdcore.demo", "pdcore.prefill", "pdcore.decode"])  # pdcore imports lazily
+    # pdcore imports lazily; torch once here, not once per rank (a second or more of CPU each)
+    ctx.set_forkserver_preload(["pdcore.demo", "pdcore.prefill", "pdcore.decode", "torch.distributed"])
     return ctx
 
 
