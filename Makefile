@@ -65,12 +65,14 @@ bench-quick: $(STAMP) mooncake
 	$(PY) benchmarks/transport.py --quick
 	$(PY) benchmarks/pd.py --quick
 	$(PY) benchmarks/kv.py --quick
+	$(PY) benchmarks/epd.py --quick
 
 bench: $(STAMP) mooncake
 	$(PY) benchmarks/agreement.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/pd.py
 	$(PY) benchmarks/kv.py
+	$(PY) benchmarks/epd.py
 
 clean:
 	rm -rf build $(VENV) pdcore/*.c pdcore/*.so transport/*.c transport/*.so
