@@ -433,7 +433,7 @@ class Receiver:
         with self._lock:
             bound = [r for r in self._by_source.values() if r.source == endpoint and not r.landed]
         for record in bound:
-            self._fail(record.rid, f"encode rank lost: {reason}")
+            self._fail(record.rid, f"encode rank {endpoint} (room {record.item.room}) lost: {reason}")
 
     def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         wanted = set(rooms)
