@@ -9,7 +9,7 @@
 # Each mutant runs in its own copy of the working tree (tar, without .venv, .git and caches) in a
 # scratch directory, with this checkout's interpreter ($PY, default .venv/bin/python) and
 # PYTHONPATH pointing at the copy; a patch that touches a .pyx rebuilds the copy's compiled modules
-# first (only the changed ones are rebuilt). Exit status 1 if a mutant survives, a patch no longer
+# first (only the changed ones are rebuilt, at -O0: PDCORE_QUICK_BUILD). Exit status 1 if a mutant survives, a patch no longer
 # applies, or its test run breaks (collection error, nothing collected); the summary names each.
 # MUTANTS_BASELINE=1 first runs every selected mutant's tests on the unpatched copy (they must pass).
 set -uo pipefail
@@ -84,7 +84,7 @@ for f in "${patches[@]}"; do
         broken+=("$name (does not apply)"); rm -rf "$work"; continue
     fi
     if grep -qE '^\+\+\+ .*\.pyx' "$f"; then
-        if ! (cd "$work" && PYTHONPATH="$work" "$py" setup.py -q build_ext --inplace) >"$scratch/$name.build.log" 2>&1; then
+        if ! (cd "$work" && PYTHONPATH="$work" PDCORE_QUICK_BUILD=1 "$py" setup.py -q build_ext --inplace) >"$scratch/$name.build.log" 2>&1; then
             echo "    DOES NOT BUILD:"; tail -n 15 "$scratch/$name.build.log" | sed 's/^/    | /'
             broken+=("$name (does not build)"); rm -rf "$work"; continue
         fi
