@@ -208,9 +208,10 @@ class SendRooms:
                 why = f"encode rank {self._tp_rank} never began room {entry.room} within {self._park:g} s"
             elif entry.chunk is None:
                 why = f"the encode scheduler handed over no rows for room {entry.room} within {self._park:g} s"
+            elif not entry.asks:
+                why = f"no prefill rank asked for room {entry.room} within {self._park:g} s"
             else:
-                need = self._fanout(entry)
-                why = (f"only {len(entry.asks)} of {need} prefill ranks asked for room {entry.room} "
+                why = (f"only {len(entry.asks)} of {self._fanout(entry)} prefill ranks asked for room {entry.room} "
                        f"within {self._park:g} s")
             out += self._fail(entry, why, now)
         while self._ended:
