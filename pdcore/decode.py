@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,10 +31,11 @@ import numpy as np
 from . import wire
 from ._peer import PeerBase, layout_json
 from ._spec import State, Trigger
-from .bootstrap import BootstrapClient, ParallelInfo
+from .bootstrap import ParallelInfo
+from .lookup import Deployment, Lookups
 from .config import DecodeConfig
 from .control import DeadPeer
-from .deadline import Deadline, DeadlineExceeded
+from .deadline import Deadline
 from .errors import LocalProtocolError, PdError
 from .kv.layout import KvLayout
 from .kv.routing import routing
@@ -44,8 +45,6 @@ __all__ = ["DecodePeer", "DecodeInbox"]
 
 log = logging.getLogger("pdcore.decode")
 
-_LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on the I/O thread
-_RETRY = 0.1  # seconds between lookups of a deployment that is not up yet
 _REVOKE_WAIT = 1.0  # seconds a revoke waits for a write landing through the grant before it cuts it
 
 
@@ -82,17 +81,6 @@ class _Request:
     abort_sent: bool = False
 
 
-@dataclass(eq=False)
-class _Deployment:
-    """A prefill deployment as its bootstrap server describes it."""
-
-    info: ParallelInfo | None = None
-    ranks: dict[tuple[int, int], str] = field(default_factory=dict)
-    next_try: float = 0.0  # one lookup per _RETRY while it is down, however many requests wait
-    looking: bool = False  # a lookup is on the I/O thread
-    waiting: list[_Request] = field(default_factory=list)  # requests for which that lookup runs
-
-
 class DecodePeer(PeerBase):
     """A decode rank's PD transfer peer."""
 
@@ -103,9 +91,11 @@ class DecodePeer(PeerBase):
         super().__init__(config)
         self._requests: dict[str, _Request] = {}
         self._by_source: dict[tuple[str, int], _Request] = {}
-        self._deployments: dict[tuple[str, int], _Deployment] = {}
+        self._lookups = Lookups(
+            self, "decode peer", lambda info, rooms: {key for room in rooms for key, _ in self._pairs(info, room)},
+            lambda request: request.room, self._looked_up,
+        )
         self._registered: set[str] = set()  # prefill endpoints that have our Register
-        self._instances: dict[str, bytes] = {}  # prefill control endpoint -> its transport instance
         self._unrevoked: list[_Request] = []  # revokes that could not be confirmed: retried every tick
 
     @classmethod
@@ -136,7 +126,7 @@ class DecodePeer(PeerBase):
 
     def _known_links(self, request: _Request) -> tuple[_Link, ...] | None:
         """The room's prefill ranks if they are cached and all have our Register; never does I/O."""
-        deployment = self._deployments.get(request.server)
+        deployment = self._lookups.deployments.get(request.server)
         if deployment is None:
             return None
         try:
@@ -167,15 +157,13 @@ class DecodePeer(PeerBase):
     def _bootstrap(self, request: _Request) -> None:
         if self._requests.get(request.rid) is not request:
             return
-        deployment = self._deployments.setdefault(request.server, _Deployment())
         try:
-            links = self._links_of(deployment, request)
+            links = self._links_of(self._lookups.get(request.server), request)
         except PdError as e:
             self._fire(request.rid, Trigger.FAIL, f"bootstrap {request.server[0]}:{request.server[1]}: {e}")
             return
         if links is None:  # not looked up (or not up) yet: the table's bootstrap timeout bounds the wait
-            deployment.waiting.append(request)
-            self._look_up(request.server, deployment)
+            self._lookups.wait(request.server, request)
             return
         for source in [link.endpoint for link in links if link.endpoint not in self._registered]:
             cfg = self._config
@@ -209,62 +197,25 @@ class DecodePeer(PeerBase):
         d = cfg.tp_rank
         return [((dp, p), True) for p in route.sources(d)] + [((dp, p), False) for p in route.notified(d)]
 
-    def _links_of(self, deployment: _Deployment, request: _Request) -> tuple[_Link, ...] | None:
+    def _links_of(self, deployment: Deployment, request: _Request) -> tuple[_Link, ...] | None:
         """The room's prefill ranks as far as the cache knows (None: look them up); raises if it cannot pair."""
-        info = deployment.info
-        if info is None or not info.complete:
+        info = deployment.known()
+        if info is None:
             return None
         links = []
         for key, owes in self._pairs(info, request.room):
-            endpoint = deployment.ranks.get(key)
-            if endpoint is None:
+            rank = deployment.ranks.get(key)
+            if rank is None:
                 return None
-            links.append(_Link(endpoint, owes))
+            links.append(_Link(rank[0], owes))
         return tuple(links)
 
-    def _look_up(self, server: tuple[str, int], deployment: _Deployment) -> None:
-        if deployment.looking or time.monotonic() < deployment.next_try or not deployment.waiting:
-            return  # one lookup at a time; the tick starts the next
-        deployment.looking = True
-        rooms = {r.room for r in deployment.waiting}
-        try:
-            self._submit_io(self._look_up_io, server, deployment, rooms)
-        except PdError as e:
-            deployment.looking = False
-            log.warning("decode peer: cannot queue a bootstrap lookup of %s:%d: %s", *server, e)
-
-    def _look_up_io(self, server: tuple[str, int], deployment: _Deployment, rooms: set[int]) -> None:
-        """I/O thread: the deployment's shape and the ranks ``rooms`` pair with here."""
-        client = BootstrapClient(*server, secret=self._secret)
-        info, ranks, error = deployment.info, {}, None
-        try:
-            if info is None or not info.complete:
-                info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
-            if info is not None and info.complete:
-                keys = {key for room in rooms for key, _ in self._pairs(info, room)}
-                for key in keys - set(deployment.ranks):
-                    ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
-        except (OSError, DeadlineExceeded) as e:
-            log.debug("decode peer: bootstrap %s:%d not reachable yet: %s", *server, e)
-        except PdError as e:
-            error = e
-        self._from_io(self._looked_up, server, deployment, info, ranks, error)
-
-    def _looked_up(self, server: tuple[str, int], deployment: _Deployment, info: Any, ranks: dict[Any, Any], error: Any) -> None:
-        deployment.looking = False
-        deployment.next_try = time.monotonic() + _RETRY
-        if info is not None:
-            deployment.info = info
-        for key, rank in ranks.items():
-            if rank is not None:
-                deployment.ranks[key] = rank.endpoint
-                self._instances[rank.endpoint] = bytes.fromhex(rank.transport)
-        waiting, deployment.waiting = deployment.waiting, []
-        for request in waiting:
-            if error is not None:
-                self._fire(request.rid, Trigger.FAIL, f"bootstrap {server[0]}:{server[1]}: {error}")
-            else:
-                self._bootstrap(request)
+    def _looked_up(self, request: _Request, why: str | None) -> None:
+        """Worker: the lookup a request waited for ended."""
+        if why is not None:
+            self._fire(request.rid, Trigger.FAIL, why)
+        else:
+            self._bootstrap(request)
 
     # -- announcing ------------------------------------------------------------------------
 
@@ -284,7 +235,7 @@ class DecodePeer(PeerBase):
                 ranges = page_ranges(self._layout, page_ids)
                 for link in request.links:
                     if link.owes:
-                        link.grant = self._transport.grant(self._instances[link.endpoint], ranges)
+                        link.grant = self._transport.grant(self._lookups.instance(link.endpoint), ranges)
         except (KeyError, ValueError, PdError) as e:
             self._fire(rid, Trigger.FAIL, f"cannot grant the pages to the prefill rank: {e}")
             self._revoke(request)  # the grants made before this one
@@ -386,9 +337,7 @@ class DecodePeer(PeerBase):
     def _lose_source(self, endpoint: str, reason: str) -> None:
         """The prefill rank is gone: its rooms fail, and with it gone nothing more lands (the fence)."""
         self._registered.discard(endpoint)
-        for deployment in self._deployments.values():
-            if endpoint in deployment.ranks.values():
-                deployment.info, deployment.ranks = None, {}  # look it up afresh: it may come back elsewhere
+        self._lookups.forget(endpoint)
         with self._lock:
             bound = [r for r in self._requests.values() if any(l.endpoint == endpoint for l in r.links)]
         for request in bound:
@@ -404,9 +353,7 @@ class DecodePeer(PeerBase):
 
     def _tick(self, now: float) -> None:
         super()._tick(now)
-        for server, deployment in list(self._deployments.items()):
-            deployment.waiting = [r for r in deployment.waiting if self._requests.get(r.rid) is r]
-            self._look_up(server, deployment)
+        self._lookups.tick(lambda request: self._requests.get(request.rid) is request)
         retry, self._unrevoked = self._unrevoked, []
         for request in retry:
             if self._requests.get(request.rid) is request:

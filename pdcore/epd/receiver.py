@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,8 +39,9 @@ from transport.base import byte_view
 
 from .. import wire
 from ..agreement import Agreement
-from ..bootstrap import BootstrapClient, ParallelInfo
-from ..deadline import Deadline, DeadlineExceeded
+from ..bootstrap import ParallelInfo
+from ..lookup import Deployment, Lookups
+from ..deadline import Deadline
 from ..errors import CapacityError, LocalProtocolError, PdError, StartError
 from .config import ReceiverConfig
 from .table import ReceiveTable
@@ -53,8 +54,6 @@ __all__ = ["Receiver"]
 
 log = logging.getLogger("pdcore.receiver")
 
-_LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on an I/O thread
-_RETRY = 0.1  # seconds between lookups of a deployment that is not up yet
 _REVOKE_WAIT = 1.0
 
 
@@ -69,17 +68,6 @@ class _Item:
     grant: Any = None  # the transport grant of the slot, until landed or fenced
     landed: bool = False
     dropped: bool = False  # the request settled failed: never ask, never land
-
-
-@dataclass(eq=False)
-class _Encode:
-    """An encode deployment as its bootstrap server describes it."""
-
-    info: ParallelInfo | None = None
-    ranks: dict[tuple[int, int], tuple[str, bytes]] = field(default_factory=dict)  # (dp, tp) -> (endpoint, instance)
-    next_try: float = 0.0
-    looking: bool = False
-    waiting: list[_Item] = field(default_factory=list)
 
 
 def _slot_memory(buf: Any, nbytes: int, name: str) -> Any:
@@ -126,7 +114,10 @@ class Receiver:
         self._by_rid: dict[str, list[_Item]] = {}
         self._by_source: dict[tuple[str, int], _Item] = {}  # (encode endpoint, room) -> item
         self._slot_owner: dict[int, _Item] = {}
-        self._deployments: dict[tuple[str, int], _Encode] = {}
+        self._lookups = Lookups(
+            peer, "receiver", lambda info, rooms: {self._key(info, room) for room in rooms},
+            lambda record: record.item.room, self._looked_up,
+        )
         self._registered: set[str] = set()  # encode endpoints that have our EmbedRegister
         self._unrevoked: list[tuple[int, Any]] = []  # (slot, grant) whose revoke could not be confirmed
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
@@ -261,15 +252,13 @@ class Receiver:
     def _ask(self, record: _Item) -> None:
         item = record.item
         server = (item.host, item.port)
-        deployment = self._deployments.setdefault(server, _Encode())
         try:
-            target = self._target(deployment, item)
+            target = self._target(self._lookups.get(server), item)
         except PdError as e:
             self._fail(record.rid, f"encode deployment {item.host}:{item.port}: {e}")
             return
         if target is None:
-            deployment.waiting.append(record)
-            self._look_up(server, deployment)
+            self._lookups.wait(server, record)
             return
         endpoint, instance = target
         peer = self._peer
@@ -303,66 +292,28 @@ class Receiver:
         except (PdError, ValueError) as e:
             self._fail(record.rid, f"asking encode rank {endpoint} for room {item.room} failed: {e}")
 
-    def _target(self, deployment: _Encode, item: EmbeddingItem) -> tuple[str, bytes] | None:
+    def _target(self, deployment: Deployment, item: EmbeddingItem) -> tuple[str, bytes] | None:
         """The item's encode rank (endpoint, transport instance) as far as the cache knows; raises if none fits."""
-        info = deployment.info
-        if info is None or not info.complete:
-            return None
+        info = deployment.known()
+        return None if info is None else deployment.ranks.get(self._key(info, item.room))
+
+    def _key(self, info: ParallelInfo, room: int) -> tuple[int, int]:
+        """The encode rank ``room`` goes to: DP group ``room % dp``, rank ``tp_rank // fan-out``; raises if none can."""
         tp = self._peer._config.tp_size
         if info.layout.get("role") != "encode":
             raise LocalProtocolError(f"it is not an encode deployment (layout {info.layout})")
         if tp % info.tp_size:
             raise LocalProtocolError(f"encode tp {info.tp_size} does not divide prefill tp {tp}")
-        return deployment.ranks.get(self._key(info, item.room))
+        return room % info.dp_size, self._peer._config.tp_rank // (tp // info.tp_size)
 
-    def _key(self, info: ParallelInfo, room: int) -> tuple[int, int]:
-        pcfg = self._peer._config
-        return room % info.dp_size, pcfg.tp_rank // (pcfg.tp_size // info.tp_size)
-
-    def _look_up(self, server: tuple[str, int], deployment: _Encode) -> None:
-        if deployment.looking or time.monotonic() < deployment.next_try or not deployment.waiting:
+    def _looked_up(self, record: _Item, why: str | None) -> None:
+        """Worker: the lookup an item waited for ended."""
+        if record.dropped:
             return
-        deployment.looking = True
-        rooms = {r.item.room for r in deployment.waiting}
-        try:
-            self._peer._submit_io(self._look_up_io, server, deployment, rooms)
-        except PdError as e:
-            deployment.looking = False
-            log.warning("receiver: cannot queue a bootstrap lookup of %s:%d: %s", *server, e)
-
-    def _look_up_io(self, server: tuple[str, int], deployment: _Encode, rooms: set[int]) -> None:
-        """I/O thread: the encode deployment's shape and the ranks ``rooms`` go to."""
-        client = BootstrapClient(*server, secret=self._peer._secret)
-        info, ranks, error = deployment.info, {}, None
-        try:
-            if info is None or not info.complete:
-                info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
-            if info is not None and info.complete and info.layout.get("role") == "encode":
-                if self._peer._config.tp_size % info.tp_size == 0:
-                    for key in {self._key(info, room) for room in rooms} - set(deployment.ranks):
-                        ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
-        except (OSError, DeadlineExceeded) as e:
-            log.debug("receiver: encode bootstrap %s:%d not reachable yet: %s", *server, e)
-        except PdError as e:
-            error = e
-        self._peer._from_io(self._looked_up, server, deployment, info, ranks, error)
-
-    def _looked_up(self, server: tuple[str, int], deployment: _Encode, info: Any, ranks: dict[Any, Any], error: Any) -> None:
-        deployment.looking = False
-        deployment.next_try = time.monotonic() + _RETRY
-        if info is not None:
-            deployment.info = info
-        for key, rank in ranks.items():
-            if rank is not None:
-                deployment.ranks[key] = (rank.endpoint, bytes.fromhex(rank.transport))
-        waiting, deployment.waiting = deployment.waiting, []
-        for record in waiting:
-            if record.dropped:
-                continue
-            if error is not None:
-                self._fail(record.rid, f"encode bootstrap {server[0]}:{server[1]}: {error}")
-            else:
-                self._ask(record)
+        if why is not None:
+            self._fail(record.rid, f"encode {why}")
+        else:
+            self._ask(record)
 
     # -- worker: answers, losses, fences -----------------------------------------------------------
 
@@ -427,9 +378,7 @@ class Receiver:
     def _lose_source(self, endpoint: str, reason: str) -> None:
         """Worker: an encode rank is gone: what still waits for it fails (its fence is the grants' revoke)."""
         self._registered.discard(endpoint)
-        for deployment in self._deployments.values():
-            if any(ep == endpoint for ep, _ in deployment.ranks.values()):
-                deployment.info, deployment.ranks = None, {}  # look it up afresh: it may come back elsewhere
+        self._lookups.forget(endpoint)
         with self._lock:
             bound = [r for r in self._by_source.values() if r.source == endpoint and not r.landed]
         for record in bound:
@@ -443,9 +392,7 @@ class Receiver:
             self._fail(record.rid, reason)
 
     def _tick(self, now: float) -> None:
-        for server, deployment in list(self._deployments.items()):
-            deployment.waiting = [r for r in deployment.waiting if not r.dropped]
-            self._look_up(server, deployment)
+        self._lookups.tick(lambda record: not record.dropped)
         with self._lock:
             retry, self._unrevoked = self._unrevoked, []
         for slot, grant in retry:

@@ -1,0 +1,141 @@
+"""Other deployments as their bootstrap servers describe them, looked up off the worker thread.
+
+A peer that must find the ranks of another deployment (a decode rank its
+prefill ranks, a prefill rank's receiver its encode ranks) keeps one
+``Deployment`` per bootstrap server: its shape (``ParallelInfo``) and the
+ranks looked up so far, ``(dp rank, tp rank) -> (control endpoint, transport
+instance)``. Items that need ranks not known yet wait on the deployment; one
+lookup at a time runs on an I/O thread (bounded by deadlines, retried every
+``_RETRY`` seconds while the server is not up, so an unreachable server
+delays only the items that need it), and its result goes back to the worker,
+which resumes each waiting item (``resume(item, None)``) or fails it
+(``resume(item, why)``). The caller's timers bound how long an item waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .bootstrap import BootstrapClient, ParallelInfo
+from .deadline import Deadline, DeadlineExceeded
+from .errors import PdError
+
+__all__ = ["Deployment", "Lookups"]
+
+log = logging.getLogger("pdcore.lookup")
+
+_LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on an I/O thread
+_RETRY = 0.1  # seconds between lookups of a deployment that is not up yet
+
+Key = tuple[int, int]
+
+
+@dataclass(eq=False)
+class Deployment:
+    info: ParallelInfo | None = None
+    ranks: dict[Key, tuple[str, bytes]] = field(default_factory=dict)  # -> (control endpoint, transport instance)
+    next_try: float = 0.0
+    looking: bool = False
+    waiting: list[Any] = field(default_factory=list)
+
+    def known(self) -> ParallelInfo | None:
+        """The shape, once every rank of the deployment registered."""
+        info = self.info
+        return info if info is not None and info.complete else None
+
+
+class Lookups:
+    """The deployments one peer talks to, keyed by bootstrap ``(host, port)``.
+
+    ``keys(info, rooms)`` names the ranks the waiting items' ``rooms`` need
+    (``room_of(item)``) or raises ``PdError`` when the deployment cannot serve
+    them; ``resume(item, why)`` runs on the worker once their lookup ended.
+    """
+
+    def __init__(
+        self,
+        peer: Any,
+        what: str,
+        keys: Callable[[ParallelInfo, set[int]], Iterable[Key]],
+        room_of: Callable[[Any], int],
+        resume: Callable[[Any, str | None], None],
+    ) -> None:
+        self._peer = peer
+        self._what = what
+        self._keys = keys
+        self._room_of = room_of
+        self._resume = resume
+        self.deployments: dict[tuple[str, int], Deployment] = {}
+
+    def get(self, server: tuple[str, int]) -> Deployment:
+        return self.deployments.setdefault(server, Deployment())
+
+    def wait(self, server: tuple[str, int], item: Any) -> None:
+        """Worker: ``item`` needs ranks of ``server``'s deployment not known yet."""
+        deployment = self.get(server)
+        deployment.waiting.append(item)
+        self._look_up(server, deployment)
+
+    def tick(self, live: Callable[[Any], bool]) -> None:
+        """Worker, every tick: drop items that ended, start the next lookup where one is due."""
+        for server, deployment in list(self.deployments.items()):
+            deployment.waiting = [item for item in deployment.waiting if live(item)]
+            self._look_up(server, deployment)
+
+    def forget(self, endpoint: str) -> None:
+        """A rank at ``endpoint`` is gone: look its deployment up afresh (it may come back elsewhere)."""
+        for deployment in self.deployments.values():
+            if any(ep == endpoint for ep, _ in deployment.ranks.values()):
+                deployment.info, deployment.ranks = None, {}
+
+    def instance(self, endpoint: str) -> bytes:
+        """The transport instance of the rank at ``endpoint`` (``KeyError`` if never looked up)."""
+        for deployment in self.deployments.values():
+            for ep, instance in deployment.ranks.values():
+                if ep == endpoint:
+                    return instance
+        raise KeyError(endpoint)
+
+    def _look_up(self, server: tuple[str, int], deployment: Deployment) -> None:
+        if deployment.looking or time.monotonic() < deployment.next_try or not deployment.waiting:
+            return  # one lookup at a time; the tick starts the next
+        deployment.looking = True
+        rooms = {self._room_of(item) for item in deployment.waiting}
+        try:
+            self._peer._submit_io(self._look_up_io, server, deployment, rooms)
+        except PdError as e:
+            deployment.looking = False
+            log.warning("%s: cannot queue a bootstrap lookup of %s:%d: %s", self._what, *server, e)
+
+    def _look_up_io(self, server: tuple[str, int], deployment: Deployment, rooms: set[int]) -> None:
+        """I/O thread: the deployment's shape and the ranks ``rooms`` need."""
+        client = BootstrapClient(*server, secret=self._peer._secret)
+        info, ranks, error = deployment.info, {}, None
+        try:
+            if info is None or not info.complete:
+                info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
+            if info is not None and info.complete:
+                for key in set(self._keys(info, rooms)) - set(deployment.ranks):
+                    ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
+        except (OSError, DeadlineExceeded) as e:
+            log.debug("%s: bootstrap %s:%d not reachable yet: %s", self._what, *server, e)
+        except PdError as e:
+            error = e
+        self._peer._from_io(self._looked_up, server, deployment, info, ranks, error)
+
+    def _looked_up(self, server: tuple[str, int], deployment: Deployment, info: Any, ranks: dict[Any, Any], error: Any) -> None:
+        deployment.looking = False
+        deployment.next_try = time.monotonic() + _RETRY
+        if info is not None:
+            deployment.info = info
+        for key, rank in ranks.items():
+            if rank is not None:
+                deployment.ranks[key] = (rank.endpoint, bytes.fromhex(rank.transport))
+        waiting, deployment.waiting = deployment.waiting, []
+        why = None if error is None else f"bootstrap {server[0]}:{server[1]}: {error}"
+        for item in waiting:
+            self._resume(item, why)
