@@ -310,14 +310,16 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
         peer.close()
 
 
-def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str, out: Any) -> None:
+def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str, checker: Any, out: Any) -> None:
+    """A decode rank's scheduler loop; ``checker(rank, tp)`` (None: ``_Contents``) makes what checks each
+    landed request (``first_token(r, sent)``, ``check(r, got, cache, token, group)``)."""
     from . import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
     tp = plan.decode_tp[index]
     group = _join(store, rank, tp)
     cache = _cache(plan, tp)
     peer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, **_knobs(plan, tp)))
-    contents = _Contents(plan, rank, tp)
+    contents = _Contents(plan, rank, tp) if checker is None else checker(rank, tp)
     out.put(("ready", "decode", index, rank, os.getpid()))
     mine = [r for r in plan.requests if r.decode == index]
     by_rid = {r.rid: r for r in mine}
@@ -379,6 +381,22 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
         peer.close()
 
 
+def fill_pattern(plan: Plan, cache: list[np.ndarray], key: str, rank: int, got: list[int]) -> None:
+    """Opaque pages: ``pattern(key, rank)`` into ``got`` of every buffer, rolled by the buffer's index."""
+    data = pattern(key, rank, len(got) * plan.page_bytes)
+    for layer, buf in enumerate(cache):
+        buf.reshape(plan.num_pages, plan.page_bytes)[got] = np.roll(data, layer).reshape(len(got), plan.page_bytes)
+
+
+def holds_pattern(plan: Plan, cache: list[np.ndarray], key: str, rank: int, got: list[int]) -> bool:
+    """Opaque pages: ``got`` hold what ``fill_pattern(plan, ..., key, rank, got)`` wrote."""
+    data = pattern(key, rank, len(got) * plan.page_bytes)
+    return all(
+        np.array_equal(buf.reshape(plan.num_pages, plan.page_bytes)[got].reshape(-1), np.roll(data, layer))
+        for layer, buf in enumerate(cache)
+    )
+
+
 class _Contents:
     """What a rank writes into a request's pages and what a decode rank checks, for each kind of run.
 
@@ -419,9 +437,7 @@ class _Contents:
         """Prefill: write the request's pages; returns its first token."""
         plan = self.plan
         if plan.kv is None:
-            data = pattern(r.rid, self.rank, r.pages * plan.page_bytes)
-            for layer, buf in enumerate(cache):
-                buf.reshape(plan.num_pages, plan.page_bytes)[got] = np.roll(data, layer).reshape(r.pages, plan.page_bytes)
+            fill_pattern(plan, cache, r.rid, self.rank, got)
             return first_token(r.rid)
         if self.model is not None:
             token, kv = self.model.prefill(self.prompt(r))
@@ -441,11 +457,7 @@ class _Contents:
         """Decode: the request's pages hold what they must (with a model: they decode to the right tokens)."""
         plan = self.plan
         if plan.kv is None:
-            data = pattern(r.rid, self.rank, len(got) * plan.page_bytes)
-            return all(
-                np.array_equal(buf.reshape(plan.num_pages, plan.page_bytes)[got].reshape(-1), np.roll(data, layer))
-                for layer, buf in enumerate(cache)
-            )
+            return holds_pattern(plan, cache, r.rid, self.rank, got)
         if self.model is not None:
             prompt = self.prompt(r)
             kv = self.model.read_pages(self.rank, self.tp, got, len(prompt), cache)
@@ -574,7 +586,7 @@ def run(plan: Plan, *, progress: RunProgress | None = None) -> Outcome:
                     if role == "prefill":
                         args = (_prefill_rank, plan, index, rank, ports[index], store, out)
                     else:
-                        args = (_decode_rank, plan, index, rank, ports, store, out)
+                        args = (_decode_rank, plan, index, rank, ports, store, None, out)
                     p = ctx.Process(target=_rank_main, args=args, daemon=True)
                     p.start()
                     writer.close()  # the rank holds the only writer: its exit is our EOF

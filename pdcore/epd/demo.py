@@ -32,6 +32,7 @@ deepstack rows (``deepstack``): one run covers both modes. ``run()`` is what
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import multiprocessing.connection as mp_connection
 import os
@@ -47,15 +48,19 @@ from ..demo import (
     Pages,
     Plan,
     Request,
+    _cache,
     _context,
+    _decode_rank,
     _join,
+    _knobs,
     _leftovers,
     _logs_agree,
     _rank_main,
     _ToRunner,
+    fill_pattern,
     first_token,
+    holds_pattern,
     make_requests,
-    pattern,
 )
 from ..events import FAILED_ELSEWHERE
 from ..progress import RunProgress
@@ -256,39 +261,19 @@ def expected_rows(plan: EpdPlan, request: Request) -> tuple[int, int]:
 # ------------------------------------------------------------------------------ ranks
 
 
-def _cache(pd: Plan) -> list[np.ndarray]:
-    """A rank's KV cache: opaque pages, ``layers`` buffers of ``num_pages`` pages."""
-    return [np.zeros(pd.num_pages * pd.page_bytes, np.uint8) for _ in range(pd.layers)]
+class _Pages:
+    """The decode check of an EPD run (``pdcore.demo._decode_rank``'s ``checker``): a request's pages
+    must hold the pattern of the rows it should have had (``expected_key``), so a wrong row on a prefill
+    rank shows here as a page mismatch."""
 
+    def __init__(self, plan: EpdPlan, rank: int, tp: int) -> None:
+        self.plan, self.rank = plan, rank
 
-def _knobs(pd: Plan) -> dict[str, Any]:
-    return {
-        "page_bytes": pd.page_bytes,
-        "num_pages": pd.num_pages,
-        "transport": pd.transport,
-        "capacity": max(64, len(pd.requests)),
-        "heartbeat_interval": pd.heartbeat_interval,
-        "dead_after": pd.dead_after,
-        "bootstrap_timeout": pd.bootstrap_timeout,
-        "waiting_timeout": pd.waiting_timeout,
-        "fence_timeout": pd.fence_timeout,
-        "tombstone_ttl": pd.tombstone_ttl,
-        "secret": pd.secret,
-    }
+    def first_token(self, r: Request, sent: int) -> int:
+        return first_token(r.rid)
 
-
-def _fill(pd: Plan, cache: list[np.ndarray], key: str, rank: int, r: Request, got: list[int]) -> None:
-    data = pattern(key, rank, r.pages * pd.page_bytes)
-    for layer, buf in enumerate(cache):
-        buf.reshape(pd.num_pages, pd.page_bytes)[got] = np.roll(data, layer).reshape(r.pages, pd.page_bytes)
-
-
-def _holds(pd: Plan, cache: list[np.ndarray], key: str, rank: int, got: list[int]) -> bool:
-    data = pattern(key, rank, len(got) * pd.page_bytes)
-    return all(
-        np.array_equal(buf.reshape(pd.num_pages, pd.page_bytes)[got].reshape(-1), np.roll(data, layer))
-        for layer, buf in enumerate(cache)
-    )
+    def check(self, r: Request, got: list[int], cache: list[np.ndarray], token: int, group: Any) -> bool:
+        return holds_pattern(self.plan.pd, cache, expected_key(self.plan, r), self.rank, got)
 
 
 def _encode_rank(plan: EpdPlan, index: int, rank: int, port: int, stop: Any, out: Any) -> None:
@@ -375,10 +360,10 @@ def _prefill_rank(plan: EpdPlan, index: int, rank: int, port: int, encode_ports:
     pd = plan.pd
     tp = pd.prefill_tp[index]
     group = _join(store, rank, tp)
-    cache = _cache(pd)
+    cache = _cache(pd, tp)
     peer, outbox = PrefillPeer.start(
         PrefillConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
-                      **_knobs(pd))
+                      **_knobs(pd, tp))
     )
     try:
         receiver = peer.embedding_receiver(ReceiverConfig(
@@ -431,7 +416,7 @@ def _prefill_rank(plan: EpdPlan, index: int, rank: int, port: int, encode_ports:
                     done += 1
             while (admitted := pages.admit(waiting, ended, held)) is not None:
                 r, got = admitted
-                _fill(pd, cache, keys.pop(r.rid), rank, r, got)  # the KV derives from the rows that landed
+                fill_pattern(pd, cache, keys.pop(r.rid), rank, got)  # the KV derives from the rows that landed
                 peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
                 outbox.send(r.rid, got, first_token(r.rid), [first_token(r.rid) % 97])
             time.sleep(0.001)  # a real scheduler runs a forward pass here
@@ -506,74 +491,6 @@ def _take(plan: EpdPlan, receiver: Any, landed: list[Any], index: int, rank: int
         keys[req.rid] = _kv_key(req.rid, [_item_digest(by_rank[k + i], sharded) for i in range(n)])
         k += n
     return keys
-
-
-def _decode_rank(plan: EpdPlan, index: int, rank: int, ports: list[int], store: str, out: Any) -> None:
-    """``pdcore.demo``'s decode rank, checking each request's pages against the pattern of the rows it
-    should have had (``expected_key``): a wrong row on a prefill rank shows here as a page mismatch."""
-    from .. import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
-
-    pd = plan.pd
-    tp = pd.decode_tp[index]
-    group = _join(store, rank, tp)
-    cache = _cache(pd)
-    peer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, **_knobs(pd)))
-    try:
-        out.put(("ready", "decode", index, rank, os.getpid()))
-        mine = [r for r in pd.requests if r.decode == index]
-        by_rid = {r.rid: r for r in mine}
-        keys = {r.rid: expected_key(plan, r) for r in mine}
-        pages = Pages(pd.num_pages)
-        held: dict[str, list[int]] = {}
-        started: dict[str, float] = {}
-        log: list[tuple[str, str, float]] = []
-        results: dict[str, Any] = {"ok": 0, "failed": 0, "bytes": 0, "mismatched": [], "latency": [],
-                                   "tokens_bad": []}
-        admit = deque(mine)
-        blocked: deque[Request] = deque()
-        ended: set[str] = set()
-        live = 0
-        deadline = time.monotonic() + pd.timeout
-        last_report = 0.0
-        while (admit or live) and time.monotonic() < deadline:
-            while admit and live < pd.window:
-                r = admit.popleft()
-                peer.register(r.rid, BootstrapInfo("127.0.0.1", ports[r.prefill], r.room))
-                started[r.rid] = time.monotonic()
-                live += 1
-            for event in peer.poll(group):
-                log.append((type(event).__name__, event.rid, time.time()))
-                if isinstance(event, Bootstrapped):
-                    blocked.append(by_rid[event.rid])
-                    continue
-                live -= 1
-                ended.add(event.rid)
-                got = held.pop(event.rid, [])
-                if isinstance(event, RemotePrefillDone):
-                    results["latency"].append(time.monotonic() - started[event.rid])
-                    remote = event.remote
-                    if remote.bootstrap_token != first_token(event.rid) or remote.request_pool_index != len(event.rid):
-                        results["tokens_bad"].append(event.rid)
-                    if not _holds(pd, cache, keys[event.rid], rank, got):
-                        results["mismatched"].append(event.rid)
-                    results["ok"] += 1
-                    results["bytes"] += len(got) * pd.page_bytes * pd.layers
-                else:
-                    assert isinstance(event, Failed)
-                    results["failed"] += 1
-                pages.give(got)
-            while (admitted := pages.admit(blocked, ended, held)) is not None:
-                r, got = admitted
-                inbox.announce(r.rid, got, request_pool_index=len(r.rid))
-            now = time.monotonic()
-            if rank == 0 and now - last_report > 0.25:
-                out.put(("progress", "decode", index, rank, (results["ok"], results["failed"], results["bytes"])))
-                last_report = now
-            time.sleep(0.001)
-        results.update(log=log, unfinished=len(admit) + live, **_leftovers(peer, pd))
-        out.put(("done", "decode", index, rank, results))
-    finally:
-        peer.close()
 
 
 # ------------------------------------------------------------------------------ the run
@@ -653,7 +570,8 @@ def run(plan: EpdPlan, *, progress: RunProgress | None = None) -> EpdOutcome:
             for index, tp in enumerate(pd.decode_tp):
                 store = os.path.join(tmp, f"decode-{index}")
                 for rank in range(tp):
-                    layout.append(("decode", index, rank, (_decode_rank, plan, index, rank, ports, store)))
+                    checker = functools.partial(_Pages, plan)
+                    layout.append(("decode", index, rank, (_decode_rank, pd, index, rank, ports, store, checker)))
             for role, index, rank, args in layout:
                 reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_rank_main, args=(*args, _ToRunner(writer)), daemon=True)
