@@ -33,7 +33,7 @@ SEEDS = [
     b'"transport":"0123456789abcdef0123456789abcdef"}',
     b'{"session_id":"p-1","epoch":0,"endpoint":"tcp://[::1]:1","tp_size":1,"dp_size":2,'
     b'"tp_rank":0,"dp_rank":1,"layout":{},"transport":"0123456789abcdef0123456789abcdef"}',
-    b'{"tp_size":2,"dp_size":1,"layout":{"a":[1,2]},"registered":1,"complete":false}',
+    b'{"tp_sizes":[2],"dp_size":1,"layout":{"a":[1,2]},"registered":1,"complete":false}',
     b'{"dp_rank":0,"tp_rank":1,"endpoint":"tcp://h:5","session_id":"s","epoch":0,"transport":"0123456789abcdef0123456789abcdef"}',
     b"/v1/ranks/0/1",
     b"/v1/ranks/1023/0",

@@ -180,13 +180,22 @@ class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
 
 class ParallelInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The deployment's shape, as a sink sees it; ``complete`` once every rank registered."""
+    """The deployment's shape, as a sink sees it; ``complete`` once every rank registered.
 
-    tp_size: Size
+    ``tp_sizes[g]`` is DP group ``g``'s tp size (groups may differ: DP attention with a tp size per
+    group), 0 while none of its ranks registered. ``layout`` is group 0's (with a KV layout the
+    groups' page sizes follow from their tp sizes; everything else is the same in every group).
+    """
+
     dp_size: Size
+    tp_sizes: Annotated[tuple[Annotated[int, Meta(ge=0, le=MAX_TP_SIZE)], ...], Meta(max_length=MAX_TP_SIZE)]
     layout: dict[str, Any]
     registered: Annotated[int, Meta(ge=1, le=MAX_TP_SIZE * MAX_TP_SIZE)]
     complete: bool
+
+    def tp_size(self, dp_rank: int) -> int:
+        """DP group ``dp_rank``'s tp size (0: not known yet)."""
+        return self.tp_sizes[dp_rank]
 
 
 class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -241,9 +250,11 @@ def parse_registration(body: bytes) -> RankRegistration:
 def parse_parallel_info(body: bytes) -> ParallelInfo:
     """Validate a GET /v1/parallel response (the client's door)."""
     info: ParallelInfo = _decode_json(_PAR_DECODER, body, "parallel_info")
-    if info.registered > info.tp_size * info.dp_size:
-        raise RemoteProtocolError(f"parallel_info.registered: {info.registered} exceeds tp_size * dp_size")
-    if info.complete != (info.registered == info.tp_size * info.dp_size):
+    if len(info.tp_sizes) != info.dp_size:
+        raise RemoteProtocolError(f"parallel_info.tp_sizes: {len(info.tp_sizes)} groups, dp_size {info.dp_size}")
+    if info.registered > sum(info.tp_sizes) and all(info.tp_sizes):
+        raise RemoteProtocolError(f"parallel_info.registered: {info.registered} exceeds the groups' tp sizes")
+    if info.complete != (all(info.tp_sizes) and info.registered == sum(info.tp_sizes)):
         raise RemoteProtocolError("parallel_info.complete: disagrees with registered")
     _relabel("parallel_info", check_json_object, info.layout, "layout")
     return info
@@ -280,6 +291,14 @@ def _canonical_layout(layout: dict[str, Any]) -> bytes:
     return _ENCODER.encode(layout)
 
 
+def _group_neutral(layout: dict[str, Any]) -> bytes:
+    """What must match across DP groups: with a KV layout (``"kv"``) the page sizes follow from each group's
+    tp size and may differ; everything else, and opaque pages' sizes, must match."""
+    if "kv" in layout:
+        layout = {k: v for k, v in layout.items() if k != "page_bytes"}
+    return _canonical_layout(layout)
+
+
 class Registry:
     """The server's state, pure and not thread-safe: the server holds a lock around it."""
 
@@ -297,12 +316,19 @@ class Registry:
             if other_slot == slot:
                 continue
             where = f"rank (dp {other.dp_rank}, tp {other.tp_rank})"
-            if (reg.tp_size, reg.dp_size) != (other.tp_size, other.dp_size):
+            if reg.dp_size != other.dp_size:
                 raise RemoteProtocolError(
-                    f"registration.tp_size/dp_size: {reg.tp_size}/{reg.dp_size} disagree with "
-                    f"{other.tp_size}/{other.dp_size} registered by {where}"
+                    f"registration.dp_size: {reg.dp_size} disagrees with {other.dp_size} registered by {where}"
                 )
-            if layout != other_layout:
+            same_group = reg.dp_rank == other.dp_rank
+            if same_group and reg.tp_size != other.tp_size:
+                raise RemoteProtocolError(
+                    f"registration.tp_size: {reg.tp_size} disagrees with {other.tp_size} registered by {where} "
+                    f"of the same DP group"
+                )
+            if (layout if same_group else _group_neutral(reg.layout)) != (
+                other_layout if same_group else _group_neutral(other.layout)
+            ):
                 raise RemoteProtocolError(f"registration.layout: differs from the layout registered by {where}")
             if reg.endpoint == other.endpoint:
                 raise RemoteProtocolError(f"registration.endpoint: {reg.endpoint} is already used by {where}")
@@ -331,11 +357,17 @@ class Registry:
         """None while no rank registered."""
         if not self._slots:
             return None
-        reg = next(iter(self._slots.values()))[0]
-        n = len(self._slots)
+        regs = [entry[0] for entry in self._slots.values()]
+        dp_size = regs[0].dp_size
+        tp_sizes = [0] * dp_size
+        counts = [0] * dp_size
+        for reg in regs:
+            tp_sizes[reg.dp_rank] = reg.tp_size
+            counts[reg.dp_rank] += 1
+        layout = min(regs, key=lambda r: (r.dp_rank, r.tp_rank)).layout
+        complete = all(size and count == size for size, count in zip(tp_sizes, counts))
         return ParallelInfo(
-            tp_size=reg.tp_size, dp_size=reg.dp_size, layout=reg.layout,
-            registered=n, complete=n == reg.tp_size * reg.dp_size,
+            dp_size=dp_size, tp_sizes=tuple(tp_sizes), layout=layout, registered=len(regs), complete=complete,
         )  # fmt: skip
 
     def lookup(self, dp_rank: int, tp_rank: int) -> RankInfo | None:

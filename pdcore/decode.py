@@ -76,6 +76,7 @@ class _Request:
     rid: str
     room: int
     server: tuple[str, int]
+    dp_rank: int | None = None  # the prefill DP group, when the router named it (else room % dp_size)
     links: tuple[_Link, ...] = ()  # the prefill ranks of the room, once bootstrapped (sources first)
     request_pool_index: int = -1
     abort_sent: bool = False
@@ -92,8 +93,8 @@ class DecodePeer(PeerBase):
         self._requests: dict[str, _Request] = {}
         self._by_source: dict[tuple[str, int], _Request] = {}
         self._lookups = Lookups(
-            self, "decode peer", lambda info, rooms: {key for room in rooms for key, _ in self._pairs(info, room)},
-            lambda request: request.room, self._looked_up,
+            self, "decode peer", lambda info, needs: {key for need in needs for key, _ in self._pairs(info, *need)},
+            lambda request: (request.room, request.dp_rank), self._looked_up,
         )
         self._registered: set[str] = set()  # prefill endpoints that have our Register
         self._unrevoked: list[_Request] = []  # revokes that could not be confirmed: retried every tick
@@ -113,7 +114,7 @@ class DecodePeer(PeerBase):
             self._table.register(rid, time.monotonic())
             if self.counts is not None:
                 self.counts.born(rid)
-            request = _Request(rid, bootstrap.room, (bootstrap.host, bootstrap.port))
+            request = _Request(rid, bootstrap.room, (bootstrap.host, bootstrap.port), bootstrap.dp_rank)
             self._requests[rid] = request
         links = self._known_links(request)
         if links is not None:  # the common case: a deployment we already talk to
@@ -182,7 +183,7 @@ class DecodePeer(PeerBase):
             self._registered.add(source)
         self._connected(request, links)
 
-    def _pairs(self, info: ParallelInfo, room: int) -> list[tuple[tuple[int, int], bool]]:
+    def _pairs(self, info: ParallelInfo, room: int, dp_rank: int | None) -> list[tuple[tuple[int, int], bool]]:
         """The (dp rank, tp rank) of every prefill rank of ``room`` this rank talks to, and whether it owes
         this rank bytes (sources first); raises ``LocalProtocolError`` if the deployments cannot pair."""
         cfg = self._config
@@ -190,10 +191,13 @@ class DecodePeer(PeerBase):
         theirs = None if kv is None else KvLayout.from_json(kv)
         if theirs != cfg.kv_layout:
             raise LocalProtocolError(f"prefill KV layout {theirs} differs from this cache's {cfg.kv_layout}")
-        route = routing(cfg.kv_layout, info.tp_size, cfg.tp_size)
+        dp = room % info.dp_size if dp_rank is None else dp_rank
+        if dp >= info.dp_size:
+            raise LocalProtocolError(f"BootstrapInfo.dp_rank {dp} is not a DP group of the prefill deployment "
+                                     f"(dp_size {info.dp_size})")
+        route = routing(cfg.kv_layout, info.tp_size(dp), cfg.tp_size)
         if cfg.kv_layout is None and list(info.layout.get("page_bytes", [])) != list(self._layout.page_bytes):
             raise LocalProtocolError(f"prefill page sizes {info.layout.get('page_bytes')} differ from this cache's")
-        dp = room % info.dp_size
         d = cfg.tp_rank
         return [((dp, p), True) for p in route.sources(d)] + [((dp, p), False) for p in route.notified(d)]
 
@@ -203,7 +207,7 @@ class DecodePeer(PeerBase):
         if info is None:
             return None
         links = []
-        for key, owes in self._pairs(info, request.room):
+        for key, owes in self._pairs(info, request.room, request.dp_rank):
             rank = deployment.ranks.get(key)
             if rank is None:
                 return None

@@ -28,11 +28,16 @@ _U64 = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class BootstrapInfo:
-    """Where a request's peer node reaches it: the bootstrap server and the room."""
+    """Where a request's peer node reaches it: the bootstrap server and the room.
+
+    ``dp_rank`` names the prefill deployment's DP group that serves the request (DP attention routed by
+    the router); None routes by room, ``room % dp_size``.
+    """
 
     host: str
     port: int
     room: int
+    dp_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -41,6 +46,9 @@ class BootstrapInfo:
             raise ValueError(f"BootstrapInfo.port {self.port!r} is not a TCP port")
         if not 0 <= self.room <= _U64:
             raise ValueError(f"BootstrapInfo.room {self.room!r} is not an unsigned 64-bit integer")
+        if self.dp_rank is not None and (isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int)
+                                         or not 0 <= self.dp_rank < 1024):
+            raise ValueError(f"BootstrapInfo.dp_rank {self.dp_rank!r} is not a DP rank (0..1023) or None")
 
 
 @dataclass(frozen=True, slots=True)

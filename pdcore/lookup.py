@@ -51,23 +51,24 @@ class Deployment:
 class Lookups:
     """The deployments one peer talks to, keyed by bootstrap ``(host, port)``.
 
-    ``keys(info, rooms)`` names the ranks the waiting items' ``rooms`` need
-    (``room_of(item)``) or raises ``PdError`` when the deployment cannot serve
-    them; ``resume(item, why)`` runs on the worker once their lookup ended.
+    ``keys(info, needs)`` names the ranks the waiting items need (``need_of(item)``:
+    a room, say, and the DP group a router named) or raises ``PdError`` when the
+    deployment cannot serve them; ``resume(item, why)`` runs on the worker once
+    their lookup ended.
     """
 
     def __init__(
         self,
         peer: Any,
         what: str,
-        keys: Callable[[ParallelInfo, set[int]], Iterable[Key]],
-        room_of: Callable[[Any], int],
+        keys: Callable[[ParallelInfo, set[Any]], Iterable[Key]],
+        need_of: Callable[[Any], Any],
         resume: Callable[[Any, str | None], None],
     ) -> None:
         self._peer = peer
         self._what = what
         self._keys = keys
-        self._room_of = room_of
+        self._need_of = need_of
         self._resume = resume
         self.deployments: dict[tuple[str, int], Deployment] = {}
 
@@ -104,22 +105,22 @@ class Lookups:
         if deployment.looking or time.monotonic() < deployment.next_try or not deployment.waiting:
             return  # one lookup at a time; the tick starts the next
         deployment.looking = True
-        rooms = {self._room_of(item) for item in deployment.waiting}
+        needs = {self._need_of(item) for item in deployment.waiting}
         try:
-            self._peer._submit_io(self._look_up_io, server, deployment, rooms)
+            self._peer._submit_io(self._look_up_io, server, deployment, needs)
         except PdError as e:
             deployment.looking = False
             log.warning("%s: cannot queue a bootstrap lookup of %s:%d: %s", self._what, *server, e)
 
-    def _look_up_io(self, server: tuple[str, int], deployment: Deployment, rooms: set[int]) -> None:
-        """I/O thread: the deployment's shape and the ranks ``rooms`` need."""
+    def _look_up_io(self, server: tuple[str, int], deployment: Deployment, needs: set[Any]) -> None:
+        """I/O thread: the deployment's shape and the ranks the waiting items need."""
         client = BootstrapClient(*server, secret=self._peer._secret)
         info, ranks, error = deployment.info, {}, None
         try:
             if info is None or not info.complete:
                 info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
             if info is not None and info.complete:
-                for key in set(self._keys(info, rooms)) - set(deployment.ranks):
+                for key in set(self._keys(info, needs)) - set(deployment.ranks):
                     ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
         except (OSError, DeadlineExceeded) as e:
             log.debug("%s: bootstrap %s:%d not reachable yet: %s", self._what, *server, e)

@@ -104,7 +104,7 @@ def test_register_lookup_health(client: BootstrapClient) -> None:
     assert client.rank(0, 0, soon()) is None
     assert client.register(reg(0), soon()) == "created"
     info = client.parallel_info(soon())
-    assert info is not None and (info.tp_size, info.dp_size, info.registered, info.complete) == (2, 1, 1, False)
+    assert info is not None and (info.tp_sizes, info.dp_size, info.registered, info.complete) == ((2,), 1, 1, False)
     assert info.layout == LAYOUT
     assert client.register(reg(1), soon()) == "created"
     info = client.parallel_info(soon())
@@ -459,6 +459,30 @@ def test_registry_rules() -> None:
     assert r.lookup(0, 1) is not None and r.lookup(1, 0) is None
 
 
+def test_dp_groups_may_have_their_own_tp_size() -> None:
+    """DP attention with a tp size per group: ranks of one group agree on it, groups may differ; with a KV
+    layout the groups' page sizes follow from their tp sizes, everything else in the layout must match."""
+    kv = {"order": "hnd", "kv_heads": 4, "head_bytes": 8, "page_tokens": 4, "layers": 1}
+    r = Registry()
+    assert r.register(reg(0, tp_size=2, dp_size=2, dp_rank=0, layout={"page_bytes": [64], "kv": kv})) == "created"
+    assert r.register(reg(0, tp_size=4, dp_size=2, dp_rank=1, layout={"page_bytes": [32], "kv": kv})) == "created"
+    with pytest.raises(RemoteProtocolError, match="tp_size"):
+        r.register(reg(1, tp_size=2, dp_size=2, dp_rank=1, layout={"page_bytes": [32], "kv": kv}))
+    with pytest.raises(RemoteProtocolError, match="layout"):
+        r.register(reg(1, tp_size=4, dp_size=2, dp_rank=1, layout={"page_bytes": [32], "kv": {**kv, "kv_heads": 8}}))
+    opaque = Registry()
+    opaque.register(reg(0, dp_size=2, dp_rank=0, layout={"page_bytes": [64]}))
+    with pytest.raises(RemoteProtocolError, match="layout"):  # opaque pages: the sizes must match across groups
+        opaque.register(reg(0, tp_size=4, dp_size=2, dp_rank=1, layout={"page_bytes": [32]}))
+    info = r.parallel_info()
+    assert info is not None and info.tp_sizes == (2, 4) and not info.complete
+    r.register(reg(1, tp_size=2, dp_size=2, dp_rank=0, layout={"page_bytes": [64], "kv": kv}))
+    for t in (1, 2, 3):
+        r.register(reg(t, tp_size=4, dp_size=2, dp_rank=1, layout={"page_bytes": [32], "kv": kv}))
+    info = r.parallel_info()
+    assert info is not None and info.complete and info.registered == 6 and info.tp_size(1) == 4
+
+
 def test_layout_compared_canonically() -> None:
     r = Registry()
     r.register(reg(0, layout={"a": 1, "b": [1, 2]}))
@@ -477,12 +501,14 @@ def test_parse_rank_path() -> None:
 
 
 def test_parse_responses() -> None:
-    good = b'{"tp_size":2,"dp_size":1,"layout":{},"registered":1,"complete":false}'
+    good = b'{"tp_sizes":[2],"dp_size":1,"layout":{},"registered":1,"complete":false}'
     assert parse_parallel_info(good).registered == 1
     with pytest.raises(RemoteProtocolError, match="complete"):
         parse_parallel_info(good.replace(b"false", b"true"))
     with pytest.raises(RemoteProtocolError, match="registered"):
         parse_parallel_info(good.replace(b'"registered":1', b'"registered":3'))
+    with pytest.raises(RemoteProtocolError, match="tp_sizes"):
+        parse_parallel_info(good.replace(b'"tp_sizes":[2]', b'"tp_sizes":[2,2]'))
     rank = b'{"dp_rank":0,"tp_rank":1,"endpoint":"tcp://[::1]:5","session_id":"s","epoch":0,"transport":"00000000000000000000000000000000"}'
     assert parse_rank_info(rank).endpoint == "tcp://[::1]:5"
     with pytest.raises(RemoteProtocolError, match="endpoint"):

@@ -186,7 +186,7 @@ def test_squat_the_first_registration_is_refused(server: BootstrapServer, client
     assert client.register(reg(0), soon()) == "created"  # ... for the real ranks
     assert client.register(reg(1), soon()) == "created"
     info = client.parallel_info(soon())
-    assert info is not None and (info.tp_size, info.layout, info.complete) == (2, LAYOUT, True)
+    assert info is not None and (info.tp_sizes, info.layout, info.complete) == ((2,), LAYOUT, True)
     assert server.stats.auth_failures == 2
     assert_serving(server)
 

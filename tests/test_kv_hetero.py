@@ -283,3 +283,90 @@ def test_a_room_aborted_after_some_layers_landed_is_fenced() -> None:
                     assert (buf[page * pb : (page + 1) * pb] == 0xA5).all(), "a byte landed after the fence"
     finally:
         h.close()
+
+
+def test_dp_groups_of_different_tp_and_a_router_named_group() -> None:
+    """DP attention: one prefill deployment of two DP groups, tp 2 and tp 4, feeding decode tp 4. Rooms route
+    by ``room % 2``, or to the group the router named (``BootstrapInfo.dp_rank``); every decode rank gets
+    exactly its heads from the group that served the request."""
+    layout = KvLayout(order="hnd", kv_heads=4, head_bytes=4, page_tokens=2, layers=2)
+    knobs = dict(num_pages=PAGES, heartbeat_interval=0.05, dead_after=30.0, bootstrap_timeout=20.0, waiting_timeout=20.0)
+    server = BootstrapServer()
+    port = server.start()
+    groups: list[list[tuple[PrefillPeer, Any, list[np.ndarray]]]] = [[], []]
+    decode: list[tuple[DecodePeer, Any, list[np.ndarray]]] = []
+    try:
+        for g, tp in enumerate((2, 4)):
+            for p in range(tp):
+                cache = [np.zeros(PAGES * layout.page_bytes(tp), np.uint8) for _ in range(layout.buffers)]
+                peer, outbox = PrefillPeer.start(PrefillConfig(
+                    kv_buffers=cache, page_bytes=layout.page_bytes(tp), tp_size=tp, tp_rank=p, dp_size=2, dp_rank=g,
+                    kv_layout=layout, bootstrap_host="127.0.0.1", bootstrap_port=port, **knobs))
+                groups[g].append((peer, outbox, cache))
+        for d in range(4):
+            cache = [np.zeros(PAGES * layout.page_bytes(4), np.uint8) for _ in range(layout.buffers)]
+            peer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=cache, page_bytes=layout.page_bytes(4), tp_size=4,
+                                                        tp_rank=d, kv_layout=layout, **knobs))
+            decode.append((peer, inbox, cache))
+        # (rid, room, router-named group or None, the group that serves it)
+        requests = [("even", 10, None, 0), ("odd", 11, None, 1), ("named", 12, 1, 1)]
+        for i, (rid, room, named, g) in enumerate(requests):
+            for peer, _, _ in groups[g]:
+                peer.register(rid, BootstrapInfo("127.0.0.1", port, room))
+            for peer, _, _ in decode:
+                peer.register(rid, BootstrapInfo("127.0.0.1", port, room, dp_rank=named))
+        index = {rid: i for i, (rid, *_rest) in enumerate(requests)}
+        done: set[tuple[int, str]] = set()
+        deadline = Deadline.after(20)
+        while len(done) < 4 * len(requests):
+            assert not deadline.expired(), f"landed only {sorted(done)}"
+            for g, ranks in enumerate(groups):
+                for p, (peer, outbox, cache) in enumerate(ranks):
+                    for event in peer.poll(None):
+                        if isinstance(event, Bootstrapped):
+                            i = index[event.rid]
+                            first, count = layout.heads(p, len(ranks))
+                            pb = layout.page_bytes(len(ranks))
+                            for pair, page in enumerate(Hetero.src_pages(i)):
+                                content = _page(layout, first, count, i * N + pair)
+                                for b, buf in enumerate(cache):
+                                    buf[page * pb : (page + 1) * pb] = content[b]
+                            outbox.send(event.rid, Hetero.src_pages(i), first_token=1)
+                        assert not isinstance(event, Failed), (g, p, event)
+            for d, (peer, inbox, cache) in enumerate(decode):
+                for event in peer.poll(None):
+                    assert not isinstance(event, Failed), (d, event)
+                    if isinstance(event, Bootstrapped):
+                        inbox.announce(event.rid, Hetero.dst_pages(index[event.rid]), request_pool_index=0)
+                    elif isinstance(event, RemotePrefillDone):
+                        done.add((d, event.rid))
+        for d, (_, _, cache) in enumerate(decode):
+            first, count = layout.heads(d, 4)
+            pb = layout.page_bytes(4)
+            for rid, i in index.items():
+                for pair, page in enumerate(Hetero.dst_pages(i)):
+                    want = _page(layout, first, count, i * N + pair)
+                    for b, buf in enumerate(cache):
+                        assert np.array_equal(buf[page * pb : (page + 1) * pb], want[b]), (d, rid, b)
+    finally:
+        for peer, _, _ in [x for g in groups for x in g] + decode:
+            peer.close()
+        server.close()
+
+
+def test_a_router_named_group_that_does_not_exist_fails_naming_it() -> None:
+    h = Hetero(KvLayout(order="hnd", kv_heads=4, head_bytes=4, page_tokens=2, layers=1), 2, 2)
+    try:
+        for peer, _, _ in h.decode:
+            peer.register("lost", BootstrapInfo("127.0.0.1", h.port, 3, dp_rank=5))
+        deadline = Deadline.after(10)
+        reasons: dict[int, str] = {}
+        while len(reasons) < 2:
+            assert not deadline.expired(), reasons
+            for d, (peer, _, _) in enumerate(h.decode):
+                for event in peer.poll(None):
+                    if isinstance(event, Failed):
+                        reasons[d] = event.reason
+        assert all("dp_rank 5 is not a DP group" in r for r in reasons.values()), reasons
+    finally:
+        h.close()

@@ -193,7 +193,7 @@ def test_garbage_http_to_the_bootstrap_server_gets_clear_errors(pair: Pair) -> N
     client = BootstrapClient("127.0.0.1", port)
     assert client.health(Deadline.after(5.0))
     info = client.parallel_info(Deadline.after(5.0))
-    assert info is not None and (info.tp_size, info.dp_size) == (1, 1)
+    assert info is not None and (info.tp_sizes, info.dp_size) == ((1,), 1)
     rank = client.rank(0, 0, Deadline.after(5.0))
     assert rank is not None and rank.endpoint == endpoint
     assert pair.server._thread.is_alive()

@@ -302,9 +302,11 @@ class Receiver:
         tp = self._peer._config.tp_size
         if info.layout.get("role") != "encode":
             raise LocalProtocolError(f"it is not an encode deployment (layout {info.layout})")
-        if tp % info.tp_size:
-            raise LocalProtocolError(f"encode tp {info.tp_size} does not divide prefill tp {tp}")
-        return room % info.dp_size, self._peer._config.tp_rank // (tp // info.tp_size)
+        dp = room % info.dp_size
+        etp = info.tp_size(dp)
+        if tp % etp:
+            raise LocalProtocolError(f"encode tp {etp} does not divide prefill tp {tp}")
+        return dp, self._peer._config.tp_rank // (tp // etp)
 
     def _looked_up(self, record: _Item, why: str | None) -> None:
         """Worker: the lookup an item waited for ended."""
