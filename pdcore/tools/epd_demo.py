@@ -1,6 +1,6 @@
 """``python -m pdcore demo --epd``: encode -> prefill -> decode on loopback, real processes, real gloo groups.
 
-The PD demo (``pdcore.demo``) with the E stage in front. The main process runs
+The PD demo (``pdcore.tools.demo``) with the E stage in front. The main process runs
 one bootstrap server per encode deployment and per prefill replica; every rank
 is its own process running a miniature scheduler loop around its peer:
 
@@ -17,9 +17,9 @@ is its own process running a miniature scheduler loop around its peer:
   rank received (full copies: of the whole image, the same on every rank;
   sharded rows: each rank hashes its share and the replica all-gathers the
   share digests, as a real replica would rebuild the image), so decode's byte
-  check proves both hops. Then the request enters PD as in ``pdcore.demo``.
+  check proves both hops. Then the request enters PD as in ``pdcore.tools.demo``.
   A request whose embeddings fail is aborted toward decode (``abort_room``);
-- decode ranks run ``pdcore.demo``'s decode loop, checking every page against
+- decode ranks run ``pdcore.tools.demo``'s decode loop, checking every page against
   the pattern derived from the digest of the rows the request *should* have
   had (``expected_key``).
 
@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from ..cli import int_range
-from ..demo import (
+from .cli import int_range
+from .demo import (
     Pages,
     Plan,
     Request,
@@ -62,8 +62,8 @@ from ..demo import (
     holds_pattern,
     make_requests,
 )
-from ..events import FAILED_ELSEWHERE
-from ..progress import RunProgress
+from ..core.events import FAILED_ELSEWHERE
+from .progress import RunProgress
 
 __all__ = [
     "Encoder",
@@ -233,7 +233,7 @@ def _item_digest(shares: list[bytes], sharded: bool) -> bytes:
 
 
 def _kv_key(rid: str, items: list[bytes]) -> str:
-    """What a request's KV pattern derives from (``pdcore.demo.pattern``): the rid and its images' digests."""
+    """What a request's KV pattern derives from (``pdcore.tools.demo.pattern``): the rid and its images' digests."""
     return f"{rid}#{_digest(b''.join(items)).hex()}"
 
 
@@ -262,7 +262,7 @@ def expected_rows(plan: EpdPlan, request: Request) -> tuple[int, int]:
 
 
 class _Pages:
-    """The decode check of an EPD run (``pdcore.demo._decode_rank``'s ``checker``): a request's pages
+    """The decode check of an EPD run (``pdcore.tools.demo._decode_rank``'s ``checker``): a request's pages
     must hold the pattern of the rows it should have had (``expected_key``), so a wrong row on a prefill
     rank shows here as a page mismatch."""
 
@@ -278,9 +278,9 @@ class _Pages:
 
 def _encode_rank(plan: EpdPlan, index: int, rank: int, port: int, stop: Any, out: Any) -> None:
     """Encode rank ``rank`` (dp_rank * tp + tp_rank) of deployment ``index``: until the runner says stop."""
-    from .config import EncodeConfig
-    from .encode import EncodePeer
-    from .types import EmbeddingChunk
+    from ..epd.config import EncodeConfig
+    from ..epd.encode import EncodePeer
+    from ..epd.types import EmbeddingChunk
 
     pd = plan.pd
     enc = plan.encoders[index]
@@ -354,8 +354,8 @@ def _encode_rank(plan: EpdPlan, index: int, rank: int, port: int, stop: Any, out
 def _prefill_rank(plan: EpdPlan, index: int, rank: int, port: int, encode_ports: list[int], store: str,
                   out: Any) -> None:
     from .. import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
-    from .config import ReceiverConfig
-    from .types import EmbeddingItem
+    from ..epd.config import ReceiverConfig
+    from ..epd.types import EmbeddingItem
 
     pd = plan.pd
     tp = pd.prefill_tp[index]
@@ -516,12 +516,12 @@ class EpdOutcome:
 
 
 def _epd_context() -> Any:
-    """``pdcore.demo``'s fork server, preloading torch.distributed too: every rank of this run joins a
+    """``pdcore.tools.demo``'s fork server, preloading torch.distributed too: every rank of this run joins a
     gloo group, and ten ranks importing torch each cost more than the whole run on two cores. (Once the
     process's fork server runs, its preload list is what it was then.)"""
     ctx = _context()
     if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["pdcore.demo", "pdcore.prefill", "pdcore.decode", "pdcore.epd.demo",
+        ctx.set_forkserver_preload(["pdcore.tools.demo", "pdcore.pd.prefill", "pdcore.pd.decode", "pdcore.tools.epd_demo",
                                     "pdcore.epd.encode", "pdcore.epd.receiver", "torch.distributed"])
     return ctx
 
@@ -529,7 +529,7 @@ def _epd_context() -> Any:
 def run(plan: EpdPlan, *, progress: RunProgress | None = None) -> EpdOutcome:
     """Run the plan; every wait is bounded by ``plan.pd.timeout`` (plus start-up), every child is joined
     or killed. The encode ranks serve until every prefill and decode rank reported (or the deadline)."""
-    from ..bootstrap import BootstrapServer
+    from ..control.bootstrap import BootstrapServer
 
     _check(plan)
     pd = plan.pd
@@ -771,7 +771,7 @@ def _size(nbytes: float) -> str:
 
 def report(plan: EpdPlan, outcome: EpdOutcome, *, verbose: bool = False) -> int:
     """Print the summary table; 0 only if every request passed both hops and every row and byte matched."""
-    from ..cli import report_start_failure
+    from .cli import report_start_failure
     import sys
 
     if outcome.start_failure is not None:
@@ -862,8 +862,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, cli: argparse.ArgumentParser, *, secret: bytes | None, auth_note: str,
          num_pages: int) -> int:
-    """``python -m pdcore demo --epd`` once ``pdcore.demo.main`` parsed the line and chose the secret."""
-    from ..table import IMPLEMENTATION
+    """``python -m pdcore demo --epd`` once ``pdcore.tools.demo.main`` parsed the line and chose the secret."""
+    from ..core.table import IMPLEMENTATION
 
     for name, plain in (("layout", "opaque"), ("model", "none"), ("layerwise", False)):
         if getattr(args, name, plain) != plain:  # options of the PD demo the EPD run does not take
@@ -875,7 +875,7 @@ def main(args: argparse.Namespace, cli: argparse.ArgumentParser, *, secret: byte
     for tp in tps:
         if args.prefill_tp % tp:
             cli.error(f"argument --encode-tp: encode tp {tp} does not divide prefill tp {args.prefill_tp}")
-    from ..cli import memory_bytes
+    from .cli import memory_bytes
 
     ranks = 2 * args.prefill_tp + sum(tp * dp for tp, dp in zip(tps, dps))
     slots = max(EpdPlan.stage_window * args.max_images, EpdPlan.send_slots)

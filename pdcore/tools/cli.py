@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from .auth import load_secret
-from .errors import StartError
+from ..control.auth import load_secret
+from ..core.errors import StartError
 
 __all__ = [
     "CliParser",

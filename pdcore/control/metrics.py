@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
-from .errors import StartError
-from .events import FAILED_ELSEWHERE, Event, Failed
+from ..core.errors import StartError
+from ..core.events import FAILED_ELSEWHERE, Event, Failed
 
 __all__ = ["Counts", "Buckets", "failure_cause", "PeerCollector", "BootstrapCollector", "check_registry"]
 

@@ -241,7 +241,7 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
 
 
 def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out: Any) -> None:
-    from . import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
+    from .. import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
 
     tp = plan.prefill_tp[index]
     group = _join(store, rank, tp)
@@ -313,7 +313,7 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
 def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str, checker: Any, out: Any) -> None:
     """A decode rank's scheduler loop; ``checker(rank, tp)`` (None: ``_Contents``) makes what checks each
     landed request (``first_token(r, sent)``, ``check(r, got, cache, token, group)``)."""
-    from . import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
+    from .. import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
     tp = plan.decode_tp[index]
     group = _join(store, rank, tp)
@@ -414,7 +414,7 @@ class _Contents:
         if plan.model == "tiny":
             import torch
 
-            from .kv.tiny import Tiny
+            from ..kv.tiny import Tiny
 
             torch.set_num_threads(1)  # one rank per process on a shared machine: no intra-op thread pools
             self.model = Tiny(plan.kv, seed=7)
@@ -423,7 +423,7 @@ class _Contents:
         return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=4).digest(), "little")
 
     def prompt(self, r: Request) -> list[int]:
-        from .kv.tiny import VOCAB
+        from ..kv.tiny import VOCAB
 
         t = self.plan.kv.page_tokens
         n = max(1, r.pages * t - self._seed(r.rid) % t)  # the last page partly filled
@@ -443,7 +443,7 @@ class _Contents:
             token, kv = self.model.prefill(self.prompt(r))
             self.model.write_pages(kv, self.rank, self.tp, got, cache)
             return token
-        from .kv.pattern import page_content
+        from ..kv.pattern import page_content
 
         first, count = plan.kv.heads(self.rank, self.tp)
         pb = plan.kv.page_bytes(self.tp)
@@ -463,7 +463,7 @@ class _Contents:
             kv = self.model.read_pages(self.rank, self.tp, got, len(prompt), cache)
             tokens = self.model.decode(kv, token, plan.decode_steps, self.rank, self.tp, group)
             return tokens == self.model.reference(prompt, plan.decode_steps)
-        from .kv.pattern import page_content
+        from ..kv.pattern import page_content
 
         first, count = plan.kv.heads(self.rank, self.tp)
         pb = plan.kv.page_bytes(self.tp)
@@ -547,7 +547,7 @@ def _context() -> Any:
     except ValueError:
         return mp.get_context("spawn")
     # pdcore imports lazily; torch once here, not once per rank (a second or more of CPU each)
-    ctx.set_forkserver_preload(["pdcore.demo", "pdcore.prefill", "pdcore.decode", "torch.distributed"])
+    ctx.set_forkserver_preload(["pdcore.tools.demo", "pdcore.pd.prefill", "pdcore.pd.decode", "torch.distributed"])
     return ctx
 
 
@@ -556,9 +556,9 @@ def run(plan: Plan, *, progress: RunProgress | None = None) -> Outcome:
 
     A rank that fails before every rank is ready (its transport cannot start, say) ends the run
     at once: the other ranks are killed and ``Outcome.start_failure`` names the rank and the cause.
-    ``progress`` (``pdcore.progress.RunProgress``) is told about set-up and about requests as they end.
+    ``progress`` (``pdcore.tools.progress.RunProgress``) is told about set-up and about requests as they end.
     """
-    from .bootstrap import BootstrapServer
+    from ..control.bootstrap import BootstrapServer
 
     ctx = _context()
     pipes: dict[Any, tuple[str, int, int]] = {}  # the runner's end of each rank's pipe
@@ -734,7 +734,7 @@ def parser() -> CliParser:
     p.add_argument("--progress", choices=("auto", "rich", "plain", "none"), default="auto", help=PROGRESS_HELP)
     p.add_argument("--verbose", action="store_true",
                    help="print the traceback of every rank that raised (default: one line naming the cause)")
-    from .epd.demo import add_arguments
+    from .epd_demo import add_arguments
 
     add_arguments(p)  # --epd and its options
     return p
@@ -752,8 +752,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model != "none":
             cli.error("argument --model: a model needs a KV layout (--layout hnd, nhd or mla)")
     else:
-        from .errors import LocalProtocolError
-        from .kv import KvLayout
+        from ..core.errors import LocalProtocolError
+        from ..kv import KvLayout
 
         head_bytes = args.head_bytes or (64 if args.model == "tiny" else 256)
         if args.model == "tiny" and head_bytes % 8:
@@ -775,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{page_bytes} bytes on {args.prefill_tp + args.decode_tp} ranks is {cache / 1e9:.1f} GB of "
                   f"KV cache; this machine has {memory / 1e9:.1f} GB")
 
-    from .table import IMPLEMENTATION
+    from ..core.table import IMPLEMENTATION
 
     if args.secret_file is None:
         secret: bytes | None = secrets.token_bytes(32)
@@ -786,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         secret = args.secret_file[1]
         auth_note = f"authenticated (secret from {args.secret_file[0]})"
     if args.epd:
-        from .epd import demo as epd_demo
+        from . import epd_demo
 
         return epd_demo.main(args, cli, secret=secret, auth_note=auth_note, num_pages=num_pages)
 

@@ -33,17 +33,17 @@ from typing import Any, Protocol
 import transport as transport_mod
 from transport.plan import Layout
 
-from . import wire
-from .agreement import Agreement
-from .auth import resolve_secret, warn_unauthenticated
-from .metrics import Counts, PeerCollector, check_registry
+from ..control import wire
+from ..core.agreement import Agreement
+from ..control.auth import resolve_secret, warn_unauthenticated
+from ..control.metrics import Counts, PeerCollector, check_registry
 from .config import NodeConfig, PeerConfig
-from .control import ControlChannel, DeadPeer
-from .bootstrap import BootstrapClient, RankRegistration
-from .deadline import Deadline, DeadlineExceeded
-from .errors import CapacityError, PdError, PeerError, StartError
-from .events import BootstrapInfo, Event
-from .table import StateTable
+from ..control.channel import ControlChannel, DeadPeer
+from ..control.bootstrap import BootstrapClient, RankRegistration
+from ..core.deadline import Deadline, DeadlineExceeded
+from ..core.errors import CapacityError, PdError, PeerError, StartError
+from ..core.events import BootstrapInfo, Event
+from ..core.table import StateTable
 
 __all__ = ["TransferPeer", "Tombstones"]
 

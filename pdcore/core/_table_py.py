@@ -1,4 +1,4 @@
-"""Pure-Python twin of ``pdcore._table``: same names, signatures, exceptions, events.
+"""Pure-Python twin of ``pdcore.core._table``: same names, signatures, exceptions, events.
 
 It is the oracle the property tests compare the compiled table against, and
 what runs under ``PDCORE_PURE_PYTHON=1``. Everything it decides comes from

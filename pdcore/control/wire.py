@@ -38,7 +38,7 @@ from typing import Annotated, Any, Final, Union
 import msgspec
 from msgspec import Meta
 
-from .errors import LocalProtocolError, RemoteProtocolError
+from ..core.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",

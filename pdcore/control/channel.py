@@ -1,4 +1,4 @@
-"""The control channel: the ZeroMQ I/O edge that carries ``pdcore.wire`` frames.
+"""The control channel: the ZeroMQ I/O edge that carries ``pdcore.control.wire`` frames.
 
 Socket pattern: each channel binds one **ROUTER** (receive) and opens one
 **DEALER** per peer endpoint it sends to (connect). Why not the reference's
@@ -78,8 +78,8 @@ import zmq
 from zmq.utils import monitor, z85
 
 from . import auth, wire
-from .deadline import Deadline, DeadlineExceeded
-from .errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
+from ..core.deadline import Deadline, DeadlineExceeded
+from ..core.errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
 
 __all__ = ["ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness"]
 
@@ -123,7 +123,10 @@ def _handshake_failure(event: dict[str, object], *, server: bool = False) -> str
         return "the CURVE handshake did not decrypt: a different secret"
     if server:  # a client without a secret may see the mismatch first and hang up
         return "the client closed the connection during the handshake (no secret, or it went away)"
-    return "the peer closed the connection during the handshake: a different secret, or none"
+    return _PEER_CLOSED
+
+
+_PEER_CLOSED: Final = "the peer closed the connection during the handshake: a different secret, or none"
 
 
 class DeadPeer(NamedTuple):
@@ -198,6 +201,11 @@ class PeerLiveness:
                 DeadPeer(endpoint, session, epoch, f"no traffic for {now - last:.1f} s")  # type: ignore[arg-type,operator]
             )
         return out
+
+    def known(self, endpoint: str) -> tuple[str | None, int | None]:
+        """The session and epoch the peer at ``endpoint`` introduced (None, None if it never did)."""
+        entry = self._peers.get(endpoint)
+        return (None, None) if entry is None else (entry[0], entry[1])  # type: ignore[return-value]
 
     def pardon(self, now: float) -> None:
         """Every tracked peer counts as heard ``now``: we were not listening (a paused process)."""
@@ -593,7 +601,12 @@ class ControlChannel:
         failure = None
         while mon.poll(0):
             failure = _handshake_failure(monitor.recv_monitor_message(mon))
-        if failure is not None:
+        if failure is None:
+            return
+        if self._curve is None and failure == _PEER_CLOSED:  # no secret here: nothing to authenticate, it left
+            reason = f"control handshake with {endpoint}: the peer closed the connection (it went away)"
+            self._peer_dead(DeadPeer(endpoint, *self._liveness.known(endpoint), reason), drop=True)
+        else:
             self._auth_failed(endpoint, failure, dead=True)
 
     def _auth_failed(self, peer: str, why: str, *, dead: bool) -> None:
@@ -605,8 +618,8 @@ class ControlChannel:
                 self._auth_logged.clear()
             self._auth_logged[peer] = now
             log.warning("control channel %s: %s (more counted in stats.auth_failures)", self._endpoint, reason)
-        if dead:
-            self._peer_dead(DeadPeer(peer, None, None, reason), drop=True, quiet=True)
+        if dead:  # the incarnation we knew there (a peer that went away fails its reconnect's handshake too)
+            self._peer_dead(DeadPeer(peer, *self._liveness.known(peer), reason), drop=True, quiet=True)
 
     def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
         try:

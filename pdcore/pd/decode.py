@@ -28,18 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from . import wire
+from ..control import wire
 from ._peer import PeerBase, layout_json
-from ._spec import State, Trigger
-from .bootstrap import ParallelInfo
-from .lookup import Deployment, Lookups
+from ..core._spec import State, Trigger
+from ..control.bootstrap import ParallelInfo
+from ..control.lookup import Deployment, Lookups
 from .config import DecodeConfig
-from .control import DeadPeer
-from .deadline import Deadline
-from .errors import LocalProtocolError, PdError
-from .kv.layout import KvLayout
-from .kv.routing import routing
-from .events import BootstrapInfo, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
+from ..control.channel import DeadPeer
+from ..core.deadline import Deadline
+from ..core.errors import LocalProtocolError, PdError
+from ..kv.layout import KvLayout
+from ..kv.routing import routing
+from ..core.events import BootstrapInfo, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
 
 __all__ = ["DecodePeer", "DecodeInbox"]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bootstrap import BootstrapClient, ParallelInfo
-from .deadline import Deadline, DeadlineExceeded
-from .errors import PdError
+from ..core.deadline import Deadline, DeadlineExceeded
+from ..core.errors import PdError
 
 __all__ = ["Deployment", "Lookups"]
 

@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from transport.plan import Layout
 
-from . import wire
+from ..control import wire
 from ._peer import PeerBase
-from ._spec import State, Trigger
+from ..core._spec import State, Trigger
 from .parking import Parking
 from .config import PrefillConfig
-from .control import DeadPeer
-from .deadline import Deadline
-from .errors import CapacityError, LocalProtocolError, PdError, PeerError
-from .kv.layout import KvLayout
-from .kv.routing import Routing, routing
-from .events import BootstrapInfo, Event, Failed, Succeeded
+from ..control.channel import DeadPeer
+from ..core.deadline import Deadline
+from ..core.errors import CapacityError, LocalProtocolError, PdError, PeerError
+from ..kv.layout import KvLayout
+from ..kv.routing import Routing, routing
+from ..core.events import BootstrapInfo, Event, Failed, Succeeded
 
 if TYPE_CHECKING:
-    from .epd.config import ReceiverConfig
-    from .epd.receiver import Receiver
+    from ..epd.config import ReceiverConfig
+    from ..epd.receiver import Receiver
 
 __all__ = ["PrefillPeer", "PrefillOutbox"]
 
@@ -137,7 +137,7 @@ class PrefillPeer(PeerBase):
             raise LocalProtocolError("embedding_receiver: this prefill peer has its receiver already")
         if self._closed:
             raise PeerError("prefill peer: closed")
-        from .epd.receiver import Receiver
+        from ..epd.receiver import Receiver
 
         self._receiver = Receiver(self, config)
         return self._receiver

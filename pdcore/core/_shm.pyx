@@ -123,7 +123,7 @@ cdef class ShmReducer:
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(segment, Segment):
-            raise TypeError("segment must be a pdcore._shm_py.Segment")
+            raise TypeError("segment must be a pdcore.core._shm_py.Segment")
         self._seg = segment
         self._broken = None
         self._view = segment.view

@@ -2,10 +2,10 @@
 
 When every rank of a replica runs on one host, a round is an all-reduce MIN of
 the table's buffer through a shared-memory segment instead of the group's
-collective. ``pdcore._shm`` is the compiled round (C11 ``__atomic`` builtins);
+collective. ``pdcore.core._shm`` is the compiled round (C11 ``__atomic`` builtins);
 this module holds what both twins share (the layout, the segment's life, the
 error messages) and the twin itself, which runs under ``PDCORE_PURE_PYTHON=1``.
-``pdcore.table`` chooses; ``pdcore.agreement`` decides when to use it.
+``pdcore.core.table`` chooses; ``pdcore.core.agreement`` decides when to use it.
 
 Segment layout (one file in ``/dev/shm``, created by rank 0)::
 

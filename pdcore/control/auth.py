@@ -31,7 +31,7 @@ from transport.base import MAX_SECRET_BYTES, MIN_SECRET_BYTES, derive_key
 from transport.base import check_secret as _check_option
 from transport.base import hello_mac as mac
 
-from .errors import PdError, StartError
+from ..core.errors import PdError, StartError
 
 __all__ = [
     "MIN_SECRET_BYTES",

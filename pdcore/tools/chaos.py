@@ -149,8 +149,8 @@ def faulty_control_channel(
     heartbeat ``_tick``), so the faults sit there; held-back frames go out from ``_flush``, which
     the I/O thread runs at least every heartbeat interval.
     """
-    from . import wire
-    from .control import ControlChannel
+    from ..control import wire
+    from ..control.channel import ControlChannel
 
     for hook in ("_send_now", "_flush", "_drop_peer"):  # the I/O thread's private hooks this relies on
         if not callable(getattr(ControlChannel, hook, None)):
@@ -355,8 +355,8 @@ class _Sync:
 
 def _install_control_faults(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> None:
     # A chaos harness only: replace the name the peers build their channel from (PeerBase._start
-    # calls ``ControlChannel(...)`` from pdcore._peer's namespace) in this child process.
-    from . import _peer
+    # calls ``ControlChannel(...)`` from pdcore.pd._peer's namespace) in this child process.
+    from ..pd import _peer
 
     if any((plan.control_drop, plan.control_delay, plan.control_dup, plan.control_corrupt)):
         _peer.ControlChannel = faulty_control_channel(  # type: ignore[misc]
@@ -426,7 +426,7 @@ def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any
 
 
 def _prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, store: str, conn: Any) -> None:
-    from . import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
+    from .. import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
 
     _install_control_faults(plan, "prefill", index, gen, rank)
     group = _join_group(store, rank, plan.prefill_tp, plan.collective_timeout)
@@ -490,7 +490,7 @@ def _news(sync: Any, peer: Any, live: dict[str, Request], log: list[Any], bootst
 
 
 def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[int], store: str, conn: Any) -> None:
-    from . import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
+    from .. import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
     _install_control_faults(plan, "decode", index, gen, rank)
     group = _join_group(store, rank, plan.decode_tp, plan.collective_timeout)
@@ -652,7 +652,7 @@ class _Runner:
         self.fault_rng = random.Random(plan.seed ^ 0xFA17)  # the fault schedule: its own stream, so it does not
         # depend on how many requests were dispatched meanwhile (a replay gets the same faults, in time)
         self.ctx = _context()
-        from .bootstrap import BootstrapServer
+        from ..control.bootstrap import BootstrapServer
 
         self.servers = [BootstrapServer(secret=plan.secret) for _ in range(plan.replicas)]
         self.ports = [s.start() for s in self.servers]
@@ -989,7 +989,7 @@ def _context() -> Any:
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
-    ctx.set_forkserver_preload(["pdcore.chaos", "pdcore.demo", "pdcore.prefill", "pdcore.decode", "torch.distributed"])
+    ctx.set_forkserver_preload(["pdcore.tools.chaos", "pdcore.tools.demo", "pdcore.pd.prefill", "pdcore.pd.decode", "torch.distributed"])
     return ctx
 
 
@@ -1272,7 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
         max_pages=args.max_pages, unsafe_no_grants=args.unsafe_no_grants, prefill_tp=args.tp, decode_tp=args.tp,
     )
     plan = plan.slower(args.slow)
-    from .table import IMPLEMENTATION
+    from ..core.table import IMPLEMENTATION
 
     print(f"pdcore chaos: seed {seed}, {plan.replicas}P(tp{plan.prefill_tp}) -> {plan.replicas}D(tp{plan.decode_tp}), "
           f"transport {plan.transport}, dead_after {plan.dead_after:g} s, "

@@ -7,8 +7,8 @@ paths give the same MIN, the same events and the same mismatch guard:
   reduced tensor shares the table's buffer (``torch.from_numpy``), so the only
   copy per round is the table's own copy of its codes.
 - ``"shm"``: when every rank of the replica runs on one host, a shared-memory
-  segment with a compiled MIN and barrier (``pdcore._shm``; the protocol is in
-  ``pdcore._shm_py``'s docstring). A rank that dies or stops calling makes
+  segment with a compiled MIN and barrier (``pdcore.core._shm``; the protocol is in
+  ``pdcore.core._shm_py``'s docstring). A rank that dies or stops calling makes
   every other rank raise ``CollectiveError`` naming it, within ``shm_timeout``
   seconds (at once for a rank that exited), never a hang.
 
@@ -175,7 +175,7 @@ class Agreement:
 
     def _reducer_class(self) -> Any:
         """The shared-memory twin that matches the table's (the pure table runs the pure round)."""
-        if type(self._table).__module__ == "pdcore._table_py":
+        if type(self._table).__module__ == "pdcore.core._table_py":
             from ._shm_py import ShmReducer
         else:
             from .table import ShmReducer

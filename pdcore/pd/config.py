@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .auth import check_secret
-from .errors import LocalProtocolError, StartError
-from .kv.layout import KvLayout
+from ..control.auth import check_secret
+from ..core.errors import LocalProtocolError, StartError
+from ..kv.layout import KvLayout
 
 __all__ = ["NodeConfig", "PeerConfig", "PrefillConfig", "DecodeConfig", "check_registration"]
 
@@ -35,7 +35,7 @@ class NodeConfig:
 
     ``secret`` is the deployment's shared secret (bytes, 16..4096; every rank
     and the bootstrap server hold the same one): it authenticates the bootstrap
-    requests, the control channel and the data connections (``pdcore.auth``).
+    requests, the control channel and the data connections (``pdcore.control.auth``).
     None reads ``$PDCORE_SECRET_FILE`` at start; with neither, the planes run
     unauthenticated and the peer says so once. It never appears in a repr.
     """
@@ -89,7 +89,7 @@ class PeerConfig(NodeConfig):
     #: group's all-reduce), "shm" or "group"; a rank silent for ``agreement_timeout`` fails the round
     agreement: str = "auto"
     agreement_timeout: float = 5.0
-    #: a ``prometheus_client.CollectorRegistry`` to publish this peer's metrics in (``pdcore.metrics``)
+    #: a ``prometheus_client.CollectorRegistry`` to publish this peer's metrics in (``pdcore.control.metrics``)
     metrics: Any = field(default=None, repr=False, compare=False)
     #: what the pages hold (``pdcore.kv.KvLayout``: heads, page order, MLA), the same on both deployments;
     #: None: opaque pages, and prefill and decode must have the same tp size

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from . import wire
+from ..control import wire
 
 __all__ = ["Parking"]
 
