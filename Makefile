@@ -8,7 +8,7 @@ STAMP := $(VENV)/.pdcore-installed
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
-$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*.pyx pdcore/*/*.pyx transport/*.pyx)
+$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*/*.pyx transport/*.pyx)
 	@echo "setup: a virtual environment in $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -qq --disable-pip-version-check --upgrade pip
@@ -75,4 +75,4 @@ bench: $(STAMP) mooncake
 	$(PY) benchmarks/epd.py
 
 clean:
-	rm -rf build $(VENV) pdcore/*.c pdcore/*.so transport/*.c transport/*.so
+	rm -rf build $(VENV) pdcore/*/*.c pdcore/*/*.so transport/*.c transport/*.so

@@ -118,7 +118,7 @@ def verbs_gbits(device: str, size: int, iters: int, *, per_batch: int = 1, windo
     import numpy as np
 
     import transport
-    from pdcore.deadline import Deadline
+    from pdcore.core.deadline import Deadline
 
     src_t = transport.create("verbs", device=device, max_inflight=window)
     dst_t = transport.create("verbs", device=device)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdcore.deadline import Deadline
-from pdcore.errors import CapacityError
+from pdcore.core.deadline import Deadline
+from pdcore.core.errors import CapacityError
 
 
 def post_pipelined(t: Any, peer: Any, batches: Sequence[Any], seconds: float, what: str) -> None:

@@ -82,17 +82,17 @@ def _sync(group, world: int, barrier=None) -> None:
 def _shm_barrier(group, world: int):
     if world == 1:
         return None
-    from pdcore.agreement import Agreement
-    from pdcore.table import StateTable
+    from pdcore.core.agreement import Agreement
+    from pdcore.core.table import StateTable
 
     agreement = Agreement(StateTable(1), agreement="shm")
     return lambda: agreement.round(0.0, group)
 
 
 def library_rounds(n: int, group, world: int, mode: str = "group") -> Iterator[float]:
-    from pdcore._spec import Trigger
-    from pdcore.agreement import Agreement
-    from pdcore.table import StateTable
+    from pdcore.core._spec import Trigger
+    from pdcore.core.agreement import Agreement
+    from pdcore.core.table import StateTable
 
     table = StateTable(n, bootstrap_timeout=1e9, waiting_timeout=1e9)
     agreement = Agreement(table, agreement=mode)
@@ -129,7 +129,7 @@ def reference_rounds(n: int, group, world: int) -> Iterator[float]:
     import torch
     import torch.distributed as dist
 
-    from pdcore.events import Bootstrapped, Failed, Succeeded
+    from pdcore.core.events import Bootstrapped, Failed, Succeeded
 
     pollers = [ReferencePoller(f"req-{i}") for i in range(n)]
     serial = n
@@ -189,8 +189,8 @@ def shm_floor_rounds(n: int, group, world: int) -> Iterator[float]:
     """The bare shared-memory exchange of the same buffer: what ``shm`` pays beyond the table's own work."""
     import numpy as np
 
-    from pdcore.agreement import Agreement
-    from pdcore.table import StateTable
+    from pdcore.core.agreement import Agreement
+    from pdcore.core.table import StateTable
 
     table = StateTable(n)
     agreement = Agreement(table, agreement="shm")
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds, repeats = (150, 2) if args.quick else (600, 5)
 
-    from pdcore.table import IMPLEMENTATION
+    from pdcore.core.table import IMPLEMENTATION
 
     rows = [row for world in args.worlds for row in run_world(world, rounds, repeats)]
     for row in rows:

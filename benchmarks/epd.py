@@ -103,7 +103,7 @@ QUICK_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
 def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
     """A prefill rank with its receiver; on ``("run", rooms, rows, encode_port, check)`` receives one item per room."""
     from pdcore import EmbeddingItem, PrefillConfig, PrefillPeer, ReceiverConfig
-    from pdcore.bootstrap import BootstrapServer
+    from pdcore.control.bootstrap import BootstrapServer
 
     server = BootstrapServer(host="127.0.0.1", port=0)
     port = server.start()
@@ -157,7 +157,7 @@ class Epd:
 
     def __init__(self, slots: int, poll_interval: float) -> None:
         from pdcore import EncodeConfig, EncodePeer
-        from pdcore.bootstrap import BootstrapServer
+        from pdcore.control.bootstrap import BootstrapServer
 
         self.server = BootstrapServer(host="127.0.0.1", port=0)
         self.port = self.server.start()
@@ -378,7 +378,7 @@ def _rounds_rank(rank: int, world: int, store: str, n: int, rounds: int, ports: 
 
 
 def bench_rounds(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
-    from pdcore.bootstrap import BootstrapServer
+    from pdcore.control.bootstrap import BootstrapServer
 
     rows: list[dict[str, Any]] = []
     for world in (1, 2):

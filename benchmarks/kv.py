@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transport as transport_mod  # noqa: E402
 from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, PrefillConfig, PrefillPeer  # noqa: E402
 from pdcore import RemotePrefillDone  # noqa: E402
-from pdcore.bootstrap import BootstrapServer  # noqa: E402
-from pdcore.deadline import Deadline  # noqa: E402
+from pdcore.control.bootstrap import BootstrapServer  # noqa: E402
+from pdcore.core.deadline import Deadline  # noqa: E402
 from pdcore.kv import KvLayout  # noqa: E402
 from pdcore.kv.plan import plan  # noqa: E402
 from pdcore.kv.routing import routing  # noqa: E402

@@ -4,7 +4,7 @@
 
 Everything below is measured in one run on this machine.
 
-``e2e`` rows: ``pdcore.demo.run`` with ``verify=False`` (page contents are
+``e2e`` rows: ``pdcore.tools.demo.run`` with ``verify=False`` (page contents are
 neither filled nor checked, so only the transfer and the protocol around it
 are timed): real processes, one per rank, a bootstrap server per prefill
 replica, the prefill and decode peers and their miniature scheduler loops
@@ -142,7 +142,7 @@ def _floor_sink(conn: Connection, layers: int, buffer_bytes: int) -> None:
 def _floor_source(conn: Connection, layers: int, page_bytes: int, num_pages: int, sink: dict[str, Any]) -> None:
     """A prefill rank's cache without the peer: replays a run's batches on command and times them."""
     import transport
-    from pdcore.deadline import Deadline
+    from pdcore.core.deadline import Deadline
     from transport.plan import Layout, plan
 
     t = transport.create("tcp", host="127.0.0.1")
@@ -322,7 +322,7 @@ def e2e_once(
     grants: bool = True, secret: bytes | None = SECRET,
 ) -> dict[str, Any]:
     """One ``demo.run``; returns its figures and the writes of every (prefill, decode, rank) pair."""
-    from pdcore.demo import Plan, make_requests, run
+    from pdcore.tools.demo import Plan, make_requests, run
 
     requests = make_requests(args.requests, seed=seed, max_pages=args.max_pages, prefill=prefill, decode=decode)
     plan = Plan(
@@ -458,9 +458,9 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
     """Median µs of ``PrefillPeer.poll`` (with a secret, and without) and of the bare ``Agreement.round``,
     same workload, rotating which goes first. ``ports``: a bootstrap server with ``SECRET``, one without."""
     from pdcore import BootstrapInfo, PrefillConfig, PrefillPeer, Succeeded
-    from pdcore._spec import State, Trigger
-    from pdcore.agreement import Agreement
-    from pdcore.table import StateTable
+    from pdcore.core._spec import State, Trigger
+    from pdcore.core.agreement import Agreement
+    from pdcore.core.table import StateTable
 
     far = 1e6  # no request times out during the benchmark
     table = StateTable(n, bootstrap_timeout=far, waiting_timeout=far)
@@ -561,7 +561,7 @@ def _poll_rank(rank: int, world: int, store: str, n: int, rounds: int, ports: tu
 
 
 def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
-    from pdcore.bootstrap import BootstrapServer
+    from pdcore.control.bootstrap import BootstrapServer
 
     rows = []
     for world in (1, 2):
@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.rounds = args.rounds or (400 if args.quick else 2000)
 
-    from pdcore.table import IMPLEMENTATION
+    from pdcore.core.table import IMPLEMENTATION
     from transport.plan import IMPLEMENTATION as PLAN_IMPLEMENTATION
 
     def say(msg: str) -> None:
@@ -687,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"rows": rows, **summary}, indent=1))
         return 0
     if e2e:
-        print(f"end to end (pdcore.demo.run, verify=False, tp {args.tp}, {args.layers} layers x {args.page_bytes // 1024} KiB "
+        print(f"end to end (pdcore.tools.demo.run, verify=False, tp {args.tp}, {args.layers} layers x {args.page_bytes // 1024} KiB "
               f"pages, 1..{args.max_pages} pages/request, window {args.window}) vs the TCP transport on the same batches")
         print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
               f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "

@@ -54,7 +54,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import transport  # noqa: E402
-from pdcore.deadline import Deadline  # noqa: E402
+from pdcore.core.deadline import Deadline  # noqa: E402
 from transport import plan as plan_mod  # noqa: E402
 from benchmarks._pipeline import post_pipelined  # noqa: E402
 

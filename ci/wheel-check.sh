@@ -23,10 +23,10 @@ if "$work/venv/bin/python" -c "import Cython" 2>/dev/null; then
     exit 1
 fi
 "$work/venv/bin/python" - <<'PY'
-import pdcore, pdcore.table, transport.plan
+import pdcore, pdcore.core.table, transport.plan
 from pdcore import EmbeddingItem  # every subpackage made it into the wheel
 assert "site-packages" in pdcore.__file__, pdcore.__file__
-assert pdcore.table.IMPLEMENTATION == "cython" and transport.plan.IMPLEMENTATION == "cython"
+assert pdcore.core.table.IMPLEMENTATION == "cython" and transport.plan.IMPLEMENTATION == "cython"
 print(f"wheel: installed at {pdcore.__file__.rsplit('/', 2)[0]}, compiled twins in use")
 PY
 step "python -m pdcore demo from the installed wheel"

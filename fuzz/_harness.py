@@ -1,6 +1,6 @@
 """Shared runner for the fuzz targets: atheris (coverage-guided) when installed, else a mutation loop.
 
-atheris instruments the pure-Python decoders (pdcore.wire, pdcore.bootstrap);
+atheris instruments the pure-Python decoders (pdcore.control.wire, pdcore.control.bootstrap);
 msgspec's C core is not instrumented, so coverage comes from our validation
 code around it. The fallback loop (no atheris) mutates the seeds at random; it
 accepts the same ``-max_total_time=N``, ``-runs=N``, ``-seed=N`` and

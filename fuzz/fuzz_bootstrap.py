@@ -24,8 +24,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _harness import feed_whole_and_split, instrumented, main  # noqa: E402
 
 with instrumented():
-    from pdcore import auth, bootstrap
-    from pdcore.errors import RemoteProtocolError
+    from pdcore.control import auth, bootstrap
+    from pdcore.core.errors import RemoteProtocolError
 
 SEEDS = [
     b'{"session_id":"p-0","epoch":1,"endpoint":"tcp://127.0.0.1:7000","tp_size":2,"dp_size":1,'

@@ -1,4 +1,4 @@
-"""Invariant: pdcore.wire.decode(frame) returns a Message or raises RemoteProtocolError, nothing else.
+"""Invariant: pdcore.control.wire.decode(frame) returns a Message or raises RemoteProtocolError, nothing else.
 
 Also: a decoded message re-encodes, and decodes back to an equal message. Each
 input is fed whole and split in two, both raw and behind a valid frame header
@@ -15,8 +15,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _harness import feed_whole_and_split, instrumented, main  # noqa: E402
 
 with instrumented():
-    from pdcore import wire
-    from pdcore.errors import RemoteProtocolError
+    from pdcore.control import wire
+    from pdcore.core.errors import RemoteProtocolError
 
 SEEDS = [
     wire.encode(m)

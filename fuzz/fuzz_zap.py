@@ -1,4 +1,4 @@
-"""Invariant: pdcore.control.zap_reply admits exactly the deployment's CURVE key, never raises.
+"""Invariant: pdcore.control.channel.zap_reply admits exactly the deployment's CURVE key, never raises.
 
 The ZAP requests come from libzmq, but what they carry (the client's key, its
 address) comes from whoever connected. Frames are the input split at b"|".
@@ -17,7 +17,7 @@ from _harness import instrumented, main  # noqa: E402
 with instrumented():
     from zmq.utils import z85
 
-    from pdcore.control import curve_keys, zap_reply
+    from pdcore.control.channel import curve_keys, zap_reply
 
 KEY = z85.decode(curve_keys(b"fuzz deployment secret!!")[0])
 SEEDS = [

@@ -5,8 +5,19 @@ allocated, over a swappable data plane (``transport``: TCP or RDMA verbs); the
 ranks of each replica agree every round, with one all-reduce MIN, on which
 transfers changed state. See README.md.
 
-Names are imported on first use: ``import pdcore.errors`` (as the data plane
-does) must not pull in torch, ZeroMQ or the peers.
+Names are imported on first use: ``import pdcore.core.errors`` must not pull
+in torch, ZeroMQ or the peers.
+
+The package is layered, each layer importing only those below it:
+
+- ``core``: the compiled state table and its pure twin, the shared-memory
+  reduction, the agreement, events, errors, deadlines (sans-IO);
+- ``kv``: KV layouts across tp sizes and the write planner;
+- ``control``: the control plane: wire codec, control channel, bootstrap
+  server and client, authentication, deployment lookups, metrics;
+- ``pd``: the prefill and decode peers and their configuration;
+- ``epd``: the encode peer and the prefill rank's embedding receiver;
+- ``tools``: the command line (``python -m pdcore``): demo, bootstrap, chaos.
 """
 
 from __future__ import annotations
@@ -15,15 +26,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "IMPLEMENTATION": "table",
-    "DecodeConfig": "config",
-    "PeerConfig": "config",
-    "PrefillConfig": "config",
-    "DecodeInbox": "decode",
-    "DecodePeer": "decode",
-    "PrefillOutbox": "prefill",
-    "PrefillPeer": "prefill",
-    "TransferPeer": "_peer",
+    "IMPLEMENTATION": "core.table",
+    "DecodeConfig": "pd.config",
+    "PeerConfig": "pd.config",
+    "PrefillConfig": "pd.config",
+    "DecodeInbox": "pd.decode",
+    "DecodePeer": "pd.decode",
+    "PrefillOutbox": "pd.prefill",
+    "PrefillPeer": "pd.prefill",
+    "TransferPeer": "pd._peer",
     "EncodeConfig": "epd.config",
     "ReceiverConfig": "epd.config",
     "EncodePeer": "epd.encode",
@@ -33,23 +44,23 @@ _EXPORTS = {
     "EmbeddingSender": "epd.types",
     "LandedItem": "epd.types",
     "LandedRequest": "epd.types",
-    "BootstrapInfo": "events",
-    "Bootstrapped": "events",
-    "Event": "events",
-    "Failed": "events",
-    "RemotePrefill": "events",
-    "RemotePrefillDone": "events",
-    "Succeeded": "events",
-    "AuthenticationError": "auth",
-    "CapacityError": "errors",
-    "CollectiveError": "errors",
-    "LocalProtocolError": "errors",
-    "PdError": "errors",
-    "PeerError": "errors",
-    "ProtocolError": "errors",
-    "RemoteProtocolError": "errors",
-    "StartError": "errors",
-    "TransportError": "errors",
+    "BootstrapInfo": "core.events",
+    "Bootstrapped": "core.events",
+    "Event": "core.events",
+    "Failed": "core.events",
+    "RemotePrefill": "core.events",
+    "RemotePrefillDone": "core.events",
+    "Succeeded": "core.events",
+    "AuthenticationError": "control.auth",
+    "CapacityError": "core.errors",
+    "CollectiveError": "core.errors",
+    "LocalProtocolError": "core.errors",
+    "PdError": "core.errors",
+    "PeerError": "core.errors",
+    "ProtocolError": "core.errors",
+    "RemoteProtocolError": "core.errors",
+    "StartError": "core.errors",
+    "TransportError": "core.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -69,10 +80,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._peer import TransferPeer
-    from .auth import AuthenticationError
-    from .config import DecodeConfig, PeerConfig, PrefillConfig
-    from .decode import DecodeInbox, DecodePeer
+    from .pd._peer import TransferPeer
+    from .control.auth import AuthenticationError
+    from .pd.config import DecodeConfig, PeerConfig, PrefillConfig
+    from .pd.decode import DecodeInbox, DecodePeer
     from .epd.config import EncodeConfig, ReceiverConfig
     from .epd.encode import EncodePeer
     from .epd.types import (
@@ -83,7 +94,7 @@ if TYPE_CHECKING:
         LandedItem,
         LandedRequest,
     )
-    from .errors import (
+    from .core.errors import (
         CapacityError,
         CollectiveError,
         LocalProtocolError,
@@ -94,6 +105,6 @@ if TYPE_CHECKING:
         StartError,
         TransportError,
     )
-    from .events import BootstrapInfo, Bootstrapped, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
-    from .prefill import PrefillOutbox, PrefillPeer
-    from .table import IMPLEMENTATION
+    from .core.events import BootstrapInfo, Bootstrapped, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
+    from .pd.prefill import PrefillOutbox, PrefillPeer
+    from .core.table import IMPLEMENTATION

@@ -14,11 +14,11 @@ import textwrap
 
 #: name -> (module whose ``main(argv)`` runs it, one line saying what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("pdcore.demo", "move N requests' KV cache from a prefill to a decode replica on this machine "
+    "demo": ("pdcore.tools.demo", "move N requests' KV cache from a prefill to a decode replica on this machine "
              "(real processes and sockets) and check every byte"),
-    "bootstrap": ("pdcore.bootstrap", "run the bootstrap server: prefill ranks register with it, decode ranks "
+    "bootstrap": ("pdcore.tools.bootstrap", "run the bootstrap server: prefill ranks register with it, decode ranks "
                   "look up where a request's prefill ranks are"),
-    "chaos": ("pdcore.chaos", "run 2 prefill -> 2 decode replicas under kills, pauses and injected faults, "
+    "chaos": ("pdcore.tools.chaos", "run 2 prefill -> 2 decode replicas under kills, pauses and injected faults, "
               "then check the invariants a scheduler relies on"),
 }
 

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 from hypothesis import Phase, settings
 
-TWINS = {"cython": "pdcore._table", "python": "pdcore._table_py"}
+TWINS = {"cython": "pdcore.core._table", "python": "pdcore.core._table_py"}
 
 # Hypothesis profiles; a test that sets max_examples itself keeps its own. HYPOTHESIS_PROFILE picks
 # one: "default" for a developer's run, "ci" many more examples (the state machines explore more),

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pdcore.deadline import Deadline
+from pdcore.core.deadline import Deadline
 from pdcore.epd.types import DTYPE_ITEMSIZE
 
 HOST = "127.0.0.1"
@@ -265,7 +265,7 @@ def prefill_rank(rank: int, world: int, cluster: Cluster, pd_port: int, ports: l
 
     from pdcore.epd.config import ReceiverConfig
     from pdcore.epd.types import EmbeddingItem
-    from pdcore.prefill import PrefillConfig, PrefillPeer
+    from pdcore.pd.prefill import PrefillConfig, PrefillPeer
 
     width, deep_width, isz = cluster.hidden, cluster.deepstack_width, cluster.itemsize
     peer, _ = PrefillPeer.start(PrefillConfig(
@@ -368,7 +368,7 @@ class Outcome:
 
 def run_cluster(cluster: Cluster) -> Outcome:
     """Run the encode deployments and the prefill replica to the end; raises naming any rank that failed."""
-    from pdcore.bootstrap import BootstrapServer
+    from pdcore.control.bootstrap import BootstrapServer
     from replica import run_replica
 
     began = time.monotonic()

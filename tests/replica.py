@@ -17,7 +17,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from pdcore.deadline import Deadline
+from pdcore.core.deadline import Deadline
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, store: str, env: dict, args: tuple, out: Any) -> None:

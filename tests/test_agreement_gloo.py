@@ -11,7 +11,7 @@ from replica import run_replica
 
 pytestmark = pytest.mark.slow
 
-TWINS = ["pdcore._table", "pdcore._table_py"]
+TWINS = ["pdcore.core._table", "pdcore.core._table_py"]
 
 
 def _progress_both(rank: int, world: int) -> dict:
@@ -30,8 +30,8 @@ def _progress(rank: int, world: int, module: str) -> list:
     """Every rank registers the same 8 rids; rank k advances them on its own schedule."""
     import torch.distributed as dist
 
-    from pdcore._spec import Trigger
-    from pdcore.agreement import Agreement
+    from pdcore.core._spec import Trigger
+    from pdcore.core.agreement import Agreement
 
     table = importlib.import_module(module).StateTable(64, bootstrap_timeout=30.0, waiting_timeout=30.0)
     agreement = Agreement(table)
@@ -92,8 +92,8 @@ def _mismatch(rank: int, world: int, module: str) -> dict:
     """Rank 1 registers one rid the others never see; the next round must raise everywhere."""
     import torch.distributed as dist
 
-    from pdcore.agreement import Agreement
-    from pdcore.errors import CollectiveError
+    from pdcore.core.agreement import Agreement
+    from pdcore.core.errors import CollectiveError
 
     table = importlib.import_module(module).StateTable(32)
     agreement = Agreement(table)
@@ -140,9 +140,9 @@ def _same_count(rank: int, world: int, module: str, case: str) -> dict:
     The second round must raise CollectiveError on every rank and change nothing."""
     import torch.distributed as dist
 
-    from pdcore._spec import Trigger
-    from pdcore.agreement import Agreement
-    from pdcore.errors import CollectiveError
+    from pdcore.core._spec import Trigger
+    from pdcore.core.agreement import Agreement
+    from pdcore.core.errors import CollectiveError
 
     table = importlib.import_module(module).StateTable(16)
     agreement = Agreement(table)

@@ -1,4 +1,4 @@
-"""The same-host agreement through shared memory (``pdcore._shm`` and its twin ``pdcore._shm_py``).
+"""The same-host agreement through shared memory (``pdcore.core._shm`` and its twin ``pdcore.core._shm_py``).
 
 Fast tests run the ranks as threads of this process (each rank opens the
 segment itself, so each holds its own lock, as separate processes do); the
@@ -26,11 +26,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcore import _shm_py
-from pdcore.errors import CollectiveError
+from pdcore.core import _shm_py
+from pdcore.core.errors import CollectiveError
 
-REDUCERS = [pytest.param("pdcore._shm", marks=pytest.mark.compiled, id="cython"), pytest.param("pdcore._shm_py", id="python")]
-TWINS = [("pdcore._table", "pdcore._shm"), ("pdcore._table_py", "pdcore._shm_py")]
+REDUCERS = [pytest.param("pdcore.core._shm", marks=pytest.mark.compiled, id="cython"), pytest.param("pdcore.core._shm_py", id="python")]
+TWINS = [("pdcore.core._table", "pdcore.core._shm"), ("pdcore.core._table_py", "pdcore.core._shm_py")]
 
 
 def _entries() -> set[str]:
@@ -242,8 +242,8 @@ def _random_rounds(rank: int, world: int, rounds: int) -> dict:
     """Each twin: two tables driven alike on this rank, one agreed over gloo, one over shared memory."""
     import torch.distributed as dist
 
-    from pdcore._spec import Trigger
-    from pdcore.agreement import Agreement
+    from pdcore.core._spec import Trigger
+    from pdcore.core.agreement import Agreement
 
     group = dist.group.WORLD
     out = {}
@@ -289,7 +289,7 @@ def test_shared_memory_and_gloo_agree_on_every_round(world: int) -> None:
 def _mismatch(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from pdcore.agreement import Agreement
+    from pdcore.core.agreement import Agreement
 
     out = {}
     for table_module, _ in TWINS:
@@ -325,7 +325,7 @@ def _victim(rank: int, world: int, how: str, timeout: float, reducer_module: str
     """Rounds until round 5, when the last rank kills or stops itself before calling."""
     import torch.distributed as dist
 
-    from pdcore.agreement import Agreement
+    from pdcore.core.agreement import Agreement
 
     # the table's twin picks the reducer's: the pure table runs the pure round
     table = importlib.import_module({shm: tab for tab, shm in TWINS}[reducer_module]).StateTable(64)
@@ -346,7 +346,7 @@ def _victim(rank: int, world: int, how: str, timeout: float, reducer_module: str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reducer", ["pdcore._shm", "pdcore._shm_py"])
+@pytest.mark.parametrize("reducer", ["pdcore.core._shm", "pdcore.core._shm_py"])
 def test_a_killed_rank_is_named_by_every_other_rank_at_once(reducer: str) -> None:
     world, timeout = 3, 5.0
     results = _run(_victim, world, "kill", timeout, reducer, victim=world - 1)
@@ -359,7 +359,7 @@ def test_a_killed_rank_is_named_by_every_other_rank_at_once(reducer: str) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reducer", ["pdcore._shm", "pdcore._shm_py"])
+@pytest.mark.parametrize("reducer", ["pdcore.core._shm", "pdcore.core._shm_py"])
 def test_a_stopped_rank_is_named_within_the_deadline_and_fails_when_it_wakes(reducer: str) -> None:
     world, timeout = 2, 1.5
     results = _run(_victim, world, "stop", timeout, reducer, victim=world - 1)

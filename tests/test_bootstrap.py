@@ -21,8 +21,8 @@ from unittest import mock
 import msgspec
 import pytest
 
-from pdcore import bootstrap
-from pdcore.bootstrap import (
+from pdcore.control import bootstrap
+from pdcore.control.bootstrap import (
     MAX_BODY_BYTES,
     BootstrapClient,
     BootstrapServer,
@@ -33,8 +33,8 @@ from pdcore.bootstrap import (
     parse_rank_path,
     parse_registration,
 )
-from pdcore.deadline import Deadline, DeadlineExceeded
-from pdcore.errors import LocalProtocolError, RemoteProtocolError, StartError
+from pdcore.core.deadline import Deadline, DeadlineExceeded
+from pdcore.core.errors import LocalProtocolError, RemoteProtocolError, StartError
 
 LAYOUT = {"page_size": 16, "fields": [{"name": "k", "shape": [8, 128]}]}
 

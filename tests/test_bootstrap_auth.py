@@ -29,8 +29,8 @@ from unittest import mock
 import msgspec
 import pytest
 
-from pdcore.auth import AuthenticationError, derive_key
-from pdcore.bootstrap import (
+from pdcore.control.auth import AuthenticationError, derive_key
+from pdcore.control.bootstrap import (
     AUTH_HEADER,
     RESPONSE_MAC_HEADER,
     BootstrapClient,
@@ -42,8 +42,8 @@ from pdcore.bootstrap import (
     sign_response,
     verify_request,
 )
-from pdcore.deadline import Deadline
-from pdcore.errors import StartError
+from pdcore.core.deadline import Deadline
+from pdcore.core.errors import StartError
 
 from test_bootstrap import LAYOUT, cli_server, raw, reg, run_cli, soon
 
@@ -497,7 +497,7 @@ def test_secrets_are_checked_at_construction() -> None:
 
 
 def test_unauthenticated_server_warns_at_start() -> None:
-    with mock.patch("pdcore.bootstrap.auth.warn_unauthenticated") as warn:
+    with mock.patch("pdcore.control.bootstrap.auth.warn_unauthenticated") as warn:
         server = BootstrapServer("127.0.0.1", 0)
         warn.assert_not_called()  # at start, not at construction
         with server:

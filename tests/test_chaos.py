@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import transport
-from pdcore.deadline import Deadline
-from pdcore.errors import StartError, TransportError
+from pdcore.core.deadline import Deadline
+from pdcore.core.errors import StartError, TransportError
 from transport.faulty import FaultyTransport
 
 # ------------------------------------------------------------------------------ the wrapper
@@ -155,7 +155,7 @@ def test_grants_pass_through(pair) -> None:
 def _channels(faulty_cls):
     import queue
 
-    from pdcore.control import ControlChannel
+    from pdcore.control.channel import ControlChannel
 
     got: queue.Queue = queue.Queue()
     sink = ControlChannel(lambda sender, msg: got.put(msg), session_id="sink", heartbeat_interval=0.05, dead_after=5.0)
@@ -169,8 +169,8 @@ def _channels(faulty_cls):
 def test_control_faults(fault: str) -> None:
     import queue
 
-    from pdcore import wire
-    from pdcore.chaos import faulty_control_channel
+    from pdcore.control import wire
+    from pdcore.tools.chaos import faulty_control_channel
 
     rates = {"drop": 0.0, "delay": 0.0, "dup": 0.0, "corrupt": 0.0}
     rates[fault] = 1.0 if fault != "drop" else 0.5
@@ -214,7 +214,7 @@ def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> 
     stopped process), twice, kills and restarts a prefill replica, and pauses decode and prefill
     ranks from outside. Before decode fenced through grants (eca997a) this run broke the canary:
     the resumed prefill rank's queued writes landed in pages decode had handed back on Failed."""
-    from pdcore import chaos
+    from pdcore.tools import chaos
 
     plan = chaos.ChaosPlan(seed=20, seconds=20.0, fault_gap=(1.0, 2.5), drain=20.0, verbose=True)
     outcome = chaos.run(plan)
@@ -235,7 +235,7 @@ def test_chaos_catches_a_fence_that_trusts_the_source(capsys: pytest.CaptureFixt
     """The checker checked: with decode fencing without grants (``unsafe_no_grants``, benchmarks
     only), prefill ranks that stop themselves mid-transfer land their queued writes in pages decode
     handed back, and the canary row must say so."""
-    from pdcore import chaos
+    from pdcore.tools import chaos
 
     # 16 layers: a handover that arms the self-stop (16+ pages) is 16+ MiB per rank, far more than the
     # socket buffers take even on a loaded machine, so writes are surely queued in the stopped process

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import zmq
 
-from pdcore import wire
-from pdcore.control import ControlChannel, curve_keys
-from pdcore.deadline import Deadline
+from pdcore.control import wire
+from pdcore.control.channel import ControlChannel, curve_keys
+from pdcore.core.deadline import Deadline
 
 from test_control import WAIT, Inbox, control_threads
 
@@ -177,7 +177,7 @@ def test_mismatched_secrets_fail_the_senders_rooms_with_a_clear_reason() -> None
 
 
 def test_a_secret_that_is_not_bytes_or_too_short_is_refused_at_construction() -> None:
-    from pdcore.errors import StartError
+    from pdcore.core.errors import StartError
 
     for bad in (b"too-short-secret"[:15], "a str, not bytes, of enough length"):
         with pytest.raises(StartError, match="secret") as info:
@@ -197,8 +197,8 @@ def test_a_paused_process_does_not_declare_its_peers_dead_on_waking(tmp_path: An
     code = f"""
 import sys, time
 sys.path[:0] = {sys.path!r}
-from pdcore import wire
-from pdcore.control import ControlChannel
+from pdcore.control import wire
+from pdcore.control.channel import ControlChannel
 dead = []
 ch = ControlChannel(lambda s, m: None, session_id="prefill-9", secret={SECRET!r},
                     heartbeat_interval=0.1, dead_after=1.0, on_peer_dead=dead.append)

@@ -1,4 +1,4 @@
-"""The EPD demo end to end (``pdcore.epd.demo.run``): encode -> prefill -> decode, real processes and groups.
+"""The EPD demo end to end (``pdcore.tools.epd_demo.run``): encode -> prefill -> decode, real processes and groups.
 
 Two encode deployments (tp 1 x dp 2, tp 2 x dp 1), each behind its own bootstrap
 server, feed two prefill replicas of tp 2 (replica 0 receives full copies,
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pdcore.epd.demo import (
+from pdcore.tools.epd_demo import (
     EpdPlan,
     Summary,
     expected_key,

@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 
 from _epd_children import Child, Encoder, Replica, items, run_encode
-from pdcore.bootstrap import BootstrapServer
-from pdcore.events import FAILED_ELSEWHERE
+from pdcore.control.bootstrap import BootstrapServer
+from pdcore.core.events import FAILED_ELSEWHERE
 
 HEARTBEAT = 0.25
 DEAD_AFTER = 2.0  # the prefill ranks judge a silent encode rank dead after this

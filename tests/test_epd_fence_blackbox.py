@@ -32,8 +32,8 @@ import time
 import pytest
 
 from _epd_children import SPAWN, Child, Replica, items, run_encode, state_of
-from pdcore.bootstrap import BootstrapServer
-from pdcore.events import FAILED_ELSEWHERE
+from pdcore.control.bootstrap import BootstrapServer
+from pdcore.core.events import FAILED_ELSEWHERE
 
 HEARTBEAT = 0.25
 DEAD_AFTER = 2.0  # the prefill ranks judge the silent encode rank dead after this

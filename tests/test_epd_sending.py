@@ -33,11 +33,11 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pdcore import wire
+from pdcore.control import wire
 from pdcore.epd._recv_py import shard
 from pdcore.epd.sending import SendRooms, Tell, Write
 from pdcore.epd.types import DTYPE_ITEMSIZE, EmbeddingChunk
-from pdcore.errors import LocalProtocolError
+from pdcore.core.errors import LocalProtocolError
 
 PARK = 10.0
 TTL = 30.0

@@ -32,7 +32,7 @@ from pdcore.epd import _recv_py
 from pdcore.epd import _spec
 from pdcore.epd._spec import ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from pdcore.epd.types import EmbeddingItem, LandedItem, LandedRequest
-from pdcore.errors import CapacityError, CollectiveError, LocalProtocolError, PdError
+from pdcore.core.errors import CapacityError, CollectiveError, LocalProtocolError, PdError
 
 TWINS = {"cython": "pdcore.epd._recv", "python": "pdcore.epd._recv_py"}
 
@@ -331,7 +331,7 @@ def test_the_buffer_has_one_length_whatever_is_staged(recv: ModuleType) -> None:
 
 
 def test_the_pd_agreement_drives_the_table(recv: ModuleType) -> None:
-    from pdcore.agreement import Agreement
+    from pdcore.core.agreement import Agreement
 
     t = recv.ReceiveTable(2, 8)
     t.stage("a", items(3), 0.0)
@@ -651,7 +651,7 @@ def _epd_replica_rank(rank: int, world: int) -> dict[str, Any]:
     """Per twin and agreement mode: a few rounds of progress, then a mismatched staged order."""
     import torch.distributed as dist
 
-    from pdcore.agreement import Agreement
+    from pdcore.core.agreement import Agreement
 
     out: dict[str, Any] = {}
     for name, module in TWINS.items():

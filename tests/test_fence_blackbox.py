@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 import _fence_children as kids
-from pdcore.bootstrap import BootstrapServer
+from pdcore.control.bootstrap import BootstrapServer
 
 pytestmark = pytest.mark.slow
 

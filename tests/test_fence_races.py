@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from pdcore import wire
-from pdcore._spec import State, Trigger
-from pdcore.errors import CapacityError
+from pdcore.control import wire
+from pdcore.core._spec import State, Trigger
+from pdcore.core.errors import CapacityError
 from pd_pair import Pair, through_worker, token
 
 

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import transport
-from pdcore import wire
+from pdcore.control import wire
 from pd_pair import Pair
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Heterogeneous TP end to end (``pdcore.demo.run``): real processes, real gloo groups, real sockets.
+"""Heterogeneous TP end to end (``pdcore.tools.demo.run``): real processes, real gloo groups, real sockets.
 
 Every decode rank checks exactly its heads of every page (bytes any holder of a head computes alike) or,
 with the tiny model, decodes from its heads and must produce one process's tokens; every rank of each
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pdcore.demo import Outcome, Plan, make_requests, run
+from pdcore.tools.demo import Outcome, Plan, make_requests, run
 from pdcore.kv import KvLayout
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed
 from pdcore import RemotePrefillDone, Succeeded
 from pd_pair import through_worker
 
-from pdcore.bootstrap import BootstrapServer
-from pdcore.deadline import Deadline
+from pdcore.control.bootstrap import BootstrapServer
+from pdcore.core.deadline import Deadline
 from pdcore.kv import KvLayout
 
 PAGES = 12

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdcore.errors import LocalProtocolError
+from pdcore.core.errors import LocalProtocolError
 from pdcore.kv import KvLayout
 from pdcore.kv import _heads_py
 from pdcore.kv.pattern import page_content

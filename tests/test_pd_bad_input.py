@@ -19,9 +19,9 @@ import msgspec
 import pytest
 import zmq
 
-from pdcore import wire
-from pdcore.bootstrap import BootstrapClient
-from pdcore.deadline import Deadline
+from pdcore.control import wire
+from pdcore.control.bootstrap import BootstrapClient
+from pdcore.core.deadline import Deadline
 from pd_pair import Pair, through_worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -254,7 +254,7 @@ def test_zap_admits_exactly_the_deployments_key() -> None:
     """The ZAP verdict (sans-IO): only a CURVE client whose long-term key is the deployment's."""
     from zmq.utils import z85
 
-    from pdcore.control import curve_keys, zap_reply
+    from pdcore.control.channel import curve_keys, zap_reply
 
     key = z85.decode(curve_keys(SECRET)[0])
     other = z85.decode(zmq.curve_keypair()[0])
@@ -273,7 +273,7 @@ def test_a_client_that_knows_the_public_key_but_not_the_secret_gets_nothing_in()
     """The deployment's CURVE public key is not a secret a client can prove: an outsider that
     has it (and its own key pair) completes CURVE's cryptography, and only the ZAP check keeps
     it out. Its frames, claiming a peer's identity, are never delivered."""
-    from pdcore.control import curve_keys
+    from pdcore.control.channel import curve_keys
 
     from test_control import WAIT, Inbox
 

@@ -1,4 +1,4 @@
-"""End-to-end: real processes, real sockets, real gloo groups (``pdcore.demo.run``).
+"""End-to-end: real processes, real sockets, real gloo groups (``pdcore.tools.demo.run``).
 
 Every rank of every replica is its own process running a miniature scheduler
 around its peer; the main process runs the bootstrap servers and injects the
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from pdcore.demo import Outcome, Plan, make_requests, run
+from pdcore.tools.demo import Outcome, Plan, make_requests, run
 
 pytestmark = pytest.mark.slow
 

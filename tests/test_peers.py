@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pdcore._spec import State
-from pdcore.errors import PdError
+from pdcore.core._spec import State
+from pdcore.core.errors import PdError
 from pd_pair import PAGE, Pair, frames_in, through_worker, token
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import zmq
 
-from pdcore import AuthenticationError, PrefillConfig, PrefillPeer, StartError, wire
-from pdcore.auth import SECRET_FILE_ENV
+from pdcore import AuthenticationError, PrefillConfig, PrefillPeer, StartError
+from pdcore.control import wire
+from pdcore.control.auth import SECRET_FILE_ENV
 
 from pd_pair import Pair
 
@@ -125,8 +126,8 @@ def test_without_a_secret_a_process_says_so_once() -> None:
 
     code = (
         "import logging; logging.basicConfig()\n"
-        "from pdcore.bootstrap import BootstrapServer\n"
-        "from pdcore.control import ControlChannel\n"
+        "from pdcore.control.bootstrap import BootstrapServer\n"
+        "from pdcore.control.channel import ControlChannel\n"
         "with BootstrapServer(), ControlChannel(lambda s, m: None, session_id='x'), "
         "ControlChannel(lambda s, m: None, session_id='y'): pass\n"
     )

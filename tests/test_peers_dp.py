@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, PrefillConfig, PrefillPeer, RemotePrefillDone
-from pdcore.bootstrap import BootstrapServer
-from pdcore.deadline import Deadline
+from pdcore.control.bootstrap import BootstrapServer
+from pdcore.core.deadline import Deadline
 
 PAGE, PAGES, LAYERS = 4096, 32, 2
 

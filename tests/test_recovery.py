@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from pdcore import PrefillConfig, PrefillPeer
-from pdcore.bootstrap import BootstrapClient, BootstrapServer, RankRegistration
-from pdcore.deadline import Deadline
+from pdcore.control.bootstrap import BootstrapClient, BootstrapServer, RankRegistration
+from pdcore.core.deadline import Deadline
 from pd_pair import Pair, through_worker
 
 

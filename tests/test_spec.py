@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 
-from pdcore import _spec
-from pdcore._spec import EventKind, State, Trigger, events_for
+from pdcore.core import _spec
+from pdcore.core._spec import EventKind, State, Trigger, events_for
 
 FAILING = {Trigger.FAIL, Trigger.TIMEOUT, Trigger.ABORT}
 
 
 def test_compiled_grid_is_the_spec() -> None:
-    from pdcore import _table
+    from pdcore.core import _table
 
     grid, timers, arms = _table.compiled_spec()
     assert grid == tuple(tuple(int(s) for s in row) for row in _spec.TRANSITIONS)
@@ -77,7 +77,7 @@ def test_twins_and_stub_expose_the_same_api() -> None:
     import ast
     import pathlib
 
-    from pdcore import _table, _table_py
+    from pdcore.core import _table, _table_py
 
     public = lambda cls: {n for n in dir(cls) if not n.startswith("_")} | ({"__len__", "__contains__"} & set(dir(cls)))  # noqa: E731
     assert public(_table.StateTable) == public(_table_py.StateTable)
@@ -92,8 +92,8 @@ def test_the_chooser_follows_the_environment() -> None:
     import subprocess
     import sys
 
-    code = "import pdcore.table as t; print(t.IMPLEMENTATION, t.StateTable.__module__)"
-    for env, expected in (({"PDCORE_PURE_PYTHON": "1"}, "python pdcore._table_py"), ({}, "cython pdcore._table")):
+    code = "import pdcore.core.table as t; print(t.IMPLEMENTATION, t.StateTable.__module__)"
+    for env, expected in (({"PDCORE_PURE_PYTHON": "1"}, "python pdcore.core._table_py"), ({}, "cython pdcore.core._table")):
         environ = {k: v for k, v in os.environ.items() if k != "PDCORE_PURE_PYTHON"} | env
         out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=60)
         assert out.stdout.split() == expected.split(), out.stderr

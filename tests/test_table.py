@@ -8,9 +8,9 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from pdcore._spec import CODE_FAILING, FREE, Fence, State, Trigger
-from pdcore.errors import CapacityError, CollectiveError, LocalProtocolError
-from pdcore.events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
+from pdcore.core._spec import CODE_FAILING, FREE, Fence, State, Trigger
+from pdcore.core.errors import CapacityError, CollectiveError, LocalProtocolError
+from pdcore.core.events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
 
 
 def solo_round(table, now: float = 0.0) -> list:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pdcore
-import pdcore.deadline
-import pdcore.errors
+import pdcore.core.deadline
+import pdcore.core.errors
 import transport
 import transport.deadline
 import transport.errors
@@ -121,12 +121,12 @@ def test_no_module_under_transport_imports_pdcore() -> None:
 
 
 def test_pdcore_reexports_the_same_classes() -> None:
-    assert pdcore.PdError is pdcore.errors.PdError is transport.errors.TransportBaseError
+    assert pdcore.PdError is pdcore.core.errors.PdError is transport.errors.TransportBaseError
     assert pdcore.TransportError is transport.errors.TransportError
     assert pdcore.StartError is transport.errors.StartError
     assert pdcore.CapacityError is transport.errors.CapacityError
-    assert pdcore.deadline.Deadline is transport.deadline.Deadline
-    assert pdcore.deadline.DeadlineExceeded is transport.deadline.DeadlineExceeded
+    assert pdcore.core.deadline.Deadline is transport.deadline.Deadline
+    assert pdcore.core.deadline.DeadlineExceeded is transport.deadline.DeadlineExceeded
     for cls in (pdcore.CollectiveError, pdcore.PeerError, pdcore.LocalProtocolError, pdcore.RemoteProtocolError):
         assert issubclass(cls, pdcore.PdError)
     from transport.plan import PlanError

@@ -36,11 +36,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pdcore import _table, _table_py
-from pdcore import _spec
-from pdcore._spec import CODE_FAILED, CODE_FAILING, CODE_SUCCESS, Fence, State, Timer, Trigger
-from pdcore.errors import PdError
-from pdcore.events import Bootstrapped, Failed, Succeeded
+from pdcore.core import _table, _table_py
+from pdcore.core import _spec
+from pdcore.core._spec import CODE_FAILED, CODE_FAILING, CODE_SUCCESS, Fence, State, Timer, Trigger
+from pdcore.core.errors import PdError
+from pdcore.core.events import Bootstrapped, Failed, Succeeded
 
 CAPACITIES = (6, 9, 17)  # below the compiled decode's 8-slot word, one word and a tail, two and a tail
 RIDS = st.sampled_from([f"r{i}" for i in range(20)])

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcore import wire
-from pdcore.errors import LocalProtocolError, RemoteProtocolError
+from pdcore.control import wire
+from pdcore.core.errors import LocalProtocolError, RemoteProtocolError
 
 MESSAGES: list[wire.Message] = [
     wire.Register(

@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 import transport
-from pdcore import BootstrapInfo, wire
+from pdcore import BootstrapInfo
+from pdcore.control import wire
 from pd_pair import Pair, through_worker
 
 HOSTILE = "tcp://127.0.0.1:9"

@@ -119,7 +119,7 @@ above and re-exports these very classes rather than defining its own.
 two names), and pdcore's ``CollectiveError``, ``ProtocolError``, ... subclass
 it; ``pdcore.StartError``, ``pdcore.CapacityError`` and
 ``pdcore.TransportError`` *are* ``transport.errors``' classes; and
-``pdcore.deadline.Deadline`` *is* ``transport.deadline.Deadline``. So
+``pdcore.core.deadline.Deadline`` *is* ``transport.deadline.Deadline``. So
 ``except pdcore.PdError`` catches every transport error, ``except
 pdcore.TransportError`` catches a transport's failures, and no error is
 defined twice.
@@ -714,13 +714,13 @@ def check_secret(secret: object, where: str) -> bytes | None:
 
 def derive_key(secret: bytes, label: str) -> bytes:
     """The 32-byte key of one plane, ``HMAC-SHA256(secret, "pdcore/" + label)``: the same bytes as
-    ``pdcore.auth.derive_key`` (this package does not import it). ``"tcp-hello"``, ``"verbs-hello"``."""
+    ``pdcore.control.auth.derive_key`` (this package does not import it). ``"tcp-hello"``, ``"verbs-hello"``."""
     return hmac.new(secret, b"pdcore/" + label.encode(), hashlib.sha256).digest()
 
 
 def hello_mac(key: bytes, *parts: bytes) -> bytes:
     """HMAC-SHA256 over ``parts``, each prefixed with its length (u64 LE), so no two part lists give
-    the same input (``pdcore.auth.mac``'s rule). Callers put a role label first."""
+    the same input (``pdcore.control.auth.mac``'s rule). Callers put a role label first."""
     h = hmac.new(key, digestmod=hashlib.sha256)
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))

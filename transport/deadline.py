@@ -1,6 +1,6 @@
 """Absolute, monotonic deadlines: every blocking call of the data plane takes one.
 
-Owned here so ``transport`` stands alone; ``pdcore.deadline`` re-exports these
+Owned here so ``transport`` stands alone; ``pdcore.core.deadline`` re-exports these
 classes, so one ``Deadline`` is used everywhere. Nested deadlines combine with
 ``min`` (``Deadline.earliest``).
 """

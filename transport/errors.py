@@ -2,8 +2,8 @@
 
 ``TransportBaseError`` is the base of every error a transport raises on
 purpose. ``pdcore`` sits above this package and re-exports these classes
-instead of defining its own: ``pdcore.errors.PdError`` *is*
-``TransportBaseError`` (one class, two names), and ``pdcore.errors.StartError``,
+instead of defining its own: ``pdcore.core.errors.PdError`` *is*
+``TransportBaseError`` (one class, two names), and ``pdcore.core.errors.StartError``,
 ``CapacityError`` and ``TransportError`` *are* the classes below. So
 ``except pdcore.PdError`` catches every transport error, and
 ``except pdcore.TransportError`` catches exactly what a transport raises as

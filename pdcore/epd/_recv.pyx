@@ -18,9 +18,9 @@ import threading
 
 import numpy as np
 
-from .._table_py import FINGERPRINT_BYTES, rid_hash
-from ..errors import CapacityError, CollectiveError, LocalProtocolError
-from ..events import FAILED_ELSEWHERE
+from ..core._table_py import FINGERPRINT_BYTES, rid_hash
+from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
+from ..core.events import FAILED_ELSEWHERE
 from . import _spec
 from ._spec import ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from .types import LandedItem, LandedRequest
@@ -613,7 +613,7 @@ cdef class ReceiveTable:
     def decode(self):
         """``settle(self.buffer)``: the round's second half when the reduction ran in place on ``buffer``.
 
-        With it the table is what ``pdcore.agreement.Agreement`` drives
+        With it the table is what ``pdcore.core.agreement.Agreement`` drives
         (``encode(now)``, MIN of ``buffer`` across the replica, ``decode()``),
         over the group's collective or shared memory, mismatch guard included.
         """

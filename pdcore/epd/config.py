@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import NodeConfig, check_registration
-from ..errors import StartError
+from ..pd.config import NodeConfig, check_registration
+from ..core.errors import StartError
 from .types import DTYPE_ITEMSIZE
 
 __all__ = ["ReceiverConfig", "EncodeConfig"]

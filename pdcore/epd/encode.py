@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import wire
-from .._peer import PeerBase
-from ..control import DeadPeer
-from ..deadline import Deadline
-from ..errors import LocalProtocolError, PdError
+from ..control import wire
+from ..pd._peer import PeerBase
+from ..control.channel import DeadPeer
+from ..core.deadline import Deadline
+from ..core.errors import LocalProtocolError, PdError
 from .config import EncodeConfig
 from .sending import Action, SendRooms, Tell, Write
 from .types import EmbeddingChunk

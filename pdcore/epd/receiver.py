@@ -16,7 +16,7 @@ the compiled ``ReceiveTable`` (``pdcore.epd.table``); this module does the I/O:
   the writes completed) or fails the request; a lost encode rank fails every
   request still waiting for it.
 - ``poll``/``settle`` (or ``round``, which runs poll → replica MIN → settle
-  through ``pdcore.agreement`` with the table's mismatch guard) settle the
+  through ``pdcore.core.agreement`` with the table's mismatch guard) settle the
   agreed codes. A request that failed is told to its encode ranks (``Abort``)
   and each asked slot is fenced: its grant revoked in the data plane before
   the slot takes a new receive, so a late write from a paused or slow encode
@@ -37,18 +37,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from transport.base import byte_view
 
-from .. import wire
-from ..agreement import Agreement
-from ..bootstrap import ParallelInfo
-from ..lookup import Deployment, Lookups
-from ..deadline import Deadline
-from ..errors import CapacityError, LocalProtocolError, PdError, StartError
+from ..control import wire
+from ..core.agreement import Agreement
+from ..control.bootstrap import ParallelInfo
+from ..control.lookup import Deployment, Lookups
+from ..core.deadline import Deadline
+from ..core.errors import CapacityError, LocalProtocolError, PdError, StartError
 from .config import ReceiverConfig
 from .table import ReceiveTable
 from .types import EmbeddingItem, LandedRequest
 
 if TYPE_CHECKING:
-    from ..prefill import PrefillPeer
+    from ..pd.prefill import PrefillPeer
 
 __all__ = ["Receiver"]
 

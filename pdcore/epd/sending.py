@@ -33,8 +33,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .. import wire
-from ..errors import LocalProtocolError
+from ..control import wire
+from ..core.errors import LocalProtocolError
 from ._recv_py import shard
 from .types import DTYPE_ITEMSIZE, EmbeddingChunk
 

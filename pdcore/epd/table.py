@@ -1,6 +1,6 @@
 """The one place that chooses the EPD receiver table: compiled (``_recv``) or its pure twin (``_recv_py``).
 
-``PDCORE_PURE_PYTHON=1`` selects the twin, as ``pdcore.table`` does for the
+``PDCORE_PURE_PYTHON=1`` selects the twin, as ``pdcore.core.table`` does for the
 PD table. Otherwise the compiled module is imported and an ``ImportError`` is
 a broken build: it is raised, never papered over by a silent fallback.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..table import IMPLEMENTATION
+from ..core.table import IMPLEMENTATION
 
 __all__ = ["IMPLEMENTATION", "ReceiveTable", "Ask", "FINGERPRINT_BYTES"]
 

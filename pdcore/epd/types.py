@@ -2,12 +2,12 @@
 
 An encode node (E) ships each multimodal item's embedding rows to the prefill
 ranks (P) that wait for them; one room per item. The values here are small,
-frozen and validated when built, as in ``pdcore.events``: a bad value raises
+frozen and validated when built, as in ``pdcore.core.events``: a bad value raises
 ``ValueError`` (``TypeError`` for a value of the wrong type) naming the class
 and the field. Never subclass them.
 
 ``EmbeddingReceiver`` and ``EmbeddingSender`` are ``typing.Protocol``\\ s, as
-``pdcore._peer.TransferPeer`` is: the prefill peer's receiver and the encode
+``pdcore.pd._peer.TransferPeer`` is: the prefill peer's receiver and the encode
 peer's sender implement them.
 """
 

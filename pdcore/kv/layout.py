@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..errors import LocalProtocolError
+from ..core.errors import LocalProtocolError
 
 __all__ = ["KvLayout", "ORDERS", "Share", "Segments"]
 

@@ -7,7 +7,7 @@ address, destination address, length) that move exactly the heads ``p`` owes
 pages, pairing ``src_pages[i]`` with ``dst_pages[i]``; an empty array when
 ``p`` owes ``d`` nothing. Inputs are checked here (naming the field); the
 kernel is compiled (``_heads``) or its pure twin (``_heads_py``,
-``PDCORE_PURE_PYTHON=1``), chosen as ``pdcore.table`` chooses.
+``PDCORE_PURE_PYTHON=1``), chosen as ``pdcore.core.table`` chooses.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import LocalProtocolError
-from ..table import IMPLEMENTATION
+from ..core.errors import LocalProtocolError
+from ..core.table import IMPLEMENTATION
 from .layout import KvLayout
 
 if TYPE_CHECKING or IMPLEMENTATION == "python":

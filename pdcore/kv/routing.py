@@ -19,7 +19,7 @@ import numpy as np
 from transport.plan import Layout
 from transport.plan import plan as plan_pages
 
-from ..errors import LocalProtocolError
+from ..core.errors import LocalProtocolError
 from .layout import KvLayout
 from .plan import plan as plan_heads
 

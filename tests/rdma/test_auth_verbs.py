@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pdcore.deadline import Deadline
-from pdcore.errors import TransportError
+from pdcore.core.deadline import Deadline
+from pdcore.core.errors import TransportError
 from transport import verbs
 from transport.base import decode_endpoint
 

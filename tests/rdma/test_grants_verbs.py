@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pdcore.deadline import Deadline
-from pdcore.errors import CapacityError, TransportError
+from pdcore.core.deadline import Deadline
+from pdcore.core.errors import CapacityError, TransportError
 
 from _transport_support import Collector  # tests/rdma/conftest.py puts tests/transport on the path
 

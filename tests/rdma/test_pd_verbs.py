@@ -23,8 +23,8 @@ from pdcore import (
     PrefillPeer,
     RemotePrefillDone,
 )
-from pdcore.bootstrap import BootstrapServer
-from pdcore.deadline import Deadline
+from pdcore.control.bootstrap import BootstrapServer
+from pdcore.core.deadline import Deadline
 
 pytestmark = pytest.mark.rdma
 

@@ -13,7 +13,7 @@ def test_missing_pyverbs_names_what_to_install() -> None:
     code = (
         "import sys; sys.modules['pyverbs'] = None\n"  # as if rdma-core's bindings were not installed
         "import transport\n"
-        "from pdcore.errors import StartError\n"
+        "from pdcore.core.errors import StartError\n"
         "try:\n"
         "    transport.create('verbs')\n"
         "except StartError as e:\n"

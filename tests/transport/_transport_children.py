@@ -23,7 +23,7 @@ def run_sink(conn: Connection, name: str, options: dict[str, Any], nbytes: int) 
 def run_source(conn: Connection, name: str, options: dict[str, Any], endpoint: bytes, nbytes: int, batches: int) -> None:
     """Connect to ``endpoint`` and post ``batches`` writes of ``nbytes``, then wait to be killed."""
     import transport
-    from pdcore.deadline import Deadline
+    from pdcore.core.deadline import Deadline
 
     t = transport.create(name, **options)
     buf = np.full(nbytes, 7, np.uint8)
@@ -40,8 +40,8 @@ def run_grant_source(conn: Connection, name: str, options: dict[str, Any], endpo
     """Connect to ``endpoint``, send this transport's instance, receive ``(grant key, remote addr)``,
     then write ``nbytes`` of 9s through the grant, batch after batch, until stopped or killed."""
     import transport
-    from pdcore.deadline import Deadline
-    from pdcore.errors import TransportError
+    from pdcore.core.deadline import Deadline
+    from pdcore.core.errors import TransportError
 
     t = transport.create(name, **options)
     buf = np.full(nbytes, 9, np.uint8)

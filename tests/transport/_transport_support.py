@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import transport
-from pdcore.deadline import Deadline
+from pdcore.core.deadline import Deadline
 
-from pdcore.errors import TransportError
+from pdcore.core.errors import TransportError
 from transport.base import Transport
 
 #: The deployment secret of the suite's authenticated runs (a test value, nothing else uses it).

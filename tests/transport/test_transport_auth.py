@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import transport
-from pdcore import auth as pdcore_auth
-from pdcore.deadline import Deadline
-from pdcore.errors import StartError, TransportError
+from pdcore.control import auth as pdcore_auth
+from pdcore.core.deadline import Deadline
+from pdcore.core.errors import StartError, TransportError
 from transport import tcp
 from transport.base import Endpoint, Grant, PeerHandle, Region, Transport, decode_endpoint, derive_key, encode_endpoint
 

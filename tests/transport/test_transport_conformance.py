@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import transport
-from pdcore.deadline import Deadline
-from pdcore.errors import CapacityError, StartError, TransportError
+from pdcore.core.deadline import Deadline
+from pdcore.core.errors import CapacityError, StartError, TransportError
 from transport.base import Completion, PeerHandle, Region, Transport, decode_endpoint
 
 import _transport_children

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import transport
-from pdcore.deadline import Deadline
+from pdcore.core.deadline import Deadline
 from transport import tcp
-from pdcore.errors import TransportError
+from pdcore.core.errors import TransportError
 from transport.base import decode_endpoint
 
 
