@@ -1,8 +1,11 @@
-"""The pipelined replay both transport floors use: post batches up to the in-flight bound, reap, repeat."""
+"""What the benchmarks share: the pipelined replay both transport floors use (post batches up to the in-flight
+bound, reap, repeat), and a benchmark rank of a real gloo replica."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 from pdcore.core.deadline import Deadline
@@ -25,3 +28,22 @@ def post_pipelined(t: Any, peer: Any, batches: Sequence[Any], seconds: float, wh
                 raise c.error
             done += 1
         deadline.check(what)
+
+
+def gloo_rank(measure: Callable[..., Any], rank: int, world: int, store: str, out: Any, *args: Any) -> None:
+    """A spawned rank: join the gloo group at ``store``, run ``measure(group, rank, world, *args)``, and put
+    rank 0's result (or any rank's error) on ``out``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        result = measure(dist.group.WORLD, rank, world, *args)
+        if rank == 0:
+            out.put(result)
+    except BaseException as e:
+        out.put({"error": f"rank {rank}: {type(e).__name__}: {e}"})
+        raise
+    finally:
+        dist.destroy_process_group()

@@ -74,7 +74,6 @@ import tempfile
 import time
 import zlib
 from collections.abc import Iterator
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -85,6 +84,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
     sys.path.insert(0, ROOT)
 
 from benchmarks.agreement import _shm_barrier, _sync, library_rounds  # noqa: E402
+from benchmarks._pipeline import gloo_rank  # noqa: E402
 from benchmarks.pd import Floor, _recv  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -360,21 +360,8 @@ def measure_rounds(n: int, rounds: int, group: Any, world: int, rank: int, ports
     return rows
 
 
-def _rounds_rank(rank: int, world: int, store: str, n: int, rounds: int, ports: dict[str, tuple[int, int]], out: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
-        rows = measure_rounds(n, rounds, dist.group.WORLD, world, rank, ports)
-        if rank == 0:
-            out.put(rows)
-    except BaseException as e:
-        out.put({"error": f"rank {rank}: {type(e).__name__}: {e}"})
-        raise
-    finally:
-        dist.destroy_process_group()
+def _rounds_measure(group: Any, rank: int, world: int, n: int, rounds: int, ports: dict[str, tuple[int, int]]) -> Any:
+    return measure_rounds(n, rounds, group, world, rank, ports)
 
 
 def bench_rounds(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
@@ -400,7 +387,7 @@ def bench_rounds(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
             out = ctx.Queue()
             with tempfile.TemporaryDirectory(prefix="pdcore-bench-epd-") as tmp:
                 store = os.path.join(tmp, "store")
-                procs = [ctx.Process(target=_rounds_rank, args=(r, world, store, args.requests, args.rounds, ports, out))
+                procs = [ctx.Process(target=gloo_rank, args=(_rounds_measure, r, world, store, out, args.requests, args.rounds, ports))
                          for r in range(world)]
                 for p in procs:
                     p.start()

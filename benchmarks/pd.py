@@ -103,7 +103,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -113,7 +112,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow the package
     sys.path.insert(0, ROOT)
 
-from benchmarks._pipeline import post_pipelined  # noqa: E402
+from benchmarks._pipeline import gloo_rank, post_pipelined  # noqa: E402
 
 TARGET_RATIO = 0.7
 GRANTS_TARGET = 0.95  # grants may cost at most 5% of end-to-end throughput
@@ -543,21 +542,8 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
             peer.close()
 
 
-def _poll_rank(rank: int, world: int, store: str, n: int, rounds: int, ports: tuple[int, int], out: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
-        result = poll_rounds(n, rounds, dist.group.WORLD, rank, world, ports)
-        if rank == 0:
-            out.put(result)
-    except BaseException as e:
-        out.put({"error": f"rank {rank}: {type(e).__name__}: {e}"})
-        raise
-    finally:
-        dist.destroy_process_group()
+def _poll_measure(group: Any, rank: int, world: int, n: int, rounds: int, ports: tuple[int, int]) -> dict[str, Any]:
+    return poll_rounds(n, rounds, group, rank, world, ports)
 
 
 def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
@@ -577,7 +563,7 @@ def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
                 with tempfile.TemporaryDirectory(prefix="pdcore-bench-pd-") as tmp:
                     store = os.path.join(tmp, "store")
                     procs = [
-                        ctx.Process(target=_poll_rank, args=(r, world, store, args.poll_requests, args.rounds, ports, out))
+                        ctx.Process(target=gloo_rank, args=(_poll_measure, r, world, store, out, args.poll_requests, args.rounds, ports))
                         for r in range(world)
                     ]
                     for p in procs:
