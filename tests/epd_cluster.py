@@ -267,7 +267,7 @@ def prefill_rank(rank: int, world: int, cluster: Cluster, pd_port: int, ports: l
     from pdcore.epd.types import EmbeddingItem
     from pdcore.pd.prefill import PrefillConfig, PrefillPeer
 
-    width, deep_width, isz = cluster.hidden, cluster.deepstack_width, cluster.itemsize
+    width, deep_width = cluster.hidden, cluster.deepstack_width
     peer, _ = PrefillPeer.start(PrefillConfig(
         kv_buffers=[np.zeros(4 * 4096, np.uint8)], page_bytes=4096, num_pages=4, bootstrap_host=HOST,
         bootstrap_port=pd_port, tp_size=world, tp_rank=rank, heartbeat_interval=0.25, dead_after=cluster.timeout,

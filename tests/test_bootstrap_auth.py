@@ -15,10 +15,7 @@ import logging
 import os
 import random
 import selectors
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +33,6 @@ from pdcore.control.bootstrap import (
     BootstrapClient,
     BootstrapServer,
     NonceCache,
-    RankRegistration,
     RequestAuthError,
     sign_request,
     sign_response,

@@ -17,7 +17,7 @@ import pytest
 
 from pdcore.core._spec import State
 from pdcore.core.errors import PdError
-from pd_pair import PAGE, Pair, frames_in, through_worker, token
+from pd_pair import PAGE, Pair, through_worker, token
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import zmq
 
-from pdcore import AuthenticationError, PrefillConfig, PrefillPeer, StartError
+from pdcore import PrefillConfig, StartError
 from pdcore.control import wire
 from pdcore.control.auth import SECRET_FILE_ENV
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import zmq

@@ -42,7 +42,7 @@ from ..core.agreement import Agreement
 from ..control.bootstrap import ParallelInfo
 from ..control.lookup import Deployment, Lookups
 from ..core.deadline import Deadline
-from ..core.errors import CapacityError, LocalProtocolError, PdError, StartError
+from ..core.errors import LocalProtocolError, PdError, StartError
 from .config import ReceiverConfig
 from .table import ReceiveTable
 from .types import EmbeddingItem, LandedRequest

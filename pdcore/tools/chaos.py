@@ -1007,7 +1007,6 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
     """``(invariant, figure, holds, details)`` rows."""
     rows: list[tuple[str, str, bool, list[str]]] = []
     survivors = [i for i in outcome.incarnations if not i.killed]
-    killed = [i for i in outcome.incarnations if i.killed]
 
     rows.append(("no hang (every process ended in time)", f"{len(outcome.hung)} hung", not outcome.hung, outcome.hung))
     rows.append(("no rank raised", f"{len(outcome.errors)} errors", not outcome.errors, outcome.errors))

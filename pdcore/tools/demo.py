@@ -18,7 +18,6 @@ tests and ``benchmarks/pd.py`` drive, with fault injection.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
