@@ -52,7 +52,9 @@ handshake is counted (``stats.auth_failures``) and logged at most once per
 ``_AUTH_LOG_EVERY`` per endpoint; on the connecting side it declares that peer
 dead with a reason that starts with "authentication failed", so the rooms
 waiting on it fail at once. Without a secret the channel runs on ZeroMQ's NULL
-mechanism, as before, and says so once per process.
+mechanism, as before, and says so once per process; a secured peer that hangs
+up on it may reset the connection before its greeting is read, so such a side
+reports the peer gone "(it went away, or it requires a secret ...)".
 
 Liveness: every channel sends a ``Heartbeat`` (session id, epoch, seq) to each
 peer it has a DEALER to, every ``heartbeat_interval``. A peer that has sent
@@ -603,8 +605,13 @@ class ControlChannel:
             failure = _handshake_failure(monitor.recv_monitor_message(mon))
         if failure is None:
             return
-        if self._curve is None and failure == _PEER_CLOSED:  # no secret here: nothing to authenticate, it left
-            reason = f"control handshake with {endpoint}: the peer closed the connection (it went away)"
+        if self._curve is None and failure == _PEER_CLOSED:
+            # No secret here: the peer went away, or it wants a secret and hung up before we read its greeting
+            # (its reset can discard the greeting that would have told us). The reason says both.
+            reason = (
+                f"control handshake with {endpoint}: the peer closed the connection during the handshake "
+                "(it went away, or it requires a secret this side lacks: is the secret the same on both sides?)"
+            )
             self._peer_dead(DeadPeer(endpoint, *self._liveness.known(endpoint), reason), drop=True)
         else:
             self._auth_failed(endpoint, failure, dead=True)
