@@ -8,7 +8,7 @@ STAMP := $(VENV)/.pdcore-installed
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
-$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*/*.pyx transport/*.pyx)
+$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*/*.pyx transport/*.pyx) pdcore/core/_events_py.py
 	@echo "setup: a virtual environment in $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -qq --disable-pip-version-check --upgrade pip
@@ -36,7 +36,7 @@ test-pure: $(STAMP)
 	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow" tests/transport tests/test_peers.py tests/test_peers_dp.py \
 		tests/test_fence_races.py tests/test_recovery.py tests/test_hostile_sizes.py tests/test_worker_never_waits.py \
 		tests/test_agreement_shm.py tests/test_transport_standalone.py tests/test_peers_auth.py \
-		tests/test_epd_types.py tests/test_epd_table.py tests/test_kv_plan.py
+		tests/test_epd_types.py tests/test_epd_table.py tests/test_kv_plan.py tests/test_events.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --epd --requests 40
 

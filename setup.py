@@ -1,4 +1,5 @@
-"""Build the compiled twins: every ``*.pyx`` under ``pdcore/`` and ``transport/``.
+"""Build the compiled twins: every ``*.pyx`` under ``pdcore/`` and ``transport/``, and the
+pure-Python-mode sources in ``PURE_MODE``, compiled as they are under another module name.
 
 ``PDCORE_DEBUG_BUILD=1`` turns on Cython bounds checks and line tracing and
 builds with ``-O0 -g``. ``PDCORE_QUICK_BUILD=1`` builds the same code at
@@ -31,16 +32,15 @@ macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 if DEBUG:
     macros.append(("CYTHON_TRACE_NOGIL", "1"))
 
+#: source -> compiled module; the source stays importable as Python (the pure twin).
+PURE_MODE = {"pdcore/core/_events_py.py": "pdcore.core._events"}
+
+sources = {str(pyx.with_suffix("")).replace(os.sep, "."): str(pyx)
+           for package in ("pdcore", "transport") for pyx in sorted(Path(package).rglob("*.pyx"))}
+sources.update({name: source for source, name in PURE_MODE.items()})
 extensions = [
-    Extension(
-        str(pyx.with_suffix("")).replace(os.sep, "."),
-        [str(pyx)],
-        include_dirs=[numpy.get_include()],
-        extra_compile_args=cflags,
-        define_macros=macros,
-    )
-    for package in ("pdcore", "transport")
-    for pyx in sorted(Path(package).rglob("*.pyx"))
+    Extension(name, [source], include_dirs=[numpy.get_include()], extra_compile_args=cflags, define_macros=macros)
+    for name, source in sources.items()
 ]
 
 print(f"pdcore: {'debug' if DEBUG else 'quick' if QUICK else 'optimised'} build of {len(extensions)} compiled modules")

@@ -73,6 +73,15 @@ def test_failed_is_sticky_and_keeps_the_first_reason(table_impl: ModuleType) -> 
     assert "a" not in t and not t.has_in_flight()
 
 
+def test_a_reason_that_is_not_a_str_is_kept_as_its_str(table_impl: ModuleType) -> None:
+    t = table_impl.StateTable(2)
+    t.register("a", 0.0)
+    assert t.update("a", Trigger.FAIL, 0.0, OSError(104, "reset")) == State.FAILED  # type: ignore[arg-type]
+    solo_round(t)
+    events = solo_round(t)
+    assert events == [Failed("a")] and events[0].reason == "[Errno 104] reset"
+
+
 def test_a_failure_after_local_success_still_wins(table_impl: ModuleType) -> None:
     t = table_impl.StateTable(2)
     t.register("a", 0.0)

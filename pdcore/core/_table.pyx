@@ -228,7 +228,7 @@ cdef class StateTable:
     def update(self, rid, trigger, double now, reason=""):
         """Fire ``trigger`` for ``rid`` on this rank; returns the new local state.
 
-        Safe from any thread. ``reason`` is kept when the request fails here.
+        Safe from any thread. ``reason`` is kept, as ``str``, when the request fails here.
         """
         if not isinstance(trigger, int) or not 0 <= trigger < N_TRIGGERS:
             raise LocalProtocolError(f"trigger {trigger!r} for rid {rid!r} is not a Trigger (0..{N_TRIGGERS - 1})")
@@ -236,7 +236,7 @@ cdef class StateTable:
         with self._lock:
             slot = self._slot_of(rid)
             if self._apply(slot, trigger, now):
-                self._reasons[slot] = reason or Trigger(trigger).name.lower()
+                self._reasons[slot] = str(reason) if reason else Trigger(trigger).name.lower()
             return State(self._local[slot])
 
     cdef int _apply(self, Py_ssize_t slot, int trigger, double now) except -1:

@@ -155,13 +155,13 @@ class StateTable:
     def update(self, rid: str, trigger: int, now: float, reason: str = "") -> State:
         """Fire ``trigger`` for ``rid`` on this rank; returns the new local state.
 
-        Safe from any thread. ``reason`` is kept when the request fails here.
+        Safe from any thread. ``reason`` is kept, as ``str``, when the request fails here.
         """
         if not isinstance(trigger, int) or not 0 <= trigger < len(Trigger):
             raise LocalProtocolError(f"trigger {trigger!r} for rid {rid!r} is not a Trigger (0..{len(Trigger) - 1})")
         with self._lock:
             slot = self._slot_of(rid)
-            self._apply(slot, trigger, now, reason or Trigger(trigger).name.lower())
+            self._apply(slot, trigger, now, str(reason) if reason else Trigger(trigger).name.lower())
             return State(self._local[slot])
 
     def _apply(self, slot: int, trigger: int, now: float, reason: str) -> None:

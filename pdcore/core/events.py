@@ -2,12 +2,21 @@
 
 Events compare equal across the ranks of a replica: ``Failed.reason`` is this
 rank's own explanation (a rank that did not fail locally only knows that
-another rank did), so it is left out of equality.
+another rank did), so it is left out of equality. The events the state table
+emits (``Bootstrapped``, ``Failed``, ``Succeeded``) are compiled from
+``_events_py`` (see there why); ``PDCORE_PURE_PYTHON=1`` takes that file as
+Python, as ``table.py`` takes the table's pure twin.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
+
+if os.environ.get("PDCORE_PURE_PYTHON") == "1":
+    from ._events_py import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded
+else:
+    from ._events import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded  # type: ignore[no-redef]
 
 __all__ = [
     "BootstrapInfo",
@@ -19,9 +28,6 @@ __all__ = [
     "RemotePrefillDone",
     "FAILED_ELSEWHERE",
 ]
-
-#: The reason a rank gives for a failure it did not see itself.
-FAILED_ELSEWHERE = "failed on another rank of the replica"
 
 _U64 = (1 << 64) - 1
 
@@ -65,34 +71,6 @@ class RemotePrefill:
     def __post_init__(self) -> None:
         if self.bootstrap_token < 0:
             raise ValueError(f"RemotePrefill {self.rid!r}: a landing needs a first token, got {self.bootstrap_token}")
-
-
-class Event:
-    """Marker base of the events; dispatch on ``type(event)``."""
-
-    __slots__ = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Bootstrapped(Event):
-    """The request's peers are connected on every rank."""
-
-    rid: str
-
-
-@dataclass(frozen=True, slots=True)
-class Failed(Event):
-    """The request's transfer failed on some rank; every rank emits it in the same round."""
-
-    rid: str
-    reason: str = field(default=FAILED_ELSEWHERE, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Succeeded(Event):
-    """P: the request's KV reached the decode node from every rank."""
-
-    rid: str
 
 
 @dataclass(frozen=True, slots=True)
