@@ -5,7 +5,8 @@ there each event is an extension type, frozen, built by the compiled table in
 well under 0.1 µs, where a frozen slotted dataclass costs several times that;
 an agreement round that ends 80 requests builds 80 of them. Run as Python (the
 pure twins, ``PDCORE_PURE_PYTHON=1``) the same decorators give standard frozen
-dataclasses. Either way: equal fields compare equal, ``hash`` follows ``==``,
+dataclasses (``import cython`` then needs Cython installed, as the ``test``
+extra does). Either way: equal fields compare equal, ``hash`` follows ``==``,
 assignment raises ``AttributeError``, and instances pickle. ``events.py``
 chooses the module; import the events from there.
 """
