@@ -631,15 +631,18 @@ class PrefillPeer(PeerBase):
 
     def _settle(self, events: list[Event]) -> list[Event]:
         now = time.monotonic()
-        for event in events:
-            if isinstance(event, (Succeeded, Failed)):
-                with self._lock:
+        failed = []
+        with self._lock:  # once per round, not per event: a round may end hundreds of requests
+            for event in events:
+                kind = type(event)
+                if kind is Succeeded or kind is Failed:
                     entry = self._by_rid.pop(event.rid)
                     del self._rooms[entry.room]
-                    if isinstance(event, Failed):  # late frames for it get a clear answer
+                    if kind is Failed:  # late frames for it get a clear answer
                         self._tombstones.add(entry.room, event.reason, now)
-                if isinstance(event, Failed):
-                    self._notify_failed(entry, event.reason)
+                        failed.append((entry, event.reason))
+        for entry, reason in failed:
+            self._notify_failed(entry, reason)
         return events
 
 
