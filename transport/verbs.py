@@ -473,11 +473,49 @@ class _Batch:
     last_wr: int = 0  # wr_id of its last WR, once all are posted
 
 
+class _WrPool:
+    """Send WRs made once per peer and refilled in place for every post.
+
+    Creating pyverbs objects per write is most of a single-write batch's CPU
+    (each costs a logger lookup and two mallocs). Each pooled WR reads its own
+    SGE: pyverbs 44 can only point ``SendWR.sg_list`` at an SGE, so the copy
+    the WR was built with is freed (``close()``) and the pointer then set; at
+    the end only the SGEs are closed, never the WRs again. pyverbs cannot clear
+    a ``next_wr`` either, so ``tail`` is never given one: it ends every chain.
+    A WR may be refilled once ``post_send`` returned (the provider copied it).
+    """
+
+    __slots__ = ("_pv", "_links", "tail")
+
+    def __init__(self, pv: Any) -> None:
+        self._pv = pv
+        self._links: list[tuple[Any, Any]] = []
+        self.tail = self._make()
+
+    def _make(self) -> tuple[Any, Any]:
+        sge = self._pv.SGE(0, 0, 0)
+        wr = self._pv.SendWR(opcode=self._pv.e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge], send_flags=0)
+        wr.close()
+        wr.sg_list = sge
+        return wr, sge
+
+    def link(self, i: int) -> tuple[Any, Any]:
+        """The ``i``-th WR of a chain, not its last (made on first use; at most ``max_send_wr - 1``)."""
+        while len(self._links) <= i:
+            self._links.append(self._make())
+        return self._links[i]
+
+    def close(self) -> None:
+        for _wr, sge in (*self._links, self.tail):
+            sge.close()
+        self._links = []
+
+
 @dataclass(eq=False, slots=True)
 class _VerbsPeer(PeerHandle):
     qp: Any = None
     cq: Any = None
-    sge: Any = None  # reused for every WR (SendWR copies it); guarded by ``lock``
+    wrs: _WrPool | None = None  # the send WRs, refilled for every post; guarded by ``lock``
     sock: socket.socket | None = None
     lock: threading.Condition = field(default_factory=threading.Condition)
     deliver: threading.RLock = field(default_factory=threading.RLock)
@@ -886,10 +924,10 @@ class VerbsTransport(Transport):
             except _pv.Error as ex:
                 raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
             sock.setblocking(False)
-            sge = _pv.SGE(0, 0, 0)
-            stack.callback(sge.close)
+            wrs = _WrPool(_pv)
+            stack.callback(wrs.close)
             peer = _VerbsPeer(
-                next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, sge=sge, sock=sock,
+                next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, wrs=wrs, sock=sock,
                 grant_floor=floor, grant_live=live,
             )
             peer.last_progress = time.monotonic()
@@ -1023,61 +1061,55 @@ class VerbsTransport(Transport):
         room = self._max_send_wr - (p.next_wr - 1 - p.retired)
         if room <= 0 or not (p.unposted or flush):
             return None
-        e = _pv.e
-        chain: list[Any] = []
-        sge = p.sge
+        signalled = _pv.e.IBV_SEND_SIGNALED
+        posts: list[tuple[int, int, int, int, int, int, int]] = []  # (wr_id, flags, la, lkey, ra, rkey, n)
         deep = len(p.inflight) > _SHALLOW
+        if flush and not p.unposted:
+            p.unposted.append(_Batch(0, [], None))  # a bare fence WR, owned by no batch
+        while p.unposted and room > 0:
+            b = p.unposted[0]
+            items = b.wrs or [(0, 0, 0, 0, 0)]  # the fence: one zero-length WRITE
+            while b.posted < len(items) and room > 0:
+                la, lkey, ra, rkey, n = items[b.posted]
+                b.posted += 1
+                room -= 1
+                wr_id = p.next_wr
+                p.next_wr += 1
+                p.since_signal += 1
+                last = b.posted == len(items)
+                if last:
+                    p.unsignalled_batches += 1
+                signal = (
+                    room == 0
+                    or p.since_signal >= self._signal_every
+                    or (last and (not deep or n == 0 or p.unsignalled_batches >= _BATCHES_PER_SIGNAL))
+                )
+                if signal:
+                    p.since_signal = 0
+                    p.unsignalled_batches = 0
+                    p.last_signalled = wr_id
+                posts.append((wr_id, signalled if signal else 0, la, lkey, ra, rkey, n))
+                if last:
+                    b.last_wr = wr_id
+            if b.posted == len(items):
+                p.unposted.popleft()
+        pool = p.wrs
+        assert pool is not None  # set with qp, cleared with it
+        end = len(posts) - 1
+        prev = None
+        for i, (wr_id, flags, la, lkey, ra, rkey, n) in enumerate(posts):
+            wr, sge = pool.tail if i == end else pool.link(i)
+            wr.wr_id, wr.send_flags, wr.num_sge = wr_id, flags, 1 if n else 0
+            wr.set_wr_rdma(rkey, ra)
+            sge.addr, sge.length, sge.lkey = la, n, lkey
+            if prev is not None:
+                prev.next_wr = wr
+            prev = wr
         try:
-            if flush and not p.unposted:
-                p.unposted.append(_Batch(0, [], None))  # a bare fence WR, owned by no batch
-            while p.unposted and room > 0:
-                b = p.unposted[0]
-                items = b.wrs or [(0, 0, 0, 0, 0)]  # the fence: one zero-length WRITE
-                while b.posted < len(items) and room > 0:
-                    la, lkey, ra, rkey, n = items[b.posted]
-                    b.posted += 1
-                    room -= 1
-                    wr_id = p.next_wr
-                    p.next_wr += 1
-                    p.since_signal += 1
-                    last = b.posted == len(items)
-                    if last:
-                        p.unsignalled_batches += 1
-                    signal = (
-                        room == 0
-                        or p.since_signal >= self._signal_every
-                        or (last and (not deep or n == 0 or p.unsignalled_batches >= _BATCHES_PER_SIGNAL))
-                    )
-                    if signal:
-                        p.since_signal = 0
-                        p.unsignalled_batches = 0
-                        p.last_signalled = wr_id
-                    sge.addr, sge.length, sge.lkey = la, n, lkey
-                    wr = _pv.SendWR(
-                        wr_id=wr_id,
-                        opcode=e.IBV_WR_RDMA_WRITE,
-                        num_sge=1,
-                        sg=[sge],
-                        send_flags=e.IBV_SEND_SIGNALED if signal else 0,
-                    )
-                    if n == 0:
-                        wr.num_sge = 0
-                    wr.set_wr_rdma(rkey, ra)
-                    if chain:
-                        chain[-1].next_wr = wr
-                    chain.append(wr)
-                    if last:
-                        b.last_wr = wr_id
-                if b.posted == len(items):
-                    p.unposted.popleft()
-            try:
-                p.qp.post_send(chain[0])
-            except _pv.Error as ex:
-                return TransportError(f"ibv_post_send failed: {ex}", op="write", errno=_rdma_errno(ex))
-            return None
-        finally:
-            for wr in chain:
-                wr.close()  # a SendWR owns malloc'd memory that pyverbs 44 frees only in close(), once
+            p.qp.post_send(pool.tail[0] if end == 0 else pool.link(0)[0])
+        except _pv.Error as ex:
+            return TransportError(f"ibv_post_send failed: {ex}", op="write", errno=_rdma_errno(ex))
+        return None
 
     # ------------------------------------------------------------------ completions
 
@@ -1184,10 +1216,10 @@ class VerbsTransport(Transport):
                 items = list(p.inflight)
                 p.inflight.clear()
                 p.unposted.clear()
-                qp, cq, sge, sock = p.qp, p.cq, p.sge, p.sock
-                p.qp = p.cq = p.sge = p.sock = None
-                if sge is not None:
-                    sge.close()
+                qp, cq, wrs, sock = p.qp, p.cq, p.wrs, p.sock
+                p.qp = p.cq = p.wrs = p.sock = None
+                if wrs is not None:
+                    wrs.close()
                 if qp is not None:
                     self._qp_to_error(qp)
                     with contextlib.suppress(_pv.Error):
