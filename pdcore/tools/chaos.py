@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import logging
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import random
@@ -62,7 +61,8 @@ from typing import Any
 import numpy as np
 
 from .cli import CliParser, float_range, int_range, memory_bytes, report_start_failure, transport_help, transport_name
-from .demo import Pages, Request, _cache, _cause, _leftovers, first_token, pattern
+from .demo import PRELOAD, Pages, Request, _cache, _leftovers, first_token, pattern
+from .ranks import cause, context
 from .progress import RunProgress
 
 __all__ = ["ChaosPlan", "ChaosOutcome", "run", "report", "main", "faulty_control_channel"]
@@ -588,7 +588,7 @@ def _rank_main(target: Any, plan: ChaosPlan, role: str, index: int, gen: int, ra
         target(plan, index, gen, rank, *args)
     except BaseException as e:
         try:
-            conn.send(("error", role, index, gen, rank, (_cause(e), traceback.format_exc())))
+            conn.send(("error", role, index, gen, rank, (cause(e), traceback.format_exc())))
         except OSError:
             pass
 
@@ -651,7 +651,7 @@ class _Runner:
         self.rng = random.Random(plan.seed)  # requests: pages, rooms, routing
         self.fault_rng = random.Random(plan.seed ^ 0xFA17)  # the fault schedule: its own stream, so it does not
         # depend on how many requests were dispatched meanwhile (a replay gets the same faults, in time)
-        self.ctx = _context()
+        self.ctx = context(["pdcore.tools.chaos", *PRELOAD])
         from ..control.bootstrap import BootstrapServer
 
         self.servers = [BootstrapServer(secret=plan.secret) for _ in range(plan.replicas)]
@@ -981,16 +981,6 @@ class _Runner:
                 return "; its threads:\n" + f.read()[-6000:]
         except OSError:
             return ""
-
-
-def _context() -> Any:
-    """A fork server that imported pdcore and torch.distributed once (as demo's, with this module)."""
-    try:
-        ctx = mp.get_context("forkserver")
-    except ValueError:
-        return mp.get_context("spawn")
-    ctx.set_forkserver_preload(["pdcore.tools.chaos", "pdcore.tools.demo", "pdcore.pd.prefill", "pdcore.pd.decode", "torch.distributed"])
-    return ctx
 
 
 def run(plan: ChaosPlan, *, progress: RunProgress | None = None) -> ChaosOutcome:

@@ -19,14 +19,11 @@ tests and ``benchmarks/pd.py`` drive, with fault injection.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
 import secrets
 import sys
 import tempfile
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,6 +42,10 @@ from .cli import (
     transport_name,
 )
 from .progress import RunProgress
+from .ranks import context, supervise
+
+#: what the rank processes' fork server imports once (torch with them)
+PRELOAD = ["pdcore.tools.demo", "pdcore.pd.prefill", "pdcore.pd.decode", "torch.distributed"]
 
 __all__ = ["Plan", "Request", "make_requests", "run", "main"]
 
@@ -472,36 +473,6 @@ class _Contents:
         )
 
 
-class _ToRunner:
-    """A rank's own pipe to the runner (``out.put(msg)``).
-
-    Not one ``multiprocessing.Queue`` shared by every rank: its write lock is shared too, and a
-    rank killed (``Plan.kill``) while its feeder thread held it would block every other rank's
-    reports for good. A killed rank here breaks only its own pipe.
-    """
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-
-    def put(self, msg: Any) -> None:
-        self._conn.send(msg)
-
-
-def _rank_main(target: Any, *args: Any) -> None:
-    out = args[-1]
-    try:
-        target(*args)
-    except BaseException as e:
-        role = target.__name__.strip("_").removesuffix("_rank")  # "prefill" / "decode"
-        out.put(("error", role, args[1], args[2], (_cause(e), traceback.format_exc())))
-
-
-def _cause(e: BaseException) -> str:
-    """One line naming an exception: its type and the first line of its message."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
 # ------------------------------------------------------------------------------ the run
 
 
@@ -533,23 +504,6 @@ def _logs_agree(ranks: dict[tuple[int, int], dict[str, Any]]) -> bool:
     return all(all(log == logs[0] for log in logs) for logs in by_replica.values())
 
 
-def _context() -> Any:
-    """Where ranks start: a fork server that imported pdcore (and so torch) once.
-
-    A spawned rank re-imports torch, a second or more of CPU each, which dominates a run of a few
-    hundred requests on a small machine; a fork of the server costs milliseconds. The server is a
-    fresh single-threaded process (not a fork of this one, whose threads a fork would not carry),
-    so forking it is safe. Spawn where there is no fork server.
-    """
-    try:
-        ctx = mp.get_context("forkserver")
-    except ValueError:
-        return mp.get_context("spawn")
-    # pdcore imports lazily; torch once here, not once per rank (a second or more of CPU each)
-    ctx.set_forkserver_preload(["pdcore.tools.demo", "pdcore.pd.prefill", "pdcore.pd.decode", "torch.distributed"])
-    return ctx
-
-
 def run(plan: Plan, *, progress: RunProgress | None = None) -> Outcome:
     """Run the plan; every wait is bounded by ``plan.timeout`` (plus start-up).
 
@@ -559,120 +513,29 @@ def run(plan: Plan, *, progress: RunProgress | None = None) -> Outcome:
     """
     from ..control.bootstrap import BootstrapServer
 
-    ctx = _context()
-    pipes: dict[Any, tuple[str, int, int]] = {}  # the runner's end of each rank's pipe
-    procs: dict[tuple[str, int], list[Any]] = {}
-    results: dict[str, dict[tuple[int, int], dict[str, Any]]] = {"prefill": {}, "decode": {}}
-    errors: list[str] = []
-    causes: list[str] = []
-    start_failure: str | None = None
-    killed_at: dict[tuple[str, int], float] = {}
+    ctx = context(PRELOAD)
     expected = sum(plan.prefill_tp) + sum(plan.decode_tp)
     if progress is not None:
         progress.starting(f"{expected} ranks (prefill tp {'+'.join(map(str, plan.prefill_tp))}, "
                           f"decode tp {'+'.join(map(str, plan.decode_tp))})", expected)
     servers = [BootstrapServer(secret=plan.secret) for _ in plan.prefill_tp]
-    ports = [s.start() for s in servers]
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pdcore-demo-") as tmp:
-        for role, sizes in (("prefill", plan.prefill_tp), ("decode", plan.decode_tp)):
-            for index, tp in enumerate(sizes):
-                store = os.path.join(tmp, f"{role}-{index}")
-                procs[(role, index)] = []
-                for rank in range(tp):
-                    reader, writer = ctx.Pipe(duplex=False)
-                    out = _ToRunner(writer)
-                    if role == "prefill":
-                        args = (_prefill_rank, plan, index, rank, ports[index], store, out)
-                    else:
-                        args = (_decode_rank, plan, index, rank, ports, store, None, out)
-                    p = ctx.Process(target=_rank_main, args=args, daemon=True)
-                    p.start()
-                    writer.close()  # the rank holds the only writer: its exit is our EOF
-                    pipes[reader] = (role, index, rank)
-                    procs[(role, index)].append(p)
-        ready = 0
-        finished = 0
-        reported: set[tuple[str, int, int]] = set()  # ranks that sent their result (or error)
-        done_total = {index: (0, 0, 0) for index in range(len(plan.decode_tp))}  # (ok, failed, bytes) per replica
-        hard_deadline = started + plan.timeout + 60.0
-        try:
-            inbox: deque[Any] = deque()
-            while finished < expected and time.monotonic() < hard_deadline:
-                if not inbox:
-                    for reader in mp_connection.wait(list(pipes), timeout=0.5):
-                        try:
-                            inbox.append(reader.recv())
-                        except (EOFError, OSError):  # the rank exited or was killed
-                            who = pipes.pop(reader)
-                            reader.close()
-                            if ready < expected and start_failure is None and who not in reported:
-                                start_failure = f"{who[0]} {who[1]} rank {who[2]} exited before it was ready"
-                                causes.append(start_failure)
-                    if start_failure is not None:
-                        break
-                    if not inbox:
-                        if not pipes or all(not p.is_alive() for ps in procs.values() for p in ps):
-                            break
-                        if progress is not None:
-                            progress.ranks_ready(ready, expected)
-                        continue
-                kind, role, index, rank, payload = inbox.popleft()
-                if kind in ("done", "error"):
-                    reported.add((role, index, rank))
-                if kind == "ready":
-                    ready += 1
-                    if progress is not None:
-                        progress.ranks_ready(ready, expected)
-                    if ready == expected:
-                        started = time.monotonic()  # throughput counts from here, not from process start
-                        if progress is not None:
-                            progress.running(len(plan.requests))
-                elif kind == "error":
-                    cause, trace = payload
-                    errors.append(f"{role} {index} rank {rank}: {trace}")
-                    causes.append(f"{role} {index} rank {rank}: {cause}")
-                    finished += 1
-                    if ready < expected:  # the run never started: say so once, stop the other ranks now
-                        start_failure = causes[-1]
-                        break
-                elif kind == "done":
-                    results[role][(index, rank)] = payload
-                    finished += 1
-                    if role == "decode" and rank == 0:  # its last word: the replica's final counts
-                        done_total[index] = (payload["ok"], payload["failed"], payload["bytes"] * plan.decode_tp[index])
-                        if progress is not None:
-                            progress.update(*(sum(t[i] for t in done_total.values()) for i in range(3)))
-                elif kind == "progress":
-                    done_total[index] = (payload[0], payload[1], payload[2] * plan.decode_tp[index])
-                    if progress is not None:
-                        progress.update(*(sum(t[i] for t in done_total.values()) for i in range(3)))
-                for (krole, kindex), at in plan.kill.items():
-                    if (krole, kindex) not in killed_at and sum(t[0] + t[1] for t in done_total.values()) >= at:
-                        for p in procs[(krole, kindex)]:
-                            p.kill()
-                        killed_at[(krole, kindex)] = time.time()
-                        expected -= len(procs[(krole, kindex)])
-        finally:
-            if start_failure is not None:  # the others would wait for it until their own timeouts
-                for ps in procs.values():
-                    for p in ps:
-                        p.kill()
-            for ps in procs.values():
-                for p in ps:
-                    p.join(timeout=10)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(timeout=5)
-            for s in servers:
-                s.close()
-            for reader in pipes:
-                reader.close()
-    if start_failure is None and finished < expected:
-        errors.append(f"only {finished} of {expected} ranks reported within the deadline")
-        causes.append(errors[-1])
-    return Outcome(results["prefill"], results["decode"], errors, time.monotonic() - started, killed_at,
-                   start_failure, causes)
+    try:
+        ports = [s.start() for s in servers]
+        with tempfile.TemporaryDirectory(prefix="pdcore-demo-") as tmp:
+            layout = [
+                ("prefill", index, rank, (_prefill_rank, plan, index, rank, ports[index], os.path.join(tmp, f"prefill-{index}")))
+                for index, tp in enumerate(plan.prefill_tp) for rank in range(tp)
+            ] + [
+                ("decode", index, rank, (_decode_rank, plan, index, rank, ports, os.path.join(tmp, f"decode-{index}"), None))
+                for index, tp in enumerate(plan.decode_tp) for rank in range(tp)
+            ]
+            got = supervise(ctx, layout, timeout=plan.timeout, requests=len(plan.requests), decode_tp=list(plan.decode_tp),
+                            progress=progress, kill=plan.kill)
+    finally:
+        for s in servers:
+            s.close()
+    return Outcome(got.results["prefill"], got.results["decode"], got.errors, got.seconds, got.killed_at,
+                   got.start_failure, got.causes)
 
 
 # ------------------------------------------------------------------------------ CLI

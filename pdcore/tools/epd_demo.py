@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import multiprocessing.connection as mp_connection
 import os
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,19 +44,17 @@ from typing import Any
 import numpy as np
 
 from .cli import int_range
+from . import demo
 from .demo import (
     Pages,
     Plan,
     Request,
     _cache,
-    _context,
     _decode_rank,
     _join,
     _knobs,
     _leftovers,
     _logs_agree,
-    _rank_main,
-    _ToRunner,
     fill_pattern,
     first_token,
     holds_pattern,
@@ -64,6 +62,7 @@ from .demo import (
 )
 from ..core.events import FAILED_ELSEWHERE
 from .progress import RunProgress
+from .ranks import context, supervise
 
 __all__ = [
     "Encoder",
@@ -515,15 +514,9 @@ class EpdOutcome:
         return _logs_agree(self.prefill)
 
 
-def _epd_context() -> Any:
-    """``pdcore.tools.demo``'s fork server, preloading torch.distributed too: every rank of this run joins a
-    gloo group, and ten ranks importing torch each cost more than the whole run on two cores. (Once the
-    process's fork server runs, its preload list is what it was then.)"""
-    ctx = _context()
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["pdcore.tools.demo", "pdcore.pd.prefill", "pdcore.pd.decode", "pdcore.tools.epd_demo",
-                                    "pdcore.epd.encode", "pdcore.epd.receiver", "torch.distributed"])
-    return ctx
+#: ``demo``'s preload and this run's: every rank joins a gloo group, and ten ranks importing torch each
+#: cost more than the whole run on two cores
+PRELOAD = [*demo.PRELOAD, "pdcore.tools.epd_demo", "pdcore.epd.encode", "pdcore.epd.receiver"]
 
 
 def run(plan: EpdPlan, *, progress: RunProgress | None = None) -> EpdOutcome:
@@ -533,133 +526,38 @@ def run(plan: EpdPlan, *, progress: RunProgress | None = None) -> EpdOutcome:
 
     _check(plan)
     pd = plan.pd
-    ctx = _epd_context()
+    ctx = context(PRELOAD)
     stop = ctx.Event()
-    pipes: dict[Any, tuple[str, int, int]] = {}
-    procs: list[Any] = []
-    results: dict[str, dict[tuple[int, int], dict[str, Any]]] = {"encode": {}, "prefill": {}, "decode": {}}
-    errors: list[str] = []
-    causes: list[str] = []
-    start_failure: str | None = None
-    n_encode = sum(e.tp * e.dp for e in plan.encoders)
-    n_pd = sum(pd.prefill_tp) + sum(pd.decode_tp)
-    expected = n_encode + n_pd
+    expected = sum(e.tp * e.dp for e in plan.encoders) + sum(pd.prefill_tp) + sum(pd.decode_tp)
     if progress is not None:
         enc = " + ".join(f"tp {e.tp} x dp {e.dp}" for e in plan.encoders)
         progress.starting(f"{expected} ranks (encode {enc}, prefill tp {'+'.join(map(str, pd.prefill_tp))}, "
                           f"decode tp {'+'.join(map(str, pd.decode_tp))})", expected)
     encode_servers = [BootstrapServer(secret=pd.secret) for _ in plan.encoders]
     prefill_servers = [BootstrapServer(secret=pd.secret) for _ in pd.prefill_tp]
-    servers = encode_servers + prefill_servers
-    started = time.monotonic()
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="pdcore-epd-demo-") as tmp:
-        try:
-            encode_ports = [s.start() for s in encode_servers]
-            ports = [s.start() for s in prefill_servers]
-            layout: list[tuple[str, int, int, tuple[Any, ...]]] = []
-            for index, e in enumerate(plan.encoders):
-                for rank in range(e.tp * e.dp):
-                    layout.append(("encode", index, rank, (_encode_rank, plan, index, rank, encode_ports[index], stop)))
-            for index, tp in enumerate(pd.prefill_tp):
-                store = os.path.join(tmp, f"prefill-{index}")
-                for rank in range(tp):
-                    layout.append(("prefill", index, rank,
-                                   (_prefill_rank, plan, index, rank, ports[index], encode_ports, store)))
-            for index, tp in enumerate(pd.decode_tp):
-                store = os.path.join(tmp, f"decode-{index}")
-                for rank in range(tp):
-                    checker = functools.partial(_Pages, plan)
-                    layout.append(("decode", index, rank, (_decode_rank, pd, index, rank, ports, store, checker)))
-            for role, index, rank, args in layout:
-                reader, writer = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_rank_main, args=(*args, _ToRunner(writer)), daemon=True)
-                p.start()
-                writer.close()  # the rank holds the only writer: its exit is our EOF
-                pipes[reader] = (role, index, rank)
-                procs.append(p)
-            ready = finished = pd_finished = 0
-            reported: set[tuple[str, int, int]] = set()
-            done_total = {index: (0, 0, 0) for index in range(len(pd.decode_tp))}
-            hard_deadline = started + pd.timeout + 60.0
-            inbox: deque[Any] = deque()
-            while finished < expected and time.monotonic() < hard_deadline:
-                if pd_finished >= n_pd:
-                    stop.set()  # prefill and decode are done: the encode ranks report and leave
-                if not inbox:
-                    for reader in mp_connection.wait(list(pipes), timeout=0.5):
-                        try:
-                            inbox.append(reader.recv())
-                        except (EOFError, OSError):  # the rank exited or was killed
-                            who = pipes.pop(reader)
-                            reader.close()
-                            if who not in reported:
-                                if ready < expected and start_failure is None:
-                                    start_failure = f"{who[0]} {who[1]} rank {who[2]} exited before it was ready"
-                                    causes.append(start_failure)
-                                elif ready >= expected:
-                                    errors.append(f"{who[0]} {who[1]} rank {who[2]} exited without a report")
-                                    causes.append(errors[-1])
-                                    finished += 1
-                                    pd_finished += who[0] != "encode"
-                    if start_failure is not None:
-                        break
-                    if not inbox:
-                        if not pipes:
-                            break
-                        if progress is not None:
-                            progress.ranks_ready(ready, expected)
-                        continue
-                kind, role, index, rank, payload = inbox.popleft()
-                if kind in ("done", "error"):
-                    reported.add((role, index, rank))
-                    finished += 1
-                    pd_finished += role != "encode"
-                if kind == "ready":
-                    ready += 1
-                    if progress is not None:
-                        progress.ranks_ready(ready, expected)
-                    if ready == expected:
-                        started = time.monotonic()
-                        if progress is not None:
-                            progress.running(len(pd.requests))
-                elif kind == "error":
-                    cause, trace = payload
-                    errors.append(f"{role} {index} rank {rank}: {trace}")
-                    causes.append(f"{role} {index} rank {rank}: {cause}")
-                    if ready < expected:
-                        start_failure = causes[-1]
-                        break
-                elif kind == "done":
-                    results[role][(index, rank)] = payload
-                    if role == "decode" and rank == 0:
-                        done_total[index] = (payload["ok"], payload["failed"], payload["bytes"] * pd.decode_tp[index])
-                        if progress is not None:
-                            progress.update(*(sum(t[i] for t in done_total.values()) for i in range(3)))
-                elif kind == "progress":
-                    done_total[index] = (payload[0], payload[1], payload[2] * pd.decode_tp[index])
-                    if progress is not None:
-                        progress.update(*(sum(t[i] for t in done_total.values()) for i in range(3)))
-        finally:
-            stop.set()
-            if start_failure is not None:  # the others would wait for it until their own timeouts
-                for p in procs:
-                    p.kill()
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-            for s in servers:
-                s.close()
-            for reader in pipes:
-                reader.close()
-    if start_failure is None and finished < expected:
-        errors.append(f"only {finished} of {expected} ranks reported within the deadline")
-        causes.append(errors[-1])
-    return EpdOutcome(results["encode"], results["prefill"], results["decode"], errors,
-                      time.monotonic() - started, start_failure, causes)
+    try:
+        encode_ports = [s.start() for s in encode_servers]
+        ports = [s.start() for s in prefill_servers]
+        with tempfile.TemporaryDirectory(prefix="pdcore-epd-demo-") as tmp:
+            layout = [
+                ("encode", index, rank, (_encode_rank, plan, index, rank, encode_ports[index], stop))
+                for index, e in enumerate(plan.encoders) for rank in range(e.tp * e.dp)
+            ] + [
+                ("prefill", index, rank,
+                 (_prefill_rank, plan, index, rank, ports[index], encode_ports, os.path.join(tmp, f"prefill-{index}")))
+                for index, tp in enumerate(pd.prefill_tp) for rank in range(tp)
+            ] + [
+                ("decode", index, rank,
+                 (_decode_rank, pd, index, rank, ports, os.path.join(tmp, f"decode-{index}"), functools.partial(_Pages, plan)))
+                for index, tp in enumerate(pd.decode_tp) for rank in range(tp)
+            ]
+            got = supervise(ctx, layout, timeout=pd.timeout, requests=len(pd.requests), decode_tp=list(pd.decode_tp),
+                            progress=progress, stop=stop, stopped_roles=frozenset({"encode"}))
+    finally:
+        for s in encode_servers + prefill_servers:
+            s.close()
+    return EpdOutcome(got.results["encode"], got.results["prefill"], got.results["decode"], got.errors,
+                      got.seconds, got.start_failure, got.causes)
 
 
 def _check(plan: EpdPlan) -> None:
