@@ -33,7 +33,7 @@ if DEBUG:
     macros.append(("CYTHON_TRACE_NOGIL", "1"))
 
 #: source -> compiled module; the source stays importable as Python (the pure twin).
-PURE_MODE = {"pdcore/core/_events_py.py": "pdcore.core._events"}
+PURE_MODE = {"pdcore/core/_events_py.py": "pdcore.core._events", "pdcore/epd/_types_py.py": "pdcore.epd._types"}
 
 sources = {str(pyx.with_suffix("")).replace(os.sep, "."): str(pyx)
            for package in ("pdcore", "transport") for pyx in sorted(Path(package).rglob("*.pyx"))}

@@ -29,6 +29,7 @@ assert "site-packages" in pdcore.__file__, pdcore.__file__
 assert pdcore.core.table.IMPLEMENTATION == "cython" and transport.plan.IMPLEMENTATION == "cython"
 assert pdcore.epd.table.ReceiveTable.__module__ == "pdcore.epd._recv" and pdcore.kv.plan.cut.__module__ == "pdcore.kv._heads"
 assert pdcore.Succeeded.__module__ == "pdcore.core._events"  # compiled from a .py, under another name
+assert EmbeddingItem.__module__ == "pdcore.epd._types"  # so are the EPD values
 print(f"wheel: installed at {pdcore.__file__.rsplit('/', 2)[0]}, compiled twins in use")
 PY
 step "python -m pdcore demo from the installed wheel"

@@ -150,7 +150,12 @@ class Receiver:
 
     def settle(self, codes: Any) -> list[LandedRequest]:
         """Act on the replica-agreed ``codes`` (``poll`` order, or the reduced buffer of ``table.encode``)."""
-        landed = self._table.settle(np.asarray(codes, dtype=np.int64) if isinstance(codes, (list, tuple)) else codes)
+        if isinstance(codes, (list, tuple)):
+            try:  # codes are bytes on every rank: this is 3x faster than numpy's conversion of a list
+                codes = np.frombuffer(bytes(codes), np.uint8)
+            except (TypeError, ValueError):  # not bytes: the table names the code that is wrong
+                codes = np.asarray(codes, dtype=np.int64)
+        landed = self._table.settle(codes)
         self._settled(landed)
         return landed
 
