@@ -15,8 +15,11 @@ The package is layered, each layer importing only those below it:
 - ``kv``: KV layouts across tp sizes and the write planner;
 - ``control``: the control plane: wire codec, control channel, bootstrap
   server and client, authentication, deployment lookups, metrics;
-- ``pd``: the prefill and decode peers and their configuration;
+- ``node``: what every role's rank runs on: its configuration and peer base
+  (threads, transport, control channel, bootstrap registration);
 - ``epd``: the encode peer and the prefill rank's embedding receiver;
+- ``pd``: the prefill and decode peers and their configuration (a prefill
+  peer hosts its EPD receiver: ``PrefillPeer.embedding_receiver``);
 - ``tools``: the command line (``python -m pdcore``): demo, bootstrap, chaos.
 """
 

@@ -14,7 +14,7 @@ import textwrap
 
 #: name -> (module whose ``main(argv)`` runs it, one line saying what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("pdcore.tools.demo", "move N requests' KV cache from a prefill to a decode replica on this machine "
+    "demo": ("pdcore.tools.demo_cli", "move N requests' KV cache from a prefill to a decode replica on this machine "
              "(real processes and sockets) and check every byte"),
     "bootstrap": ("pdcore.tools.bootstrap", "run the bootstrap server: prefill ranks register with it, decode ranks "
                   "look up where a request's prefill ranks are"),

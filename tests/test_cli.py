@@ -61,7 +61,9 @@ def test_no_command_shows_the_listing_and_an_unknown_one_is_refused() -> None:
 def test_every_option_has_help_with_its_default(command: str) -> None:
     import importlib
 
-    module = importlib.import_module(f"pdcore.tools.{command}")
+    from pdcore.__main__ import COMMANDS
+
+    module = importlib.import_module(COMMANDS[command][0])
     actions = [a for a in module.parser()._actions if a.option_strings and a.dest != "help"]
     done = cli(command, "--help")
     assert done.returncode == 0, done.stderr

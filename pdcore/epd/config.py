@@ -6,26 +6,20 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..pd.config import NodeConfig, check_registration
-from ..core.errors import StartError
+from ..node.config import NodeConfig, check_registration, check_seconds, config_error
 from .types import DTYPE_ITEMSIZE
 
 __all__ = ["ReceiverConfig", "EncodeConfig"]
 
 
-def _bad(config: object, name: str, why: str) -> StartError:
-    return StartError(f"{type(config).__name__}.{name}: {why}")
-
-
 def _positive_int(config: object, name: str, hi: int) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= hi:
-        raise _bad(config, name, f"must be an int in 1..{hi}, got {value!r}")
+        raise config_error(config, name, f"must be an int in 1..{hi}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,17 +56,16 @@ class ReceiverConfig:
         _positive_int(self, "max_requests", 1 << 20)
         _positive_int(self, "max_items", 1 << 10)
         if self.dtype not in DTYPE_ITEMSIZE:
-            raise _bad(self, "dtype", f"{self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+            raise config_error(self, "dtype", f"{self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
         if isinstance(self.deepstack_width, bool) or not isinstance(self.deepstack_width, int) or self.deepstack_width < 0:
-            raise _bad(self, "deepstack_width", f"must be an int >= 0, got {self.deepstack_width!r}")
+            raise config_error(self, "deepstack_width", f"must be an int >= 0, got {self.deepstack_width!r}")
         if not isinstance(self.shard_rows, bool):
-            raise _bad(self, "shard_rows", f"must be a bool, got {self.shard_rows!r}")
-        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
-            raise _bad(self, "timeout", f"must be a positive number of seconds, got {self.timeout!r}")
+            raise config_error(self, "shard_rows", f"must be a bool, got {self.shard_rows!r}")
+        check_seconds(self, ("timeout",))
         if self.max_requests * self.max_items > 1 << 24:
-            raise _bad(self, "max_items", f"max_requests * max_items must be at most {1 << 24}")
+            raise config_error(self, "max_items", f"max_requests * max_items must be at most {1 << 24}")
         if self.deepstack_buffer is not None and not self.deepstack_width:
-            raise _bad(self, "deepstack_buffer", "given without a deepstack_width")
+            raise config_error(self, "deepstack_buffer", "given without a deepstack_width")
 
     @property
     def row_bytes(self) -> int:
@@ -106,7 +99,6 @@ class EncodeConfig(NodeConfig):
         super().__post_init__()
         check_registration(self)
         if not self.send_buffers:
-            raise _bad(self, "send_buffers", "at least one buffer is needed")
-        if not (isinstance(self.park_timeout, (int, float)) and math.isfinite(self.park_timeout) and self.park_timeout > 0):
-            raise _bad(self, "park_timeout", f"must be a positive number of seconds, got {self.park_timeout!r}")
+            raise config_error(self, "send_buffers", "at least one buffer is needed")
+        check_seconds(self, ("park_timeout",))
         _positive_int(self, "max_rooms", 1 << 20)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..control import wire
-from ..pd._peer import PeerBase
+from ..node.base import PeerBase
 from ..control.channel import DeadPeer
 from ..core.deadline import Deadline
 from ..core.errors import LocalProtocolError, PdError
@@ -68,10 +68,6 @@ class EncodePeer(PeerBase):
         )
         self._rooms_lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
-
-    def _init_table(self) -> None:
-        self._table = None
-        self._agreement = None  # each encode rank serves its own block: nothing to agree on
 
     def _register_memory(self) -> None:
         for buf in self._config.send_buffers:
@@ -246,12 +242,6 @@ class EncodePeer(PeerBase):
     def _farewell(self) -> None:
         for endpoint in list(self._sinks):
             self._act(self._rooms_call("lost", endpoint, "the encode peer closed", time.monotonic()))
-
-    def _settle(self, events: list[Any]) -> list[Any]:
-        raise PdError("encode peer: there is no PD round to poll")
-
-    def _close_fence(self, rid: str) -> None:
-        raise PdError("encode peer: there are no PD fences")
 
 
 class Sender:

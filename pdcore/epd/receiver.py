@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from transport.base import byte_view
@@ -43,12 +43,10 @@ from ..control.bootstrap import ParallelInfo
 from ..control.lookup import Deployment, Lookups
 from ..core.deadline import Deadline
 from ..core.errors import LocalProtocolError, PdError, StartError
+from ..node.base import PeerBase
 from .config import ReceiverConfig
 from .table import ReceiveTable
 from .types import EmbeddingItem, LandedRequest
-
-if TYPE_CHECKING:
-    from ..pd.prefill import PrefillPeer
 
 __all__ = ["Receiver"]
 
@@ -87,7 +85,7 @@ class Receiver:
     ``rows(item)`` and ``deepstack_rows(item)`` view a landed item's rows.
     """
 
-    def __init__(self, peer: PrefillPeer, config: ReceiverConfig) -> None:
+    def __init__(self, peer: PeerBase, config: ReceiverConfig) -> None:
         pcfg = peer._config
         self._peer = peer
         self._config = config

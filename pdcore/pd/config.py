@@ -1,4 +1,5 @@
-"""Configuration of the transfer peers: validated when built, so a bad value fails at start.
+"""Configuration of the PD peers (on ``pdcore.node.config.NodeConfig``): validated when built, so a bad
+value fails at start.
 
 Every timeout is in seconds. Defaults follow the reference deployment's
 (bootstrap 120 s, waiting 300 s) except where its defaults hid failures.
@@ -6,62 +7,15 @@ Every timeout is in seconds. Defaults follow the reference deployment's
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..control.auth import check_secret
-from ..core.errors import LocalProtocolError, StartError
+from ..core.errors import LocalProtocolError
 from ..kv.layout import KvLayout
+from ..node.config import NodeConfig, check_registration, check_seconds, config_error
 
-__all__ = ["NodeConfig", "PeerConfig", "PrefillConfig", "DecodeConfig", "check_registration"]
-
-
-def _bad(config: object, name: str, why: str) -> StartError:
-    return StartError(f"{type(config).__name__}.{name}: {why}")
-
-
-def _check_seconds(config: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise _bad(config, name, f"must be a positive number of seconds, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class NodeConfig:
-    """What every rank's peer needs, whatever its role: its place in the replica, the planes, the knobs.
-
-    ``secret`` is the deployment's shared secret (bytes, 16..4096; every rank
-    and the bootstrap server hold the same one): it authenticates the bootstrap
-    requests, the control channel and the data connections (``pdcore.control.auth``).
-    None reads ``$PDCORE_SECRET_FILE`` at start; with neither, the planes run
-    unauthenticated and the peer says so once. It never appears in a repr.
-    """
-
-    tp_size: int = 1
-    tp_rank: int = 0
-    host: str = "127.0.0.1"
-    transport: str = "tcp"
-    transport_options: Mapping[str, Any] = field(default_factory=dict)
-    heartbeat_interval: float = 1.0
-    dead_after: float = 10.0
-    tombstone_ttl: float = 60.0
-    start_timeout: float = 30.0
-    max_pending: int = 4096
-    secret: bytes | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.tp_size <= 1024 or not 0 <= self.tp_rank < self.tp_size:
-            raise _bad(self, "tp_rank", f"need 0 <= tp_rank < tp_size <= 1024, got {self.tp_rank}/{self.tp_size}")
-        _check_seconds(self, ("heartbeat_interval", "dead_after", "tombstone_ttl", "start_timeout"))
-        if self.heartbeat_interval >= self.dead_after:
-            raise _bad(self, "heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
-        if self.secret is not None:
-            check_secret(self.secret, f"{type(self).__name__}.secret")
-        if self.max_pending < 1:
-            raise _bad(self, "max_pending", f"must be positive, got {self.max_pending}")
+__all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,35 +53,35 @@ class PeerConfig(NodeConfig):
         super().__post_init__()
         self._check_kv_layout()
         if not self.kv_buffers:
-            raise _bad(self, "kv_buffers", "at least one buffer is needed")
+            raise config_error(self, "kv_buffers", "at least one buffer is needed")
         if self.num_pages < 1:
-            raise _bad(self, "num_pages", f"must be positive, got {self.num_pages}")
+            raise config_error(self, "num_pages", f"must be positive, got {self.num_pages}")
         sizes = self.page_bytes_per_buffer
         if len(sizes) != len(self.kv_buffers) or any(s < 1 for s in sizes):
-            raise _bad(self, "page_bytes", f"one positive size or one per buffer ({len(self.kv_buffers)}), got {self.page_bytes}")
+            raise config_error(self, "page_bytes", f"one positive size or one per buffer ({len(self.kv_buffers)}), got {self.page_bytes}")
         if not 1 <= self.capacity <= 1 << 20:
-            raise _bad(self, "capacity", f"must be in 1..{1 << 20}, got {self.capacity}")
-        _check_seconds(self, ("bootstrap_timeout", "waiting_timeout", "fence_timeout", "agreement_timeout"))
+            raise config_error(self, "capacity", f"must be in 1..{1 << 20}, got {self.capacity}")
+        check_seconds(self, ("bootstrap_timeout", "waiting_timeout", "fence_timeout", "agreement_timeout"))
         if self.agreement not in ("auto", "shm", "group"):
-            raise _bad(self, "agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
+            raise config_error(self, "agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
         if self.max_parked_pages < 1:
-            raise _bad(self, "max_parked_pages", f"must be positive, got {self.max_parked_pages}")
+            raise config_error(self, "max_parked_pages", f"must be positive, got {self.max_parked_pages}")
 
     def _check_kv_layout(self) -> None:
         layout = self.kv_layout
         if layout is None:
             return
         if not isinstance(layout, KvLayout):
-            raise _bad(self, "kv_layout", f"must be a pdcore.kv.KvLayout or None, got {type(layout).__name__}")
+            raise config_error(self, "kv_layout", f"must be a pdcore.kv.KvLayout or None, got {type(layout).__name__}")
         try:
             layout.check_tp(self.tp_size, "tp_size")
         except LocalProtocolError as e:
-            raise _bad(self, "kv_layout", str(e)) from None
+            raise config_error(self, "kv_layout", str(e)) from None
         if len(self.kv_buffers) != layout.buffers:
-            raise _bad(self, "kv_buffers", f"the kv_layout has {layout.buffers} buffers per rank, got {len(self.kv_buffers)}")
+            raise config_error(self, "kv_buffers", f"the kv_layout has {layout.buffers} buffers per rank, got {len(self.kv_buffers)}")
         want = layout.page_bytes(self.tp_size)
         if any(b != want for b in self.page_bytes_per_buffer):
-            raise _bad(self, "page_bytes", f"the kv_layout gives {want} bytes per page on a rank of tp {self.tp_size}, "
+            raise config_error(self, "page_bytes", f"the kv_layout gives {want} bytes per page on a rank of tp {self.tp_size}, "
                        f"got {self.page_bytes}")
 
     @property
@@ -154,15 +108,7 @@ class PrefillConfig(PeerConfig):
         check_registration(self)
         if isinstance(self.layerwise_min_pages, bool) or not isinstance(self.layerwise_min_pages, int) \
                 or self.layerwise_min_pages < 0:
-            raise _bad(self, "layerwise_min_pages", f"must be an int >= 0, got {self.layerwise_min_pages!r}")
-
-
-def check_registration(config: Any) -> None:
-    """The fields of a rank that registers with its deployment's bootstrap server (prefill, encode)."""
-    if not 0 < config.bootstrap_port < 65536:
-        raise _bad(config, "bootstrap_port", f"{config.bootstrap_port} is not a TCP port")
-    if not 1 <= config.dp_size <= 1024 or not 0 <= config.dp_rank < config.dp_size:
-        raise _bad(config, "dp_rank", f"need 0 <= dp_rank < dp_size, got {config.dp_rank}/{config.dp_size}")
+            raise config_error(self, "layerwise_min_pages", f"must be an int >= 0, got {self.layerwise_min_pages!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

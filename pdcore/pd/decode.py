@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..control import wire
-from ._peer import PeerBase, layout_json
+from ._peer import PdPeer, layout_json
 from ..core._spec import State, Trigger
 from ..control.bootstrap import ParallelInfo
 from ..control.lookup import Deployment, Lookups
@@ -82,7 +82,7 @@ class _Request:
     abort_sent: bool = False
 
 
-class DecodePeer(PeerBase):
+class DecodePeer(PdPeer):
     """A decode rank's PD transfer peer."""
 
     ROLE = "decode"

@@ -25,7 +25,7 @@ import numpy as np
 from transport.plan import Layout
 
 from ..control import wire
-from ._peer import PeerBase
+from ._peer import PdPeer
 from ..core._spec import State, Trigger
 from .parking import Parking
 from .config import PrefillConfig
@@ -97,7 +97,7 @@ class _Sink:
         return not self.connecting and self.handle is not None and not self.handle.closed
 
 
-class PrefillPeer(PeerBase):
+class PrefillPeer(PdPeer):
     """A prefill rank's PD transfer peer."""
 
     ROLE = "prefill"

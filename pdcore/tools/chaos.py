@@ -355,11 +355,11 @@ class _Sync:
 
 def _install_control_faults(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> None:
     # A chaos harness only: replace the name the peers build their channel from (PeerBase._start
-    # calls ``ControlChannel(...)`` from pdcore.pd._peer's namespace) in this child process.
-    from ..pd import _peer
+    # calls ``ControlChannel(...)`` from pdcore.node.base's namespace) in this child process.
+    from ..node import base
 
     if any((plan.control_drop, plan.control_delay, plan.control_dup, plan.control_corrupt)):
-        _peer.ControlChannel = faulty_control_channel(  # type: ignore[misc]
+        base.ControlChannel = faulty_control_channel(  # type: ignore[misc]
             plan.rank_seed(role, index, gen, rank, "control"),
             drop=plan.control_drop, delay=plan.control_delay, max_delay=plan.control_max_delay,
             dup=plan.control_dup, corrupt=plan.control_corrupt,

@@ -1,0 +1,71 @@
+"""What every role's rank is configured with (``NodeConfig``), validated when built: a bad value is a
+``StartError`` naming the field. Every timeout is in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..control.auth import check_secret
+from ..core.errors import StartError
+
+__all__ = ["NodeConfig", "check_registration", "check_seconds", "config_error"]
+
+
+def config_error(config: object, name: str, why: str) -> StartError:
+    """The ``StartError`` for a bad field: ``Class.name: why``."""
+    return StartError(f"{type(config).__name__}.{name}: {why}")
+
+
+def check_seconds(config: object, names: tuple[str, ...]) -> None:
+    """Each named field is a positive, finite number of seconds."""
+    for name in names:
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise config_error(config, name, f"must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """What every rank's peer needs, whatever its role: its place in the replica, the planes, the knobs.
+
+    ``secret`` is the deployment's shared secret (bytes, 16..4096; every rank
+    and the bootstrap server hold the same one): it authenticates the bootstrap
+    requests, the control channel and the data connections (``pdcore.control.auth``).
+    None reads ``$PDCORE_SECRET_FILE`` at start; with neither, the planes run
+    unauthenticated and the peer says so once. It never appears in a repr.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    host: str = "127.0.0.1"
+    transport: str = "tcp"
+    transport_options: Mapping[str, Any] = field(default_factory=dict)
+    heartbeat_interval: float = 1.0
+    dead_after: float = 10.0
+    tombstone_ttl: float = 60.0
+    start_timeout: float = 30.0
+    max_pending: int = 4096
+    secret: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tp_size <= 1024 or not 0 <= self.tp_rank < self.tp_size:
+            raise config_error(self, "tp_rank", f"need 0 <= tp_rank < tp_size <= 1024, got {self.tp_rank}/{self.tp_size}")
+        check_seconds(self, ("heartbeat_interval", "dead_after", "tombstone_ttl", "start_timeout"))
+        if self.heartbeat_interval >= self.dead_after:
+            raise config_error(self, "heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
+        if self.secret is not None:
+            check_secret(self.secret, f"{type(self).__name__}.secret")
+        if self.max_pending < 1:
+            raise config_error(self, "max_pending", f"must be positive, got {self.max_pending}")
+
+
+def check_registration(config: Any) -> None:
+    """The fields of a rank that registers with its deployment's bootstrap server (prefill, encode)."""
+    if not 0 < config.bootstrap_port < 65536:
+        raise config_error(config, "bootstrap_port", f"{config.bootstrap_port} is not a TCP port")
+    if not 1 <= config.dp_size <= 1024 or not 0 <= config.dp_rank < config.dp_size:
+        raise config_error(config, "dp_rank", f"need 0 <= dp_rank < dp_size, got {config.dp_rank}/{config.dp_size}")
