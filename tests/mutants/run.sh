@@ -8,7 +8,8 @@
 #
 # Each mutant runs in its own copy of the working tree (tar, without .venv, .git and caches) in a
 # scratch directory, with this checkout's interpreter ($PY, default .venv/bin/python) and
-# PYTHONPATH pointing at the copy; a patch that touches a .pyx rebuilds the copy's compiled modules
+# PYTHONPATH pointing at the copy; a patch that touches a compiled source (a .pyx, or a .py that
+# setup.py compiles as it is) rebuilds the copy's compiled modules
 # first (only the changed ones are rebuilt, at -O0: PDCORE_QUICK_BUILD). Exit status 1 if a mutant survives, a patch no longer
 # applies, or its test run breaks (collection error, nothing collected); the summary names each.
 # MUTANTS_BASELINE=1 first runs every selected mutant's tests on the unpatched copy (they must pass).
@@ -23,6 +24,17 @@ per_mutant_timeout="${MUTANT_TIMEOUT:-600}"
 
 header() {  # header FIELD PATCH -> the value of '# FIELD: value' in the patch's header
     sed -n "/^---/q; s/^# $1: *//p" "$2" | head -n 1
+}
+
+needs_build() {  # needs_build PATCH -> true if it touches a compiled source: a .pyx, or a .py setup.py compiles
+    local target
+    for target in $(sed -n 's|^+++ [^/]*/\([^[:space:]]*\).*|\1|p' "$1"); do
+        case "$target" in
+            *.pyx) return 0 ;;
+            *.py) grep -q "\"$target\"" "$root/setup.py" && return 0 ;;  # PURE_MODE in setup.py
+        esac
+    done
+    return 1
 }
 
 patches=()
@@ -83,7 +95,7 @@ for f in "${patches[@]}"; do
         echo "    DOES NOT APPLY: refresh the patch against the current code"
         broken+=("$name (does not apply)"); rm -rf "$work"; continue
     fi
-    if grep -qE '^\+\+\+ .*\.pyx' "$f"; then
+    if needs_build "$f"; then
         if ! (cd "$work" && PYTHONPATH="$work" PDCORE_QUICK_BUILD=1 "$py" setup.py -q build_ext --inplace) >"$scratch/$name.build.log" 2>&1; then
             echo "    DOES NOT BUILD:"; tail -n 15 "$scratch/$name.build.log" | sed 's/^/    | /'
             broken+=("$name (does not build)"); rm -rf "$work"; continue
