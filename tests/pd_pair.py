@@ -123,8 +123,10 @@ class Pair:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def poll(self) -> None:
+    def poll(self, sides: tuple[str, ...] = ("prefill", "decode")) -> None:
         for side, peer in (("prefill", self.prefill), ("decode", self.decode)):
+            if side not in sides:
+                continue
             for event in peer.poll(None):
                 self.events[side].append((type(event).__name__, event.rid))
                 if isinstance(event, RemotePrefillDone):
@@ -136,10 +138,13 @@ class Pair:
     def on_event(self, side: str, event: Any) -> None:
         """Scheduler actions; ``pump`` does none, ``drive`` sets them."""
 
-    def pump(self, until: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    def pump(
+        self, until: Callable[[], bool], what: str, timeout: float = 15.0, sides: tuple[str, ...] = ("prefill", "decode")
+    ) -> None:
+        """Poll ``sides`` (the others' schedulers run no rounds meanwhile) until ``until()``."""
         deadline = Deadline.after(timeout)
         while True:
-            self.poll()
+            self.poll(sides)
             if until():
                 return
             if deadline.expired():

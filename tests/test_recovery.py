@@ -19,7 +19,8 @@ import pytest
 from pdcore import PrefillConfig, PrefillPeer
 from pdcore.control.bootstrap import BootstrapClient, BootstrapServer, RankRegistration
 from pdcore.core.deadline import Deadline
-from pd_pair import Pair, through_worker
+from pdcore.core._spec import State
+from pd_pair import Pair, through_worker, token
 
 
 @pytest.fixture
@@ -65,6 +66,38 @@ def test_decode_registers_again_when_prefill_forgot_it(pair: Pair) -> None:
     pair.register("next", 3)  # ...and tells decode to register again, so the next room goes through
     pair.drive(["next"])
     assert pair.ended("decode", "next") == "RemotePrefillDone" and pair.landed_intact("next")
+
+
+def _wait_for(condition: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = Deadline.after(timeout)
+    while not condition():
+        assert not deadline.expired(), f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_a_room_that_landed_settles_landed_after_its_prefill_rank_went_away() -> None:
+    """Decode's next round comes only after the prefill rank finished the request and exited, and its
+    silence outlasted ``dead_after``: the KV and the first token are here, so the room lands, intact.
+    (Before, decode failed every room of the lost rank, landed ones too: the demo's slow checks lost
+    requests this way.)"""
+    pair = Pair(dead_after=1.0)
+    try:
+        pair.register("done", 1)
+        pair.pump(lambda: pair.seen("decode", "Bootstrapped", "done"), "decode to bootstrap", sides=("decode",))
+        pair.announce("done")  # from here on decode's scheduler runs no round until prefill is gone
+        pair.pump(lambda: pair.seen("prefill", "Bootstrapped", "done"), "prefill to bootstrap", sides=("prefill",))
+        pair.send("done")
+        pair.pump(lambda: pair.ended("prefill", "done") == "Succeeded", "prefill to succeed", sides=("prefill",))
+        _wait_for(lambda: pair.decode._table.state("done") == State.SUCCESS, "decode's worker to take the status")
+        assert not pair.events["decode"][1:]  # landed here, not yet settled by a round
+        pair.prefill.close()  # the prefill rank is done: it exits
+        _wait_for(lambda: pair.decode._channel.stats.peers_dead > 0, "decode to declare the silent prefill rank dead")
+        through_worker(pair.decode)  # the loss reached decode's worker
+        pair.pump(lambda: pair.ended("decode", "done") is not None, "decode to settle the room", sides=("decode",))
+        assert pair.ended("decode", "done") == "RemotePrefillDone", pair.reasons
+        assert pair.landed_intact("done") and pair.landed["done"].bootstrap_token == token("done")
+    finally:
+        pair.close()
 
 
 def test_a_rank_restarted_after_the_clock_stepped_back_still_registers() -> None:

@@ -19,14 +19,17 @@ __all__ = ["page_content"]
 
 def page_content(layout: KvLayout, seed: int, first: int, count: int, pair: int) -> np.ndarray:
     t, b = layout.page_tokens, layout.head_bytes
-    buf = np.arange(layout.buffers, dtype=np.int64)[:, None, None, None]
     heads = np.arange(first, first + count, dtype=np.int64)
     tokens = pair * t + np.arange(t, dtype=np.int64)
-    byte = np.arange(b, dtype=np.int64)
     if layout.order == "hnd":
-        hh, tt = heads[None, :, None, None], tokens[None, None, :, None]
+        hh, tt = heads[:, None], tokens[None, :]
     else:  # nhd, mla: tokens outermost
-        tt, hh = tokens[None, :, None, None], heads[None, None, :, None]
-    bb = byte[None, None, None, :]
-    v = (buf * 131 + tt * 29 + hh * 71 + bb * 7 + (tt * hh) % 13 + seed * 17) % 251
+        tt, hh = tokens[:, None], heads[None, :]
+    # (buffer*131 + token*29 + head*71 + byte*7 + (token*head) % 13 + seed*17) % 251, summed from its
+    # parts taken mod 251 each (the same bytes; a page is one add of small int16 arrays, not ten int64 passes)
+    per_buffer = (np.arange(layout.buffers, dtype=np.int64) * 131 % 251).astype(np.int16)
+    per_slot = ((tt * 29 + hh * 71 + (tt * hh) % 13 + seed * 17) % 251).astype(np.int16)
+    per_byte = (np.arange(b, dtype=np.int64) * 7 % 251).astype(np.int16)
+    v = per_buffer[:, None, None, None] + per_slot[None, :, :, None] + per_byte[None, None, None, :]
+    v %= 251
     return v.astype(np.uint8).reshape(layout.buffers, -1)

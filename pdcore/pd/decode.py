@@ -339,15 +339,27 @@ class DecodePeer(PdPeer):
         self._lose_source(dead.endpoint, f"prefill peer lost: {dead.reason}")
 
     def _lose_source(self, endpoint: str, reason: str) -> None:
-        """The prefill rank is gone: its rooms fail, and with it gone nothing more lands (the fence)."""
+        """The prefill rank is gone: its rooms fail, and with it gone nothing more lands (the fence).
+
+        A room that already landed here (SUCCESS: every source's writes and status arrived) owes
+        that rank nothing more: it stays landed and settles as such, however late the scheduler's
+        next round comes (a prefill replica may finish its requests and exit before then)."""
         self._registered.discard(endpoint)
         self._lookups.forget(endpoint)
         with self._lock:
             bound = [r for r in self._requests.values() if any(l.endpoint == endpoint for l in r.links)]
         for request in bound:
+            if self._landed_here(request.rid):
+                continue
             request.abort_sent = True  # nobody to tell
             self._fire(request.rid, Trigger.FAIL, reason)
             self._revoke(request)
+
+    def _landed_here(self, rid: str) -> bool:
+        try:
+            return self._table.state(rid) == State.SUCCESS
+        except PdError:  # settled meanwhile
+            return False
 
     def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         wanted = set(rooms)

@@ -458,10 +458,12 @@ class _Contents:
 
         first, count = plan.kv.heads(self.rank, self.tp)
         pb = plan.kv.page_bytes(self.tp)
-        return all(
-            np.array_equal(buf[page * pb : (page + 1) * pb], page_content(plan.kv, self._seed(r.rid), first, count, pair)[b])
-            for pair, page in enumerate(got) for b, buf in enumerate(cache)
-        )
+        seed = self._seed(r.rid)
+        for pair, page in enumerate(got):
+            content = page_content(plan.kv, seed, first, count, pair)  # every buffer's page at once
+            if not all(np.array_equal(buf[page * pb : (page + 1) * pb], content[b]) for b, buf in enumerate(cache)):
+                return False
+        return True
 
 
 # ------------------------------------------------------------------------------ the run
