@@ -68,13 +68,6 @@ def test_decode_registers_again_when_prefill_forgot_it(pair: Pair) -> None:
     assert pair.ended("decode", "next") == "RemotePrefillDone" and pair.landed_intact("next")
 
 
-def _wait_for(condition: Any, what: str, timeout: float = 10.0) -> None:
-    deadline = Deadline.after(timeout)
-    while not condition():
-        assert not deadline.expired(), f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.005)
-
-
 def test_a_room_that_landed_settles_landed_after_its_prefill_rank_went_away() -> None:
     """Decode's next round comes only after the prefill rank finished the request and exited, and its
     silence outlasted ``dead_after``: the KV and the first token are here, so the room lands, intact.
@@ -88,10 +81,12 @@ def test_a_room_that_landed_settles_landed_after_its_prefill_rank_went_away() ->
         pair.pump(lambda: pair.seen("prefill", "Bootstrapped", "done"), "prefill to bootstrap", sides=("prefill",))
         pair.send("done")
         pair.pump(lambda: pair.ended("prefill", "done") == "Succeeded", "prefill to succeed", sides=("prefill",))
-        _wait_for(lambda: pair.decode._table.state("done") == State.SUCCESS, "decode's worker to take the status")
+        pair.pump(lambda: pair.decode._table.state("done") == State.SUCCESS, "decode's worker to take the status",
+                  sides=())  # no scheduler runs a round meanwhile
         assert not pair.events["decode"][1:]  # landed here, not yet settled by a round
         pair.prefill.close()  # the prefill rank is done: it exits
-        _wait_for(lambda: pair.decode._channel.stats.peers_dead > 0, "decode to declare the silent prefill rank dead")
+        pair.pump(lambda: pair.decode._channel.stats.peers_dead > 0, "decode to declare the silent prefill rank dead",
+                  sides=())
         through_worker(pair.decode)  # the loss reached decode's worker
         pair.pump(lambda: pair.ended("decode", "done") is not None, "decode to settle the room", sides=("decode",))
         assert pair.ended("decode", "done") == "RemotePrefillDone", pair.reasons
