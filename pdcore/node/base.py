@@ -37,7 +37,6 @@ from ..control import wire
 from ..control.auth import resolve_secret, warn_unauthenticated
 from ..control.bootstrap import BootstrapClient, RankRegistration
 from ..control.channel import ControlChannel, DeadPeer
-from ..control.metrics import Counts, PeerCollector, check_registry
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, PdError, PeerError, StartError
 from .config import NodeConfig
@@ -74,12 +73,6 @@ class PeerBase:
         self._thread: threading.Thread | None = None
         self._io_threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
-        # what the metrics read; None without a registry, so a peer without metrics pays nothing for them
-        self.counts = Counts() if self._metrics is not None else None
-
-    @property
-    def _metrics(self) -> Any:
-        return getattr(self._config, "metrics", None)
 
     # -- start and stop -----------------------------------------------------------------
 
@@ -108,12 +101,7 @@ class PeerBase:
             )
             self._channel.start()
             stack.callback(self._channel.close)
-            registry = self._metrics
-            if registry is not None:
-                check_registry(registry, f"{type(cfg).__name__}.metrics")
-                collector = PeerCollector(self)
-                registry.register(collector)
-                stack.callback(registry.unregister, collector)
+            self._publish(stack)
             self._thread = threading.Thread(target=self._run, name=f"pdcore-{self.ROLE}-worker", daemon=True)
             self._io_threads = [
                 threading.Thread(target=self._io_run, name=f"pdcore-{self.ROLE}-io-{i}", daemon=True)
@@ -283,6 +271,9 @@ class PeerBase:
     def _register_memory(self) -> None:
         """Register the role's memory with the transport (``self._transport``), before the channel opens."""
         raise NotImplementedError
+
+    def _publish(self, stack: contextlib.ExitStack) -> None:
+        """Publish the role's metrics, if it has any; ``stack`` undoes it at close (or a failed start)."""
 
     def _tick(self, now: float) -> None:
         """Worker, every ``_TICK`` when idle and at least that often when busy: the role's deadlines."""

@@ -4,12 +4,14 @@ table and its replica round (``poll``), the registered KV cache, fences, tombsto
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from typing import Any, Protocol
 
 from transport.plan import Layout
 
+from ..control.metrics import Counts, PeerCollector, check_registry
 from ..core.agreement import Agreement
 from ..core.errors import CapacityError, PdError, PeerError, StartError
 from ..core.events import BootstrapInfo, Event
@@ -93,6 +95,16 @@ class PdPeer(PeerBase):
         self._agreement = Agreement(self._table, agreement=config.agreement, shm_timeout=config.agreement_timeout)
         self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.max_pending)
         self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
+        # what the metrics read; None without a registry, so a peer without metrics pays nothing for them
+        self.counts = Counts() if config.metrics is not None else None
+
+    def _publish(self, stack: contextlib.ExitStack) -> None:
+        registry = self._config.metrics
+        if registry is not None:
+            check_registry(registry, f"{type(self._config).__name__}.metrics")
+            collector = PeerCollector(self)
+            registry.register(collector)
+            stack.callback(registry.unregister, collector)
 
     def _register_memory(self) -> None:
         """Register the KV cache with the transport: written through grants."""
