@@ -64,6 +64,35 @@ def test_parked_announcements_are_bounded_per_sender(pair: Pair, dealer: Any) ->
     assert pair.prefill.stats["work_errors"] == 0
 
 
+def test_parked_announcements_are_bounded_in_all_whatever_ids_senders_pick() -> None:
+    """Without a secret a sender picks its routing id freely: many ids, each under its own page
+    budget, together stop at the total budget, and real rooms still go through."""
+    pair = Pair(prefill={"max_parked_pages": 1_000, "max_parked_pages_total": 2_500})
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for n in range(6):  # 6 x 800 pages: three fit in the total
+            sock = ctx.socket(zmq.DEALER)
+            socks.append(sock)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, f"tcp://127.0.0.1:{10 + n}".encode())
+            sock.connect(pair.prefill.control_endpoint)
+            sock.send(_announce(1000 + n, 800))
+            sock.send(wire.encode(wire.Abort(room=2000 + n)))  # a marker, handled after its announcement
+        pair.pump(lambda: all(pair.prefill._tombstones.get(2000 + n) is not None for n in range(6)),
+                  "the announcements to arrive")
+        parking = pair.prefill._pending
+        assert parking.pages() == 2_400 and len(parking) == 3, (parking.pages(), len(parking))
+        pair.register("ok", 10)
+        pair.drive(["ok"])
+        assert pair.ended("decode", "ok") == "RemotePrefillDone" and pair.landed_intact("ok")
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        pair.close()
+
+
 def test_a_huge_claimed_cache_fails_only_its_room(pair: Pair, dealer: Any) -> None:
     """A sink that claims 2**40 pages of 4 KiB: the room it announces fails with a clear reason;
     planning costs what is written, not what is claimed (no MemoryError), and nothing else fails."""

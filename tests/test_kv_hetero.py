@@ -22,6 +22,7 @@ from pd_pair import through_worker
 from pdcore.control.bootstrap import BootstrapServer
 from pdcore.core.deadline import Deadline
 from pdcore.kv import KvLayout
+from pdcore.kv.routing import routing
 
 PAGES = 12
 N = 3  # pages per request
@@ -62,34 +63,62 @@ class Hetero:
             peer.close()
         self.server.close()
 
-    def run(self, rids: list[str], timeout: float = 20.0, *, decode_only: bool = False) -> dict[tuple[str, int, str], str]:
+    def run(self, rids: list[str], timeout: float = 20.0, *, decode_only: bool = False,
+            order: str = "prefill first") -> dict[tuple[str, int, str], str]:
         """Every request through every rank; returns {(side, rank, rid): terminal event name (and reason)}.
 
-        ``decode_only``: done when every decode rank ended them (a prefill rank nobody pairs with waits for
-        its bootstrap timeout)."""
-        for i, rid in enumerate(rids):
-            for peer, _, _ in self.prefill + self.decode:
-                peer.register(rid, BootstrapInfo("127.0.0.1", self.port, 100 + i))
-        ended: dict[tuple[str, int, str], str] = {}
+        ``order`` is when the schedulers register: every prefill rank before decode (``"prefill first"``),
+        every decode rank first with each prefill rank registering only once every announcement of the
+        rooms reached it (``"decode first"``: they park), or ``"interleaved"`` (the even prefill ranks
+        first, the odd ones after decode announced). ``decode_only``: done when every decode rank ended
+        them (a prefill rank nobody pairs with waits for its bootstrap timeout)."""
+        self._rids, self._ended = rids, {}
+        early = [p for p in range(self.p_tp) if order == "prefill first" or (order == "interleaved" and p % 2 == 0)]
+        late = [p for p in range(self.p_tp) if p not in early]
+        self._register([self.prefill[p][0] for p in early] + [peer for peer, _, _ in self.decode])
+        if late:
+            self._until(lambda: all(self._announced_to(p) for p in late), "decode's announcements to reach prefill",
+                        timeout, prefill=early)
+            self._register([self.prefill[p][0] for p in late])
         want = len(rids) * (self.d_tp if decode_only else self.p_tp + self.d_tp)
+        self._until(lambda: sum(1 for side, _, _ in self._ended if side == "decode" or not decode_only) >= want,
+                    f"{want} rank-requests to end", timeout)
+        return self._ended
+
+    def _register(self, peers: list[Any]) -> None:
+        for i, rid in enumerate(self._rids):
+            for peer in peers:
+                peer.register(rid, BootstrapInfo("127.0.0.1", self.port, 100 + i))
+
+    def _announced_to(self, p: int) -> bool:
+        """Prefill rank ``p``'s worker handled every Register and Announce its decode ranks send it."""
+        peer = self.prefill[p][0]
+        senders = len(routing(self.layout, self.p_tp, self.d_tp).expects(p))
+        if peer._channel.stats.delivered < senders * (1 + len(self._rids)):
+            return False
+        through_worker(peer)
+        return True
+
+    def _until(self, done: Any, what: str, timeout: float, prefill: list[int] | None = None) -> None:
+        """The schedulers' rounds (every decode rank, and the ``prefill`` ranks: all by default) until ``done()``."""
         deadline = Deadline.after(timeout)
-        while sum(1 for side, _, _ in ended if side == "decode" or not decode_only) < want:
-            assert not deadline.expired(), f"only {len(ended)} of {want} rank-requests ended: {sorted(ended)}"
-            for side, ranks in (("prefill", self.prefill), ("decode", self.decode)):
-                for rank, (peer, port, cache) in enumerate(ranks):
-                    for event in peer.poll(None):
-                        i = rids.index(event.rid)
-                        if isinstance(event, Bootstrapped):
-                            if side == "decode":
-                                port.announce(event.rid, self.dst_pages(i), request_pool_index=i)
-                            else:
-                                self.fill(rank, cache, i)
-                                port.send(event.rid, self.src_pages(i), first_token=7 + i)
-                        elif isinstance(event, (Succeeded, RemotePrefillDone)):
-                            ended[(side, rank, event.rid)] = type(event).__name__
-                        elif isinstance(event, Failed):
-                            ended[(side, rank, event.rid)] = f"Failed: {event.reason}"
-        return ended
+        ranks = [("prefill", p, *self.prefill[p]) for p in (range(self.p_tp) if prefill is None else prefill)]
+        ranks += [("decode", d, *self.decode[d]) for d in range(self.d_tp)]
+        while not done():
+            assert not deadline.expired(), f"timed out waiting for {what}: {sorted(self._ended.items())}"
+            for side, rank, peer, port, cache in ranks:
+                for event in peer.poll(None):
+                    i = self._rids.index(event.rid)
+                    if isinstance(event, Bootstrapped):
+                        if side == "decode":
+                            port.announce(event.rid, self.dst_pages(i), request_pool_index=i)
+                        else:
+                            self.fill(rank, cache, i)
+                            port.send(event.rid, self.src_pages(i), first_token=7 + i)
+                    elif isinstance(event, (Succeeded, RemotePrefillDone)):
+                        self._ended[(side, rank, event.rid)] = type(event).__name__
+                    elif isinstance(event, Failed):
+                        self._ended[(side, rank, event.rid)] = f"Failed: {event.reason}"
 
     @staticmethod
     def src_pages(i: int) -> list[int]:
@@ -123,13 +152,19 @@ CASES = [
 ]
 
 
+ORDERS = ("prefill first", "decode first", "interleaved")
+
+
+@pytest.mark.parametrize("registration", ORDERS)
 @pytest.mark.parametrize(("order", "heads", "p_tp", "d_tp"), CASES, ids=[f"{o}-H{h}-P{p}-D{d}" for o, h, p, d in CASES])
-def test_every_decode_rank_gets_exactly_its_heads(order: str, heads: int, p_tp: int, d_tp: int) -> None:
+def test_every_decode_rank_gets_exactly_its_heads(order: str, heads: int, p_tp: int, d_tp: int, registration: str) -> None:
+    """Whichever side's scheduler registers first: announcements that arrive before a prefill rank
+    registered the room wait for it, every decode rank's (several announce one room to one prefill rank)."""
     layout = KvLayout(order=order, kv_heads=heads, head_bytes=4, page_tokens=2, layers=2)
     h = Hetero(layout, p_tp, d_tp)
     try:
         rids = ["a", "b"]
-        ended = h.run(rids)
+        ended = h.run(rids, order=registration)
         for rid in rids:
             for d in range(d_tp):
                 assert ended[("decode", d, rid)] == "RemotePrefillDone", ended

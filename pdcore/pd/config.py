@@ -36,6 +36,7 @@ class PeerConfig(NodeConfig):
     waiting_timeout: float = 300.0
     fence_timeout: float = 30.0
     max_parked_pages: int = 1 << 20  # page ids of announcements parked per sender (before their room registers)
+    max_parked_pages_total: int = 1 << 22  # ... and from all senders together (a sender without a secret picks its id)
     #: Benchmarks only: decode takes writes without grants and closes fences without revoking, so
     #: benchmarks/pd.py can show what grants cost. Fence before free then holds for nothing.
     unsafe_no_grants: bool = False
@@ -64,8 +65,9 @@ class PeerConfig(NodeConfig):
         check_seconds(self, ("bootstrap_timeout", "waiting_timeout", "fence_timeout", "agreement_timeout"))
         if self.agreement not in ("auto", "shm", "group"):
             raise config_error(self, "agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
-        if self.max_parked_pages < 1:
-            raise config_error(self, "max_parked_pages", f"must be positive, got {self.max_parked_pages}")
+        for name in ("max_parked_pages", "max_parked_pages_total"):
+            if getattr(self, name) < 1:
+                raise config_error(self, name, f"must be positive, got {getattr(self, name)}")
 
     def _check_kv_layout(self) -> None:
         layout = self.kv_layout

@@ -107,7 +107,7 @@ class PrefillPeer(PdPeer):
         super().__init__(config)
         self._rooms: dict[int, _Room] = {}
         self._by_rid: dict[str, _Room] = {}
-        self._pending = Parking(config.max_pending, config.max_parked_pages)
+        self._pending = Parking(config.max_pending, config.max_parked_pages, config.max_parked_pages_total)
         self._sinks: dict[str, _Sink] = {}
         self._receiver: Receiver | None = None
 
@@ -159,9 +159,12 @@ class PrefillPeer(PdPeer):
             aborted = self._tombstones.pop(room)
             pending = self._pending.take(room)
         if aborted is not None:
-            self._fire(rid, Trigger.ABORT, f"room {room} ended before it registered here: {aborted}")
-        elif pending is not None:
-            self._submit_or_fail(rid, self._adopt, entry, pending[0], pending[1])
+            reason = f"room {room} ended before it registered here: {aborted}"
+            self._fire(rid, Trigger.ABORT, reason)
+            for sender, _ in pending:  # decode ranks that announced it meanwhile hear of its end
+                self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+        elif pending:
+            self._submit_or_fail(rid, self._adopt_parked, entry, pending)
 
     def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
         """A committed prompt's usage, sent to the decode node with the completion."""
@@ -194,8 +197,8 @@ class PrefillPeer(PdPeer):
         with self._lock:
             pending = self._pending.take(room)
             self._tombstones.add(room, reason, time.monotonic())
-        if pending is not None:
-            self._tell(pending[0], wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+        for sender, _ in pending:
+            self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
 
     # -- the outbox's call ------------------------------------------------------------------
 
@@ -333,6 +336,11 @@ class PrefillPeer(PdPeer):
             return
         self._adopt(entry, sender, msg)
 
+    def _adopt_parked(self, entry: _Room, parked: list[tuple[str, wire.Announce]]) -> None:
+        """Worker: the announcements that waited for the room's registration, every sender's."""
+        for sender, msg in parked:
+            self._adopt(entry, sender, msg)
+
     def _adopt(self, entry: _Room, sender: str, msg: wire.Announce) -> None:
         sink = self._sinks.get(sender)
         me = self._config.tp_rank
@@ -367,7 +375,7 @@ class PrefillPeer(PdPeer):
         with self._lock:
             entry = self._rooms.get(msg.room)
             if entry is None:  # nothing of ours is in flight to it: acknowledge now
-                self._pending.take(msg.room)
+                self._pending.take_one(msg.room, sender)
                 self._tombstones.add(msg.room, f"aborted by decode: {msg.reason}", time.monotonic())
             else:
                 entry.ack_to.add(sender)
