@@ -191,3 +191,33 @@ def test_decode_failure_before_announcing_is_heard_by_prefill(make_pair: Any) ->
     pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to hear that decode failed the room", timeout=10.0)
     assert pair.ended("prefill", rid) == "Failed"
     assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
+
+
+@pytest.mark.parametrize("when", ["before prefill's round", "after prefill's round"])
+def test_a_room_prefill_failed_before_decode_announced_is_told_to_decode(make_pair: Any, when: str) -> None:
+    """Prefill's scheduler hands a room over before decode announced it (a scheduler mistake): prefill
+    fails the room at once. Decode's announcement that comes after must hear why, whether prefill still
+    holds the failed room (its round has not run) or settled it, and decode fails within seconds
+    instead of holding its pages for its waiting timeout (60 s here)."""
+    pair = make_pair(decode={"waiting_timeout": 60.0})
+    rid, room = "early", 4242
+    pair.register(rid, room, decode=False)
+    pair.send(rid)  # nobody announced the room yet
+    assert pair.prefill._table.state(rid) == State.FAILED  # failed on the caller's thread
+    if when == "after prefill's round":
+        pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to settle the room", sides=("prefill",))
+    pair.decode.register(rid, pair_info(pair, room))
+    pair.pump(lambda: pair.seen("decode", "Bootstrapped", rid), "decode to bootstrap", sides=("decode",))
+    pair.announce(rid)
+    pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to hear that prefill failed the room",
+              timeout=10.0, sides=("decode",))
+    assert pair.ended("decode", rid) == "Failed"
+    assert "handed over before a decode rank announced" in pair.reasons[("decode", rid)], pair.reasons
+    pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to settle the room")
+    assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
+
+
+def pair_info(pair: Pair, room: int) -> Any:
+    from pdcore import BootstrapInfo
+
+    return BootstrapInfo("127.0.0.1", pair.port, room)

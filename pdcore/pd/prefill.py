@@ -66,7 +66,8 @@ class _Room:
     inflight: int = 0  # batches posted and not completed
     landing: int = 0  # batches of the hand-over that have not landed yet
     ack_to: set[str] = field(default_factory=set)  # decode ranks owed an AbortAck once drained
-    told: bool = False  # the decode ranks heard of this room's end
+    failure: str | None = None  # why the room failed here, first reason first
+    told: set[str] = field(default_factory=set)  # decode ranks that heard of this room's end
     # the hand-over (PrefillOutbox): whole (send) or layer by layer (begin, layers_done, finish)
     pages: Any = None  # the source page ids, prompt order
     plans: list[tuple[_Sink, _Dst, Any, int]] | None = None  # per owed decode rank: its writes, rows per buffer
@@ -342,6 +343,15 @@ class PrefillPeer(PdPeer):
             self._adopt(entry, sender, msg)
 
     def _adopt(self, entry: _Room, sender: str, msg: wire.Announce) -> None:
+        with self._lock:
+            settled = self._by_rid.get(entry.rid) is not entry
+            reason = self._tombstones.get(entry.room) if settled else None
+        if settled or self._failed_here(entry):  # the announcer hears now, not at its waiting timeout
+            with self._lock:
+                entry.told.add(sender)
+            reason = reason or entry.failure or "failed on the prefill replica"
+            self._tell(sender, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+            return
         sink = self._sinks.get(sender)
         me = self._config.tp_rank
         owed = sink is not None and sink.route is not None and sink.route.owes(me, sink.rank)
@@ -379,7 +389,7 @@ class PrefillPeer(PdPeer):
                 self._tombstones.add(msg.room, f"aborted by decode: {msg.reason}", time.monotonic())
             else:
                 entry.ack_to.add(sender)
-                entry.told = True
+                entry.told.add(sender)
         if entry is None:
             self._tell(sender, wire.AbortAck(room=msg.room, rank=self._config.tp_rank))
             return
@@ -545,14 +555,28 @@ class PrefillPeer(PdPeer):
         self._notify_failed(entry, reason)
 
     def _notify_failed(self, entry: _Room, reason: str, lost: str = "") -> None:
+        """Tell every decode rank of the room that has not heard of its end (``lost`` is gone: nobody to tell)."""
         with self._lock:
-            dsts, already = list(entry.dsts), entry.told
-            entry.told = True
-        if not already:
-            for endpoint in dsts:
-                if endpoint == lost:
-                    continue  # gone: nobody to tell
-                self._tell(endpoint, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+            untold = [endpoint for endpoint in entry.dsts if endpoint not in entry.told and endpoint != lost]
+            entry.told.update(untold)
+            if lost:
+                entry.told.add(lost)
+        for endpoint in untold:
+            self._tell(endpoint, wire.Status(room=entry.room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
+
+    def _fire(self, rid: str, trigger: int, reason: str = "") -> int | None:
+        state = super()._fire(rid, trigger, reason)
+        if reason and state == State.FAILED:
+            entry = self._by_rid.get(rid)
+            if entry is not None and entry.failure is None:
+                entry.failure = reason
+        return state
+
+    def _failed_here(self, entry: _Room) -> bool:
+        try:
+            return self._table.state(entry.rid) == State.FAILED
+        except PdError:  # settled meanwhile
+            return False
 
     def _drained(self, entry: _Room) -> None:
         """If the room failed and nothing of it is in flight: close the fence, acknowledge aborts."""
