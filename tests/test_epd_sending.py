@@ -282,7 +282,7 @@ class Rooms(RuleBasedStateMachine):
         self.now = 0.0
         self.serial = 0
         self.live: dict[int, MRoom] = {}
-        self.tomb: dict[int, float] = {}  # ended room -> until (insertion order = age)
+        self.tomb: dict[int, tuple[float, bool]] = {}  # ended room -> (until, failed before begun) (order = age)
         self.expect_concluded: list[int] = []
         self.heard: Counter[tuple[int, str]] = Counter()  # (serial, endpoint) -> final statuses
         self.may_ok: set[tuple[int, str]] = set()  # (serial, endpoint) owed an ok
@@ -295,12 +295,15 @@ class Rooms(RuleBasedStateMachine):
         m = self.live[room] = MRoom(room, self.serial, self.now + PARK)
         return m
 
-    def _conclude(self, m: MRoom, step: dict[str, Any]) -> None:
-        del self.live[m.room]
-        self.tomb.pop(m.room, None)
-        self.tomb[m.room] = self.now + TTL
+    def _bury(self, room: int, unbegun: bool) -> None:
+        self.tomb.pop(room, None)
+        self.tomb[room] = (self.now + TTL, unbegun)
         while len(self.tomb) > 4 * self.max_rooms:
             del self.tomb[next(iter(self.tomb))]
+
+    def _conclude(self, m: MRoom, step: dict[str, Any]) -> None:
+        del self.live[m.room]
+        self._bury(m.room, not m.begun and m.failed)
         if m.begun:
             self.expect_concluded.append(m.room)
         step["concluded"].append(m)
@@ -403,11 +406,17 @@ class Rooms(RuleBasedStateMachine):
     @rule(room=st.sampled_from(ROOMS))
     def begin(self, room: int) -> None:
         m = self.live.get(room)
-        expect = not (m is not None and m.begun) and (m is not None or len(self.live) < self.max_rooms)
+        given_up = m is None and self.tomb.get(room, (0.0, False))[1]  # prefill gave it up before it began
+        expect = given_up or (not (m is not None and m.begun) and (m is not None or len(self.live) < self.max_rooms))
         ok, actions = self.rooms.begin(room, self.now)
         assert ok == expect, (room, m)
         step = self._step()
-        if ok:
+        if given_up:
+            event("begin of a room prefill gave up: concluded at once")
+            self.tomb[room] = (self.tomb[room][0], False)
+            self.expect_concluded.append(room)
+            assert actions == []
+        elif ok:
             if m is None:
                 m = self._new(room)
             m.begun, m.deadline = True, self.now + PARK
@@ -510,10 +519,19 @@ class Rooms(RuleBasedStateMachine):
         m = self.live.get(room)
         askers = sorted({ep for ep, _ in m.asks.values()}) if m else []
         endpoint = data.draw(st.sampled_from(askers + ["p0", "nobody"]), label="endpoint")
+        # a registered prefill rank (of this rank's block or not) or one that never registered (None)
+        rank = data.draw(st.sampled_from([None, *self.block, *[r for r in range(self.ranks) if r not in self.block]]),
+                         label="asker rank")
+        ours = rank is not None and rank in self.block
         step = self._step()
-        actions = self.rooms.abort(endpoint, room, "the prefill replica gave up", self.now)
-        if m is not None and endpoint in askers:
+        actions = self.rooms.abort(endpoint, room, "the prefill replica gave up", self.now,
+                                   None if rank is None else (rank, self.ranks))
+        if m is not None and (endpoint in askers or ours):
             self._fail(m, step)
+        elif m is None and ours and room not in self.tomb:
+            event("abort of a room not begun, from a rank of the block")
+            self._bury(room, True)
+            assert actions == []
         self._absorb(actions, step)
 
     @rule(data=st.data())
@@ -588,7 +606,7 @@ class Rooms(RuleBasedStateMachine):
         actions = self.rooms.expire(self.now)
         for m in [m for m in self.live.values() if m.deadline <= self.now and m.out is None and not m.failed]:
             self._fail(m, step)
-        for room in [r for r, until in self.tomb.items() if until <= self.now]:
+        for room in [r for r, (until, _) in self.tomb.items() if until <= self.now]:
             del self.tomb[room]
         self._absorb(actions, step)
 

@@ -42,6 +42,8 @@ class _Sink:
     session_id: str
     epoch: int
     endpoint: bytes
+    rank: int = 0  # its tp rank of ``ranks``
+    ranks: int = 1
     handle: Any = None
     connecting: bool = False
     error: str = ""
@@ -68,6 +70,7 @@ class EncodePeer(PeerBase):
         )
         self._rooms_lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
+        self.stats["aborts_before_begin"] = 0  # aborts from prefill of rooms the scheduler had not begun
 
     def _register_memory(self) -> None:
         for buf in self._config.send_buffers:
@@ -199,7 +202,13 @@ class EncodePeer(PeerBase):
                 return
             self._act(self._rooms_call("ask", sender, msg, now))
         elif isinstance(msg, wire.Abort):
-            self._act(self._rooms_call("abort", sender, msg.room, msg.reason, now))
+            sink = self._sinks.get(sender)
+            with self._rooms_lock:
+                if sink is not None and not self._rooms.begun(msg.room):
+                    self.stats["aborts_before_begin"] += 1
+                actions = self._rooms.abort(sender, msg.room, msg.reason, now,
+                                            None if sink is None else (sink.rank, sink.ranks))
+            self._act(actions)
         else:
             log.warning("encode peer: unexpected %s from %s", type(msg).__name__, sender)
 
@@ -209,7 +218,7 @@ class EncodePeer(PeerBase):
             return  # idempotent
         if old is not None:
             self._lose_sink(sender, f"prefill rank {sender} re-registered (session {msg.session_id})")
-        sink = _Sink(msg.session_id, msg.epoch, msg.endpoint)
+        sink = _Sink(msg.session_id, msg.epoch, msg.endpoint, msg.tp_rank, msg.tp_size)
         self._sinks[sender] = sink
         self._connect(sender, sink)
 

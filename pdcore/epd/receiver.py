@@ -53,6 +53,7 @@ __all__ = ["Receiver"]
 log = logging.getLogger("pdcore.receiver")
 
 _REVOKE_WAIT = 1.0
+_ABORT_LOOKUP = 10.0  # seconds a failed request's abort may wait for its encode deployment's look-up
 
 
 @dataclass(eq=False)
@@ -66,6 +67,8 @@ class _Item:
     grant: Any = None  # the transport grant of the slot, until landed or fenced
     landed: bool = False
     dropped: bool = False  # the request settled failed: never ask, never land
+    abort_until: float = 0.0  # dropped before it was asked: its encode rank is told until then (look-up included)
+    abort_why: str = ""
 
 
 def _slot_memory(buf: Any, nbytes: int, name: str) -> Any:
@@ -118,6 +121,7 @@ class Receiver:
         )
         self._registered: set[str] = set()  # encode endpoints that have our EmbedRegister
         self._unrevoked: list[tuple[int, Any]] = []  # (slot, grant) whose revoke could not be confirmed
+        self._backlog: list[tuple[list[_Item], list[int], dict[str, str]]] = []  # drops the full work queue refused
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
 
     # -- the scheduler's calls (EmbeddingReceiver) ---------------------------------------------
@@ -217,6 +221,7 @@ class Receiver:
     def _settled(self, landed: list[LandedRequest]) -> None:
         failed = self._table.failed()
         fencing = self._table.take_fencing()
+        reasons = dict(failed)
         with self._lock:
             gone = [r for req in landed for r in self._by_rid.pop(req.rid, ())]
             dropped = [r for rid, _ in failed for r in self._by_rid.pop(rid, ())]
@@ -226,16 +231,14 @@ class Receiver:
                     del self._slot_owner[record.slot]
         if dropped or fencing:
             try:
-                self._peer._submit(self._drop, dropped, fencing)
-            except PdError:  # the queue is full (or closing): the worker's tick fences them
-                for record in dropped:
-                    record.dropped = True
+                self._peer._submit(self._drop, dropped, fencing, reasons)
+            except PdError:  # the queue is full (or closing): the worker's tick drops and fences them
+                # Only the worker reads a record's grant (it makes them: an ask may be granting right now),
+                # so here the records are only marked, and the drop waits for the worker.
                 with self._lock:
-                    for slot in fencing:
-                        owner = self._slot_owner.pop(slot, None)
-                        if owner is not None:
-                            owner.dropped = True
-                        self._unrevoked.append((slot, owner.grant if owner is not None else None))
+                    for record in dropped:
+                        record.dropped = True
+                    self._backlog.append((dropped, fencing, reasons))
         if fencing or landed or failed:
             self._pump()
 
@@ -268,12 +271,7 @@ class Receiver:
         pcfg = peer._config
         cfg = self._config
         try:
-            if endpoint not in self._registered:
-                peer._channel.send(endpoint, wire.EmbedRegister(
-                    session_id=peer.session_id, epoch=peer.epoch, endpoint=peer._transport.endpoint(),
-                    tp_size=pcfg.tp_size, tp_rank=pcfg.tp_rank,
-                ))
-                self._registered.add(endpoint)
+            self._introduce(endpoint)
             addr = deep = 0
             if record.slot is not None:
                 addr = self._region.addr + record.slot * self._slot_bytes
@@ -281,7 +279,13 @@ class Receiver:
                 if self._deep_region is not None:
                     deep = self._deep_region.addr + record.slot * self._deep_bytes
                     ranges.append((deep, record.row_count * cfg.deepstack_row_bytes))
-                record.grant = peer._transport.grant(instance, ranges)
+                grant = peer._transport.grant(instance, ranges)
+                with self._lock:  # the request may have been dropped while this rank granted
+                    dropped = record.dropped
+                    record.grant = grant
+                if dropped:  # its drop fences the slot after this item: the grant goes first, nothing is asked
+                    self._revoke(record)
+                    return
             record.source = endpoint
             with self._lock:
                 self._by_source[(endpoint, item.room)] = record
@@ -294,6 +298,27 @@ class Receiver:
             self.stats["asks"] += 1
         except (PdError, ValueError) as e:
             self._fail(record.rid, f"asking encode rank {endpoint} for room {item.room} failed: {e}")
+
+    def _introduce(self, endpoint: str) -> None:
+        """Send ``EmbedRegister`` to the encode rank at ``endpoint`` once per session."""
+        if endpoint in self._registered:
+            return
+        peer = self._peer
+        pcfg = peer._config
+        peer._channel.send(endpoint, wire.EmbedRegister(
+            session_id=peer.session_id, epoch=peer.epoch, endpoint=peer._transport.endpoint(),
+            tp_size=pcfg.tp_size, tp_rank=pcfg.tp_rank,
+        ))
+        self._registered.add(endpoint)
+
+    def _revoke(self, record: _Item) -> None:
+        """Worker: revoke ``record``'s grant now; one not confirmed stays on the record for its slot's fence."""
+        try:
+            self._peer._transport.revoke(record.grant, deadline=Deadline.after(_REVOKE_WAIT))
+        except PdError as e:
+            log.warning("receiver: revoking room %d's grant failed: %s", record.item.room, e)
+            return
+        record.grant = None
 
     def _target(self, deployment: Deployment, item: EmbeddingItem) -> tuple[str, bytes] | None:
         """The item's encode rank (endpoint, transport instance) as far as the cache knows; raises if none fits."""
@@ -314,6 +339,8 @@ class Receiver:
     def _looked_up(self, record: _Item, why: str | None) -> None:
         """Worker: the lookup an item waited for ended."""
         if record.dropped:
+            if why is None and record.abort_until:
+                self._abort_unasked(record, "")
             return
         if why is not None:
             self._fail(record.rid, f"encode {why}")
@@ -345,26 +372,52 @@ class Receiver:
         except PdError:
             pass  # settled meanwhile
 
-    def _drop(self, dropped: list[_Item], fencing: list[int]) -> None:
-        """Worker: tell the encode ranks of failed requests, then fence their asked slots."""
+    def _drop(self, dropped: list[_Item], fencing: list[int], reasons: dict[str, str]) -> None:
+        """Worker: tell the encode ranks of failed requests (asked or not yet), then fence their asked slots."""
         for record in dropped:
-            record.dropped = True
             with self._lock:
+                record.dropped = True
                 if record.source is not None:
                     self._by_source.pop((record.source, record.item.room), None)
-            if record.source is not None and not record.landed:
-                try:
-                    self._peer._channel.send(
-                        record.source, wire.Abort(room=record.item.room, reason="failed on the prefill replica")
-                    )
-                except PdError as e:
-                    log.debug("receiver: cannot tell %s that room %d failed: %s", record.source, record.item.room, e)
+            if record.landed:
+                continue
+            why = f"failed on the prefill replica: {reasons.get(record.rid, '')}"[: wire.MAX_REASON]
+            if record.source is None:  # its encode rank, never asked, holds the room too
+                self._abort_unasked(record, why)
+                continue
+            try:
+                self._peer._channel.send(record.source, wire.Abort(room=record.item.room, reason=why))
+            except PdError as e:
+                log.debug("receiver: cannot tell %s that room %d failed: %s", record.source, record.item.room, e)
         for slot in fencing:
             with self._lock:
                 owner = self._slot_owner.pop(slot, None)
             if owner is not None:
                 owner.dropped = True
             self._fence(slot, owner.grant if owner is not None else None)
+
+    def _abort_unasked(self, record: _Item, why: str) -> None:
+        """Worker: tell the encode rank of an item never asked that its request failed, so it concludes the
+        room now instead of at its park timeout (looked up first if its deployment is not known yet)."""
+        item = record.item
+        server = (item.host, item.port)
+        try:
+            target = self._target(self._lookups.get(server), item)
+        except PdError:
+            return  # that deployment cannot serve the room: nobody there holds it
+        if target is None:  # not looked up yet (or not registered yet): wait for it, for a bounded time
+            now = time.monotonic()
+            if not record.abort_until:
+                record.abort_until, record.abort_why = now + _ABORT_LOOKUP, why
+            if now < record.abort_until:
+                self._lookups.wait(server, record)
+            return
+        record.abort_until = 0.0
+        try:
+            self._introduce(target[0])
+            self._peer._channel.send(target[0], wire.Abort(room=item.room, reason=why or record.abort_why))
+        except PdError as e:
+            log.debug("receiver: cannot tell %s that room %d failed: %s", target[0], item.room, e)
 
     def _fence(self, slot: int, grant: Any) -> None:
         """Revoke ``slot``'s grant in the data plane, then the slot takes new receives."""
@@ -397,7 +450,11 @@ class Receiver:
             self._fail(record.rid, reason)
 
     def _tick(self, now: float) -> None:
-        self._lookups.tick(lambda record: not record.dropped)
+        with self._lock:
+            backlog, self._backlog = self._backlog, []
+        for dropped, fencing, reasons in backlog:
+            self._drop(dropped, fencing, reasons)
+        self._lookups.tick(lambda record: not record.dropped or now < record.abort_until)
         with self._lock:
             retry, self._unrevoked = self._unrevoked, []
         for slot, grant in retry:

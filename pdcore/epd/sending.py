@@ -86,7 +86,8 @@ class SendRooms:
         self._max_rooms = max_rooms
         self._ttl = float(tombstone_ttl)
         self._rooms: dict[int, _Room] = {}  # begun, or parked asks waiting for begin
-        self._ended: OrderedDict[int, tuple[float, str]] = OrderedDict()  # room -> (until, reason)
+        # room -> (until, reason, unbegun): ``unbegun``, it failed before the scheduler began it (prefill gave it up)
+        self._ended: OrderedDict[int, tuple[float, str, bool]] = OrderedDict()
         self._concluded: list[int] = []
 
     def __len__(self) -> int:
@@ -104,6 +105,11 @@ class SendRooms:
         if entry is not None and entry.begun:
             return False, []
         if entry is None:
+            ended = self._ended.get(room)
+            if ended is not None and ended[2]:  # failed before it began (aborted by prefill): concluded at once
+                self._ended[room] = (ended[0], ended[1], False)
+                self._concluded.append(room)
+                return True, []
             if len(self._rooms) >= self._max_rooms:
                 return False, []
             entry = self._rooms[room] = _Room(room, now + self._park)
@@ -168,12 +174,22 @@ class SendRooms:
         entry.asks[msg.rank] = (endpoint, msg)  # a rank that asks again (restarted) replaces its ask
         return self._try_write(entry, now)
 
-    def abort(self, endpoint: str, room: int, reason: str, now: float) -> list[Action]:
-        """A prefill rank that asked for ``room`` gave up on it: the room fails for every asker."""
+    def abort(self, endpoint: str, room: int, reason: str, now: float, asker: tuple[int, int] | None = None) -> list[Action]:
+        """A prefill rank gave up on ``room``: the room fails for every asker.
+
+        Heard from a rank that asked for it, or from a registered prefill rank of this rank's block
+        (``asker``: its rank and tp size), which may not have asked yet (its item waited for a receive
+        slot). A room not begun yet is remembered failed: ``begin`` concludes it at once."""
+        ours = asker is not None and not self._foreign(*asker)
+        why = f"aborted by prefill rank {endpoint}: {reason}"[: wire.MAX_REASON]
         entry = self._rooms.get(room)
-        if entry is None or not any(ep == endpoint for ep, _ in entry.asks.values()):
+        if entry is None:
+            if ours and room not in self._ended:
+                self._remember(room, why, now, unbegun=True)
             return []
-        return self._fail(entry, f"aborted by prefill rank {endpoint}: {reason}", now)
+        if not ours and not any(ep == endpoint for ep, _ in entry.asks.values()):
+            return []
+        return self._fail(entry, why, now)
 
     def lost(self, endpoint: str, reason: str, now: float) -> list[Action]:
         """The prefill rank at ``endpoint`` is gone: every room it asked for fails."""
@@ -215,7 +231,7 @@ class SendRooms:
                        f"within {self._park:g} s")
             out += self._fail(entry, why, now)
         while self._ended:
-            room, (until, _) = next(iter(self._ended.items()))
+            room, (until, _, _) = next(iter(self._ended.items()))
             if until > now:
                 break
             del self._ended[room]
@@ -224,12 +240,15 @@ class SendRooms:
     # -- inside ---------------------------------------------------------------------------
 
     def _misrouted(self, msg: wire.EmbedAsk) -> str:
-        if msg.ranks % self._tp_size:
-            return f"prefill tp {msg.ranks} is not a multiple of encode tp {self._tp_size}"
-        fanout = msg.ranks // self._tp_size
-        if msg.rank // fanout != self._tp_rank:
-            return (f"prefill rank {msg.rank} of {msg.ranks} belongs to encode rank {msg.rank // fanout}, "
-                    f"not to this rank {self._tp_rank}")
+        return self._foreign(msg.rank, msg.ranks)
+
+    def _foreign(self, rank: int, ranks: int) -> str:
+        """Why prefill rank ``rank`` of ``ranks`` is not of this encode rank's block, or ''."""
+        if ranks % self._tp_size:
+            return f"prefill tp {ranks} is not a multiple of encode tp {self._tp_size}"
+        fanout = ranks // self._tp_size
+        if rank // fanout != self._tp_rank:
+            return f"prefill rank {rank} of {ranks} belongs to encode rank {rank // fanout}, not to this rank {self._tp_rank}"
         return ""
 
     def _fanout(self, entry: _Room) -> int:
@@ -304,7 +323,11 @@ class SendRooms:
         del self._rooms[entry.room]
         if entry.begun:
             self._concluded.append(entry.room)
-        self._ended.pop(entry.room, None)
-        self._ended[entry.room] = (now + self._ttl, reason)
+        self._remember(entry.room, reason, now, unbegun=not entry.begun and bool(entry.failed))
+
+    def _remember(self, room: int, reason: str, now: float, *, unbegun: bool) -> None:
+        """A tombstone for ``room`` (bounded: the oldest go first)."""
+        self._ended.pop(room, None)
+        self._ended[room] = (now + self._ttl, reason, unbegun)
         while len(self._ended) > 4 * self._max_rooms:
             self._ended.popitem(last=False)
