@@ -544,3 +544,18 @@ def test_cli_serves_metrics_when_asked(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
             text = answer.read().decode()
     assert "pdcore_bootstrap_ranks 0.0" in text and "pdcore_bootstrap_busy_total" in text
+
+
+def test_a_mixed_layout_is_refused_naming_the_field_and_both_values() -> None:
+    kv = {"order": "hnd", "kv_heads": 4, "head_bytes": 8, "page_tokens": 4, "layers": 1}
+    r = Registry()
+    r.register(reg(0, tp_size=2, layout={"page_bytes": [64], "kv": kv}))
+    with pytest.raises(RemoteProtocolError) as e:
+        r.register(reg(1, tp_size=2, layout={"page_bytes": [64], "kv": {**kv, "order": "nhd"}}))
+    assert "registration.layout.kv.order: 'nhd' differs from 'hnd'" in str(e.value), e.value
+    with pytest.raises(RemoteProtocolError) as e:  # opaque pages of another size
+        r.register(reg(1, tp_size=2, layout={"page_bytes": [32], "kv": kv}))
+    assert "registration.layout.page_bytes[0]: 32 differs from 64" in str(e.value), e.value
+    with pytest.raises(RemoteProtocolError) as e:  # a key one side lacks
+        r.register(reg(1, tp_size=2, layout={"page_bytes": [64]}))
+    assert "registration.layout.kv: (absent) differs from {" in str(e.value), e.value

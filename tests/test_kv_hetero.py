@@ -175,24 +175,28 @@ def test_every_decode_rank_gets_exactly_its_heads(order: str, heads: int, p_tp: 
         h.close()
 
 
-def test_decode_tp_unlike_prefill_without_a_layout_fails_naming_why() -> None:
+# Decode finds the mismatch when it looks prefill up; prefill's ranks hold the room too and must hear why at
+# once (an abort naming it), not at their bootstrap timeout (20 s here, beyond the 10 s these runs wait).
+
+def test_decode_tp_unlike_prefill_without_a_layout_fails_naming_why_on_both_sides() -> None:
     h = Hetero(None, 1, 2, page_bytes=64)
     try:
-        ended = h.run(["x"], decode_only=True)
-        for d in range(2):
-            assert "needs a KV layout" in ended[("decode", d, "x")], ended
+        ended = h.run(["x"], timeout=10.0)
+        for side, rank in [("decode", 0), ("decode", 1), ("prefill", 0)]:
+            assert "needs a KV layout" in ended[(side, rank, "x")], ended
     finally:
         h.close()
 
 
-def test_layouts_that_differ_fail_naming_the_layout() -> None:
+def test_layouts_that_differ_fail_naming_the_layout_on_both_sides() -> None:
     ours = KvLayout(order="hnd", kv_heads=4, head_bytes=4, page_tokens=2, layers=2)
     theirs = KvLayout(order="nhd", kv_heads=4, head_bytes=4, page_tokens=2, layers=2)
     h = Hetero(ours, 2, 2, decode_layout=theirs)
     try:
-        ended = h.run(["x"], decode_only=True)
-        for d in range(2):
-            assert "KV layout" in ended[("decode", d, "x")] and "differs" in ended[("decode", d, "x")], ended
+        ended = h.run(["x", "y"], timeout=10.0)
+        for (side, _rank, _rid), outcome in ended.items():
+            assert "KV layout" in outcome and "differs" in outcome and "'nhd'" in outcome, (side, ended)
+        assert len(ended) == 2 * 4
     finally:
         h.close()
 

@@ -296,6 +296,35 @@ def _group_neutral(layout: dict[str, Any]) -> bytes:
     return _canonical_layout(layout)
 
 
+_ABSENT: Final = object()
+
+
+def _first_difference(a: Any, b: Any, path: str, *, skip_pages: bool = False) -> tuple[str, Any, Any]:
+    """The first place two JSON values differ: ``(path, a's value, b's value)`` (``_ABSENT`` where a key is
+    missing). ``skip_pages``: a top-level ``page_bytes`` beside a ``kv`` layout may differ (DP groups)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if skip_pages and key == "page_bytes" and "kv" in a and "kv" in b:
+                continue
+            va, vb = a.get(key, _ABSENT), b.get(key, _ABSENT)
+            if _canonical_layout({"v": va} if va is not _ABSENT else {}) != _canonical_layout(
+                    {"v": vb} if vb is not _ABSENT else {}):
+                return _first_difference(va, vb, f"{path}.{key}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (va, vb) in enumerate(zip(a, b)):
+            if _canonical_layout({"v": va}) != _canonical_layout({"v": vb}):
+                return _first_difference(va, vb, f"{path}[{i}]")
+    return path, a, b
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: ``(absent)``, or its repr cut at 80 characters."""
+    if value is _ABSENT:
+        return "(absent)"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class Registry:
     """The server's state, pure and not thread-safe: the server holds a lock around it."""
 
@@ -326,7 +355,10 @@ class Registry:
             if (layout if same_group else _group_neutral(reg.layout)) != (
                 other_layout if same_group else _group_neutral(other.layout)
             ):
-                raise RemoteProtocolError(f"registration.layout: differs from the layout registered by {where}")
+                path, mine, theirs = _first_difference(reg.layout, other.layout, "layout", skip_pages=not same_group)
+                raise RemoteProtocolError(
+                    f"registration.{path}: {_short(mine)} differs from {_short(theirs)} registered by {where}"
+                )
             if reg.endpoint == other.endpoint:
                 raise RemoteProtocolError(f"registration.endpoint: {reg.endpoint} is already used by {where}")
             if reg.session_id == other.session_id:

@@ -80,6 +80,7 @@ class _Request:
     links: tuple[_Link, ...] = ()  # the prefill ranks of the room, once bootstrapped (sources first)
     request_pool_index: int = -1
     abort_sent: bool = False
+    mismatch: str = ""  # the deployments cannot pair: failing once its prefill ranks are told why
 
 
 class DecodePeer(PdPeer):
@@ -93,7 +94,7 @@ class DecodePeer(PdPeer):
         self._requests: dict[str, _Request] = {}
         self._by_source: dict[tuple[str, int], _Request] = {}
         self._lookups = Lookups(
-            self, "decode peer", lambda info, needs: {key for need in needs for key, _ in self._pairs(info, *need)},
+            self, "decode peer", lambda info, needs: {key for need in needs for key in self._lookup_keys(info, *need)},
             lambda request: (request.room, request.dp_rank), self._looked_up,
         )
         self._registered: set[str] = set()  # prefill endpoints that have our Register
@@ -158,10 +159,11 @@ class DecodePeer(PdPeer):
     def _bootstrap(self, request: _Request) -> None:
         if self._requests.get(request.rid) is not request:
             return
+        deployment = self._lookups.get(request.server)
         try:
-            links = self._links_of(self._lookups.get(request.server), request)
+            links = self._links_of(deployment, request)
         except PdError as e:
-            self._fire(request.rid, Trigger.FAIL, f"bootstrap {request.server[0]}:{request.server[1]}: {e}")
+            self._cannot_pair(deployment, request, f"bootstrap {request.server[0]}:{request.server[1]}: {e}")
             return
         if links is None:  # not looked up (or not up) yet: the table's bootstrap timeout bounds the wait
             self._lookups.wait(request.server, request)
@@ -183,23 +185,65 @@ class DecodePeer(PdPeer):
             self._registered.add(source)
         self._connected(request, links)
 
-    def _pairs(self, info: ParallelInfo, room: int, dp_rank: int | None) -> list[tuple[tuple[int, int], bool]]:
-        """The (dp rank, tp rank) of every prefill rank of ``room`` this rank talks to, and whether it owes
-        this rank bytes (sources first); raises ``LocalProtocolError`` if the deployments cannot pair."""
-        cfg = self._config
-        kv = info.layout.get("kv")
-        theirs = None if kv is None else KvLayout.from_json(kv)
-        if theirs != cfg.kv_layout:
-            raise LocalProtocolError(f"prefill KV layout {theirs} differs from this cache's {cfg.kv_layout}")
+    def _group(self, info: ParallelInfo, room: int, dp_rank: int | None) -> int:
+        """The prefill DP group of ``room``; ``LocalProtocolError`` if the router named one that does not exist."""
         dp = room % info.dp_size if dp_rank is None else dp_rank
         if dp >= info.dp_size:
             raise LocalProtocolError(f"BootstrapInfo.dp_rank {dp} is not a DP group of the prefill deployment "
                                      f"(dp_size {info.dp_size})")
+        return dp
+
+    def _pairs(self, info: ParallelInfo, room: int, dp_rank: int | None) -> list[tuple[tuple[int, int], bool]]:
+        """The (dp rank, tp rank) of every prefill rank of ``room`` this rank talks to, and whether it owes
+        this rank bytes (sources first); raises ``LocalProtocolError`` if the deployments cannot pair."""
+        cfg = self._config
+        dp = self._group(info, room, dp_rank)
+        kv = info.layout.get("kv")
+        theirs = None if kv is None else KvLayout.from_json(kv)
+        if theirs != cfg.kv_layout:
+            raise LocalProtocolError(f"KV layout: prefill's {theirs} differs from decode's {cfg.kv_layout}")
         route = routing(cfg.kv_layout, info.tp_size(dp), cfg.tp_size)
         if cfg.kv_layout is None and list(info.layout.get("page_bytes", [])) != list(self._layout.page_bytes):
-            raise LocalProtocolError(f"prefill page sizes {info.layout.get('page_bytes')} differ from this cache's")
+            raise LocalProtocolError(f"page sizes: prefill's {info.layout.get('page_bytes')} differ from decode's "
+                                     f"{list(self._layout.page_bytes)}")
         d = cfg.tp_rank
         return [((dp, p), True) for p in route.sources(d)] + [((dp, p), False) for p in route.notified(d)]
+
+    def _lookup_keys(self, info: ParallelInfo, room: int, dp_rank: int | None) -> list[tuple[int, int]]:
+        """The prefill ranks to look up for ``room``: those it pairs with, or, when the deployments cannot
+        pair, every rank of its DP group (to tell them why); raises if the group itself does not exist."""
+        try:
+            return [key for key, _ in self._pairs(info, room, dp_rank)]
+        except LocalProtocolError:
+            dp = self._group(info, room, dp_rank)
+            return [(dp, p) for p in range(info.tp_size(dp))]
+
+    def _cannot_pair(self, deployment: Deployment, request: _Request, why: str) -> None:
+        """Worker: the request cannot pair with its prefill deployment. The prefill ranks of its DP group
+        hold the room too: they are told why (an ``Abort`` naming it), so they fail it now instead of at
+        their bootstrap timeout; their ranks are looked up first if the cache lacks them."""
+        info = deployment.known()
+        keys: list[tuple[int, int]] = []
+        if info is not None:
+            try:
+                keys = self._lookup_keys(info, request.room, request.dp_rank)
+            except PdError:
+                keys = []  # no such group: nobody there holds the room
+        missing = [key for key in keys if key not in deployment.ranks]
+        if missing and not request.mismatch:
+            request.mismatch = why  # once: a second pass tells whom the look-up found
+            self._lookups.wait(request.server, request)
+            return
+        for key in keys:
+            rank = deployment.ranks.get(key)
+            if rank is None:
+                continue
+            try:
+                self._channel.send(rank[0], wire.Abort(room=request.room, reason=f"decode cannot pair: {why}"[: wire.MAX_REASON]))
+            except PdError as e:
+                log.debug("decode peer: cannot tell %s that room %d cannot pair: %s", rank[0], request.room, e)
+        request.abort_sent = True  # told already: the settle owes no second abort
+        self._fire(request.rid, Trigger.FAIL, request.mismatch or why)
 
     def _links_of(self, deployment: Deployment, request: _Request) -> tuple[_Link, ...] | None:
         """The room's prefill ranks as far as the cache knows (None: look them up); raises if it cannot pair."""
@@ -217,7 +261,7 @@ class DecodePeer(PdPeer):
     def _looked_up(self, request: _Request, why: str | None) -> None:
         """Worker: the lookup a request waited for ended."""
         if why is not None:
-            self._fire(request.rid, Trigger.FAIL, why)
+            self._fire(request.rid, Trigger.FAIL, request.mismatch or why)
         else:
             self._bootstrap(request)
 
