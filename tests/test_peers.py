@@ -221,3 +221,34 @@ def pair_info(pair: Pair, room: int) -> Any:
     from pdcore import BootstrapInfo
 
     return BootstrapInfo("127.0.0.1", pair.port, room)
+
+
+def test_poll_neither_raises_from_nor_waits_on_the_revoke_of_a_landed_rooms_grant(make_pair: Any) -> None:
+    """A landed room's grant only goes once it settles (every byte is there); that revoke is a transport
+    call and may wait for a frame still landing or fail. ``poll()`` runs on the scheduler thread: it must
+    not make the call itself, so it neither raises from it nor waits on the network, and every rank
+    keeps its RemotePrefillDone."""
+    import threading
+
+    from transport.errors import TransportError
+
+    pair = make_pair()
+    real = pair.decode._transport.revoke
+    calls: list[tuple[Any, bool]] = []
+
+    def failing(grant: Any, **kwargs: Any) -> Any:
+        calls.append((threading.current_thread(), kwargs.get("settled", False)))
+        if kwargs.get("settled"):
+            raise TransportError("revoke failed (planted by the test)", op="revoke")
+        return real(grant, **kwargs)
+
+    pair.decode._transport.revoke = failing
+    rids = [f"r{i}" for i in range(3)]
+    for i, rid in enumerate(rids):
+        pair.register(rid, 700 + i)
+    pair.drive(rids)
+    assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
+    through_worker(pair.decode)
+    settled = [thread for thread, was_settled in calls if was_settled]
+    assert settled, "the landed rooms' grants were never revoked"
+    assert threading.current_thread() not in settled, "poll() revoked a grant on the scheduler thread"

@@ -99,6 +99,7 @@ class DecodePeer(PdPeer):
         )
         self._registered: set[str] = set()  # prefill endpoints that have our Register
         self._unrevoked: list[_Request] = []  # revokes that could not be confirmed: retried every tick
+        self._landed_grants: list[Any] = []  # grants of landed rooms still to revoke: the worker's, every tick
 
     @classmethod
     def start(cls, config: DecodeConfig) -> tuple[DecodePeer, DecodeInbox]:
@@ -418,6 +419,25 @@ class DecodePeer(PdPeer):
         for request in retry:
             if self._requests.get(request.rid) is request:
                 self._revoke(request)
+        self._release_landed()
+
+    def _release_landed(self) -> None:
+        """Worker: revoke the grants of rooms that landed (every byte is there: nothing waits on them).
+        One that fails is tried again next tick; past ``4 * max_pending`` of those the oldest are given up."""
+        with self._lock:
+            grants, self._landed_grants = self._landed_grants, []
+        failed = []
+        for grant in grants:
+            try:
+                self._transport.revoke(grant, deadline=Deadline.after(_REVOKE_WAIT), settled=True)
+            except PdError as e:
+                if not failed:
+                    log.warning("decode peer: revoking a landed room's grant failed (tried again): %s", e)
+                failed.append(grant)
+        if failed:
+            with self._lock:
+                self._landed_grants[:0] = failed
+                del self._landed_grants[: max(0, len(self._landed_grants) - 4 * self._config.max_pending)]
 
     def _farewell(self) -> None:
         for request in list(self._requests.values()):
@@ -431,6 +451,7 @@ class DecodePeer(PdPeer):
 
     def _settle(self, events: list[Event]) -> list[Event]:
         out: list[Event] = []
+        released = False
         for event in events:
             if isinstance(event, (Succeeded, Failed)):
                 with self._lock:
@@ -440,9 +461,13 @@ class DecodePeer(PdPeer):
                 if isinstance(event, Failed) and request.links and not request.abort_sent:
                     self._abort_unannounced(request)
                 if isinstance(event, Succeeded):
-                    for link in request.links:
-                        if link.grant is not None:  # every byte landed: the grant only goes
-                            self._transport.revoke(link.grant, deadline=Deadline.after(_REVOKE_WAIT), settled=True)
+                    # every byte landed: the grant only goes, on the worker (a transport call may wait on the
+                    # network or raise, and the scheduler thread does neither)
+                    grants = [link.grant for link in request.links if link.grant is not None]
+                    if grants:
+                        with self._lock:
+                            self._landed_grants += grants
+                        released = True
                     landed = next(l.landed for l in request.links if l.owes)
                     assert landed is not None and landed.first_token is not None  # checked when it arrived
                     event = RemotePrefillDone(
@@ -456,6 +481,11 @@ class DecodePeer(PdPeer):
                         )
                     )
             out.append(event)
+        if released:
+            try:
+                self._submit(self._release_landed)
+            except PdError:  # full or closing: the worker's next tick takes them
+                pass
         return out
 
 
