@@ -48,10 +48,10 @@ def _server(made: list[Any]) -> int:
     return server.start()
 
 
-def _prefill(made: list[Any], port: int, **receiver: Any) -> tuple[PrefillPeer, Any]:
+def _prefill(made: list[Any], port: int, dead_after: float = KNOBS["dead_after"], **receiver: Any) -> tuple[PrefillPeer, Any]:
     peer, _ = PrefillPeer.start(PrefillConfig(
         kv_buffers=[np.zeros(4096, np.uint8)], page_bytes=4096, num_pages=1, bootstrap_host=HOST, bootstrap_port=port,
-        max_pending=1, **KNOBS))  # max_pending 1: a work queue of 4 items, easy to fill
+        max_pending=1, **{**KNOBS, "dead_after": dead_after}))  # max_pending 1: a work queue of 4 items, easy to fill
     made.append(peer)
     recv = peer.embedding_receiver(ReceiverConfig(slot_rows=16, hidden=HIDDEN, dtype=DTYPE, timeout=FAR,
                                                   **{"slots": 1, **receiver}))
@@ -185,6 +185,32 @@ def test_an_abort_that_arrives_before_the_encode_scheduler_begins_the_room_concl
             time.sleep(0.005)
         assert e2.begin(20)
         assert 20 in e2.wait_concluded({20}, 5.0), "a room prefill already aborted was held after begin"
+    finally:
+        for thing in reversed(made):
+            thing.close()
+
+
+def test_an_encode_rank_found_dead_fails_new_requests_at_once() -> None:
+    """Once the receiver found an encode rank dead, items toward it fail at once naming the verdict,
+    not each after another ``dead_after`` (its bootstrap server keeps listing it)."""
+    dead_after = 4.0
+    made: list[Any] = []
+    try:
+        pport, eport = _server(made), _server(made)
+        peer, recv = _prefill(made, pport, dead_after=dead_after)
+        enc = _encoder(made, eport)
+        recv.stage("A", [EmbeddingItem(index=0, host=HOST, port=eport, room=1, rows=ROWS)])
+        assert enc.begin(1)
+        enc.put(1, ROWS, HIDDEN, DTYPE)
+        _rounds(recv, lambda got: any(r.rid == "A" for r in got), "A to land")
+        recv.release([0])
+        enc.close()  # gone without a word to its bootstrap server
+        recv.stage("B", [EmbeddingItem(index=0, host=HOST, port=eport, room=2, rows=ROWS)])
+        _rounds(recv, lambda _got: any(rid == "B" for rid, _ in recv.failed()), "B to fail", seconds=3 * dead_after)
+        recv.stage("C", [EmbeddingItem(index=0, host=HOST, port=eport, room=3, rows=ROWS)])
+        _rounds(recv, lambda _got: any(rid == "C" for rid, _ in recv.failed()), "C to fail at once",
+                seconds=dead_after / 2)
+        assert "was found dead" in dict(recv.failed())["C"], recv.failed()
     finally:
         for thing in reversed(made):
             thing.close()

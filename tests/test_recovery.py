@@ -119,3 +119,38 @@ def test_a_rank_restarted_after_the_clock_stepped_back_still_registers() -> None
             peer.close()
     finally:
         server.close()
+
+
+def test_a_prefill_rank_found_dead_fails_new_requests_at_once_until_it_registers_again() -> None:
+    """Once decode found a prefill rank dead, requests toward it fail at once naming that verdict, not
+    each after another ``dead_after`` (its bootstrap server keeps listing a rank that died without a
+    word); a rank that registers again (newer epoch) serves requests at once."""
+    dead_after = 4.0
+    pair = Pair(heartbeat_interval=0.2, dead_after=dead_after)
+    try:
+        pair.register("first", 1)
+        pair.drive(["first"])
+        old = pair.prefill
+        assert old is not None
+        old.close()  # gone; the bootstrap server still lists it
+        pair.register("lost", 2, prefill=False)
+        pair.pump(lambda: bool(pair.ended("decode", "lost")), "decode to find the prefill rank dead",
+                  timeout=3 * dead_after, sides=("decode",))
+        assert "prefill peer lost" in pair.reasons[("decode", "lost")], pair.reasons
+        rids = [f"next{i}" for i in range(3)]
+        for i, rid in enumerate(rids):
+            pair.register(rid, 10 + i, prefill=False)
+        pair.pump(lambda: all(pair.ended("decode", rid) for rid in rids), "new requests to fail at once",
+                  timeout=dead_after / 2, sides=("decode",))
+        for rid in rids:
+            assert pair.ended("decode", rid) == "Failed"
+            assert "was found dead" in pair.reasons[("decode", rid)], pair.reasons
+        pair.prefill, pair.outbox = PrefillPeer.start(PrefillConfig(
+            kv_buffers=pair.p_cache, page_bytes=pair.p_cache[0].nbytes // 64, num_pages=64, bootstrap_host="127.0.0.1",
+            bootstrap_port=pair.port, heartbeat_interval=0.2, dead_after=dead_after))
+        assert pair.prefill.epoch > old.epoch
+        pair.register("back", 20)
+        pair.drive(["back"])
+        assert pair.ended("decode", "back") == "RemotePrefillDone" and pair.landed_intact("back")
+    finally:
+        pair.close()

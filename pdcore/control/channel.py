@@ -419,6 +419,11 @@ class ControlChannel:
         with self._held_lock:
             return self._held.get(sender, 0) if sender is not None else sum(self._held.values())
 
+    def introduced(self, endpoint: str) -> tuple[str | None, int | None]:
+        """The session and epoch the live peer at ``endpoint`` last introduced ((None, None): none is
+        tracked there, e.g. since it was found dead). Any thread: a read of the I/O thread's state."""
+        return self._liveness.known(endpoint)
+
     def forget(self, endpoint: str) -> None:
         """Drop the DEALER to ``endpoint`` (queued frames are discarded) and stop watching it."""
         self._enqueue(endpoint, None, ())

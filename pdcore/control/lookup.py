@@ -10,12 +10,21 @@ lookup at a time runs on an I/O thread (bounded by deadlines, retried every
 delays only the items that need it), and its result goes back to the worker,
 which resumes each waiting item (``resume(item, None)``) or fails it
 (``resume(item, why)``). The caller's timers bound how long an item waits.
+
+A rank found dead (``dead``) stays dead to this peer until its deployment's
+server lists it with a newer epoch (it registered again): ``verdict`` names
+the verdict for the incarnation a look-up found, so the caller fails the
+items that need it at once instead of waiting ``dead_after`` again per item
+(the server keeps listing a rank that died without saying goodbye). The
+caller looks the deployment up afresh once per item before it believes a
+verdict (``forget``), so a restart is noticed by the first item after it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +39,9 @@ log = logging.getLogger("pdcore.lookup")
 
 _LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on an I/O thread
 _RETRY = 0.1  # seconds between lookups of a deployment that is not up yet
+_MAX_VERDICTS = 4096
+
+Rank = tuple[str, bytes, int]  # (control endpoint, transport instance, epoch)
 
 Key = tuple[int, int]
 
@@ -37,7 +49,7 @@ Key = tuple[int, int]
 @dataclass(eq=False)
 class Deployment:
     info: ParallelInfo | None = None
-    ranks: dict[Key, tuple[str, bytes]] = field(default_factory=dict)  # -> (control endpoint, transport instance)
+    ranks: dict[Key, Rank] = field(default_factory=dict)
     next_try: float = 0.0
     looking: bool = False
     waiting: list[Any] = field(default_factory=list)
@@ -71,6 +83,7 @@ class Lookups:
         self._need_of = need_of
         self._resume = resume
         self.deployments: dict[tuple[str, int], Deployment] = {}
+        self._dead: OrderedDict[str, tuple[int, str]] = OrderedDict()  # endpoint -> (epoch found dead, verdict)
 
     def get(self, server: tuple[str, int]) -> Deployment:
         return self.deployments.setdefault(server, Deployment())
@@ -90,15 +103,47 @@ class Lookups:
     def forget(self, endpoint: str) -> None:
         """A rank at ``endpoint`` is gone: look its deployment up afresh (it may come back elsewhere)."""
         for deployment in self.deployments.values():
-            if any(ep == endpoint for ep, _ in deployment.ranks.values()):
+            if any(rank[0] == endpoint for rank in deployment.ranks.values()):
                 deployment.info, deployment.ranks = None, {}
+
+    def dead(self, endpoint: str, epoch: int | None, verdict: str) -> None:
+        """The rank at ``endpoint`` (incarnation ``epoch``; None: the one looked up) was found dead."""
+        if epoch is None:
+            epoch = next((rank[2] for d in self.deployments.values() for rank in d.ranks.values()
+                          if rank[0] == endpoint), None)
+        self.forget(endpoint)
+        if epoch is None:
+            return  # never looked up here: nothing to hold against a look-up
+        self._dead.pop(endpoint, None)
+        self._dead[endpoint] = (epoch, verdict)
+        while len(self._dead) > _MAX_VERDICTS:
+            self._dead.popitem(last=False)
+
+    def verdict(self, endpoint: str, epoch: int) -> str | None:
+        """Why the looked-up rank at ``endpoint`` (incarnation ``epoch``) is known dead, or None; a newer
+        epoch (it registered again) clears the verdict."""
+        entry = self._dead.get(endpoint)
+        if entry is None:
+            return None
+        if epoch > entry[0]:
+            del self._dead[endpoint]
+            return None
+        return f"{endpoint} was found dead ({entry[1]}) and has not registered again"
+
+    def suspect(self, endpoint: str) -> bool:
+        """A verdict is held against ``endpoint`` (a read, safe off the worker)."""
+        return endpoint in self._dead
+
+    def pardon(self, endpoint: str) -> None:
+        """The rank at ``endpoint`` was heard from again: the verdict goes."""
+        self._dead.pop(endpoint, None)
 
     def instance(self, endpoint: str) -> bytes:
         """The transport instance of the rank at ``endpoint`` (``KeyError`` if never looked up)."""
         for deployment in self.deployments.values():
-            for ep, instance in deployment.ranks.values():
-                if ep == endpoint:
-                    return instance
+            for rank in deployment.ranks.values():
+                if rank[0] == endpoint:
+                    return rank[1]
         raise KeyError(endpoint)
 
     def _look_up(self, server: tuple[str, int], deployment: Deployment) -> None:
@@ -135,7 +180,7 @@ class Lookups:
             deployment.info = info
         for key, rank in ranks.items():
             if rank is not None:
-                deployment.ranks[key] = (rank.endpoint, bytes.fromhex(rank.transport))
+                deployment.ranks[key] = (rank.endpoint, bytes.fromhex(rank.transport), rank.epoch)
         waiting, deployment.waiting = deployment.waiting, []
         why = None if error is None else f"bootstrap {server[0]}:{server[1]}: {error}"
         for item in waiting:

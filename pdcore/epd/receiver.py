@@ -69,6 +69,7 @@ class _Item:
     dropped: bool = False  # the request settled failed: never ask, never land
     abort_until: float = 0.0  # dropped before it was asked: its encode rank is told until then (look-up included)
     abort_why: str = ""
+    rechecked: bool = False  # a verdict against its encode rank was checked with a fresh look-up
 
 
 def _slot_memory(buf: Any, nbytes: int, name: str) -> Any:
@@ -266,7 +267,16 @@ class Receiver:
         if target is None:
             self._lookups.wait(server, record)
             return
-        endpoint, instance = target
+        endpoint, instance, epoch = target
+        verdict = self._verdict(target)
+        if verdict and not record.rechecked:  # the server may list it anew (restarted): look once more
+            record.rechecked = True
+            self._lookups.forget(endpoint)
+            self._lookups.wait(server, record)
+            return
+        if verdict:  # it died and has not come back: fail now, not after another dead_after
+            self._fail(record.rid, f"encode rank {verdict}")
+            return
         peer = self._peer
         pcfg = peer._config
         cfg = self._config
@@ -320,7 +330,17 @@ class Receiver:
             return
         record.grant = None
 
-    def _target(self, deployment: Deployment, item: EmbeddingItem) -> tuple[str, bytes] | None:
+    def _verdict(self, rank: tuple[str, bytes, int]) -> str | None:
+        """Why the looked-up encode rank is known dead, or None (as ``DecodePeer._verdict``)."""
+        why = self._lookups.verdict(rank[0], rank[2])
+        if why is not None:
+            epoch = self._peer._channel.introduced(rank[0])[1]
+            if epoch is not None and epoch >= rank[2]:
+                self._lookups.pardon(rank[0])
+                return None
+        return why
+
+    def _target(self, deployment: Deployment, item: EmbeddingItem) -> tuple[str, bytes, int] | None:
         """The item's encode rank (endpoint, transport instance) as far as the cache knows; raises if none fits."""
         info = deployment.known()
         return None if info is None else deployment.ranks.get(self._key(info, item.room))
@@ -433,10 +453,11 @@ class Receiver:
         self.stats["fenced"] += 1
         self._pump()
 
-    def _lose_source(self, endpoint: str, reason: str) -> None:
-        """Worker: an encode rank is gone: what still waits for it fails (its fence is the grants' revoke)."""
+    def _lose_source(self, endpoint: str, reason: str, epoch: int | None = None) -> None:
+        """Worker: an encode rank is gone: what still waits for it fails (its fence is the grants' revoke),
+        and so does what needs it later, until it registers again."""
         self._registered.discard(endpoint)
-        self._lookups.forget(endpoint)
+        self._lookups.dead(endpoint, epoch, reason)
         with self._lock:
             bound = [r for r in self._by_source.values() if r.source == endpoint and not r.landed]
         for record in bound:

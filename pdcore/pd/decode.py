@@ -67,6 +67,7 @@ class _Link:
 
     endpoint: str
     owes: bool
+    epoch: int = 0  # the incarnation its deployment's server listed
     grant: Any = None  # the transport grant of the announced pages, until revoked
     landed: wire.Status | None = None  # its success status
 
@@ -81,6 +82,7 @@ class _Request:
     request_pool_index: int = -1
     abort_sent: bool = False
     mismatch: str = ""  # the deployments cannot pair: failing once its prefill ranks are told why
+    rechecked: bool = False  # a verdict against one of its prefill ranks was checked with a fresh look-up
 
 
 class DecodePeer(PdPeer):
@@ -138,6 +140,8 @@ class DecodePeer(PdPeer):
             return None  # the worker's bootstrap fails it, naming why
         if links is None or any(link.endpoint not in self._registered for link in links):
             return None
+        if any(self._lookups.suspect(link.endpoint) for link in links):
+            return None  # found dead once: the worker judges it (a read here: the worker owns the look-ups)
         return links
 
     def _connected(self, request: _Request, links: tuple[_Link, ...]) -> None:
@@ -169,6 +173,16 @@ class DecodePeer(PdPeer):
         if links is None:  # not looked up (or not up) yet: the table's bootstrap timeout bounds the wait
             self._lookups.wait(request.server, request)
             return
+        for link in links:
+            verdict = self._verdict(link)
+            if verdict and not request.rechecked:  # the server may list it anew (restarted): look once more
+                request.rechecked = True
+                self._lookups.forget(link.endpoint)
+                self._lookups.wait(request.server, request)
+                return
+            if verdict:  # it died and has not come back: fail now, not after another dead_after
+                self._fire(request.rid, Trigger.FAIL, f"prefill rank {verdict}")
+                return
         for source in [link.endpoint for link in links if link.endpoint not in self._registered]:
             cfg = self._config
             self._channel.send(
@@ -256,8 +270,19 @@ class DecodePeer(PdPeer):
             rank = deployment.ranks.get(key)
             if rank is None:
                 return None
-            links.append(_Link(rank[0], owes))
+            links.append(_Link(rank[0], owes, rank[2]))
         return tuple(links)
+
+    def _verdict(self, link: _Link) -> str | None:
+        """Why the prefill rank of ``link`` is known dead, or None (never found dead, registered again with
+        a newer epoch, or heard from again since: a paused process that resumed)."""
+        why = self._lookups.verdict(link.endpoint, link.epoch)
+        if why is not None:
+            epoch = self._channel.introduced(link.endpoint)[1]
+            if epoch is not None and epoch >= link.epoch:
+                self._lookups.pardon(link.endpoint)
+                return None
+        return why
 
     def _looked_up(self, request: _Request, why: str | None) -> None:
         """Worker: the lookup a request waited for ended."""
@@ -381,16 +406,16 @@ class DecodePeer(PdPeer):
     # -- failures from outside -------------------------------------------------------------------
 
     def _peer_lost(self, dead: DeadPeer) -> None:
-        self._lose_source(dead.endpoint, f"prefill peer lost: {dead.reason}")
+        self._lose_source(dead.endpoint, f"prefill peer lost: {dead.reason}", dead.epoch)
 
-    def _lose_source(self, endpoint: str, reason: str) -> None:
+    def _lose_source(self, endpoint: str, reason: str, epoch: int | None = None) -> None:
         """The prefill rank is gone: its rooms fail, and with it gone nothing more lands (the fence).
 
         A room that already landed here (SUCCESS: every source's writes and status arrived) owes
         that rank nothing more: it stays landed and settles as such, however late the scheduler's
         next round comes (a prefill replica may finish its requests and exit before then)."""
         self._registered.discard(endpoint)
-        self._lookups.forget(endpoint)
+        self._lookups.dead(endpoint, epoch, reason)
         with self._lock:
             bound = [r for r in self._requests.values() if any(l.endpoint == endpoint for l in r.links)]
         for request in bound:

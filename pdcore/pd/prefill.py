@@ -615,7 +615,7 @@ class PrefillPeer(PdPeer):
     def _peer_lost(self, dead: DeadPeer) -> None:
         self._lose_sink(dead.endpoint, f"decode peer lost: {dead.reason}")
         if self._receiver is not None:
-            self._receiver._lose_source(dead.endpoint, dead.reason)
+            self._receiver._lose_source(dead.endpoint, dead.reason, dead.epoch)
 
     def _lose_sink(self, endpoint: str, reason: str) -> None:
         sink = self._sinks.pop(endpoint, None)
