@@ -155,7 +155,7 @@ CASES = [
 ORDERS = ("prefill first", "decode first", "interleaved")
 
 
-@pytest.mark.parametrize("registration", ORDERS)
+@pytest.mark.parametrize("registration", ORDERS, ids=[o.replace(" ", "-") for o in ORDERS])
 @pytest.mark.parametrize(("order", "heads", "p_tp", "d_tp"), CASES, ids=[f"{o}-H{h}-P{p}-D{d}" for o, h, p, d in CASES])
 def test_every_decode_rank_gets_exactly_its_heads(order: str, heads: int, p_tp: int, d_tp: int, registration: str) -> None:
     """Whichever side's scheduler registers first: announcements that arrive before a prefill rank

@@ -24,6 +24,15 @@ whose buffers differ in size (tables of different capacity) raise
 ``CollectiveError`` on every rank at once: a collective over them would hang
 or corrupt.
 
+Failure reasons: a rank that failed a request itself knows why; the others only
+know that another rank did (``FAILED_ELSEWHERE``). In a round that fails
+requests, every rank contributes its reasons for them to one
+``all_gather_object`` over the group (whichever path reduced the round: the
+group is there either way) and takes, per request, the reason of the lowest
+rank that failed it itself, so every rank reports the same reason in the same
+round (``agree_reasons``; ``round`` applies it to its ``Failed`` events). A
+round that fails nothing pays nothing for it.
+
 torch is imported on the first round that has a group: a replica of one rank
 never needs it.
 """
@@ -35,12 +44,14 @@ import os
 from typing import Any
 
 from .errors import CollectiveError
-from .events import Event
+from .events import FAILED_ELSEWHERE, Event, Failed
 
 __all__ = ["Agreement", "AGREEMENT_MODES"]
 
 #: Values of ``Agreement(agreement=...)``.
 AGREEMENT_MODES = ("auto", "shm", "group")
+
+_MAX_REASON = 1024  # characters of each reason exchanged (the wire's bound on a reason too)
 
 
 class Agreement:
@@ -212,4 +223,28 @@ class Agreement:
                     dist.all_reduce(self._tensor, op=dist.ReduceOp.MIN, group=replica)
                 except RuntimeError as exc:  # gloo reports peer loss and timeouts this way
                     raise CollectiveError(f"all-reduce MIN over the replica failed: {exc}") from exc
+            events = self._table.decode()
+            failed = [i for i, event in enumerate(events) if type(event) is Failed]
+            if failed:
+                reasons = self.agree_reasons(replica, [events[i].reason for i in failed])
+                for i, reason in zip(failed, reasons):
+                    events[i] = Failed(events[i].rid, reason)
+            return events
         return self._table.decode()
+
+    def agree_reasons(self, replica: object, reasons: list[str]) -> list[str]:
+        """The replica's reasons for the requests a round failed (the same requests, in the same order, on
+        every rank: call it on every rank in that round): per request, the reason of the lowest rank that
+        failed it itself, else this rank's own. A replica of one rank has nothing to exchange."""
+        if not reasons or self._world_size(replica) <= 1:
+            return reasons
+        mine = [r[:_MAX_REASON] for r in reasons]
+        gathered: list[Any] = [None] * self._world
+        try:
+            self._dist.all_gather_object(gathered, mine, group=replica)
+        except RuntimeError as exc:
+            raise CollectiveError(f"exchanging failure reasons over the replica failed: {exc}") from exc
+        if any(not isinstance(theirs, list) or len(theirs) != len(mine) for theirs in gathered):
+            raise CollectiveError("the ranks of the replica failed different requests in one round")
+        return [next((theirs[i] for theirs in gathered if theirs[i] != FAILED_ELSEWHERE), own)
+                for i, own in enumerate(mine)]

@@ -124,6 +124,7 @@ class Receiver:
         self._unrevoked: list[tuple[int, Any]] = []  # (slot, grant) whose revoke could not be confirmed
         self._backlog: list[tuple[list[_Item], list[int], dict[str, str]]] = []  # drops the full work queue refused
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
+        self._failed: list[tuple[str, str]] | None = None  # the last round's failures, reasons agreed
 
     # -- the scheduler's calls (EmbeddingReceiver) ---------------------------------------------
 
@@ -159,13 +160,21 @@ class Receiver:
             except (TypeError, ValueError):  # not bytes: the table names the code that is wrong
                 codes = np.asarray(codes, dtype=np.int64)
         landed = self._table.settle(codes)
+        self._failed = None  # this rank's own reasons: no replica to agree them with here
         self._settled(landed)
         return landed
 
     def round(self, replica: object = None) -> list[LandedRequest]:
         """``poll`` → MIN across ``replica`` (a gloo group; None for one rank) → ``settle``, with the
-        table's mismatch guard: ranks that staged different requests raise ``CollectiveError`` on every rank."""
+        table's mismatch guard: ranks that staged different requests raise ``CollectiveError`` on every rank.
+        Every rank reports the same reason for a request that failed (``failed``): the lowest rank's that
+        failed it itself (``Agreement.agree_reasons``)."""
         landed = self._agreement.round(time.monotonic(), replica)
+        failed = self._table.failed()
+        self._failed = None
+        if failed:
+            agreed = self._agreement.agree_reasons(replica, [reason for _, reason in failed])
+            self._failed = [(rid, reason) for (rid, _), reason in zip(failed, agreed)]
         self._settled(landed)
         return landed  # type: ignore[no-any-return]
 
@@ -179,7 +188,7 @@ class Receiver:
 
     def failed(self) -> list[tuple[str, str]]:
         """The requests the last settle dropped as failed: (rid, reason)."""
-        return self._table.failed()
+        return self._failed if self._failed is not None else self._table.failed()
 
     def rows(self, slot: int, count: int) -> np.ndarray:
         """The first ``count`` rows of ``slot`` as a ``(count, row bytes)`` uint8 view (copy them out, then ``release``)."""
@@ -220,7 +229,7 @@ class Receiver:
                 self._fail(rid, f"cannot queue the receive requests: {e}")
 
     def _settled(self, landed: list[LandedRequest]) -> None:
-        failed = self._table.failed()
+        failed = self.failed()
         fencing = self._table.take_fencing()
         reasons = dict(failed)
         with self._lock:
