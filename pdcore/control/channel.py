@@ -31,12 +31,19 @@ Quota: the wire bytes of every frame handed to ``on_message`` count against
 its sender until they are released; a sender whose next frame would take it
 past ``max_bytes_per_sender`` has that frame dropped (``stats.quota_drops``, a
 warning per episode) and its rooms failed through ``on_rooms_failed`` with a
-reason that says "quota". By default a frame is released when ``on_message``
-returns. A consumer that keeps the message past the callback (queues it for a
-worker) calls ``release = channel.hold()`` inside the callback and
-``release()`` once it is done with it (any thread, idempotent), so what it
-holds counts too. ZeroMQ's own receive queue per sender is bounded in frames
-(``RCVHWM``, derived from the quota), so it holds at most about one quota more.
+reason that says "quota". A sender is a routing id, which a client without the
+secret picks freely, so all senders together have a bound too,
+``max_bytes_total`` (default four times ``max_bytes_per_sender``): a frame that
+would take the total past it is dropped the same way, whoever sent it
+(``stats.total_quota_drops`` as well; the reason says "total quota"). By
+default a frame is released when ``on_message`` returns. A consumer that keeps
+the message past the callback (queues it for a worker) calls ``release =
+channel.hold()`` inside the callback and ``release()`` once it is done with it
+(any thread, idempotent), so what it holds counts too. ZeroMQ's own receive
+queue per connection is bounded in frames (``RCVHWM``, derived from the
+quota), so it holds at most about one quota more per connection; without a
+secret nothing bounds how many connections send frames, so nor what ZeroMQ
+queues for them all.
 
 Pending connections: a connection the ROUTER accepted is pending until a frame
 comes on it; every channel sends a heartbeat on each connection as soon as its
@@ -302,9 +309,11 @@ class ChannelStats:
     auth_failures: int = 0  # handshakes that failed authentication, in either direction
     auth_refused: int = 0  # of those: clients our authentication handler refused
     superseded_frames: int = 0  # frames that arrived on a connection a newer one of the same peer replaced
-    quota_drops: int = 0  # frames dropped because their sender was over its byte quota
+    quota_drops: int = 0  # frames dropped because their sender, or all senders together, were over a byte quota
     quota_dropped_bytes: int = 0
+    total_quota_drops: int = 0  # of those: dropped because all senders together were at max_bytes_total
     held_peak: int = 0  # the most wire bytes one sender ever had counted at once
+    held_total_peak: int = 0  # the most wire bytes all senders together ever had counted at once
     accepted: int = 0  # connections the ROUTER accepted
     pending_peak: int = 0  # the most accepted connections at once that no frame had come on yet
     pending_evicted: int = 0  # of those: cut to keep at most max_pending (the oldest idle one first)
@@ -378,6 +387,7 @@ class ControlChannel:
         linger: float = 1.0,
         max_peers: int = 1024,
         max_bytes_per_sender: int = 64 << 20,
+        max_bytes_total: int | None = None,
         max_pending: int = MAX_PENDING,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         secret: bytes | None = None,
@@ -389,11 +399,15 @@ class ControlChannel:
             raise ValueError(
                 f"max_bytes_per_sender must be at least one frame ({wire.MAX_FRAME_BYTES}), got {max_bytes_per_sender}"
             )
+        total = 4 * max_bytes_per_sender if max_bytes_total is None else max_bytes_total
+        if total < wire.MAX_FRAME_BYTES:
+            raise ValueError(f"max_bytes_total must be at least one frame ({wire.MAX_FRAME_BYTES}), got {total}")
         if max_pending < 1 or not handshake_timeout > 0:
             raise ValueError(
                 f"max_pending ({max_pending}) and handshake_timeout ({handshake_timeout}) must be positive"
             )
         self._quota = max_bytes_per_sender
+        self._total_quota = total
         self._max_pending = max_pending
         self._handshake_ms = max(1, int(handshake_timeout * 1000))
         self._curve = curve_keys(auth.check_secret(secret, "control channel")) if secret is not None else None
@@ -405,7 +419,9 @@ class ControlChannel:
         self._zap: zmq.Socket[bytes] | None = None
         self._router_monitor: zmq.Socket[bytes] | None = None
         self._held: dict[str, int] = {}  # sender -> wire bytes handed to on_message and not released
+        self._held_total = 0  # ... all senders together
         self._over: dict[str, int] = {}  # sender -> frames dropped in its current over-quota episode
+        self._over_total = 0  # frames dropped in the current episode of the total quota
         # Connections of the ROUTER (see "Pending connections"), keyed by libzmq's fd for each:
         self._pending: dict[int, _Pending] = {}  # fd -> accepted, no frame from it yet; oldest first
         self._proven: set[int] = set()  # fds of accepted connections a frame came on
@@ -552,9 +568,9 @@ class ControlChannel:
         return current
 
     def held_bytes(self, sender: str | None = None) -> int:
-        """Wire bytes counted against ``sender`` now (all senders if None)."""
+        """Wire bytes counted against ``sender`` now (all senders together if None)."""
         with self._held_lock:
-            return self._held.get(sender, 0) if sender is not None else sum(self._held.values())
+            return self._held.get(sender, 0) if sender is not None else self._held_total
 
     def pending_connections(self) -> int:
         """Connections accepted that no frame came on yet, as the last pass of the I/O thread that
@@ -980,8 +996,9 @@ class ControlChannel:
             self._liveness.heard(sender, now)
         if isinstance(msg, wire.Heartbeat):
             return  # consumed here
-        if not self._charge(sender, len(data)):
-            self._over_quota(sender, len(data), msg)
+        over = self._charge(sender, len(data))
+        if over is not None:
+            self._over_quota(sender, len(data), msg, total=over)
             return
         self.stats.delivered += 1
         token = self._delivering = _Release(self, sender, len(data))
@@ -994,23 +1011,33 @@ class ControlChannel:
 
     # ------------------------------------------------------------------ quota
 
-    def _charge(self, sender: str, nbytes: int) -> bool:
+    def _charge(self, sender: str, nbytes: int) -> bool | None:
+        """Count ``nbytes`` against ``sender`` and the total: None if both had room, else whether it
+        was the total (all senders together) that had none (then nothing is counted)."""
         with self._held_lock:
             held = self._held.get(sender, 0) + nbytes
             if held > self._quota:
                 return False
+            if self._held_total + nbytes > self._total_quota:
+                return True
             self._held[sender] = held
+            self._held_total += nbytes
             self.stats.held_peak = max(self.stats.held_peak, held)
+            self.stats.held_total_peak = max(self.stats.held_total_peak, self._held_total)
             dropped = self._over.pop(sender, 0)
+            dropped_total, self._over_total = self._over_total, 0
         if dropped:
             log.info("control channel: sender %s is back under its quota after %d dropped frames", sender, dropped)
-        return True
+        if dropped_total:
+            log.info("control channel: back under the total quota after %d dropped frames", dropped_total)
+        return None
 
     def _release(self, token: _Release) -> None:
         with self._held_lock:
             if token._released:
                 return
             token._released = True
+            self._held_total -= token._nbytes
             left = self._held.get(token._sender, 0) - token._nbytes
             if left > 0:
                 self._held[token._sender] = left
@@ -1018,16 +1045,26 @@ class ControlChannel:
                 self._held.pop(token._sender, None)
                 self._over.pop(token._sender, None)
 
-    def _over_quota(self, sender: str, nbytes: int, msg: wire.Message) -> None:
+    def _over_quota(self, sender: str, nbytes: int, msg: wire.Message, *, total: bool) -> None:
         self.stats.quota_drops += 1
         self.stats.quota_dropped_bytes += nbytes
-        reason = (
-            f"control channel: sender {sender} is over its quota of {self._quota} bytes held, "
-            f"its {type(msg).__name__} frame of {nbytes} bytes was dropped"
-        )
+        if total:
+            self.stats.total_quota_drops += 1
+            reason = (
+                f"control channel: all senders together are at the total quota of {self._total_quota} bytes held, "
+                f"the {type(msg).__name__} frame of {nbytes} bytes from {sender} was dropped"
+            )
+        else:
+            reason = (
+                f"control channel: sender {sender} is over its quota of {self._quota} bytes held, "
+                f"its {type(msg).__name__} frame of {nbytes} bytes was dropped"
+            )
         with self._held_lock:
-            episode = self._over.get(sender, 0)
-            self._over[sender] = episode + 1
+            if total:
+                episode, self._over_total = self._over_total, self._over_total + 1
+            else:
+                episode = self._over.get(sender, 0)
+                self._over[sender] = episode + 1
         if not episode:  # once per episode: a flood must not flood the log too
             log.warning("%s (further drops counted in stats.quota_drops)", reason)
         rooms = wire.rooms_of(msg)
