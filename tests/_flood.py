@@ -6,6 +6,8 @@
 - ``run_channel`` (a child): a ``ControlChannel`` (with the deployment secret) that echoes every
   ``Abort`` back to its sender, in a process whose open-file limit is lowered to ``nofile`` first:
   the limit a flood of idle connections would exhaust.
+- ``run_exhausted_sink`` (a child): a TCP sink in a process with a low open-file limit that uses
+  up its last file descriptors on command, so its acceptor meets EMFILE, and frees them on command.
 - ``Child``: the test's handle on one of them (spawned; commands and answers over a pipe).
 
 Every child ends when its pipe closes (the test ended or died), so none outlives the test for long.
@@ -20,6 +22,7 @@ import os
 import resource
 import selectors
 import socket
+import threading
 import time
 import traceback
 from collections import Counter
@@ -32,6 +35,12 @@ SPAWN = mp.get_context("spawn")
 def open_fds() -> int:
     """File descriptors this process holds now."""
     return len(os.listdir("/proc/self/fd"))
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) this process has used so far, every thread of it."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _lower_nofile(nofile: int) -> None:
@@ -162,6 +171,48 @@ def run_channel(conn: Connection, nofile: int, secret: bytes, options: dict[str,
 
     _serve(conn, answer)
     channel.close()
+
+
+def run_exhausted_sink(conn: Connection, nofile: int, secret: bytes | None) -> None:
+    """A TCP sink in a process limited to ``nofile`` open files.
+
+    Commands: ``("exhaust",)`` opens /dev/null until EMFILE (keeping them) and returns how many;
+    ``("cpu", seconds)`` waits that long (the episode measured) and returns ``(cpu seconds, wall
+    seconds)`` this process used meanwhile, every thread; ``("free",)`` closes what ``exhaust``
+    opened; ``("stats",)``; ``("stop",)``."""
+    _lower_nofile(nofile)
+    import numpy as np
+
+    import transport
+
+    sink = transport.create("tcp", secret=secret, peer_timeout=5.0)
+    sink.register(np.zeros(4096, np.uint8))
+    conn.send(("endpoint", sink.endpoint()))
+    held: list[int] = []
+
+    def answer(cmd: str, *args: Any) -> Any:
+        if cmd == "exhaust":
+            while True:
+                try:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+                except OSError as e:
+                    assert e.errno == errno.EMFILE, e
+                    return len(held)
+        if cmd == "cpu":
+            cpu, wall = cpu_seconds(), time.monotonic()
+            threading.Event().wait(args[0])  # the episode: how long the acceptor is watched, not a synchronisation
+            return cpu_seconds() - cpu, time.monotonic() - wall
+        if cmd == "free":
+            while held:
+                os.close(held.pop())
+            return None
+        if cmd == "stats":
+            return {"accept_failures": getattr(sink, "accept_failures", None)}  # (no fd to list /proc with)
+        sink.close()
+        return None
+
+    _serve(conn, answer)
+    sink.close()
 
 
 class Child:

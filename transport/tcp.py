@@ -54,7 +54,11 @@ side stay within ``max_sinks + 2 * _MAX_HELLOS``.
 
 Threads: one acceptor; per accepted connection one sink thread; per
 connected peer one sender and one ack reader. ``close()`` wakes and joins
-every one of them.
+every one of them. An ``accept`` that fails for want of descriptors or memory
+(EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection stays queued and the listener
+readable) is tried again after a back-off, 10 ms doubling to 1 s, earlier when
+one of the sink's own connections closes (``base.AcceptBackoff``): counted in
+``accept_failures`` and logged at most every 10 s, never a spin.
 
 Per-batch costs, the limit for small batches (a Python thread hop costs tens
 of microseconds on a busy machine), are kept down these ways: a writer that
@@ -98,6 +102,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .base import (
+    AcceptBackoff,
     auth_failed,
     Batch,
     Completion,
@@ -526,6 +531,8 @@ class TcpTransport(Transport):
         self._live: set[int] = set()  # the sids among them past their handshake: what max_sinks bounds
         self._hellos: dict[int, socket.socket] = {}  # those in their handshake, oldest first: what _MAX_HELLOS bounds
         self._evicting: set[int] = set()  # sids cut to make room whose thread has not ended yet
+        self._freed = threading.Event()  # a sink connection closed (a descriptor is free), or close()
+        self._backoff = AcceptBackoff("tcp transport", log)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -550,6 +557,11 @@ class TcpTransport(Transport):
         """Handshakes this sink refused for authentication: a wrong or missing proof of the secret,
         a secret on one side only, or a source that hung up or stalled once challenged."""
         return self._auth.count
+
+    @property
+    def accept_failures(self) -> int:
+        """Accepts that failed for want of descriptors or memory (each followed by a back-off)."""
+        return self._backoff.count
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         self._check_open("register")
@@ -920,8 +932,13 @@ class TcpTransport(Transport):
                         return
                     try:
                         conn, addr = self._listener.accept()
-                    except OSError:
+                    except OSError as e:
+                        delay = self._backoff.failed(e)
+                        if delay is not None:  # out of descriptors: retrying at once would spin
+                            self._freed.wait(delay)
+                            self._freed.clear()
                         continue
+                    self._backoff.succeeded()
                     with self._lock:
                         if self._closed:
                             conn.close()
@@ -1098,6 +1115,7 @@ class TcpTransport(Transport):
                 self._live.discard(sid)
                 self._hellos.pop(sid, None)
                 self._evicting.discard(sid)
+            self._freed.set()  # an acceptor backing off for want of descriptors may try again
 
     def _land(
         self, conn: socket.socket, desc: bytes, grant: int, source: bytes, ahead: bytearray | None = None
@@ -1201,6 +1219,7 @@ class TcpTransport(Transport):
             self._peers.clear()
         if first:
             self._stop.set()
+            self._freed.set()
             try:
                 self._wake_w.send(b"x")
             except OSError:
