@@ -256,3 +256,5 @@ class Child:
             self.proc.kill()
             self.proc.join(10)
         self.conn.close()
+        if not self.proc.is_alive():
+            self.proc.close()  # its sentinel pipe
