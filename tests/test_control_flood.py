@@ -133,3 +133,25 @@ def test_pending_connections_stay_bounded_and_cuts_touch_no_other_socket(secret:
         other_b.close()
         channel.close(Deadline.after(WAIT))
     assert control_threads() == []
+
+
+def test_a_peer_connection_stops_being_pending_at_once() -> None:
+    """A connection a frame came on is no longer pending (the frame names its fd); and each side's
+    DEALER sends a heartbeat as soon as its handshake succeeds, so the connection a channel opens to
+    answer a peer is proven long before its first periodic heartbeat (30 s here)."""
+    a_in, b_in = Inbox(), Inbox()
+    slow = {"secret": SECRET, "heartbeat_interval": 30.0, "dead_after": 60.0}
+    a, b = a_in.channel("decode-0", **slow), b_in.channel("prefill-0", **slow)
+    a.start()
+    b.start()
+    try:
+        b.send(a.endpoint, wire.Abort(room=1, reason="hello"))
+        assert a_in.next_message() == (b.endpoint, wire.Abort(room=1, reason="hello"))
+        # b's heartbeat on its handshake made a connect back to b: that connection is proven too
+        for side, name in ((a, "a"), (b, "b")):
+            wait_for(lambda: side.stats.proven == 1, f"{name}'s one connection proven: {side.stats}")
+            assert side.stats.accepted == 1 and side.stats.pending_evicted == 0
+    finally:
+        a.close(Deadline.after(WAIT))
+        b.close(Deadline.after(WAIT))
+    assert control_threads() == []

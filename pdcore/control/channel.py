@@ -55,7 +55,7 @@ connections used up the process's file descriptors. At most ``max_pending``
 one whose client has sent no byte yet (the kernel's ``tcp_info`` says), or the
 oldest of all when each has sent something (``stats.pending_evicted``). Silent
 ones go first because a flood that redials what it loses turns connections
-over tens of thousands of times a second, faster than a handshake completes:
+over some twenty thousand times a second, faster than a handshake completes:
 cut by age alone, a peer's handshake would be cut too. How it knows: the
 ROUTER's monitor reports each accepted connection with libzmq's fd for it
 (ACCEPTED) and its end (DISCONNECTED, sent before libzmq closes the fd), and a
@@ -316,6 +316,7 @@ class ChannelStats:
     held_total_peak: int = 0  # the most wire bytes all senders together ever had counted at once
     accepted: int = 0  # connections the ROUTER accepted
     pending_peak: int = 0  # the most accepted connections at once that no frame had come on yet
+    proven: int = 0  # accepted connections that a frame then came on (no longer pending)
     pending_evicted: int = 0  # of those: cut to keep at most max_pending (the oldest idle one first)
 
 
@@ -807,7 +808,8 @@ class ControlChannel:
             return
         if fd not in self._pending:
             self._router_events()  # its ACCEPTED may still be unread
-        self._pending.pop(fd, None)
+        if self._pending.pop(fd, None) is not None:
+            self.stats.proven += 1
         self._proven.add(fd)
 
     def _evict(self) -> None:
