@@ -378,6 +378,50 @@ def test_a_flooding_sender_is_held_to_its_quota_and_an_honest_one_still_gets_thr
     assert control_threads() == []
 
 
+@pytest.mark.parametrize("total", [None, 2 * wire.MAX_FRAME_BYTES], ids=["default", "explicit"])
+def test_senders_with_distinct_routing_ids_are_held_to_the_total_quota(raw_dealer: Any, total: int | None) -> None:
+    """Without a secret a sender picks its routing id: each of many ids stays under its own quota,
+    together they are over the total; what is past the total is dropped with a "quota" reason."""
+    quota = wire.MAX_FRAME_BYTES
+    bound = 4 * quota if total is None else total  # the default: four times the per-sender quota
+    keeper = Keeper()
+    options = {} if total is None else {"max_bytes_total": total}
+    channel = keeper.channel("prefill-0", max_bytes_per_sender=quota, **options)
+    channel.start()
+    try:
+        size = len(maximal_announce(0))
+        senders = [f"tcp://127.0.0.1:{100 + i}" for i in range(bound // size + 4)]  # 4 frames more than fit
+        rooms = {sender: 3000 + i for i, sender in enumerate(senders)}
+        marks = [keeper.watch(4000 + i) for i in range(len(senders))]
+        for i, sender in enumerate(senders):
+            sock = raw_dealer(channel.endpoint, sender.encode())
+            sock.send(maximal_announce(rooms[sender]))  # one frame each: every sender under its own quota
+            sock.send(wire.encode(wire.Abort(room=4000 + i)))  # per-sender FIFO: once seen, so was the announce
+        assert all(mark.wait(FLOOD_WAIT) for mark in marks)
+        got = keeper.drain(keeper.messages)
+        failed = keeper.drain(keeper.failed)
+        delivered = {m.room for _, m in got if m.room < 4000}  # type: ignore[union-attr]
+        dropped = {r[0] for r, _ in failed}
+        assert all("quota" in reason and "total" in reason for _, reason in failed)
+        assert delivered | dropped >= set(rooms.values()) and not delivered & dropped
+        assert len(dropped & set(rooms.values())) >= 4  # at least the frames past the total
+        assert channel.stats.quota_drops == channel.stats.total_quota_drops == len(failed)
+        # what the process holds: the total, never the flood; and the total was used, not wasted
+        assert channel.held_bytes() <= bound and channel.stats.held_total_peak <= bound
+        assert channel.held_bytes() > bound - size
+        assert all(channel.held_bytes(sender) <= quota for sender in senders)
+        for releases in keeper.releases.values():
+            for release in releases:
+                release()
+        assert channel.held_bytes() == 0
+        again = keeper.watch(5000)
+        raw_dealer(channel.endpoint, b"tcp://127.0.0.1:99").send(maximal_announce(5000))
+        assert again.wait(FLOOD_WAIT) and keeper.failed.empty()  # below the total again: welcome
+    finally:
+        channel.close(Deadline.after(WAIT))
+    assert control_threads() == []
+
+
 def test_without_hold_a_frame_is_released_when_its_callback_returns(raw_dealer: Any) -> None:
     """Today's consumers (no hold()) are never refused: the channel itself retains one frame at a time."""
     inbox = Inbox()

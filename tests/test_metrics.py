@@ -7,12 +7,19 @@ registry is the test's own (nothing global).
 
 from __future__ import annotations
 
+import socket
+import threading
 import urllib.request
+
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcore import StartError
+from pdcore.control.channel import MAX_PENDING
+from pdcore.core.deadline import Deadline
+from transport import tcp
+from transport.base import decode_endpoint
 
 from pd_pair import LAYERS, PAGE, PAGES_PER_REQUEST, Pair
 
@@ -60,6 +67,9 @@ def test_a_scrape_adds_up_to_the_run() -> None:
     assert end[("pdcore_prefill_transfer_seconds_count", ())] == n
     assert end[("pdcore_decode_agreement_round_seconds_count", ())] >= 1
     assert end[("pdcore_decode_protocol_errors_total", ())] == 0
+    for role in ("prefill", "decode"):  # nothing flooded this run: present, and zero
+        for name in ("evicted_handshakes", "refused_connections", "accept_failures"):
+            assert end[(f"pdcore_{role}_{name}_total", ())] == 0, name
     assert end[("pdcore_decode_in_flight", ())] == 0
     assert end[("pdcore_prefill_connected_peers", ())] == 1
     assert end[("pdcore_bootstrap_ranks", ())] == 1
@@ -74,3 +84,28 @@ def test_closed_peers_leave_the_registry_and_a_wrong_registry_is_refused() -> No
     assert registry.get_sample_value("pdcore_decode_in_flight") is None  # unregistered on close
     with pytest.raises(StartError, match="CollectorRegistry"):
         Pair(decode={"metrics": object()})
+
+
+def test_cut_handshakes_show_in_the_metrics() -> None:
+    """Idle connections past the handshake places of the decode peer's data sink and of its control
+    channel: each cut is in ``evicted_handshakes`` (control and data together)."""
+    registry = CollectorRegistry()
+    pair = Pair(metrics=registry, server={"metrics": registry})
+    idle: list[socket.socket] = []
+    try:
+        sink, channel = pair.decode._transport, pair.decode._channel
+        data = decode_endpoint(sink.endpoint()).address.decode().rpartition(":")
+        control = channel.endpoint.removeprefix("tcp://").rpartition(":")
+        for (host, _, port), n in ((data, tcp._MAX_HELLOS + 3), (control, MAX_PENDING + 4)):
+            idle += [socket.create_connection((host, int(port)), timeout=5) for _ in range(n)]
+        deadline = Deadline.after(10)
+        while sink.evicted_handshakes < 3 or channel.stats.pending_evicted < 4:
+            assert not deadline.expired(), (sink.evicted_handshakes, channel.stats)
+            threading.Event().wait(0.01)  # polling counters against a deadline
+        got = scrape(pair.port)
+        assert got[("pdcore_decode_evicted_handshakes_total", ())] >= 7
+        assert got[("pdcore_decode_refused_connections_total", ())] == 0
+    finally:
+        for s in idle:
+            s.close()
+        pair.close()

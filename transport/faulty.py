@@ -20,7 +20,8 @@ By name: ``transport.create("faulty:tcp", seed=1, fail_rate=0.05, **tcp_options)
 the registry hands the options named in :data:`WRAPPER_OPTIONS` to the wrapper
 and every other option to the inner transport (``create("tcp", **tcp_options)``),
 ``secret`` among them: the inner transport authenticates its handshakes, and
-``auth_failures`` reads its count.
+``auth_failures`` reads its count (``evicted_handshakes``, ``refused_connections``
+and ``accept_failures`` read the inner transport's too).
 
 What still holds through the wrapper: exactly one completion per batch;
 completions to one peer in posting order (an empty batch is still a fence:
@@ -125,6 +126,21 @@ class FaultyTransport(Transport):
     def auth_failures(self) -> int:
         """The inner transport's count of handshakes refused for authentication (its ``secret`` option)."""
         return int(getattr(self.inner, "auth_failures", 0))
+
+    @property
+    def evicted_handshakes(self) -> int:
+        """The inner transport's count of unfinished handshakes it cut to make room (0 if it keeps none)."""
+        return int(getattr(self.inner, "evicted_handshakes", 0))
+
+    @property
+    def refused_connections(self) -> int:
+        """The inner transport's count of connections it refused."""
+        return int(getattr(self.inner, "refused_connections", 0))
+
+    @property
+    def accept_failures(self) -> int:
+        """The inner transport's count of accepts that failed for want of descriptors or memory."""
+        return int(getattr(self.inner, "accept_failures", 0))
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         return self.inner.register(buf, require_grant=require_grant)

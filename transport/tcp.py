@@ -13,7 +13,7 @@ Wire (little-endian), one TCP connection per (source, sink) pair:
   sink → source: a reply ``"PDTC", version u8, status u8``: 0 ok, 1 wrong instance,
   2 at its connection cap, 3 this sink needs the secret (the hello was ``PDTC``), 4 this
   sink has no secret (the hello was ``PDTA``), 5 the source's proof was wrong, 6 too many
-  handshakes in progress (2 and 6 may come before the hello is read).
+  handshakes in progress and cut ones still ending (2 and 6 may come before the hello is read).
 - after a ``PDTA`` hello and a reply with status 0 (authentication, see below): the sink
   sends its nonce [16] and ``MAC("tcp/3 sink", sink instance, source instance, source
   nonce, sink nonce)`` [32]; the source checks it (a wrong one fails ``connect``: the
@@ -41,13 +41,24 @@ and checked by pure functions (``decode_hello``, ``check_challenge``,
 ``check_proof``; ``fuzz/fuzz_hello.py`` fuzzes them); the sink threads only
 move their bytes. A handshake has ``min(peer_timeout, 5 s)`` to finish, and
 until it has, the connection holds none of the ``max_sinks`` places: at most
-``_MAX_HELLOS`` (64) connections are in their handshake at once (more are
-refused with status 6), so an idle or unauthenticated socket holds a thread
-for at most that long and never keeps an authenticated source out.
+``_MAX_HELLOS`` (64) connections are in their handshake at once. A newcomer
+past that takes the place of the oldest one, which is cut without a word
+(``evicted_handshakes``; the bootstrap server's rule for its connection cap);
+only while ``_MAX_HELLOS`` cut ones are still ending is a newcomer refused with
+status 6 (``refused_connections``, which counts the ``max_sinks`` refusals
+too). So an idle or unauthenticated socket holds a thread for at most that
+long, and a flood of them that redials what it loses (a few thousand
+connections a second in the tests) keeps no authenticated source out: its
+handshake is over long before 64 newer ones push it out. Threads and sockets of the sink
+side stay within ``max_sinks + 2 * _MAX_HELLOS``.
 
 Threads: one acceptor; per accepted connection one sink thread; per
 connected peer one sender and one ack reader. ``close()`` wakes and joins
-every one of them.
+every one of them. An ``accept`` that fails for want of descriptors or memory
+(EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection stays queued and the listener
+readable) is tried again after a back-off, 10 ms doubling to 1 s, earlier when
+one of the sink's own connections closes (``base.AcceptBackoff``): counted in
+``accept_failures`` and logged at most every 10 s, never a spin.
 
 Per-batch costs, the limit for small batches (a Python thread hop costs tens
 of microseconds on a busy machine), are kept down these ways: a writer that
@@ -91,6 +102,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .base import (
+    AcceptBackoff,
     auth_failed,
     Batch,
     Completion,
@@ -493,7 +505,8 @@ class TcpTransport(Transport):
         del secret  # only the derived key is kept
         self._auth = AuthFailures("tcp transport", log)
         self._max_sinks = max_sinks
-        self.refused_connections = 0  # past max_sinks (or _MAX_HELLOS handshakes) and closed
+        self.refused_connections = 0  # past max_sinks (or with _MAX_HELLOS cut handshakes still ending) and closed
+        self.evicted_handshakes = 0  # handshakes cut to make room for a newcomer (_MAX_HELLOS in progress)
         self._max_inflight = max_inflight
         self._peer_timeout = float(peer_timeout)
         self._poll = min(0.25, self._peer_timeout / 4)
@@ -516,6 +529,10 @@ class TcpTransport(Transport):
         self._peers: dict[int, _TcpPeer] = {}
         self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}  # every accepted connection
         self._live: set[int] = set()  # the sids among them past their handshake: what max_sinks bounds
+        self._hellos: dict[int, socket.socket] = {}  # those in their handshake, oldest first: what _MAX_HELLOS bounds
+        self._evicting: set[int] = set()  # sids cut to make room whose thread has not ended yet
+        self._freed = threading.Event()  # a sink connection closed (a descriptor is free), or close()
+        self._backoff = AcceptBackoff("tcp transport", log)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -540,6 +557,11 @@ class TcpTransport(Transport):
         """Handshakes this sink refused for authentication: a wrong or missing proof of the secret,
         a secret on one side only, or a source that hung up or stalled once challenged."""
         return self._auth.count
+
+    @property
+    def accept_failures(self) -> int:
+        """Accepts that failed for want of descriptors or memory (each followed by a back-off)."""
+        return self._backoff.count
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         self._check_open("register")
@@ -910,16 +932,24 @@ class TcpTransport(Transport):
                         return
                     try:
                         conn, addr = self._listener.accept()
-                    except OSError:
+                    except OSError as e:
+                        delay = self._backoff.failed(e)
+                        if delay is not None:  # out of descriptors: retrying at once would spin
+                            self._freed.wait(delay)
+                            self._freed.clear()
                         continue
+                    self._backoff.succeeded()
                     with self._lock:
                         if self._closed:
                             conn.close()
                             return
                         # bounded threads and sockets, whoever dials: authenticated ones, and handshakes
                         full = _AT_CAP if len(self._live) >= self._max_sinks else 0
-                        if not full and len(self._sinks) - len(self._live) >= _MAX_HELLOS:
-                            full = _BUSY
+                        if not full and len(self._hellos) >= _MAX_HELLOS:
+                            if len(self._evicting) < _MAX_HELLOS:
+                                self._evict()
+                            else:  # as many cut ones still ending: no more threads now
+                                full = _BUSY
                         if full:
                             self.refused_connections += 1
                             try:
@@ -933,9 +963,22 @@ class TcpTransport(Transport):
                             target=self._sink_loop, args=(sid, conn, addr), name=f"pdcore-tcp-sink-{sid}", daemon=True
                         )
                         self._sinks[sid] = (conn, t)
+                        self._hellos[sid] = conn
                     t.start()
         finally:
             sel.close()
+
+    def _evict(self) -> None:
+        """Make room for a newcomer (holds ``_lock``): cut the oldest handshake. Its thread reads the
+        end of the stream and goes; until then it counts in ``_evicting``."""
+        victim = next(iter(self._hellos))
+        conn = self._hellos.pop(victim)
+        self._evicting.add(victim)
+        self.evicted_handshakes += 1
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _sink_hello(self, sid: int, conn: socket.socket, addr: Any) -> bytes | None:
         """The sink's side of the handshake, within its deadline: the source instance once it may send
@@ -973,10 +1016,15 @@ class TcpTransport(Transport):
                 reply(_AUTH_FAILED)
                 return None
             except _PeerGone as e:
-                if not stop.is_set():
+                with self._lock:
+                    cut = sid in self._evicting
+                if not stop.is_set() and not cut:  # one cut to make room did not fail: it was cut
                     self._auth.failed(addr, f"challenged, it sent no proof of the deployment secret ({e})")
                 return None
         with self._lock:
+            if sid in self._evicting:
+                return None  # cut to make room just now: its socket is shut
+            self._hellos.pop(sid, None)
             full = len(self._live) >= self._max_sinks
             if full:
                 self.refused_connections += 1
@@ -1065,6 +1113,9 @@ class TcpTransport(Transport):
             with self._lock:
                 self._sinks.pop(sid, None)
                 self._live.discard(sid)
+                self._hellos.pop(sid, None)
+                self._evicting.discard(sid)
+            self._freed.set()  # an acceptor backing off for want of descriptors may try again
 
     def _land(
         self, conn: socket.socket, desc: bytes, grant: int, source: bytes, ahead: bytearray | None = None
@@ -1168,6 +1219,7 @@ class TcpTransport(Transport):
             self._peers.clear()
         if first:
             self._stop.set()
+            self._freed.set()
             try:
                 self._wake_w.send(b"x")
             except OSError:

@@ -151,6 +151,10 @@ Threads: ``pdcore-verbs-cq`` (completions, posting, watchdog) and
 ``pdcore-verbs-cm`` (listener, handshakes, liveness sockets). ``close()``
 fails every batch in flight, moves every QP to the error state, joins both
 threads, then destroys QPs, CQs, MRs, the PD and the context, in that order.
+An ``accept`` that fails for want of descriptors or memory takes the listener
+out of the cm thread's selector for a back-off (10 ms doubling to 1 s, ended
+early when a sink's socket closes; ``accept_failures``), instead of a spin on
+a listener that stays readable.
 """
 
 from __future__ import annotations
@@ -171,6 +175,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .base import (
+    AcceptBackoff,
     auth_failed,
     HELLO_TIMEOUT,
     MAC_BYTES,
@@ -615,6 +620,8 @@ class VerbsTransport(Transport):
         self._sink_ids = itertools.count(1)
         self._max_sinks = max_sinks
         self.refused_connections = 0  # handshakes refused at max_sinks (as the tcp transport counts them)
+        self._backoff = AcceptBackoff("verbs transport", log)
+        self._accept_again: float | None = None  # out of descriptors: when the listener is watched again
         self._grants = GrantTable()  # guarded by _grant_lock
         self._grant_lock = threading.Lock()
         self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
@@ -691,6 +698,11 @@ class VerbsTransport(Transport):
         """Handshakes this sink refused for authentication (a wrong or missing proof of the secret,
         a secret on one side only, or a source that went quiet once challenged)."""
         return self._auth.count
+
+    @property
+    def accept_failures(self) -> int:
+        """Accepts that failed for want of descriptors or memory (each followed by a back-off)."""
+        return self._backoff.count
 
     @property
     def revoke_method(self) -> str:
@@ -1253,7 +1265,9 @@ class VerbsTransport(Transport):
 
     def _cm_loop(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._sel.select(timeout=1.0):
+            again = self._accept_again
+            timeout = 1.0 if again is None else min(1.0, max(0.0, again - time.monotonic()))
+            for key, _ in self._sel.select(timeout=timeout):
                 if self._stop.is_set():
                     return
                 what = key.data
@@ -1271,6 +1285,9 @@ class VerbsTransport(Transport):
                 elif isinstance(what, _SinkConn):
                     if _hangup(key.fileobj) is not None:
                         self._drop_sink(what)
+            if self._accept_again is not None and time.monotonic() >= self._accept_again:
+                self._accept_again = None
+                self._sel.register(self._listener, selectors.EVENT_READ, "listen")
 
     def _cm_apply_pending(self) -> None:
         while True:
@@ -1291,8 +1308,13 @@ class VerbsTransport(Transport):
     def _cm_accept(self) -> None:
         try:
             conn, addr = self._listener.accept()
-        except OSError:
+        except OSError as ex:
+            delay = self._backoff.failed(ex)
+            if delay is not None:  # out of descriptors: the listener stays readable, watching it would spin
+                self._sel_drop(self._listener)
+                self._accept_again = time.monotonic() + delay
             return
+        self._backoff.succeeded()
         sink: _SinkConn | None = None
         deadline = Deadline.after(min(HELLO_TIMEOUT, self._peer_timeout))  # the whole handshake
 
@@ -1391,6 +1413,8 @@ class VerbsTransport(Transport):
                 self._kill_sink_qp(sink.qp)
         self._sel_drop(sink.sock)
         sink.sock.close()
+        if self._accept_again is not None:
+            self._accept_again = time.monotonic()  # a descriptor is free: try the listener again now
 
     # ------------------------------------------------------------------ lifecycle
 

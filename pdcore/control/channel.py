@@ -31,12 +31,50 @@ Quota: the wire bytes of every frame handed to ``on_message`` count against
 its sender until they are released; a sender whose next frame would take it
 past ``max_bytes_per_sender`` has that frame dropped (``stats.quota_drops``, a
 warning per episode) and its rooms failed through ``on_rooms_failed`` with a
-reason that says "quota". By default a frame is released when ``on_message``
-returns. A consumer that keeps the message past the callback (queues it for a
-worker) calls ``release = channel.hold()`` inside the callback and
-``release()`` once it is done with it (any thread, idempotent), so what it
-holds counts too. ZeroMQ's own receive queue per sender is bounded in frames
-(``RCVHWM``, derived from the quota), so it holds at most about one quota more.
+reason that says "quota". A sender is a routing id, which a client without the
+secret picks freely, so all senders together have a bound too,
+``max_bytes_total`` (default four times ``max_bytes_per_sender``): a frame that
+would take the total past it is dropped the same way, whoever sent it
+(``stats.total_quota_drops`` as well; the reason says "total quota"). By
+default a frame is released when ``on_message`` returns. A consumer that keeps
+the message past the callback (queues it for a worker) calls ``release =
+channel.hold()`` inside the callback and ``release()`` once it is done with it
+(any thread, idempotent), so what it holds counts too. ZeroMQ's own receive
+queue per connection is bounded in frames (``RCVHWM``, derived from the
+quota), so it holds at most about one quota more per connection; without a
+secret nothing bounds how many connections send frames, so nor what ZeroMQ
+queues for them all.
+
+Pending connections: a connection the ROUTER accepted is pending until a frame
+comes on it; every channel sends a heartbeat on each connection as soon as its
+DEALER's handshake succeeds, so a peer's connection stops being pending at once.
+libzmq accepts whatever comes and gives a handshake ``handshake_timeout`` (5 s
+here, its own default is 30 s), so before this bound a flood of idle TCP
+connections used up the process's file descriptors. At most ``max_pending``
+(64) connections stay pending: past that the channel cuts the oldest pending
+one whose client has sent no byte yet (the kernel's ``tcp_info`` says), or the
+oldest of all when each has sent something (``stats.pending_evicted``). Silent
+ones go first because a flood that redials what it loses turns connections
+over some twenty thousand times a second, faster than a handshake completes:
+cut by age alone, a peer's handshake would be cut too. How it knows: the
+ROUTER's monitor reports each accepted connection with libzmq's fd for it
+(ACCEPTED) and its end (DISCONNECTED, sent before libzmq closes the fd), and a
+received frame names the fd it came on (``ZMQ_SRCFD``). A fd number can be
+reused, so each accepted one is recorded with its socket's inode, a record is
+acted on only after the monitor was read past it (a fd reused before it was
+recorded has its DISCONNECTED there), and a cut goes through a duplicate on a
+descriptor number the channel reserved, whose inode and local port are checked
+first: the channel never cuts a socket that is not the connection the event
+named. (libzmq's ROUTER_NOTIFY and version-2 monitor events would name the peer;
+they are draft API, not in the libzmq that pyzmq bundles.) This relies on one
+libzmq I/O thread per context (the default): a connection's events arrive in
+order, a failed handshake's right before its DISCONNECTED, so a connection the
+channel cut is not counted as a failed authentication. Not covered: a flood
+whose connections each send part of a handshake and stall is cut by age only;
+libzmq may accept a burst between two passes of the I/O thread (the next pass
+cuts it); an accept that fails for want of descriptors libzmq retries at once.
+``start`` raises the process's soft limit of open files to its hard limit,
+once per process and logged: headroom, not a bound.
 
 Authentication (``secret``): ZeroMQ's own CURVE mechanism with one key pair
 derived from the deployment secret (``auth.derive_key(secret,
@@ -68,8 +106,12 @@ declaring them all dead for its own silence.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import resource
 import socket
+import stat
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -83,7 +125,7 @@ from . import auth, wire
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
 
-__all__ = ["ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness"]
+__all__ = ["ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness", "MAX_PENDING", "HANDSHAKE_TIMEOUT"]
 
 log = logging.getLogger("pdcore.control")
 
@@ -93,6 +135,12 @@ _ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"  # where libzmq asks a context's
 _HANDSHAKE_FAILED: Final = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+MAX_PENDING: Final = 64  # default max_pending: connections accepted that no frame came on yet
+HANDSHAKE_TIMEOUT: Final = 5.0  # default handshake_timeout, seconds (libzmq's own default is 30)
+_CONNECTIONS: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the ROUTER's monitor reports, always
+_EVENT_BATCH: Final = 4 * _RECV_BATCH  # monitor events handled per wake
+_MONITOR_RCVHWM: Final = 1 << 14  # events queued for the I/O thread: libzmq never waits on a full monitor pipe
+_TCPI_BYTES_RECEIVED: Final = 128  # offset of tcpi_bytes_received (u64) in Linux's struct tcp_info (4.1 and later)
 
 
 def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
@@ -129,6 +177,31 @@ def _handshake_failure(event: dict[str, object], *, server: bool = False) -> str
 
 
 _PEER_CLOSED: Final = "the peer closed the connection during the handshake: a different secret, or none"
+
+
+_fd_limit_lock = threading.Lock()
+_fd_limit_checked = False
+
+
+def _raise_fd_limit() -> None:
+    """Once per process: raise the soft limit of open files to the hard limit, and log it.
+
+    Headroom, not a bound: a process at its limit can accept no connection, open no socket, load
+    no file. The bounds are ``max_pending`` here and the transports' own handshake caps."""
+    global _fd_limit_checked
+    with _fd_limit_lock:
+        if _fd_limit_checked:
+            return
+        _fd_limit_checked = True
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft >= hard:
+            return
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as e:
+            log.info("control channel: cannot raise the soft limit of open files from %d to %d: %s", soft, hard, e)
+            return
+    log.info("control channel: raised this process's soft limit of open files from %d to its hard limit %d", soft, hard)
 
 
 class DeadPeer(NamedTuple):
@@ -236,9 +309,41 @@ class ChannelStats:
     auth_failures: int = 0  # handshakes that failed authentication, in either direction
     auth_refused: int = 0  # of those: clients our authentication handler refused
     superseded_frames: int = 0  # frames that arrived on a connection a newer one of the same peer replaced
-    quota_drops: int = 0  # frames dropped because their sender was over its byte quota
+    quota_drops: int = 0  # frames dropped because their sender, or all senders together, were over a byte quota
     quota_dropped_bytes: int = 0
+    total_quota_drops: int = 0  # of those: dropped because all senders together were at max_bytes_total
     held_peak: int = 0  # the most wire bytes one sender ever had counted at once
+    held_total_peak: int = 0  # the most wire bytes all senders together ever had counted at once
+    accepted: int = 0  # connections the ROUTER accepted
+    pending_peak: int = 0  # the most accepted connections at once that no frame had come on yet
+    proven: int = 0  # accepted connections that a frame then came on (no longer pending)
+    pending_evicted: int = 0  # of those: cut to keep at most max_pending (the oldest idle one first)
+
+
+class _Pending:
+    """A connection the ROUTER accepted that no frame came on yet: its socket's inode, when it was
+    recorded (a sequence number), and whether its client has sent a byte (it cannot unsay it)."""
+
+    __slots__ = ("inode", "seq", "spoke")
+
+    def __init__(self, inode: int, seq: int) -> None:
+        self.inode = inode
+        self.seq = seq
+        self.spoke = False
+
+
+def _spoke(sock: socket.socket) -> bool:
+    """Whether the client sent this server-side TCP socket any byte (True where the kernel cannot tell)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES_RECEIVED + 8)
+    except (OSError, AttributeError):
+        return True
+    return len(info) < _TCPI_BYTES_RECEIVED + 8 or struct.unpack_from("=Q", info, _TCPI_BYTES_RECEIVED)[0] > 0
+
+
+def _shut(sock: socket.socket) -> bool:
+    sock.shutdown(socket.SHUT_RDWR)
+    return True
 
 
 class _Release:
@@ -283,6 +388,9 @@ class ControlChannel:
         linger: float = 1.0,
         max_peers: int = 1024,
         max_bytes_per_sender: int = 64 << 20,
+        max_bytes_total: int | None = None,
+        max_pending: int = MAX_PENDING,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
         secret: bytes | None = None,
     ) -> None:
         wire.encode(wire.Heartbeat(session_id=session_id, epoch=epoch, seq=0))  # validates both, early
@@ -292,7 +400,17 @@ class ControlChannel:
             raise ValueError(
                 f"max_bytes_per_sender must be at least one frame ({wire.MAX_FRAME_BYTES}), got {max_bytes_per_sender}"
             )
+        total = 4 * max_bytes_per_sender if max_bytes_total is None else max_bytes_total
+        if total < wire.MAX_FRAME_BYTES:
+            raise ValueError(f"max_bytes_total must be at least one frame ({wire.MAX_FRAME_BYTES}), got {total}")
+        if max_pending < 1 or not handshake_timeout > 0:
+            raise ValueError(
+                f"max_pending ({max_pending}) and handshake_timeout ({handshake_timeout}) must be positive"
+            )
         self._quota = max_bytes_per_sender
+        self._total_quota = total
+        self._max_pending = max_pending
+        self._handshake_ms = max(1, int(handshake_timeout * 1000))
         self._curve = curve_keys(auth.check_secret(secret, "control channel")) if secret is not None else None
         self._curve_key = z85.decode(self._curve[0]) if self._curve is not None else b""
         self._auth_logged: dict[str, float] = {}  # endpoint -> when we last warned about it
@@ -302,7 +420,20 @@ class ControlChannel:
         self._zap: zmq.Socket[bytes] | None = None
         self._router_monitor: zmq.Socket[bytes] | None = None
         self._held: dict[str, int] = {}  # sender -> wire bytes handed to on_message and not released
+        self._held_total = 0  # ... all senders together
         self._over: dict[str, int] = {}  # sender -> frames dropped in its current over-quota episode
+        self._over_total = 0  # frames dropped in the current episode of the total quota
+        # Connections of the ROUTER (see "Pending connections"), keyed by libzmq's fd for each:
+        self._pending: dict[int, _Pending] = {}  # fd -> accepted, no frame from it yet; oldest first
+        self._proven: set[int] = set()  # fds of accepted connections a frame came on
+        self._cut_fds: set[int] = set()  # fds this channel cut, until libzmq reports them gone
+        self._failed_handshake: dict[str, object] | None = None  # a failure event, until its DISCONNECTED
+        self._recorded = 0  # sequence number of the last pending connection recorded
+        self._checked = 0  # ... of the last one the monitor was read to its end after: one that may be cut
+        self._pending_seen = 0  # len(_pending) after the last pass that read the monitor to its end
+        self._port = 0
+        self._null_fd = self._slot_fd = -1  # /dev/null, and a descriptor number reserved for a cut
+        self._evict_logged = -_AUTH_LOG_EVERY
         self._held_lock = threading.Lock()
         self._delivering: _Release | None = None  # the frame whose on_message is running (I/O thread)
         self._on_message = on_message
@@ -346,7 +477,14 @@ class ControlChannel:
             raise StartError("control channel: start() may be called once")
         if self._advertise in ("0.0.0.0", "::", ""):
             raise StartError(f"control channel: bound to wildcard {self._host!r}; pass advertise_host")
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        _raise_fd_limit()
+        try:
+            self._null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            self._slot_fd = os.dup(self._null_fd)
+        except OSError as e:
+            self._close_slots()
+            raise StartError(f"control channel: cannot open {os.devnull}: {e}") from e
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # one I/O thread: see "Pending connections"
         self._ctx = ctx
         router = ctx.socket(zmq.ROUTER)
         try:
@@ -354,6 +492,8 @@ class ControlChannel:
                 self._secure_router(ctx, router)
             else:
                 auth.warn_unauthenticated("control channel")
+            self._router_monitor = self._monitor_router(ctx, router)  # before the bind: every connection is seen
+            router.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ms)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
@@ -371,8 +511,10 @@ class ControlChannel:
                 if sock is not None:
                     sock.close(0)
             ctx.term()
+            self._close_slots()
             raise StartError(f"control channel: cannot bind {self._host!r}: {e}") from e
         self._router = router
+        self._port = port
         self._endpoint = endpoint
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -382,7 +524,7 @@ class ControlChannel:
         return endpoint
 
     def _secure_router(self, ctx: zmq.Context[zmq.Socket[bytes]], router: zmq.Socket[bytes]) -> None:
-        """CURVE server with our handler behind ZAP, and a monitor that reports failed handshakes."""
+        """CURVE server with our handler behind ZAP (its monitor then reports failed handshakes too)."""
         assert self._curve is not None
         public, secret = self._curve
         self._zap = ctx.socket(zmq.REP)
@@ -392,7 +534,19 @@ class ControlChannel:
         router.setsockopt(zmq.CURVE_SECRETKEY, secret)
         router.setsockopt(zmq.CURVE_PUBLICKEY, public)
         router.setsockopt(zmq.ZAP_DOMAIN, b"pdcore")
-        self._router_monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
+
+    def _monitor_router(self, ctx: zmq.Context[zmq.Socket[bytes]], router: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+        """The ROUTER's monitor: connections accepted and gone (their fds), and with a secret the
+        failed handshakes. Its pipe holds ``_MONITOR_RCVHWM`` events: libzmq's I/O thread sends
+        them blocking, and one waiting on a full pipe while this thread waits for libzmq's monitor
+        lock (``disable_monitor`` at close) would never wake."""
+        address = f"inproc://pdcore-control-monitor-{id(self):x}"
+        router.monitor(address, _CONNECTIONS | (_HANDSHAKE_FAILED if self._curve is not None else 0))
+        mon = ctx.socket(zmq.PAIR)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.setsockopt(zmq.RCVHWM, _MONITOR_RCVHWM)
+        mon.connect(address)
+        return mon
 
     def send(self, endpoint: str, msg: wire.Message) -> None:
         """Queue ``msg`` for the peer at ``endpoint``; never blocks.
@@ -415,9 +569,15 @@ class ControlChannel:
         return current
 
     def held_bytes(self, sender: str | None = None) -> int:
-        """Wire bytes counted against ``sender`` now (all senders if None)."""
+        """Wire bytes counted against ``sender`` now (all senders together if None)."""
         with self._held_lock:
-            return self._held.get(sender, 0) if sender is not None else sum(self._held.values())
+            return self._held.get(sender, 0) if sender is not None else self._held_total
+
+    def pending_connections(self) -> int:
+        """Connections accepted that no frame came on yet, as the last pass of the I/O thread that
+        read the monitor to its end left them: at most ``max_pending`` (libzmq may have accepted a
+        burst more since: the next pass cuts it)."""
+        return self._pending_seen
 
     def introduced(self, endpoint: str) -> tuple[str | None, int | None]:
         """The session and epoch the live peer at ``endpoint`` last introduced ((None, None): none is
@@ -499,13 +659,17 @@ class ControlChannel:
             if self._zap is not None and self._zap in ready:
                 self._answer_zap()
             if self._router_monitor is not None and self._router_monitor in ready:
-                self._router_handshakes()
+                self._router_events()
             if self._monitors:
                 for sock in [s for s in ready if s in self._monitors]:
                     self._dealer_handshakes(sock)
             self._flush()
             if self._router in ready:
                 self._receive()
+            if len(self._pending) > self._max_pending:
+                self._evict()
+            if self._checked == self._recorded:
+                self._pending_seen = len(self._pending)
             now = time.monotonic()
             if now >= next_beat:
                 if now - last_tick > max(3 * self._interval, self._liveness.dead_after / 2):
@@ -551,7 +715,8 @@ class ControlChannel:
             sock.setsockopt(zmq.CURVE_SERVERKEY, public)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)  # with or without a secret: a mismatch is named
+        # with or without a secret: a mismatch is named; a success is answered with a heartbeat (the proof)
+        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._monitors[mon] = endpoint
         self._monitor_of[endpoint] = mon
         self._poller.register(mon, zmq.POLLIN)
@@ -594,21 +759,155 @@ class ControlChannel:
                 self._auth_failed(f"tcp://{refused}", "a client that is not of this deployment", dead=False)
             self._zap.send_multipart(reply)
 
-    def _router_handshakes(self) -> None:
-        """Handshakes that failed on our bound socket: counted and logged (the monitor cannot name the peer)."""
+    # ------------------------------------------------------------------ pending connections
+
+    def _router_events(self) -> None:
+        """What the ROUTER's monitor reported, in order, to its end (or one batch of it)."""
         assert self._router_monitor is not None
-        while self._router_monitor.poll(0):
-            event = monitor.recv_monitor_message(self._router_monitor)
-            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # our own handler's refusals are counted there
-                self._auth_failed(f"a client of {self._endpoint}", _handshake_failure(event, server=True), dead=False)
+        for _ in range(_EVENT_BATCH):
+            try:
+                event = monitor.recv_monitor_message(self._router_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                self._checked = self._recorded
+                return
+            kind, value = event["event"], event["value"]
+            assert isinstance(value, int)
+            if kind == zmq.EVENT_ACCEPTED:
+                self._accepted(value)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                failure, self._failed_handshake = self._failed_handshake, None
+                cut = value in self._cut_fds
+                self._cut_fds.discard(value)
+                self._pending.pop(value, None)
+                self._proven.discard(value)
+                if failure is not None and not cut:  # one we cut did not fail: it never tried
+                    self._handshake_failed(failure)
+            else:  # a failed handshake: its DISCONNECTED follows at once (one I/O thread) and names its fd
+                if self._failed_handshake is not None:
+                    self._handshake_failed(self._failed_handshake)
+                self._failed_handshake = event
+
+    def _accepted(self, fd: int) -> None:
+        """A new connection at ``fd``: pending, under the inode of the socket there now. Were that
+        another socket already (libzmq closed ``fd`` and it was reused), the DISCONNECTED that
+        libzmq sent before closing it is in the monitor pipe, and reading on to its end drops the
+        entry before any cut (``_evict`` cuts only what was recorded before such a read)."""
+        self.stats.accepted += 1
+        self._proven.discard(fd)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return  # closed already: its DISCONNECTED follows
+        if stat.S_ISSOCK(st.st_mode):
+            self._recorded += 1
+            self._pending[fd] = _Pending(st.st_ino, self._recorded)
+            self.stats.pending_peak = max(self.stats.pending_peak, len(self._pending))
+
+    def _heard_on(self, frame: zmq.Frame) -> None:
+        """A frame came on the connection at its source fd: that connection is no longer pending."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return
+        if fd in self._proven:
+            return
+        if fd not in self._pending:
+            self._router_events()  # its ACCEPTED may still be unread
+        if self._pending.pop(fd, None) is not None:
+            self.stats.proven += 1
+        self._proven.add(fd)
+
+    def _evict(self) -> None:
+        """Cut pending connections until at most ``max_pending`` are left: the oldest one whose client
+        has sent nothing yet, or, when every one has sent something, the oldest. Only connections
+        the monitor was read to its end after (see ``_accepted``); the rest on a later pass."""
+        cut = 0
+        while len(self._pending) > self._max_pending:
+            victim = None
+            for fd, conn in list(self._pending.items()):  # oldest first
+                if conn.seq > self._checked:
+                    break
+                if conn.spoke:
+                    continue
+                spoke = self._through(fd, conn.inode, _spoke)
+                if spoke is None:  # not the socket it was: that connection is gone
+                    del self._pending[fd]
+                elif spoke:
+                    conn.spoke = True
+                else:
+                    victim = fd
+                    break
+            if len(self._pending) <= self._max_pending:
+                break
+            if victim is None:
+                victim = next(iter(self._pending))
+                if self._pending[victim].seq > self._checked:
+                    break  # nothing that may be cut yet
+            if self._cut(victim, self._pending.pop(victim).inode):
+                self._cut_fds.add(victim)
+                cut += 1
+        self.stats.pending_evicted += cut
+        if cut and time.monotonic() - self._evict_logged >= _AUTH_LOG_EVERY:  # a flood must not flood the log
+            self._evict_logged = time.monotonic()
+            log.warning(
+                "control channel %s: more than %d connections that sent no frame yet: the oldest idle ones "
+                "are cut (%d so far, stats.pending_evicted; %d accepted)",
+                self._endpoint, self._max_pending, self.stats.pending_evicted, self.stats.accepted,
+            )
+
+    def _cut(self, fd: int, inode: int) -> bool:
+        """Shut the connection at libzmq's ``fd`` down if it is still the socket ``inode`` names (see
+        ``_through``); True if it was. libzmq then reads the end of the stream and closes ``fd``."""
+        return self._through(fd, inode, _shut) is True
+
+    def _through(self, fd: int, inode: int, action: Callable[[socket.socket], bool]) -> bool | None:
+        """``action`` on the socket at libzmq's ``fd`` if it is still the one ``inode`` names, a
+        connection accepted on our port; None if it is not. It runs on a duplicate made on a
+        descriptor number this channel reserved (``dup2`` needs no free one), so what is checked is
+        what is acted on, whatever happens to ``fd`` meanwhile; the duplicate is let go at once."""
+        try:
+            os.dup2(fd, self._slot_fd, inheritable=False)
+        except OSError:
+            return None  # closed already
+        try:
+            st = os.fstat(self._slot_fd)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_ino != inode:
+                return None
+            sock = socket.socket(fileno=self._slot_fd)
+            try:
+                name = sock.getsockname()
+                if not isinstance(name, tuple) or name[1] != self._port:
+                    return None
+                sock.getpeername()  # raises for a listening socket
+                return action(sock)
+            finally:
+                sock.detach()
+        except OSError:
+            return None
+        finally:
+            os.dup2(self._null_fd, self._slot_fd, inheritable=False)
+
+    def _handshake_failed(self, event: dict[str, object]) -> None:
+        """A handshake on our bound socket failed: counted and logged (the monitor cannot name the peer)."""
+        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # our own handler's refusals are counted there
+            self._auth_failed(f"a client of {self._endpoint}", _handshake_failure(event, server=True), dead=False)
 
     def _dealer_handshakes(self, mon: zmq.Socket[bytes]) -> None:
-        """A handshake with a peer we send to failed: that peer is dead to us, with the reason."""
+        """A handshake with a peer we send to succeeded: a heartbeat goes at once, so the peer's
+        channel sees a frame on the new connection (it no longer counts as pending there). Or it
+        failed: that peer is dead to us, with the reason."""
         endpoint = self._monitors[mon]
         failure = None
+        succeeded = False
         while mon.poll(0):
-            failure = _handshake_failure(monitor.recv_monitor_message(mon))
+            event = monitor.recv_monitor_message(mon)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                failure, succeeded = None, True
+            else:
+                failure = _handshake_failure(event)
         if failure is None:
+            if succeeded and self._send_now(endpoint, self._heartbeat(), ()):
+                self.stats.heartbeats_sent += 1
             return
         if self._curve is None and failure == _PEER_CLOSED:
             # No secret here: the peer went away, or it wants a secret and hung up before we read its greeting
@@ -653,12 +952,13 @@ class ControlChannel:
         assert self._router is not None
         for _ in range(_RECV_BATCH):
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self.stats.received += 1
+            self._heard_on(frames[-1])
             try:
-                self._handle(parts)
+                self._handle([frame.bytes for frame in frames])
             except RemoteProtocolError as e:
                 self._protocol_error(e)
             except Exception:  # a bug of ours: logged and counted, the channel keeps serving
@@ -703,8 +1003,9 @@ class ControlChannel:
             self._liveness.heard(sender, now)
         if isinstance(msg, wire.Heartbeat):
             return  # consumed here
-        if not self._charge(sender, len(data)):
-            self._over_quota(sender, len(data), msg)
+        over = self._charge(sender, len(data))
+        if over is not None:
+            self._over_quota(sender, len(data), msg, total=over)
             return
         self.stats.delivered += 1
         token = self._delivering = _Release(self, sender, len(data))
@@ -717,23 +1018,33 @@ class ControlChannel:
 
     # ------------------------------------------------------------------ quota
 
-    def _charge(self, sender: str, nbytes: int) -> bool:
+    def _charge(self, sender: str, nbytes: int) -> bool | None:
+        """Count ``nbytes`` against ``sender`` and the total: None if both had room, else whether it
+        was the total (all senders together) that had none (then nothing is counted)."""
         with self._held_lock:
             held = self._held.get(sender, 0) + nbytes
             if held > self._quota:
                 return False
+            if self._held_total + nbytes > self._total_quota:
+                return True
             self._held[sender] = held
+            self._held_total += nbytes
             self.stats.held_peak = max(self.stats.held_peak, held)
+            self.stats.held_total_peak = max(self.stats.held_total_peak, self._held_total)
             dropped = self._over.pop(sender, 0)
+            dropped_total, self._over_total = self._over_total, 0
         if dropped:
             log.info("control channel: sender %s is back under its quota after %d dropped frames", sender, dropped)
-        return True
+        if dropped_total:
+            log.info("control channel: back under the total quota after %d dropped frames", dropped_total)
+        return None
 
     def _release(self, token: _Release) -> None:
         with self._held_lock:
             if token._released:
                 return
             token._released = True
+            self._held_total -= token._nbytes
             left = self._held.get(token._sender, 0) - token._nbytes
             if left > 0:
                 self._held[token._sender] = left
@@ -741,16 +1052,26 @@ class ControlChannel:
                 self._held.pop(token._sender, None)
                 self._over.pop(token._sender, None)
 
-    def _over_quota(self, sender: str, nbytes: int, msg: wire.Message) -> None:
+    def _over_quota(self, sender: str, nbytes: int, msg: wire.Message, *, total: bool) -> None:
         self.stats.quota_drops += 1
         self.stats.quota_dropped_bytes += nbytes
-        reason = (
-            f"control channel: sender {sender} is over its quota of {self._quota} bytes held, "
-            f"its {type(msg).__name__} frame of {nbytes} bytes was dropped"
-        )
+        if total:
+            self.stats.total_quota_drops += 1
+            reason = (
+                f"control channel: all senders together are at the total quota of {self._total_quota} bytes held, "
+                f"the {type(msg).__name__} frame of {nbytes} bytes from {sender} was dropped"
+            )
+        else:
+            reason = (
+                f"control channel: sender {sender} is over its quota of {self._quota} bytes held, "
+                f"its {type(msg).__name__} frame of {nbytes} bytes was dropped"
+            )
         with self._held_lock:
-            episode = self._over.get(sender, 0)
-            self._over[sender] = episode + 1
+            if total:
+                episode, self._over_total = self._over_total, self._over_total + 1
+            else:
+                episode = self._over.get(sender, 0)
+                self._over[sender] = episode + 1
         if not episode:  # once per episode: a flood must not flood the log too
             log.warning("%s (further drops counted in stats.quota_drops)", reason)
         rooms = wire.rooms_of(msg)
@@ -772,9 +1093,12 @@ class ControlChannel:
         if error.rooms and self._on_rooms_failed is not None:
             self._call(self._on_rooms_failed, error.rooms, str(error))
 
+    def _heartbeat(self) -> bytes:
+        return wire.encode(wire.Heartbeat(session_id=self.session_id, epoch=self.epoch, seq=self._seq))
+
     def _tick(self, now: float) -> None:
         self._seq += 1
-        beat = wire.encode(wire.Heartbeat(session_id=self.session_id, epoch=self.epoch, seq=self._seq))
+        beat = self._heartbeat()
         for endpoint in list(self._dealers):
             if self._send_now(endpoint, beat, ()):
                 self.stats.heartbeats_sent += 1
@@ -789,6 +1113,12 @@ class ControlChannel:
             self._drop_peer(dead.endpoint)
         if self._on_peer_dead is not None:
             self._call(self._on_peer_dead, dead)
+
+    def _close_slots(self) -> None:
+        for fd in (self._slot_fd, self._null_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._slot_fd = self._null_fd = -1
 
     def _call(self, fn: Callable[..., object], *args: object) -> None:
         try:
@@ -810,6 +1140,7 @@ class ControlChannel:
         self._dealers.clear()
         if self._router is not None:
             if self._router_monitor is not None:
+                self._router_events()  # room in its pipe: libzmq is not waiting on it while we disable it
                 self._router.disable_monitor()
                 self._router_monitor.close(0)
             self._router.close(0)
@@ -817,6 +1148,7 @@ class ControlChannel:
             self._zap.close(0)
         if self._ctx is not None:
             self._ctx.term()
+        self._close_slots()
         for sock in (self._wake_r, self._wake_w):
             if sock is not None:
                 sock.close()  # a late send() then finds PeerError, a late wake-up an OSError it ignores

@@ -144,8 +144,16 @@ class PeerCollector:
         channel = peer._channel.stats
         yield CounterMetricFamily(f"{p}_protocol_errors", "Malformed or unexpected control frames",
                                   value=channel.protocol_errors)
+        transport = peer._transport
         yield CounterMetricFamily(f"{p}_auth_failures", "Handshakes that failed authentication (control and data)",
-                                  value=channel.auth_failures + getattr(peer._transport, "auth_failures", 0))
+                                  value=channel.auth_failures + getattr(transport, "auth_failures", 0))
+        yield CounterMetricFamily(f"{p}_evicted_handshakes",
+                                  "Unfinished handshakes cut to make room for newer ones (control and data)",
+                                  value=channel.pending_evicted + getattr(transport, "evicted_handshakes", 0))
+        yield CounterMetricFamily(f"{p}_refused_connections", "Data connections refused: at the sink's cap, or too "
+                                  "many handshakes", value=getattr(transport, "refused_connections", 0))
+        yield CounterMetricFamily(f"{p}_accept_failures", "Data connections not accepted for want of file "
+                                  "descriptors or memory", value=getattr(transport, "accept_failures", 0))
         yield CounterMetricFamily(f"{p}_work_errors", "Work items that raised (a bug: see the log)",
                                   value=peer.stats["work_errors"])
         queues = GaugeMetricFamily(f"{p}_queue_depth", "Items waiting in each bounded queue", labels=["queue"])

@@ -358,24 +358,68 @@ def test_an_idle_socket_keeps_no_source_out_and_is_dropped_in_time(make: MakeTra
         idle.close()
 
 
-def test_handshakes_in_progress_are_bounded_and_expire(make: MakeTransport) -> None:
-    """Past ``_MAX_HELLOS`` idle connections a new one is refused at once (not queued); once the
-    idle ones time out, sources get in again."""
-    sink = make(secret=SECRET, peer_timeout=1.0)
+def _handshakes(t: Any) -> int:
+    with t._lock:
+        return len(t._sinks) - len(t._live)
+
+
+def test_handshakes_in_progress_are_bounded_and_the_oldest_is_cut(make: MakeTransport) -> None:
+    """Past ``_MAX_HELLOS`` idle connections a newcomer gets in and the oldest handshake is cut (the
+    newcomer is not refused); the count of connections in their handshake stays at the bound."""
+    sink = make(secret=SECRET, peer_timeout=5.0)
     sink.register(np.zeros(64, np.uint8))
     legit = make(secret=SECRET)
     idle = [_dial(sink) for _ in range(tcp._MAX_HELLOS)]
     try:
         _wait(lambda: _sink_threads(sink) == tcp._MAX_HELLOS, "the sink took every idle connection")
-        with pytest.raises(TransportError, match="handshakes are in progress") as ei:
-            legit.connect(sink.endpoint(), deadline=Deadline.after(5))
-        assert ei.value.errno == errno.ECONNREFUSED
-        assert sink.refused_connections >= 1
-        _wait(lambda: _sink_threads(sink) == 0, "the idle connections expire")
-        legit.connect(sink.endpoint(), deadline=Deadline.after(5))
+        peer = legit.connect(sink.endpoint(), deadline=Deadline.after(5))
+        legit.write(peer, [])
+        assert legit.completions(deadline=Deadline.after(5))[0].error is None
+        assert sink.evicted_handshakes == 1 and sink.refused_connections == 0
+        assert _until_eof(idle[0]) == b""  # the oldest, cut without a word
+        late = [_dial(sink), _dial(sink)]  # the first takes the legitimate one's place, the second cuts
+        try:
+            assert _until_eof(idle[1]) == b""  # the next oldest
+            assert sink.evicted_handshakes == 2
+            _wait(lambda: _handshakes(sink) <= tcp._MAX_HELLOS, "at most _MAX_HELLOS handshakes")
+        finally:
+            for s in late:
+                s.close()
+        assert sink.auth_failures == 0  # a cut handshake is not a failed authentication
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_flood_of_idle_sockets_keeps_no_authenticated_source_out(make: MakeTransport) -> None:
+    """More idle sockets than there are handshake places, from another process and redialled as the
+    sink drops them: every one of ``CONNECTS`` authenticated connects gets in within its deadline
+    (and carries a batch), and the sink counts what it cut to make room."""
+    from _flood import Child, run_flood
+
+    connects = 40
+    sink = make(secret=SECRET, peer_timeout=5.0)
+    dst = np.zeros(4096, np.uint8)
+    region = sink.register(dst)
+    legit = make(secret=SECRET)
+    local = legit.register(np.full(4096, 7, np.uint8))
+    host, _, port = _hostport(sink).rpartition(":")
+    flood = Child(run_flood, host, int(port), tcp._MAX_HELLOS + 16)
+    try:
+        _wait(lambda: _handshakes(sink) >= tcp._MAX_HELLOS, "the flood fills every handshake place")
+        for i in range(connects):
+            peer = legit.connect(sink.endpoint(), deadline=Deadline.after(5))  # raises past its deadline
+            done = Collector()
+            legit.write(peer, [(local.addr, region.addr, 4096)], done)
+            assert done.wait(1)[0][1] is None, f"connect {i}"
+            legit.disconnect(peer)
+        stats = flood.call("stats")
+        assert stats["dropped"] > 0 and sink.evicted_handshakes > 0, (stats, sink.evicted_handshakes)
+        assert (dst == 7).all()
+        assert sink.auth_failures == 0
+    finally:
+        flood.close()
+    _wait(lambda: _sink_threads(sink) == 0, "the flood's connections end with it")
 
 
 # ----------------------------------------------------------------------------- the sans-IO hello

@@ -556,3 +556,33 @@ def test_twins_refuse_the_same_malformed_arguments() -> None:
     for impl in (compiled, pure):
         with pytest.raises(TypeError):
             impl.parse_acks(bytes(20), 0, 20, 0)
+
+
+def test_an_acceptor_out_of_file_descriptors_backs_off_and_accepts_again() -> None:
+    """A sink whose process has no file descriptor left: its acceptor finds EMFILE on every accept
+    while connections wait. It must not spin (its CPU time over the episode stays far below the
+    wall time), it counts the failures, and it accepts again once descriptors are free."""
+    from _flood import Child, run_exhausted_sink
+
+    child = Child(run_exhausted_sink, 128, None)
+    waiting: list[socket.socket] = []
+    source = transport.create("tcp", peer_timeout=5.0)
+    try:
+        endpoint = child.wait("endpoint", 30)
+        host, _, port = decode_endpoint(endpoint).address.decode().rpartition(":")
+        assert child.call("exhaust") > 0
+        waiting = [socket.create_connection((host, int(port)), timeout=5) for _ in range(4)]  # in its backlog
+        cpu, wall = child.call("cpu", 2.0)
+        assert cpu < 0.25 * wall, f"the exhausted acceptor used {cpu:.2f} s of CPU in {wall:.2f} s"
+        assert child.call("stats")["accept_failures"] >= 1
+        child.call("free")
+        region = source.register(np.full(64, 3, np.uint8))
+        peer = source.connect(endpoint, deadline=Deadline.after(10))  # accepted again
+        remote = peer.remote.regions[0]
+        source.write(peer, [(region.addr, remote.addr, 64)])
+        assert source.completions(deadline=Deadline.after(5))[0].error is None
+    finally:
+        for s in waiting:
+            s.close()
+        source.close(deadline=Deadline.after(5))
+        child.close()

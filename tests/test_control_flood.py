@@ -1,0 +1,157 @@
+"""The control channel under a flood of idle connections from outside the deployment.
+
+Before the bound, a ROUTER held every connection that never started its handshake for libzmq's
+default 30 s, so a flood of idle TCP connections used up the process's file descriptors and no
+peer could connect any more. Real processes, real sockets on loopback; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from pdcore.control import wire
+from pdcore.core.deadline import Deadline
+
+from _flood import Child, run_channel, run_flood
+from test_control import WAIT, Inbox, control_threads
+from test_control_auth import wait_for
+
+SECRET = b"deployment-secret-0123456789abcdef"
+NOFILE = 256  # the flooded process's open-file limit: the flood below is well over it
+FLOOD = 400  # idle connections, redialled as they are dropped
+ROUNDS = 10  # frames each way per peer while the flood lasts
+PEERS = 5  # peers, each connecting anew through the flood
+CHURN = 2000  # connections the flood has had cut before the peers come
+EXCHANGE = 15.0  # seconds for all of them: well inside libzmq's default 30 s handshake interval
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rpartition(":")[2])
+
+
+@pytest.fixture
+def flooded() -> Iterator[tuple[Child, str]]:
+    """A channel in a process limited to ``NOFILE`` open files, under a flood of ``FLOOD`` idle
+    connections that has got going: it holds more connections than the process has descriptors,
+    and it has turned ``CHURN`` of them over (or 5 s passed: a channel without the bound cuts none)."""
+    child = Child(run_channel, NOFILE, SECRET, {})
+    flood: Child | None = None
+    try:
+        endpoint = child.wait("endpoint", 30)
+        flood = Child(run_flood, "127.0.0.1", _port(endpoint), FLOOD)
+        deadline = Deadline.after(30)
+        while (live := flood.call("stats").get("live", 0)) < NOFILE:
+            assert not deadline.expired(), f"the flood holds only {live} connections"
+        going = Deadline.after(5)
+        while flood.call("stats").get("dropped", 0) < CHURN and not going.expired():
+            pass  # polling the flood's count against a deadline
+        yield child, endpoint
+    finally:
+        if flood is not None:
+            flood.close()
+        child.close()
+
+
+def test_authenticated_peers_get_in_and_are_answered_during_a_flood_of_idle_connections(
+    flooded: tuple[Child, str],
+) -> None:
+    """``PEERS`` peers one after the other, each a new connection through the flood (a handshake the
+    flood's churn could cut), exchange ``ROUNDS`` frames each way with the flooded channel."""
+    child, endpoint = flooded
+    deadline = Deadline.after(EXCHANGE)
+    for n in range(PEERS):
+        inbox = Inbox()
+        peer = inbox.channel(f"prefill-{n}", secret=SECRET)
+        peer.start()
+        try:
+            for room in range(ROUNDS):
+                peer.send(endpoint, wire.Abort(room=room, reason="ping"))
+            echoed = []
+            while len(echoed) < ROUNDS:
+                assert not deadline.expired(), (
+                    f"peer {n}: only {len(echoed)} of {ROUNDS} echoes in {EXCHANGE} s: {child.call('stats')}"
+                )
+                try:
+                    sender, msg = inbox.messages.get(timeout=max(deadline.remaining(), 0.01))
+                except queue.Empty:
+                    continue
+                assert sender == endpoint and msg == wire.Abort(room=msg.room, reason="echo")  # type: ignore[union-attr]
+                echoed.append(msg.room)  # type: ignore[union-attr]
+            assert sorted(echoed) == list(range(ROUNDS))
+            assert inbox.dead.empty(), inbox.dead.get_nowait()  # no peer's handshake was cut
+        finally:
+            peer.close(Deadline.after(WAIT))
+    from pdcore.control.channel import MAX_PENDING  # (after the exchange: the check that failed before the bound)
+
+    stats = child.call("stats")
+    # bounded: the idle connections were cut to make room, the flood did not run the process out of fds
+    assert stats["pending"] <= MAX_PENDING, stats
+    assert stats["pending_evicted"] > 0 and stats["accepted"] > FLOOD, stats
+    assert stats["fds"] < NOFILE, stats
+    assert stats["internal_errors"] == stats["callback_errors"] == 0, stats
+    assert control_threads() == []
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no-secret"])
+def test_pending_connections_stay_bounded_and_cuts_touch_no_other_socket(secret: bytes | None) -> None:
+    """In-process: well over the bound of idle connections; the channel keeps at most ``max_pending``
+    of them, cuts the oldest first, and its cut refuses a file descriptor the event did not name."""
+    inbox = Inbox()
+    channel = inbox.channel("decode-0", secret=secret, max_pending=8)
+    channel.start()
+    port = _port(channel.endpoint)
+    idle: list[socket.socket] = []
+    other_a, other_b = socket.socketpair()
+    try:
+        for _ in range(40):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=WAIT))
+        wait_for(
+            lambda: channel.stats.pending_evicted >= 32 and channel.pending_connections() <= 8,
+            f"32 of 40 idle connections cut: {channel.stats}",
+        )
+        assert channel.stats.pending_evicted == 32 and channel.stats.auth_failures == 0  # a cut is no failed handshake
+        # the oldest were cut: each of the first 32 sees its end (after libzmq's greeting bytes)
+        for s in idle[:32]:
+            s.settimeout(WAIT)
+            while s.recv(4096):
+                pass
+        # a cut through a file descriptor that is not the socket the event named does nothing
+        st = os.fstat(other_a.fileno())
+        assert not channel._cut(other_a.fileno(), st.st_ino)  # a socket, but not one of this channel's
+        assert not channel._cut(other_a.fileno(), st.st_ino + 1)  # not the inode the event named
+        other_b.sendall(b"still here")
+        assert other_a.recv(64) == b"still here"
+    finally:
+        for s in idle:
+            s.close()
+        other_a.close()
+        other_b.close()
+        channel.close(Deadline.after(WAIT))
+    assert control_threads() == []
+
+
+def test_a_peer_connection_stops_being_pending_at_once() -> None:
+    """A connection a frame came on is no longer pending (the frame names its fd); and each side's
+    DEALER sends a heartbeat as soon as its handshake succeeds, so the connection a channel opens to
+    answer a peer is proven long before its first periodic heartbeat (30 s here)."""
+    a_in, b_in = Inbox(), Inbox()
+    slow = {"secret": SECRET, "heartbeat_interval": 30.0, "dead_after": 60.0}
+    a, b = a_in.channel("decode-0", **slow), b_in.channel("prefill-0", **slow)
+    a.start()
+    b.start()
+    try:
+        b.send(a.endpoint, wire.Abort(room=1, reason="hello"))
+        assert a_in.next_message() == (b.endpoint, wire.Abort(room=1, reason="hello"))
+        # b's heartbeat on its handshake made a connect back to b: that connection is proven too
+        for side, name in ((a, "a"), (b, "b")):
+            wait_for(lambda: side.stats.proven == 1, f"{name}'s one connection proven: {side.stats}")
+            assert side.stats.accepted == 1 and side.stats.pending_evicted == 0
+    finally:
+        a.close(Deadline.after(WAIT))
+        b.close(Deadline.after(WAIT))
+    assert control_threads() == []
