@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..node.config import NodeConfig, check_registration, check_seconds, config_error
+from ..node.config import NodeConfig, check_registration, check_seconds, check_writable_buffer, config_error
 from .types import DTYPE_ITEMSIZE
 
 __all__ = ["ReceiverConfig", "EncodeConfig"]
@@ -66,6 +66,9 @@ class ReceiverConfig:
             raise config_error(self, "max_items", f"max_requests * max_items must be at most {1 << 24}")
         if self.deepstack_buffer is not None and not self.deepstack_width:
             raise config_error(self, "deepstack_buffer", "given without a deepstack_width")
+        for name in ("buffer", "deepstack_buffer"):  # the encode ranks write into them
+            if getattr(self, name) is not None:
+                check_writable_buffer(self, name, getattr(self, name))
 
     @property
     def row_bytes(self) -> int:

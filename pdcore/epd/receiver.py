@@ -43,6 +43,7 @@ from ..control.bootstrap import ParallelInfo
 from ..control.lookup import Deployment, Lookups
 from ..core.deadline import Deadline
 from ..core.errors import LocalProtocolError, PdError, StartError
+from ..core.replica import check_replica
 from ..node.base import PeerBase
 from .config import ReceiverConfig
 from .table import ReceiveTable
@@ -125,6 +126,7 @@ class Receiver:
         self._backlog: list[tuple[list[_Item], list[int], dict[str, str]]] = []  # drops the full work queue refused
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
         self._failed: list[tuple[str, str]] | None = None  # the last round's failures, reasons agreed
+        self._checked_replica: object = None  # the last replica round() accepted
 
     # -- the scheduler's calls (EmbeddingReceiver) ---------------------------------------------
 
@@ -169,6 +171,9 @@ class Receiver:
         table's mismatch guard: ranks that staged different requests raise ``CollectiveError`` on every rank.
         Every rank reports the same reason for a request that failed (``failed``): the lowest rank's that
         failed it itself (``Agreement.agree_reasons``)."""
+        if replica is not None and replica is not self._checked_replica:
+            check_replica(replica, "receiver: round")
+            self._checked_replica = replica
         landed = self._agreement.round(time.monotonic(), replica)
         failed = self._table.failed()
         self._failed = None

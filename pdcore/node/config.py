@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..control.auth import check_secret
 from ..core.errors import StartError
 
-__all__ = ["NodeConfig", "check_registration", "check_seconds", "config_error"]
+__all__ = ["NodeConfig", "check_registration", "check_seconds", "check_writable_buffer", "config_error"]
 
 
 def config_error(config: object, name: str, why: str) -> StartError:
@@ -26,6 +28,34 @@ def check_seconds(config: object, names: tuple[str, ...]) -> None:
         value = getattr(config, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise config_error(config, name, f"must be a positive number of seconds, got {value!r}")
+
+
+def check_writable_buffer(config: object, name: str, buf: Any) -> None:
+    """``buf`` is memory a peer's transport may write into: a contiguous, writable numpy array or a
+    contiguous CPU torch tensor (duck-typed: torch is not imported here). Anything else is a
+    ``StartError`` naming ``name``: the transport writes into registered memory without asking
+    Python, so a read-only array or ``bytes`` would be written behind the language's back; and a
+    ``bytearray``, an ``(addr, length)`` pair or another buffer object is not what the configs
+    promise to check (``np.frombuffer(b, np.uint8)`` views a bytearray as an array)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.writeable:
+            raise config_error(config, name, "is a read-only numpy array; the transport writes into it "
+                               "(pass a writable array, e.g. np.zeros(n, np.uint8))")
+        if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
+            raise config_error(config, name, "is not contiguous (np.ascontiguousarray makes a contiguous copy)")
+        if buf.nbytes == 0:
+            raise config_error(config, name, "is empty")
+        return
+    if hasattr(buf, "data_ptr") and hasattr(buf, "is_contiguous"):
+        device = getattr(getattr(buf, "device", None), "type", "cpu")
+        if device != "cpu":
+            raise config_error(config, name, f"is a tensor on {device!r}; the transport needs CPU memory")
+        if not buf.is_contiguous():
+            raise config_error(config, name, "is not a contiguous tensor (.contiguous() makes one)")
+        return
+    raise config_error(config, name, f"must be a writable numpy array or a contiguous CPU torch tensor, got "
+                       f"{type(buf).__name__}" + (" (np.frombuffer(b, np.uint8) views a bytearray as one)"
+                                                  if isinstance(buf, bytearray) else ""))
 
 
 @dataclass(frozen=True, kw_only=True)

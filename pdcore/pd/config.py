@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core.errors import LocalProtocolError
 from ..kv.layout import KvLayout
-from ..node.config import NodeConfig, check_registration, check_seconds, config_error
+from ..node.config import NodeConfig, check_registration, check_seconds, check_writable_buffer, config_error
 
 __all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
 
@@ -55,6 +55,8 @@ class PeerConfig(NodeConfig):
         self._check_kv_layout()
         if not self.kv_buffers:
             raise config_error(self, "kv_buffers", "at least one buffer is needed")
+        for i, buf in enumerate(self.kv_buffers):
+            check_writable_buffer(self, f"kv_buffers[{i}]", buf)
         if self.num_pages < 1:
             raise config_error(self, "num_pages", f"must be positive, got {self.num_pages}")
         sizes = self.page_bytes_per_buffer
