@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
-from pdcore import DecodeConfig, PdError, ReceiverConfig, StartError
+from pdcore import BootstrapInfo, DecodeConfig, PdError, ReceiverConfig, StartError
 from pdcore.control import wire
 from pdcore.core.deadline import Deadline
 from pdcore.core.errors import LocalProtocolError, PeerError
@@ -199,8 +200,6 @@ def test_calls_on_a_closed_peer_raise_peer_error() -> None:
     pair = Pair()
     pair.register("r", room=1)
     pair.close()
-    from pdcore import BootstrapInfo
-
     info = BootstrapInfo("127.0.0.1", pair.port, 2)
     for call in (lambda: pair.prefill.register("z", info), lambda: pair.decode.register("z", info),
                  lambda: pair.outbox.send("r", [1], 1), lambda: pair.inbox.announce("r", [1], 0),
@@ -265,3 +264,39 @@ def test_poll_refuses_a_replica_that_is_not_a_process_group(pair: Pair, replica:
         assert isinstance(info.value, PdError) and type(replica).__name__ in str(info.value)
     pair.drive(["r"])  # the rounds refused changed nothing
     _lands(pair, "r")
+
+
+# -- messages --------------------------------------------------------------------------------
+
+
+def test_a_page_size_mismatch_names_both_sides_on_decode() -> None:
+    pair = Pair(decode={"page_bytes": 2048})
+    try:
+        pair.register("r", room=1)
+        pair.pump(lambda: bool(pair.ended("decode", "r")), "decode to fail the request")
+        reason = pair.reasons[("decode", "r")]
+        assert "page sizes" in reason and "prefill's [4096, 4096]" in reason and "decode's [2048, 2048]" in reason, reason
+    finally:
+        pair.close()
+
+
+def test_a_page_size_mismatch_names_both_sides_on_prefill(pair: Pair) -> None:
+    """A decode rank that registers other page sizes with prefill (a raw DEALER plays it: a real decode
+    peer refuses the pairing before it registers): the room it announces fails naming both."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"tcp://127.0.0.1:9")
+    sock.connect(pair.prefill.control_endpoint)
+    try:
+        layout = {"bases": [1 << 20, 1 << 21], "page_bytes": [2048, 2048], "num_pages": 64}
+        sock.send(wire.encode(wire.Register(session_id="other", epoch=1, endpoint=b"x", regions=(), layout=layout,
+                                            tp_size=1, tp_rank=0)))
+        pair.register("r", room=9, decode=False)
+        sock.send(wire.encode(wire.Announce(room=9, session_id="other", epoch=1, page_ids=(0,), request_pool_index=0)))
+        pair.pump(lambda: bool(pair.ended("prefill", "r")), "prefill to fail the room")
+        reason = pair.reasons[("prefill", "r")]
+        assert "page sizes differ" in reason and "decode rank 0/1 has [2048, 2048]" in reason, reason
+        assert "prefill rank 0/1 expects [4096, 4096]" in reason, reason
+    finally:
+        ctx.destroy(linger=0)

@@ -285,7 +285,11 @@ class PrefillPeer(PdPeer):
             want = self._layout.page_bytes if cfg.kv_layout is None else (cfg.kv_layout.page_bytes(msg.tp_size),) * len(
                 self._layout.page_bytes)
             if layout.page_bytes != want:
-                raise LocalProtocolError(f"decode page sizes {layout.page_bytes} differ from the expected {want}")
+                basis = "its own page_bytes" if cfg.kv_layout is None else f"its kv_layout at decode tp {msg.tp_size}"
+                raise LocalProtocolError(
+                    f"page sizes differ: decode rank {msg.tp_rank}/{msg.tp_size} has {list(layout.page_bytes)}, "
+                    f"prefill rank {cfg.tp_rank}/{cfg.tp_size} expects {list(want)} ({basis})"
+                )
         except LocalProtocolError as e:
             error = str(e)
         except (KeyError, TypeError, ValueError) as e:
