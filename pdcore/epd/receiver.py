@@ -87,7 +87,8 @@ class Receiver:
 
     Made by ``PrefillPeer.embedding_receiver``; every rank of the replica
     stages the same requests in the same order and settles the same codes.
-    ``rows(item)`` and ``deepstack_rows(item)`` view a landed item's rows.
+    ``rows(slot, count)`` and ``deepstack_rows(slot, count)`` view a landed item's rows
+    (``LandedItem.slot``, ``LandedItem.row_count``) until ``release`` hands the slot back.
     """
 
     def __init__(self, peer: PeerBase, config: ReceiverConfig) -> None:
@@ -189,6 +190,7 @@ class Receiver:
         self._pump()
 
     def awaiting_release(self) -> bool:
+        """A landed slot still waits for its rows to be copied out (``release``)."""
         return self._table.awaiting_release()
 
     def failed(self) -> list[tuple[str, str]]:
@@ -200,6 +202,8 @@ class Receiver:
         return self._view(self._region, self._memory, self._slot_bytes, self._config.row_bytes, slot, count)
 
     def deepstack_rows(self, slot: int, count: int) -> np.ndarray:
+        """The first ``count`` deepstack rows of ``slot`` as a ``(count, deepstack row bytes)`` uint8 view
+        (``LocalProtocolError`` if the receiver has no deepstack buffer); copy them out, then ``release``."""
         if not self._config.deepstack_width:
             raise LocalProtocolError("deepstack_rows: the receiver has no deepstack buffer")
         return self._view(self._deep_region, self._deep_memory, self._deep_bytes, self._config.deepstack_row_bytes, slot, count)

@@ -26,14 +26,46 @@ __all__ = ["TransferPeer", "Tombstones", "PdPeer", "wire_int", "check_logprob"]
 
 
 class TransferPeer(Protocol):
-    """The scheduler's view of a peer (the seed's ``TransferPeer``)."""
+    """The scheduler's view of a peer (the seed's ``TransferPeer``): ``PrefillPeer`` and ``DecodePeer``.
 
-    def register(self, rid: str, bootstrap: BootstrapInfo) -> None: ...
-    def poll(self, replica: object = None) -> list[Event]: ...
-    def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None: ...
-    def has_in_flight(self) -> bool: ...
-    def abort_room(self, rid: str, room: int) -> None: ...
-    def close(self) -> None: ...
+    Every rank of a replica registers the same requests in the same order and calls ``poll``
+    in the same rounds; the events (``Bootstrapped``, then ``Succeeded`` / ``RemotePrefillDone``
+    or ``Failed``) come out alike on every rank. The README's "The scheduler's contract" has
+    the whole story.
+    """
+
+    def register(self, rid: str, bootstrap: BootstrapInfo) -> None:
+        """Track an admitted request: ``rid`` names it on this side, ``bootstrap.room`` joins it to
+        the other side (prefill and decode register the same room). Never blocks; ``PeerError``
+        after ``close``."""
+        ...
+
+    def poll(self, replica: object = None) -> list[Event]:
+        """One scheduler round: the replica agrees (MIN over ``replica``, a gloo process group, or
+        None for one rank) and the requests whose state changed come back as events, alike on
+        every rank. Free a request's pages only at its terminal event."""
+        ...
+
+    def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
+        """Prefill: what decode's ``RemotePrefill`` carries besides the first token (cached tokens,
+        the first token's logprob); call it before the hand-over. Decode: does nothing."""
+        ...
+
+    def has_in_flight(self) -> bool:
+        """A request is still tracked here: a transfer may yet read or write the KV cache."""
+        ...
+
+    def abort_room(self, rid: str, room: int) -> None:
+        """Fail the request now: prefill fails the room it holds (or, if none is registered, answers
+        its decode side from a tombstone), decode fails ``rid``. Its terminal ``Failed`` comes out
+        of a later ``poll`` on every rank of the replica, once nothing can land in its pages."""
+        ...
+
+    def close(self) -> None:
+        """Tell peers about requests still in flight, stop every thread, release the registered
+        memory. Idempotent; ``register``, ``poll`` and the outbox's / inbox's calls raise
+        ``PeerError`` after it."""
+        ...
 
 
 class Tombstones:
