@@ -34,7 +34,16 @@ class ReceiverConfig:
     ``shard_rows`` each rank of the replica receives its contiguous share of
     every image's rows and the ranks rebuild the rest (the same value on every
     rank: a torn flag fails the first round on every rank). A staged request
-    whose rows have not all landed ``timeout`` seconds after ``stage`` fails.
+    whose rows have not all landed ``timeout`` seconds after ``stage`` fails on
+    every rank (``Receiver.failed``).
+
+    Sharded, rank ``r`` of ``n`` receives rows ``[r*b + min(r, e), +b + (r < e))``
+    of an image of ``rows`` rows, with ``b, e = divmod(rows, n)``: contiguous shares,
+    the first ``e`` ranks one row more, an empty share (``rows < n``) no slot. So
+    ``slot_rows`` must hold ``ceil(rows / n)`` rows sharded, ``rows`` unsharded, for
+    the largest image; ``stage`` raises ``CapacityError`` for one that does not fit.
+    ``buffer``/``deepstack_buffer``, if given, are writable contiguous numpy arrays or
+    CPU tensors (the encode ranks write into them); else they are allocated here.
     """
 
     slots: int

@@ -65,8 +65,30 @@ class NodeConfig:
     ``secret`` is the deployment's shared secret (bytes, 16..4096; every rank
     and the bootstrap server hold the same one): it authenticates the bootstrap
     requests, the control channel and the data connections (``pdcore.control.auth``).
-    None reads ``$PDCORE_SECRET_FILE`` at start; with neither, the planes run
+    None reads ``$PDCORE_SECRET_FILE`` at start (set but empty, or naming a file
+    that cannot serve, is a ``StartError``); with neither, the planes run
     unauthenticated and the peer says so once. It never appears in a repr.
+
+    The knobs (seconds), what each bounds and what happens when it fires:
+
+    - ``heartbeat_interval`` (1): the control channel sends a heartbeat to every
+      peer it has a connection to this often; it must be below ``dead_after``.
+    - ``dead_after`` (10): a peer that sent nothing (heartbeats included) for this
+      long, or came back with a newer epoch (restarted), is declared dead, and the
+      rooms bound to it fail here (a decode room that already landed stays landed).
+      A process that was itself paused gives its peers a fresh ``dead_after`` on waking.
+    - ``tombstone_ttl`` (60): how long a room that failed is remembered, so a late
+      frame for it (an announcement, an ask) is answered with its failure (prefill
+      also fails a request registered for it meanwhile: do not reuse a failed room
+      within it); and how long a PD peer treats a rid that ended as "just ended",
+      its late outbox/inbox calls doing nothing instead of raising.
+    - ``start_timeout`` (30): a prefill or encode rank's ``start`` retries its
+      bootstrap server for this long (then ``StartError``); each data connection
+      such a rank makes to a peer gets as long (a failed one fails the rooms waiting).
+    - ``max_pending`` (4096): bounds the worker queue (4x), the I/O queue, the
+      announcements a prefill rank parks before their room registers, and the
+      tombstones and ended rids kept (4x); work past a queue's bound fails the
+      room it concerns instead of waiting.
     """
 
     tp_size: int = 1

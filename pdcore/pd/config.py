@@ -22,10 +22,36 @@ __all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
 class PeerConfig(NodeConfig):
     """What both PD peers need: the KV cache memory and the transfer table's knobs (and ``NodeConfig``'s).
 
-    ``kv_buffers`` are the cache's buffers (one per layer and K/V, say): numpy
-    arrays or contiguous CPU tensors, each holding ``num_pages`` pages of
-    ``page_bytes`` bytes (one value for all buffers, or one per buffer). They
-    are registered with the transport; the peer keeps them alive.
+    ``kv_buffers`` are the cache's buffers: writable, contiguous numpy arrays or
+    contiguous CPU tensors (anything else is a ``StartError`` naming it: the
+    transport writes into them behind Python's back), each holding at least
+    ``num_pages`` pages of ``page_bytes`` bytes (one value for all buffers, or one
+    per buffer). With a ``kv_layout`` they are layer-major: buffer ``2l`` is layer
+    ``l``'s K, ``2l+1`` its V (MLA: buffer ``l`` is layer ``l``'s latent), the same
+    order on both deployments. They are registered with the transport; the peer
+    keeps them alive.
+
+    The knobs (seconds unless said), what each bounds and what happens when it fires:
+
+    - ``capacity`` (4096 requests): requests tracked at once, from ``register``
+      until the round that reports their end; ``register`` past it raises
+      ``CapacityError``. The same on every rank of a replica (it sizes the agreement).
+    - ``bootstrap_timeout`` (120): ``register`` → ``Bootstrapped`` took longer: the
+      request fails. On decode it bounds the bootstrap lookup and the pairing with
+      the prefill ranks; on prefill it lasts until every decode rank announced the
+      room, so it includes decode's wait for free pages. A prefill rank also parks an
+      announcement for a room its scheduler has not registered this long, then
+      tells decode "prefill never registered room".
+    - ``waiting_timeout`` (300): decode, from ``announce`` until the room landed
+      (so it covers prefill's queue and forward pass); prefill, from the hand-over's
+      first post until every write landed. Then the request fails.
+    - ``fence_timeout`` (30): how long prefill's worker waits for room in the
+      transport to post a batch of writes; past it the room fails. (The fence
+      itself never waits on prefill: decode revokes its grant.)
+    - ``agreement_timeout`` (5): shared-memory agreement only: a rank that did not
+      reach the round this long (stopped, hung, not polling) makes ``poll`` raise
+      ``CollectiveError`` on every rank; gloo rounds use the group's own timeout.
+    - ``max_parked_pages`` (2**20): page ids of announcements parked per sender.
     """
 
     kv_buffers: Sequence[Any]
@@ -97,7 +123,9 @@ class PeerConfig(NodeConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillConfig(PeerConfig):
-    """A prefill rank: it registers with its deployment's bootstrap server."""
+    """A prefill rank: it registers with its deployment's bootstrap server (``bootstrap_host``,
+    ``bootstrap_port``) as rank ``tp_rank`` of DP group ``dp_rank`` (of ``dp_size``); decode ranks
+    find it there by the room (``room % dp_size``, or ``BootstrapInfo.dp_rank``)."""
 
     bootstrap_host: str
     bootstrap_port: int
@@ -117,4 +145,5 @@ class PrefillConfig(PeerConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig(PeerConfig):
-    """A decode rank: it finds each request's prefill ranks through the request's bootstrap info."""
+    """A decode rank: it finds each request's prefill ranks through the request's bootstrap info
+    (``BootstrapInfo``: the prefill deployment's bootstrap server and the room); it registers nowhere."""

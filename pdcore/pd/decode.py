@@ -525,7 +525,7 @@ class DecodePeer(PdPeer):
 
 
 class DecodeInbox:
-    """The decode scheduler's side: announce an admitted request's destination pages."""
+    """The decode scheduler's side: announce an admitted request's destination pages (``announce``)."""
 
     def __init__(self, peer: DecodePeer) -> None:
         self._peer = peer
@@ -533,8 +533,19 @@ class DecodeInbox:
     def announce(self, rid: str, page_ids: Any, request_pool_index: int) -> None:
         """Ask ``rid``'s prefill rank to write its KV into ``page_ids`` (prompt order). Never blocks.
 
-        The pages belong to the transfer until the request's ``RemotePrefillDone``
-        or ``Failed`` event.
+        Call it after ``rid``'s ``Bootstrapped`` event; earlier, a request whose prefill ranks
+        are not known yet fails.
+        Announce as many pages as prefill hands over, or fewer when this rank holds
+        a prefix of the prompt already: prefill then writes its last ``len(page_ids)``
+        pages into them; more than prefill hands over fails the room. The pages belong
+        to the transfer (the prefill rank's transport is granted exactly them) until
+        the request's ``RemotePrefillDone`` or ``Failed`` event.
+
+        ``request_pool_index`` (0..2**31-1) is the scheduler's own number for the
+        request, returned unchanged in ``RemotePrefill.request_pool_index``. Bad page
+        ids or index raise ``LocalProtocolError`` and change nothing; an unknown rid
+        raises, one that ended within ``tombstone_ttl`` does nothing
+        (``PrefillOutbox`` explains why); ``PeerError`` after ``close``.
         """
         pages = tuple(map(int, page_ids.tolist() if isinstance(page_ids, np.ndarray) else page_ids))
         num_pages = self._peer._config.num_pages

@@ -727,11 +727,13 @@ class PrefillOutbox:
     whatever ``layers_done`` says (short prompts lose by streaming). A room
     that fails meanwhile is fenced as any other: partially streamed layers included.
 
-    Hand a request over only after its ``Bootstrapped`` event: before it, no decode
-    rank announced its pages, and the hand-over fails the room (its decode side is
-    told, at once or when it announces). Decode may announce fewer pages than are
-    handed over (it holds a prefix already: only the tail is written, into the
-    announced pages); more fails the room, naming both counts.
+    Hand a request over only after its ``Bootstrapped`` event: a hand-over before
+    every decode rank it pairs with announced the room fails the room, and its
+    decode side hears of it (at this rank's next round if it announced by then,
+    else from the tombstone when it announces, or, past ``tombstone_ttl``, as a room
+    never registered once ``bootstrap_timeout`` passed). Decode may announce fewer
+    pages than are handed over (it holds a prefix already: only the tail is written,
+    into the announced pages); more fails the room, naming both counts.
 
     Every call checks its arguments against what the status frame carries (first
     token and candidates 0..2**31-1, at most 256 candidates) and raises
