@@ -208,23 +208,51 @@ def test_calls_on_a_closed_peer_raise_peer_error() -> None:
             call()
 
 
-def test_a_hand_over_before_bootstrapped_fails_the_room_and_decode_hears_even_if_it_announces_first(
-    pair: Pair,
-) -> None:
-    """Prefill's scheduler sends before its Bootstrapped event; decode announces before prefill's next
-    round. Decode must hear of the failure (before: it waited out its 30 s waiting timeout)."""
-    pair.register("early", room=4)
-    pair.outbox.send("early", pair.pages("early", "prefill"), 1)  # no decode rank announced yet
-    pair.pump(lambda: pair.seen("decode", "Bootstrapped", "early"), "decode bootstrapped", sides=("decode",))
-    pair.announce("early")
-    entry = pair.prefill._by_rid["early"]
-    deadline = Deadline.after(10.0)
-    while not entry.dsts:  # prefill's worker adopted the announcement; its scheduler ran no round yet
-        assert not deadline.expired(), "prefill never took the announcement"
-        pair.poll(("decode",))
-    pair.pump(lambda: bool(pair.ended("decode", "early")), "decode to hear of the failure", timeout=10.0)
-    assert pair.ended("prefill", "early") == "Failed" and pair.ended("decode", "early") == "Failed"
-    assert "before Bootstrapped" in pair.reasons[("decode", "early")]
+def test_a_hand_over_after_only_some_decode_ranks_announced_fails_the_room_on_every_rank() -> None:
+    """Prefill tp 1 writes both heads to decode tp 2, so its Bootstrapped waits for two announcements.
+    Its scheduler hands the request over after only decode rank 0 announced. Before, prefill wrote to
+    rank 0 alone and reported Succeeded, and rank 1, announcing later, waited out its timeout (20 s
+    here); now the room fails here and both decode ranks hear of it within seconds. (A hand-over
+    before any announcement: tests/test_peers.py.)"""
+    from test_kv_hetero import Hetero
+
+    from pdcore.kv import KvLayout
+
+    h = Hetero(KvLayout(order="hnd", kv_heads=2, head_bytes=64, page_tokens=4, layers=1), 1, 2)
+    try:
+        (prefill, outbox, _), decode = h.prefill[0], h.decode
+        info = BootstrapInfo("127.0.0.1", h.port, 7)
+        for peer in [prefill] + [d[0] for d in decode]:
+            peer.register("r", info)
+        ended: dict[tuple[str, int], str] = {}
+        seen: set[tuple[str, int]] = set()
+
+        def rounds(ranks: list[tuple[str, int, Any]]) -> None:
+            for side, rank, peer in ranks:
+                for event in peer.poll(None):
+                    seen.add((type(event).__name__, rank) if side == "decode" else (side, rank))
+                    if type(event).__name__ != "Bootstrapped":
+                        ended[(side, rank)] = f"{type(event).__name__}: {getattr(event, 'reason', '')}"
+
+        ranks = [("prefill", 0, prefill)] + [("decode", d, decode[d][0]) for d in range(2)]
+        deadline = Deadline.after(10.0)
+        while not {("Bootstrapped", 0), ("Bootstrapped", 1)} <= seen:
+            assert not deadline.expired(), "decode never bootstrapped"
+            rounds(ranks[1:])
+        decode[0][1].announce("r", [0, 1], 0)
+        entry = prefill._by_rid["r"]
+        while not entry.dsts:  # prefill adopted rank 0's announcement (white-box: rank 1 has not announced)
+            assert not deadline.expired(), "prefill never took the announcement"
+            rounds(ranks[1:])
+        outbox.send("r", [4, 5], 3)  # too early: rank 1 has not announced
+        decode[1][1].announce("r", [0, 1], 0)
+        while len(ended) < 3:
+            assert not deadline.expired(), f"not every rank ended the request: {ended}"
+            rounds(ranks)
+        assert all(v.startswith("Failed") for v in ended.values()), ended
+        assert "before every decode rank announced" in ended[("prefill", 0)], ended
+    finally:
+        h.close()
 
 
 # -- buffers and replicas --------------------------------------------------------------------

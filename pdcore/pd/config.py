@@ -51,7 +51,8 @@ class PeerConfig(NodeConfig):
     - ``agreement_timeout`` (5): shared-memory agreement only: a rank that did not
       reach the round this long (stopped, hung, not polling) makes ``poll`` raise
       ``CollectiveError`` on every rank; gloo rounds use the group's own timeout.
-    - ``max_parked_pages`` (2**20): page ids of announcements parked per sender.
+    - ``max_parked_pages`` (2**20), ``max_parked_pages_total`` (2**22): page ids of announcements
+      parked per sender and from all senders together; past them an announcement is refused.
     """
 
     kv_buffers: Sequence[Any]

@@ -728,10 +728,10 @@ class PrefillOutbox:
     that fails meanwhile is fenced as any other: partially streamed layers included.
 
     Hand a request over only after its ``Bootstrapped`` event: a hand-over before
-    every decode rank it pairs with announced the room fails the room, and its
-    decode side hears of it (at this rank's next round if it announced by then,
-    else from the tombstone when it announces, or, past ``tombstone_ttl``, as a room
-    never registered once ``bootstrap_timeout`` passed). Decode may announce fewer
+    every decode rank it pairs with announced the room fails the room, and every
+    decode rank hears of it (one that announced at once, one that announces later
+    in answer, or, past ``tombstone_ttl``, as a room never registered once
+    ``bootstrap_timeout`` passed). Decode may announce fewer
     pages than are handed over (it holds a prefix already: only the tail is written,
     into the announced pages); more fails the room, naming both counts.
 
