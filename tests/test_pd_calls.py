@@ -250,7 +250,8 @@ def test_a_hand_over_after_only_some_decode_ranks_announced_fails_the_room_on_ev
             assert not deadline.expired(), f"not every rank ended the request: {ended}"
             rounds(ranks)
         assert all(v.startswith("Failed") for v in ended.values()), ended
-        assert "before every decode rank announced" in ended[("prefill", 0)], ended
+        assert "handed over before a decode rank announced" in ended[("prefill", 0)], ended
+        assert "wait for Bootstrapped" in ended[("prefill", 0)], ended
     finally:
         h.close()
 

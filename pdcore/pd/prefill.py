@@ -448,7 +448,8 @@ class PrefillPeer(PdPeer):
         if route is None or len(entry.dsts) < len(route.expects(self._config.tp_rank)):
             # before Bootstrapped: with several decode ranks to a room, writing to the ones that announced
             # would succeed here while the others wait out their waiting timeout
-            self._fail(entry, "pages handed over before every decode rank announced the room (before Bootstrapped)")
+            self._fail(entry, "pages handed over before a decode rank announced the room (every decode rank it "
+                       "pairs with must: wait for Bootstrapped)")
             return True
         if page_ids is not None and entry.pages is None:
             entry.pages = page_ids
