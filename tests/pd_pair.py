@@ -82,6 +82,7 @@ class Pair:
         self.rooms: dict[str, int] = {}
         self._slot: dict[str, int] = {}
         self._acted: dict[str, set[str]] = {"prefill": set(), "decode": set()}  # announced / sent
+        self.usage: dict[str, tuple[int, float | None]] = {}  # rid -> (cached tokens, logprob) send records
 
     # -- the schedulers ----------------------------------------------------------------------
 
@@ -110,7 +111,8 @@ class Pair:
         pages = self.pages(rid, "prefill")
         for layer, buf in enumerate(self.p_cache):
             buf.reshape(PAGES, PAGE)[pages] = np.roll(data(rid), layer).reshape(PAGES_PER_REQUEST, PAGE)
-        self.prefill.record_usage(rid, cached_tokens=1, bootstrap_logprob=-0.5)
+        cached, logprob = self.usage.get(rid, (1, -0.5))
+        self.prefill.record_usage(rid, cached_tokens=cached, bootstrap_logprob=logprob)
         self.outbox.send(rid, pages, token(rid))
 
     def landed_intact(self, rid: str) -> bool:

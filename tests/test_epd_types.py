@@ -71,8 +71,31 @@ def test_traits_are_protocols_with_the_seeds_methods() -> None:
     assert types.EmbeddingSender._is_protocol  # type: ignore[attr-defined]
     receiver = {n for n in vars(types.EmbeddingReceiver) if not n.startswith("_")}
     sender = {n for n in vars(types.EmbeddingSender) if not n.startswith("_")}
-    assert receiver == {"stage", "poll", "settle", "release", "awaiting_release"}
+    assert receiver == {"stage", "poll", "settle", "release", "awaiting_release", "round", "rows", "deepstack_rows",
+                        "failed"}
     assert sender == {"begin", "send", "fail", "concluded"}
+
+
+def test_the_receiver_implements_every_method_of_its_protocol() -> None:
+    from pdcore.epd.receiver import Receiver
+
+    for name in (n for n in vars(types.EmbeddingReceiver) if not n.startswith("_")):
+        assert callable(getattr(Receiver, name, None)), name
+
+
+def test_every_protocol_method_has_its_own_docstring() -> None:
+    """``help(TransferPeer.register)`` showed ABCMeta's "Register a virtual subclass of an ABC"."""
+    import abc
+    import inspect
+
+    from pdcore.epd.receiver import Receiver
+    from pdcore.pd._peer import TransferPeer
+
+    for proto in (TransferPeer, types.EmbeddingReceiver, types.EmbeddingSender, Receiver):
+        for name in (n for n in vars(proto) if not n.startswith("_") and callable(vars(proto)[n])):
+            doc = inspect.getdoc(getattr(proto, name))
+            assert doc and doc != inspect.getdoc(abc.ABCMeta.register), f"{proto.__name__}.{name} has no docstring"
+    assert "rows(slot, count)" in (Receiver.__doc__ or "") and "rows(item)" not in (Receiver.__doc__ or "")
 
 
 BAD_ITEMS = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 
@@ -42,11 +43,11 @@ def test_a_deployment_with_one_secret_moves_kv_intact() -> None:
 
 
 def test_the_secret_never_shows_in_a_config_repr() -> None:
-    cfg = PrefillConfig(kv_buffers=[bytearray(64)], page_bytes=64, num_pages=1, bootstrap_host="h",
+    cfg = PrefillConfig(kv_buffers=[np.zeros(64, np.uint8)], page_bytes=64, num_pages=1, bootstrap_host="h",
                         bootstrap_port=1, secret=SECRET)
     assert SECRET.decode() not in repr(cfg) and "secret" not in repr(cfg)
     with pytest.raises(StartError, match="PrefillConfig.secret"):
-        PrefillConfig(kv_buffers=[bytearray(64)], page_bytes=64, num_pages=1, bootstrap_host="h",
+        PrefillConfig(kv_buffers=[np.zeros(64, np.uint8)], page_bytes=64, num_pages=1, bootstrap_host="h",
                       bootstrap_port=1, secret=b"short")
 
 

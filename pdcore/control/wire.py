@@ -46,6 +46,8 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "MAX_PAGES",
     "MAX_CANDIDATES",
+    "MAX_TOKEN_ID",
+    "MAX_COUNT",
     "MAX_REGIONS",
     "MAX_TP_SIZE",
     "Region",
@@ -89,6 +91,8 @@ MAX_DTYPE: Final = 32
 
 _U64 = (1 << 64) - 1
 _I31 = (1 << 31) - 1
+MAX_TOKEN_ID: Final = _I31  # a first token or drafter candidate: a non-negative int32
+MAX_COUNT: Final = _I31  # cached tokens, a request pool index
 
 U64 = Annotated[int, Meta(ge=0)]  # msgpack integers stop at 2**64 - 1
 Room = U64
@@ -147,7 +151,7 @@ class Status(_Msg, tag="status"):
     rank: Rank
     first_token: TokenId | None = None
     cached_tokens: Count = 0
-    first_token_logprob: float | None = None
+    first_token_logprob: float | None = None  # finite, -inf or NaN (what samplers produce); never +inf
     spec_candidate_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_CANDIDATES)] | None = None
     reason: Reason = ""
     register_again: bool = False  # the source does not know this sink (any more): send Register again
@@ -336,8 +340,11 @@ def _check(msg: Message) -> None:
     elif kind is Status:
         assert isinstance(msg, Status)
         lp = msg.first_token_logprob
-        if lp is not None and not math.isfinite(lp):
-            raise LocalProtocolError(f"status.first_token_logprob: {lp!r} is not finite", rooms=(msg.room,))
+        # -inf (a token the sampler gave probability 0) and NaN (a sampler's overflow) are what samplers
+        # produce and msgpack's float64 carries them; +inf is no log-probability of anything
+        if lp is not None and lp == math.inf:
+            raise LocalProtocolError("status.first_token_logprob: inf is not a log-probability "
+                                     "(finite, -inf or NaN)", rooms=(msg.room,))
 
 
 def _check_ask(msg: EmbedAsk) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..node.config import NodeConfig, check_registration, check_seconds, config_error
+from ..node.config import NodeConfig, check_registration, check_seconds, check_writable_buffer, config_error
 from .types import DTYPE_ITEMSIZE
 
 __all__ = ["ReceiverConfig", "EncodeConfig"]
@@ -34,7 +34,16 @@ class ReceiverConfig:
     ``shard_rows`` each rank of the replica receives its contiguous share of
     every image's rows and the ranks rebuild the rest (the same value on every
     rank: a torn flag fails the first round on every rank). A staged request
-    whose rows have not all landed ``timeout`` seconds after ``stage`` fails.
+    whose rows have not all landed ``timeout`` seconds after ``stage`` fails on
+    every rank (``Receiver.failed``).
+
+    Sharded, rank ``r`` of ``n`` receives rows ``[r*b + min(r, e), +b + (r < e))``
+    of an image of ``rows`` rows, with ``b, e = divmod(rows, n)``: contiguous shares,
+    the first ``e`` ranks one row more, an empty share (``rows < n``) no slot. So
+    ``slot_rows`` must hold ``ceil(rows / n)`` rows sharded, ``rows`` unsharded, for
+    the largest image; ``stage`` raises ``CapacityError`` for one that does not fit.
+    ``buffer``/``deepstack_buffer``, if given, are writable contiguous numpy arrays or
+    CPU tensors (the encode ranks write into them); else they are allocated here.
     """
 
     slots: int
@@ -66,6 +75,9 @@ class ReceiverConfig:
             raise config_error(self, "max_items", f"max_requests * max_items must be at most {1 << 24}")
         if self.deepstack_buffer is not None and not self.deepstack_width:
             raise config_error(self, "deepstack_buffer", "given without a deepstack_width")
+        for name in ("buffer", "deepstack_buffer"):  # the encode ranks write into them
+            if getattr(self, name) is not None:
+                check_writable_buffer(self, name, getattr(self, name))
 
     @property
     def row_bytes(self) -> int:

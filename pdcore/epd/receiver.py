@@ -43,6 +43,7 @@ from ..control.bootstrap import ParallelInfo
 from ..control.lookup import Deployment, Lookups
 from ..core.deadline import Deadline
 from ..core.errors import LocalProtocolError, PdError, StartError
+from ..core.replica import check_replica
 from ..node.base import PeerBase
 from .config import ReceiverConfig
 from .table import ReceiveTable
@@ -86,7 +87,8 @@ class Receiver:
 
     Made by ``PrefillPeer.embedding_receiver``; every rank of the replica
     stages the same requests in the same order and settles the same codes.
-    ``rows(item)`` and ``deepstack_rows(item)`` view a landed item's rows.
+    ``rows(slot, count)`` and ``deepstack_rows(slot, count)`` view a landed item's rows
+    (``LandedItem.slot``, ``LandedItem.row_count``) until ``release`` hands the slot back.
     """
 
     def __init__(self, peer: PeerBase, config: ReceiverConfig) -> None:
@@ -125,6 +127,7 @@ class Receiver:
         self._backlog: list[tuple[list[_Item], list[int], dict[str, str]]] = []  # drops the full work queue refused
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
         self._failed: list[tuple[str, str]] | None = None  # the last round's failures, reasons agreed
+        self._checked_replica: object = None  # the last replica round() accepted
 
     # -- the scheduler's calls (EmbeddingReceiver) ---------------------------------------------
 
@@ -169,6 +172,9 @@ class Receiver:
         table's mismatch guard: ranks that staged different requests raise ``CollectiveError`` on every rank.
         Every rank reports the same reason for a request that failed (``failed``): the lowest rank's that
         failed it itself (``Agreement.agree_reasons``)."""
+        if replica is not None and replica is not self._checked_replica:
+            check_replica(replica, "receiver: round")
+            self._checked_replica = replica
         landed = self._agreement.round(time.monotonic(), replica)
         failed = self._table.failed()
         self._failed = None
@@ -184,6 +190,7 @@ class Receiver:
         self._pump()
 
     def awaiting_release(self) -> bool:
+        """A landed slot still waits for its rows to be copied out (``release``)."""
         return self._table.awaiting_release()
 
     def failed(self) -> list[tuple[str, str]]:
@@ -195,6 +202,8 @@ class Receiver:
         return self._view(self._region, self._memory, self._slot_bytes, self._config.row_bytes, slot, count)
 
     def deepstack_rows(self, slot: int, count: int) -> np.ndarray:
+        """The first ``count`` deepstack rows of ``slot`` as a ``(count, deepstack row bytes)`` uint8 view
+        (``LocalProtocolError`` if the receiver has no deepstack buffer); copy them out, then ``release``."""
         if not self._config.deepstack_width:
             raise LocalProtocolError("deepstack_rows: the receiver has no deepstack buffer")
         return self._view(self._deep_region, self._deep_memory, self._deep_bytes, self._config.deepstack_row_bytes, slot, count)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = [
     "EmbeddingItem",
@@ -67,6 +67,25 @@ class EmbeddingReceiver(Protocol):
 
     def awaiting_release(self) -> bool:
         """A landed slot still waits for its rows to be copied out."""
+        ...
+
+    def round(self, replica: object = None) -> list[LandedRequest]:
+        """``poll`` → MIN across ``replica`` (a gloo process group, or None for one rank) → ``settle``:
+        one scheduler round, with a guard that fails every rank if the ranks staged different requests."""
+        ...
+
+    def rows(self, slot: int, count: int) -> Any:
+        """The first ``count`` rows of a landed ``slot`` as a ``(count, row bytes)`` uint8 array view
+        (``LandedItem.slot`` and ``row_count``); copy them out before ``release``."""
+        ...
+
+    def deepstack_rows(self, slot: int, count: int) -> Any:
+        """The same view of the slot's deepstack rows (``ReceiverConfig.deepstack_width`` elements a row)."""
+        ...
+
+    def failed(self) -> list[tuple[str, str]]:
+        """The requests the last settle (or round) dropped as failed: ``(rid, reason)``. Their slots
+        are fenced and reused by the receiver; the scheduler fails the request toward decode."""
         ...
 
 

@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..control.auth import check_secret
 from ..core.errors import StartError
 
-__all__ = ["NodeConfig", "check_registration", "check_seconds", "config_error"]
+__all__ = ["NodeConfig", "check_registration", "check_seconds", "check_writable_buffer", "config_error"]
 
 
 def config_error(config: object, name: str, why: str) -> StartError:
@@ -28,6 +30,34 @@ def check_seconds(config: object, names: tuple[str, ...]) -> None:
             raise config_error(config, name, f"must be a positive number of seconds, got {value!r}")
 
 
+def check_writable_buffer(config: object, name: str, buf: Any) -> None:
+    """``buf`` is memory a peer's transport may write into: a contiguous, writable numpy array or a
+    contiguous CPU torch tensor (duck-typed: torch is not imported here). Anything else is a
+    ``StartError`` naming ``name``: the transport writes into registered memory without asking
+    Python, so a read-only array or ``bytes`` would be written behind the language's back; and a
+    ``bytearray``, an ``(addr, length)`` pair or another buffer object is not what the configs
+    promise to check (``np.frombuffer(b, np.uint8)`` views a bytearray as an array)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.writeable:
+            raise config_error(config, name, "is a read-only numpy array; the transport writes into it "
+                               "(pass a writable array, e.g. np.zeros(n, np.uint8))")
+        if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
+            raise config_error(config, name, "is not contiguous (np.ascontiguousarray makes a contiguous copy)")
+        if buf.nbytes == 0:
+            raise config_error(config, name, "is empty")
+        return
+    if hasattr(buf, "data_ptr") and hasattr(buf, "is_contiguous"):
+        device = getattr(getattr(buf, "device", None), "type", "cpu")
+        if device != "cpu":
+            raise config_error(config, name, f"is a tensor on {device!r}; the transport needs CPU memory")
+        if not buf.is_contiguous():
+            raise config_error(config, name, "is not a contiguous tensor (.contiguous() makes one)")
+        return
+    raise config_error(config, name, f"must be a writable numpy array or a contiguous CPU torch tensor, got "
+                       f"{type(buf).__name__}" + (" (np.frombuffer(b, np.uint8) views a bytearray as one)"
+                                                  if isinstance(buf, bytearray) else ""))
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeConfig:
     """What every rank's peer needs, whatever its role: its place in the replica, the planes, the knobs.
@@ -35,8 +65,30 @@ class NodeConfig:
     ``secret`` is the deployment's shared secret (bytes, 16..4096; every rank
     and the bootstrap server hold the same one): it authenticates the bootstrap
     requests, the control channel and the data connections (``pdcore.control.auth``).
-    None reads ``$PDCORE_SECRET_FILE`` at start; with neither, the planes run
+    None reads ``$PDCORE_SECRET_FILE`` at start (set but empty, or naming a file
+    that cannot serve, is a ``StartError``); with neither, the planes run
     unauthenticated and the peer says so once. It never appears in a repr.
+
+    The knobs (seconds), what each bounds and what happens when it fires:
+
+    - ``heartbeat_interval`` (1): the control channel sends a heartbeat to every
+      peer it has a connection to this often; it must be below ``dead_after``.
+    - ``dead_after`` (10): a peer that sent nothing (heartbeats included) for this
+      long, or came back with a newer epoch (restarted), is declared dead, and the
+      rooms bound to it fail here (a decode room that already landed stays landed).
+      A process that was itself paused gives its peers a fresh ``dead_after`` on waking.
+    - ``tombstone_ttl`` (60): how long a room that failed is remembered, so a late
+      frame for it (an announcement, an ask) is answered with its failure (prefill
+      also fails a request registered for it meanwhile: do not reuse a failed room
+      within it); and how long a PD peer treats a rid that ended as "just ended",
+      its late outbox/inbox calls doing nothing instead of raising.
+    - ``start_timeout`` (30): a prefill or encode rank's ``start`` retries its
+      bootstrap server for this long (then ``StartError``); each data connection
+      such a rank makes to a peer gets as long (a failed one fails the rooms waiting).
+    - ``max_pending`` (4096): bounds the worker queue (4x), the I/O queue, the
+      announcements a prefill rank parks before their room registers, and the
+      tombstones and ended rids kept (4x); work past a queue's bound fails the
+      room it concerns instead of waiting.
     """
 
     tp_size: int = 1

@@ -5,6 +5,8 @@ table and its replica round (``poll``), the registered KV cache, fences, tombsto
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import time
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -13,24 +15,57 @@ from transport.plan import Layout
 
 from ..control.metrics import Counts, PeerCollector, check_registry
 from ..core.agreement import Agreement
-from ..core.errors import CapacityError, PdError, PeerError, StartError
-from ..core.events import BootstrapInfo, Event
+from ..core.errors import CapacityError, LocalProtocolError, PdError, PeerError, StartError
+from ..core.events import BootstrapInfo, Event, Failed, Succeeded
+from ..core.replica import check_replica
 from ..core.table import StateTable
 from ..node.base import PeerBase
 from .config import PeerConfig
 
-__all__ = ["TransferPeer", "Tombstones", "PdPeer"]
+__all__ = ["TransferPeer", "Tombstones", "PdPeer", "wire_int", "check_logprob"]
 
 
 class TransferPeer(Protocol):
-    """The scheduler's view of a peer (the seed's ``TransferPeer``)."""
+    """The scheduler's view of a peer (the seed's ``TransferPeer``): ``PrefillPeer`` and ``DecodePeer``.
 
-    def register(self, rid: str, bootstrap: BootstrapInfo) -> None: ...
-    def poll(self, replica: object = None) -> list[Event]: ...
-    def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None: ...
-    def has_in_flight(self) -> bool: ...
-    def abort_room(self, rid: str, room: int) -> None: ...
-    def close(self) -> None: ...
+    Every rank of a replica registers the same requests in the same order and calls ``poll``
+    in the same rounds; the events (``Bootstrapped``, then ``Succeeded`` / ``RemotePrefillDone``
+    or ``Failed``) come out alike on every rank. The README's "The scheduler's contract" has
+    the whole story.
+    """
+
+    def register(self, rid: str, bootstrap: BootstrapInfo) -> None:
+        """Track an admitted request: ``rid`` names it on this side, ``bootstrap.room`` joins it to
+        the other side (prefill and decode register the same room). Never blocks; ``PeerError``
+        after ``close``."""
+        ...
+
+    def poll(self, replica: object = None) -> list[Event]:
+        """One scheduler round: the replica agrees (MIN over ``replica``, a gloo process group, or
+        None for one rank) and the requests whose state changed come back as events, alike on
+        every rank. Free a request's pages only at its terminal event."""
+        ...
+
+    def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
+        """Prefill: what decode's ``RemotePrefill`` carries besides the first token (cached tokens,
+        the first token's logprob); call it before the hand-over. Decode: does nothing."""
+        ...
+
+    def has_in_flight(self) -> bool:
+        """A request is still tracked here: a transfer may yet read or write the KV cache."""
+        ...
+
+    def abort_room(self, rid: str, room: int) -> None:
+        """Fail the request now: prefill fails the room it holds (or, if none is registered, answers
+        its decode side from a tombstone), decode fails ``rid``. Its terminal ``Failed`` comes out
+        of a later ``poll`` on every rank of the replica, once nothing can land in its pages."""
+        ...
+
+    def close(self) -> None:
+        """Tell peers about requests still in flight, stop every thread, release the registered
+        memory. Idempotent; ``register``, ``poll`` and the outbox's / inbox's calls raise
+        ``PeerError`` after it."""
+        ...
 
 
 class Tombstones:
@@ -81,6 +116,29 @@ def layout_json(layout: Layout, kv: Any = None) -> dict[str, Any]:
     return out
 
 
+def wire_int(where: str, name: str, value: Any, limit: int) -> int:
+    """``value`` as an int in ``0..limit`` (what the status frame carries), else ``LocalProtocolError``
+    naming the field and the limit. numpy and torch integers are ints here; bools and floats are not."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise LocalProtocolError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    v = operator.index(value)
+    if not 0 <= v <= limit:
+        raise LocalProtocolError(f"{where}: {name} {v} is outside 0..{limit} (what the status frame carries)")
+    return v
+
+
+def check_logprob(where: str, value: Any) -> float | None:
+    """A first token's log-probability as the status frame carries it: None, a finite float, -inf or NaN."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, str, bytes)) or not hasattr(type(value), "__float__"):
+        raise LocalProtocolError(f"{where}: bootstrap_logprob must be a float or None, got {type(value).__name__}")
+    v = float(value)
+    if v == math.inf:
+        raise LocalProtocolError(f"{where}: bootstrap_logprob inf is not a log-probability (finite, -inf or NaN)")
+    return v
+
+
 class PdPeer(PeerBase):
     """A PD rank's peer: ``PrefillPeer`` and ``DecodePeer`` add their side of the protocol."""
 
@@ -94,6 +152,10 @@ class PdPeer(PeerBase):
         )
         self._agreement = Agreement(self._table, agreement=config.agreement, shm_timeout=config.agreement_timeout)
         self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.max_pending)
+        # rids that ended here lately (tombstone_ttl, the last 4 * max_pending): a late scheduler call is a no-op
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        self._ended_limit = 4 * config.max_pending
+        self._checked_replica: object = None  # the last replica poll() accepted
         self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
         # what the metrics read; None without a registry, so a peer without metrics pays nothing for them
         self.counts = Counts() if config.metrics is not None else None
@@ -111,7 +173,10 @@ class PdPeer(PeerBase):
         cfg = self._config
         regions = []
         for i, (buf, page) in enumerate(zip(cfg.kv_buffers, cfg.page_bytes_per_buffer)):
-            region = self._transport.register(buf, require_grant=not cfg.unsafe_no_grants)
+            try:
+                region = self._transport.register(buf, require_grant=not cfg.unsafe_no_grants)
+            except (ValueError, TypeError) as e:  # e.g. overlapping another registered buffer
+                raise StartError(f"{type(cfg).__name__}.kv_buffers[{i}]: the transport refused it: {e}") from e
             if region.length < page * cfg.num_pages:
                 raise StartError(f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}")
             regions.append(region)
@@ -120,6 +185,47 @@ class PdPeer(PeerBase):
     def _tick(self, now: float) -> None:
         with self._lock:
             self._tombstones.expire(now)
+            ended = self._ended
+            while ended and next(iter(ended.values())) <= now:
+                ended.popitem(last=False)
+
+    # -- the scheduler's calls: what a rid may be ------------------------------------------
+
+    def _live(self, rid: str) -> bool:
+        """The role's table of live requests holds ``rid`` (until the round that ends it settles)."""
+        raise NotImplementedError
+
+    def _accepts(self, rid: str, call: str) -> bool:
+        """Whether the scheduler's ``call`` for ``rid`` goes ahead.
+
+        True for a live request. False (the call does nothing) for one that ended here within
+        ``tombstone_ttl`` (and among the last ``4 * max_pending`` to end): the scheduler hears of
+        an end one round late, so a ``send`` or ``announce`` racing it is not its mistake.
+        ``LocalProtocolError`` for a rid this peer never registered, or forgot; ``PeerError``
+        after ``close``.
+        """
+        if self._closed:
+            raise PeerError(f"{self.ROLE} peer: closed")
+        with self._lock:  # the round records an ended rid before it drops it from the live table
+            if self._live(rid):
+                return True
+            if rid in self._ended:
+                return False
+        raise LocalProtocolError(
+            f"{call}({rid!r}): no such request on this {self.ROLE} peer (never registered here, or it ended "
+            f"more than tombstone_ttl = {self._config.tombstone_ttl:g} s ago)"
+        )
+
+    def _remember_ended(self, events: list[Event]) -> None:
+        until = time.monotonic() + self._config.tombstone_ttl
+        with self._lock:
+            ended = self._ended
+            for event in events:
+                if type(event) is Succeeded or type(event) is Failed:
+                    ended.pop(event.rid, None)
+                    ended[event.rid] = until
+            while len(ended) > self._ended_limit:
+                ended.popitem(last=False)
 
     # -- the table -------------------------------------------------------------------------
 
@@ -137,9 +243,16 @@ class PdPeer(PeerBase):
             pass
 
     def poll(self, replica: object = None) -> list[Event]:
-        """The transfers whose state the replica agreed changed; every rank calls it in the same rounds."""
+        """The transfers whose state the replica agreed changed; every rank calls it in the same rounds.
+
+        ``replica`` is the replica's ``torch.distributed`` process group (gloo), or None for a
+        replica of one rank; anything else is a ``LocalProtocolError``. ``PeerError`` after ``close``.
+        """
         if self._closed:
             raise PeerError(f"{self.ROLE} peer: closed")
+        if replica is not None and replica is not self._checked_replica:
+            check_replica(replica, f"{self.ROLE} peer: poll")
+            self._checked_replica = replica
         counts = self.counts
         if counts is None:
             events = self._agreement.round(time.monotonic(), replica)
@@ -159,6 +272,7 @@ class PdPeer(PeerBase):
                 self._fenced(rid)
         if not events:
             return events
+        self._remember_ended(events)  # before the settle drops them: a concurrent send never sees neither
         settled = self._settle(events)
         if counts is not None:
             counts.ended(settled, self._TERMINAL)

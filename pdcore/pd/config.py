@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core.errors import LocalProtocolError
 from ..kv.layout import KvLayout
-from ..node.config import NodeConfig, check_registration, check_seconds, config_error
+from ..node.config import NodeConfig, check_registration, check_seconds, check_writable_buffer, config_error
 
 __all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
 
@@ -22,10 +22,37 @@ __all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
 class PeerConfig(NodeConfig):
     """What both PD peers need: the KV cache memory and the transfer table's knobs (and ``NodeConfig``'s).
 
-    ``kv_buffers`` are the cache's buffers (one per layer and K/V, say): numpy
-    arrays or contiguous CPU tensors, each holding ``num_pages`` pages of
-    ``page_bytes`` bytes (one value for all buffers, or one per buffer). They
-    are registered with the transport; the peer keeps them alive.
+    ``kv_buffers`` are the cache's buffers: writable, contiguous numpy arrays or
+    contiguous CPU tensors (anything else is a ``StartError`` naming it: the
+    transport writes into them behind Python's back), each holding at least
+    ``num_pages`` pages of ``page_bytes`` bytes (one value for all buffers, or one
+    per buffer). With a ``kv_layout`` they are layer-major: buffer ``2l`` is layer
+    ``l``'s K, ``2l+1`` its V (MLA: buffer ``l`` is layer ``l``'s latent), the same
+    order on both deployments. They are registered with the transport; the peer
+    keeps them alive.
+
+    The knobs (seconds unless said), what each bounds and what happens when it fires:
+
+    - ``capacity`` (4096 requests): requests tracked at once, from ``register``
+      until the round that reports their end; ``register`` past it raises
+      ``CapacityError``. The same on every rank of a replica (it sizes the agreement).
+    - ``bootstrap_timeout`` (120): ``register`` → ``Bootstrapped`` took longer: the
+      request fails. On decode it bounds the bootstrap lookup and the pairing with
+      the prefill ranks; on prefill it lasts until every decode rank announced the
+      room, so it includes decode's wait for free pages. A prefill rank also parks an
+      announcement for a room its scheduler has not registered this long, then
+      tells decode "prefill never registered room".
+    - ``waiting_timeout`` (300): decode, from ``announce`` until the room landed
+      (so it covers prefill's queue and forward pass); prefill, from the hand-over's
+      first post until every write landed. Then the request fails.
+    - ``fence_timeout`` (30): how long prefill's worker waits for room in the
+      transport to post a batch of writes; past it the room fails. (The fence
+      itself never waits on prefill: decode revokes its grant.)
+    - ``agreement_timeout`` (5): shared-memory agreement only: a rank that did not
+      reach the round this long (stopped, hung, not polling) makes ``poll`` raise
+      ``CollectiveError`` on every rank; gloo rounds use the group's own timeout.
+    - ``max_parked_pages`` (2**20), ``max_parked_pages_total`` (2**22): page ids of announcements
+      parked per sender and from all senders together; past them an announcement is refused.
     """
 
     kv_buffers: Sequence[Any]
@@ -55,6 +82,8 @@ class PeerConfig(NodeConfig):
         self._check_kv_layout()
         if not self.kv_buffers:
             raise config_error(self, "kv_buffers", "at least one buffer is needed")
+        for i, buf in enumerate(self.kv_buffers):
+            check_writable_buffer(self, f"kv_buffers[{i}]", buf)
         if self.num_pages < 1:
             raise config_error(self, "num_pages", f"must be positive, got {self.num_pages}")
         sizes = self.page_bytes_per_buffer
@@ -95,7 +124,9 @@ class PeerConfig(NodeConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillConfig(PeerConfig):
-    """A prefill rank: it registers with its deployment's bootstrap server."""
+    """A prefill rank: it registers with its deployment's bootstrap server (``bootstrap_host``,
+    ``bootstrap_port``) as rank ``tp_rank`` of DP group ``dp_rank`` (of ``dp_size``); decode ranks
+    find it there by the room (``room % dp_size``, or ``BootstrapInfo.dp_rank``)."""
 
     bootstrap_host: str
     bootstrap_port: int
@@ -115,4 +146,5 @@ class PrefillConfig(PeerConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig(PeerConfig):
-    """A decode rank: it finds each request's prefill ranks through the request's bootstrap info."""
+    """A decode rank: it finds each request's prefill ranks through the request's bootstrap info
+    (``BootstrapInfo``: the prefill deployment's bootstrap server and the room); it registers nowhere."""

@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 
 from ..control import wire
-from ._peer import PdPeer, layout_json
+from ._peer import PdPeer, layout_json, wire_int
 from ..core._spec import State, Trigger
 from ..control.bootstrap import ParallelInfo
 from ..control.lookup import Deployment, Lookups
 from .config import DecodeConfig
 from ..control.channel import DeadPeer
 from ..core.deadline import Deadline
-from ..core.errors import LocalProtocolError, PdError
+from ..core.errors import LocalProtocolError, PdError, PeerError
 from ..kv.layout import KvLayout
 from ..kv.routing import routing
 from ..core.events import BootstrapInfo, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
@@ -113,7 +113,14 @@ class DecodePeer(PdPeer):
     # -- the scheduler's calls ------------------------------------------------------------
 
     def register(self, rid: str, bootstrap: BootstrapInfo) -> None:
-        """Track an admitted request; its prefill rank is looked up off the scheduler thread."""
+        """Track an admitted request; its prefill rank is looked up off the scheduler thread. Never blocks.
+
+        ``bootstrap`` names the prefill deployment's bootstrap server and the room, which
+        the prefill side registers too: the room, not the rid, joins the two sides.
+        ``PeerError`` after ``close``.
+        """
+        if self._closed:
+            raise PeerError("decode peer: closed")
         with self._lock:
             self._table.register(rid, time.monotonic())
             if self.counts is not None:
@@ -150,6 +157,9 @@ class DecodePeer(PdPeer):
             for link in links:
                 self._by_source[(link.endpoint, request.room)] = request
         self._fire(request.rid, Trigger.PEERS_CONNECTED)
+
+    def _live(self, rid: str) -> bool:
+        return rid in self._requests
 
     def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
         """Prefill role only: usage travels from prefill to decode. Here it changes nothing."""
@@ -515,7 +525,7 @@ class DecodePeer(PdPeer):
 
 
 class DecodeInbox:
-    """The decode scheduler's side: announce an admitted request's destination pages."""
+    """The decode scheduler's side: announce an admitted request's destination pages (``announce``)."""
 
     def __init__(self, peer: DecodePeer) -> None:
         self._peer = peer
@@ -523,13 +533,24 @@ class DecodeInbox:
     def announce(self, rid: str, page_ids: Any, request_pool_index: int) -> None:
         """Ask ``rid``'s prefill rank to write its KV into ``page_ids`` (prompt order). Never blocks.
 
-        The pages belong to the transfer until the request's ``RemotePrefillDone``
-        or ``Failed`` event.
+        Call it after ``rid``'s ``Bootstrapped`` event; earlier, a request whose prefill ranks
+        are not known yet fails.
+        Announce as many pages as prefill hands over, or fewer when this rank holds
+        a prefix of the prompt already: prefill then writes its last ``len(page_ids)``
+        pages into them; more than prefill hands over fails the room. The pages belong
+        to the transfer (the prefill rank's transport is granted exactly them) until
+        the request's ``RemotePrefillDone`` or ``Failed`` event.
+
+        ``request_pool_index`` (0..2**31-1) is the scheduler's own number for the
+        request, returned unchanged in ``RemotePrefill.request_pool_index``. Bad page
+        ids or index raise ``LocalProtocolError`` and change nothing; an unknown rid
+        raises, one that ended within ``tombstone_ttl`` does nothing
+        (``PrefillOutbox`` explains why); ``PeerError`` after ``close``.
         """
         pages = tuple(map(int, page_ids.tolist() if isinstance(page_ids, np.ndarray) else page_ids))
         num_pages = self._peer._config.num_pages
         if pages and (min(pages) < 0 or max(pages) >= num_pages):
             raise LocalProtocolError(f"announce({rid!r}): page ids must be in 0..{num_pages - 1}")
-        if request_pool_index < 0:
-            raise LocalProtocolError(f"announce({rid!r}): request_pool_index {request_pool_index} is negative")
-        self._peer._announce(rid, pages, int(request_pool_index))
+        index = wire_int(f"announce({rid!r})", "request_pool_index", request_pool_index, wire.MAX_COUNT)
+        if self._peer._accepts(rid, "announce"):
+            self._peer._announce(rid, pages, index)

@@ -25,13 +25,13 @@ import numpy as np
 from transport.plan import Layout
 
 from ..control import wire
-from ._peer import PdPeer
+from ._peer import PdPeer, check_logprob, wire_int
 from ..core._spec import State, Trigger
 from .parking import Parking
 from .config import PrefillConfig
 from ..control.channel import DeadPeer
 from ..core.deadline import Deadline
-from ..core.errors import CapacityError, LocalProtocolError, PdError, PeerError
+from ..core.errors import CapacityError, LocalProtocolError, PdError, PeerError, StartError
 from ..kv.layout import KvLayout
 from ..kv.routing import Routing, routing
 from ..core.events import BootstrapInfo, Event, Failed, Succeeded
@@ -140,13 +140,23 @@ class PrefillPeer(PdPeer):
             raise PeerError("prefill peer: closed")
         from ..epd.receiver import Receiver
 
-        self._receiver = Receiver(self, config)
+        try:
+            self._receiver = Receiver(self, config)
+        except (ValueError, TypeError) as e:  # the transport refused the slots' memory (overlap, ...)
+            raise StartError(f"embedding_receiver: the transport refused the receive buffers: {e}") from e
         return self._receiver
 
     # -- the scheduler's calls ------------------------------------------------------------
 
     def register(self, rid: str, bootstrap: BootstrapInfo) -> None:
-        """Track an admitted request, before the scheduler can plan it."""
+        """Track an admitted request, before the scheduler can plan it; never blocks.
+
+        ``bootstrap.room`` joins this request to its decode side (decode registers the same
+        room): it must be unique among this rank's live requests (``LocalProtocolError``
+        otherwise). ``PeerError`` after ``close``.
+        """
+        if self._closed:
+            raise PeerError("prefill peer: closed")
         room = bootstrap.room
         with self._lock:
             if room in self._rooms:
@@ -168,15 +178,26 @@ class PrefillPeer(PdPeer):
             self._submit_or_fail(rid, self._adopt_parked, entry, pending)
 
     def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
-        """A committed prompt's usage, sent to the decode node with the completion."""
-        if cached_tokens < 0:
-            raise LocalProtocolError(f"record_usage({rid!r}): cached_tokens {cached_tokens} is negative")
+        """A committed prompt's usage, sent to the decode node with the first token (``Status``).
+
+        Call it before the hand-over's ``send``/``finish``. ``cached_tokens`` is an int in
+        0..2**31-1; ``bootstrap_logprob`` the first token's log-probability: a finite float,
+        ``-inf`` or NaN (all reach decode's ``RemotePrefill.bootstrap_logprob``), or None.
+        A value the status frame cannot carry (``+inf``, a count past 2**31-1) raises
+        ``LocalProtocolError`` here, naming the field, and changes nothing. An unknown rid raises;
+        one that ended here within ``tombstone_ttl`` is ignored (see ``PdPeer._accepts``).
+        """
+        where = f"record_usage({rid!r})"
+        cached = wire_int(where, "cached_tokens", cached_tokens, wire.MAX_COUNT)
+        logprob = check_logprob(where, bootstrap_logprob)
+        if not self._accepts(rid, "record_usage"):
+            return
         with self._lock:
             entry = self._by_rid.get(rid)
             if entry is None:
-                raise LocalProtocolError(f"rid {rid!r} is not registered")
-            entry.cached_tokens = int(cached_tokens)
-            entry.logprob = None if bootstrap_logprob is None else float(bootstrap_logprob)
+                return  # it ended since _accepts looked
+            entry.cached_tokens = cached
+            entry.logprob = logprob
 
     def abort_room(self, rid: str, room: int) -> None:
         """EPD: tell the decode node waiting on ``room`` that ``rid`` failed before it could register.
@@ -202,6 +223,9 @@ class PrefillPeer(PdPeer):
             self._tell(sender, wire.Status(room=room, state=State.FAILED, rank=self._config.tp_rank, reason=reason))
 
     # -- the outbox's call ------------------------------------------------------------------
+
+    def _live(self, rid: str) -> bool:
+        return rid in self._by_rid
 
     def _hand_over(self, rid: str, page_ids: np.ndarray, first_token: int, candidates: tuple[int, ...] | None) -> None:
         """Post on the caller's thread when the transport has room; else the worker waits for room."""
@@ -261,7 +285,11 @@ class PrefillPeer(PdPeer):
             want = self._layout.page_bytes if cfg.kv_layout is None else (cfg.kv_layout.page_bytes(msg.tp_size),) * len(
                 self._layout.page_bytes)
             if layout.page_bytes != want:
-                raise LocalProtocolError(f"decode page sizes {layout.page_bytes} differ from the expected {want}")
+                basis = "its own page_bytes" if cfg.kv_layout is None else f"its kv_layout at decode tp {msg.tp_size}"
+                raise LocalProtocolError(
+                    f"page sizes differ: decode rank {msg.tp_rank}/{msg.tp_size} has {list(layout.page_bytes)}, "
+                    f"prefill rank {cfg.tp_rank}/{cfg.tp_size} expects {list(want)} ({basis})"
+                )
         except LocalProtocolError as e:
             error = str(e)
         except (KeyError, TypeError, ValueError) as e:
@@ -417,8 +445,11 @@ class PrefillPeer(PdPeer):
         if entry is None:
             return True  # the request ended meanwhile
         route = entry.route
-        if route is None:
-            self._fail(entry, "pages handed over before a decode rank announced the room")
+        if route is None or len(entry.dsts) < len(route.expects(self._config.tp_rank)):
+            # before Bootstrapped: with several decode ranks to a room, writing to the ones that announced
+            # would succeed here while the others wait out their waiting timeout
+            self._fail(entry, "pages handed over before a decode rank announced the room (every decode rank it "
+                       "pairs with must: wait for Bootstrapped)")
             return True
         if page_ids is not None and entry.pages is None:
             entry.pages = page_ids
@@ -529,22 +560,31 @@ class PrefillPeer(PdPeer):
         self._drained(entry)
 
     def _check_landed(self, entry: _Room) -> None:
-        """Once the hand-over finished and every batch landed: the room succeeds here; its decode ranks hear."""
+        """Once the hand-over finished and every batch landed: the room succeeds here; its decode ranks hear.
+
+        The ``Status`` is built and encoded first: if it cannot be sent, the room fails here and
+        its decode ranks get a failure naming why, so the two sides never end one Succeeded and
+        the other timed out."""
         with self._lock:
             if not entry.final or entry.landing or entry.success_told:
                 return
             entry.success_told = True
+        status = wire.Status(
+            room=entry.room,
+            state=State.SUCCESS,
+            rank=self._config.tp_rank,
+            first_token=entry.first_token,
+            cached_tokens=entry.cached_tokens,
+            first_token_logprob=entry.logprob,
+            spec_candidate_ids=entry.candidates,
+        )
+        try:  # before the room may succeed: a status that cannot leave must not end as Succeeded here
+            wire.encode(status)  # (its scheduler would free the pages) while decode waits out waiting_timeout
+        except LocalProtocolError as e:
+            self._fail(entry, f"the first token's status cannot be sent: {e}"[: wire.MAX_REASON])
+            return
         if self._fire(entry.rid, Trigger.WRITES_LANDED) == State.SUCCESS:
             # success is told only for a room still live here: never for one this rank already failed
-            status = wire.Status(
-                room=entry.room,
-                state=State.SUCCESS,
-                rank=self._config.tp_rank,
-                first_token=entry.first_token,
-                cached_tokens=entry.cached_tokens,
-                first_token_logprob=entry.logprob,
-                spec_candidate_ids=entry.candidates,
-            )
             for endpoint, dst in list(entry.dsts.items()):
                 if dst.owed:
                     self._tell(endpoint, status)
@@ -687,6 +727,22 @@ class PrefillOutbox:
     than ``PrefillConfig.layerwise_min_pages`` pages is sent at ``finish``
     whatever ``layers_done`` says (short prompts lose by streaming). A room
     that fails meanwhile is fenced as any other: partially streamed layers included.
+
+    Hand a request over only after its ``Bootstrapped`` event: a hand-over before
+    every decode rank it pairs with announced the room fails the room, and every
+    decode rank hears of it (one that announced at once, one that announces later
+    in answer, or, past ``tombstone_ttl``, as a room never registered once
+    ``bootstrap_timeout`` passed). Decode may announce fewer
+    pages than are handed over (it holds a prefix already: only the tail is written,
+    into the announced pages); more fails the room, naming both counts.
+
+    Every call checks its arguments against what the status frame carries (first
+    token and candidates 0..2**31-1, at most 256 candidates) and raises
+    ``LocalProtocolError`` naming the field, changing nothing. A rid this peer never
+    registered (or that ended more than ``tombstone_ttl`` ago) raises
+    ``LocalProtocolError``; one that ended here within ``tombstone_ttl`` is a race the
+    scheduler cannot avoid (it hears of the end a round later) and the call does nothing.
+    After ``close`` every call raises ``PeerError``.
     """
 
     def __init__(self, peer: PrefillPeer) -> None:
@@ -694,17 +750,22 @@ class PrefillOutbox:
 
     def begin(self, rid: str, page_ids: Any) -> None:
         """Layer-wise: the pages (prompt order) the forward pass is filling for ``rid``. Never blocks."""
-        self._peer._stream(rid, _page_ids(page_ids), None, None)
+        pages = _page_ids(page_ids)
+        if self._peer._accepts(rid, "begin"):
+            self._peer._stream(rid, pages, None, None)
 
     def layers_done(self, rid: str, upto: int) -> None:
         """Layers ``[0, upto)`` of ``rid``'s pages are final: their writes may start. Never blocks."""
         if isinstance(upto, bool) or not isinstance(upto, int) or upto < 0:
             raise LocalProtocolError(f"layers_done({rid!r}): upto must be an int >= 0, got {upto!r}")
-        self._peer._stream(rid, None, upto, None)
+        if self._peer._accepts(rid, "layers_done"):
+            self._peer._stream(rid, None, upto, None)
 
     def finish(self, rid: str, first_token: int, spec_candidate_ids: Any = None) -> None:
         """The forward pass is done: the remaining layers go, then the first token. Never blocks."""
-        self._peer._stream(rid, None, None, _finish(rid, first_token, spec_candidate_ids))
+        finish = _finish("finish", rid, first_token, spec_candidate_ids)
+        if self._peer._accepts(rid, "finish"):
+            self._peer._stream(rid, None, None, finish)
 
     def send(
         self, rid: str, page_ids: Any, first_token: int, spec_candidate_ids: Any = None
@@ -712,17 +773,33 @@ class PrefillOutbox:
         """Write ``rid``'s KV ``page_ids`` (in prompt order) to its decode rank, then send the first token.
 
         Never blocks; the pages must stay unchanged until the request's
-        ``Succeeded`` or ``Failed`` event.
+        ``Succeeded`` or ``Failed`` event. ``first_token`` becomes decode's
+        ``RemotePrefill.bootstrap_token``; ``spec_candidate_ids`` (None, or up to 256
+        token ids) its ``spec_candidate_ids``.
         """
-        first, candidates = _finish(rid, first_token, spec_candidate_ids)
-        self._peer._hand_over(rid, _page_ids(page_ids), first, candidates)
+        first, candidates = _finish("send", rid, first_token, spec_candidate_ids)
+        pages = _page_ids(page_ids)
+        if self._peer._accepts(rid, "send"):
+            self._peer._hand_over(rid, pages, first, candidates)
 
 
 def _page_ids(page_ids: Any) -> np.ndarray:
     return page_ids if isinstance(page_ids, np.ndarray) else np.fromiter(page_ids, np.int64)
 
 
-def _finish(rid: str, first_token: int, spec_candidate_ids: Any) -> tuple[int, tuple[int, ...] | None]:
-    if first_token < 0:
-        raise LocalProtocolError(f"send({rid!r}): first_token {first_token} is negative")
-    return int(first_token), None if spec_candidate_ids is None else tuple(int(c) for c in spec_candidate_ids)
+def _finish(call: str, rid: str, first_token: int, spec_candidate_ids: Any) -> tuple[int, tuple[int, ...] | None]:
+    where = f"{call}({rid!r})"
+    first = wire_int(where, "first_token", first_token, wire.MAX_TOKEN_ID)
+    if spec_candidate_ids is None:
+        return first, None
+    if isinstance(spec_candidate_ids, np.ndarray):
+        spec_candidate_ids = spec_candidate_ids.tolist()
+    if isinstance(spec_candidate_ids, (str, bytes)) or not hasattr(spec_candidate_ids, "__iter__"):
+        raise LocalProtocolError(f"{where}: spec_candidate_ids must be a sequence of token ids or None, "
+                                 f"got {type(spec_candidate_ids).__name__}")
+    candidates = tuple(spec_candidate_ids)
+    if len(candidates) > wire.MAX_CANDIDATES:
+        raise LocalProtocolError(f"{where}: spec_candidate_ids has {len(candidates)} ids, at most "
+                                 f"{wire.MAX_CANDIDATES} fit in the status frame")
+    return first, tuple(wire_int(where, f"spec_candidate_ids[{i}]", c, wire.MAX_TOKEN_ID)
+                        for i, c in enumerate(candidates))

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds allowed for a request's line and headers (default: %(default)s)")
     parser.add_argument("--secret-file", type=secret_file, metavar="PATH",
                         help=f"file holding the deployment secret, 16..4096 bytes (default: ${auth.SECRET_FILE_ENV}; "
-                        "'none' or neither: unauthenticated, with a warning)")
+                        "'none', or neither set: unauthenticated, with a warning; a set but empty variable is an error)")
     parser.add_argument("--auth-window", type=float_range(0.0, 3600.0, lo_open=True, what="seconds"), default=DEFAULT_AUTH_WINDOW,
                         help="accepted clock difference of a signed request, seconds (default: %(default)s)")
     parser.add_argument("--metrics", action="store_true",
@@ -52,8 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         try:
             secret = auth.resolve_secret(None)
-        except StartError as e:  # names the file, never its content
-            parser.error(f"${auth.SECRET_FILE_ENV}: {e}")
+        except StartError as e:  # names the variable and the file, never its content
+            parser.error(str(e))
     registry = None
     if args.metrics:
         try:

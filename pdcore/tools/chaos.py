@@ -46,6 +46,7 @@ import logging
 import multiprocessing.connection as mp_connection
 import os
 import random
+import secrets
 import signal
 import sys
 import tempfile
@@ -116,8 +117,9 @@ class ChaosPlan:
     #: the harness's own check: peers built with ``unsafe_no_grants`` (a fence that trusts the source),
     #: which the canary invariant must catch
     unsafe_no_grants: bool = False
-    #: every rank and bootstrap server of the run holds it: chaos runs as deployed, authenticated
-    secret: bytes | None = field(default=b"pdcore chaos run deployment secret", repr=False)
+    #: every rank and bootstrap server of the run holds it: chaos runs as deployed, authenticated, with a
+    #: secret drawn for each plan (as the demo does), never a fixed one that would open any deployment using it
+    secret: bytes | None = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     slow: float = 1.0  # every timer scaled by this (``slower``)
 
     def slower(self, factor: float) -> ChaosPlan:

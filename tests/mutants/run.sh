@@ -96,6 +96,7 @@ for f in "${patches[@]}"; do
         broken+=("$name (does not apply)"); rm -rf "$work"; continue
     fi
     if needs_build "$f"; then
+        echo "    building the compiled modules it touches (-O0; a minute or so)"
         if ! (cd "$work" && PYTHONPATH="$work" PDCORE_QUICK_BUILD=1 "$py" setup.py -q build_ext --inplace) >"$scratch/$name.build.log" 2>&1; then
             echo "    DOES NOT BUILD:"; tail -n 15 "$scratch/$name.build.log" | sed 's/^/    | /'
             broken+=("$name (does not build)"); rm -rf "$work"; continue
