@@ -1,4 +1,4 @@
-"""``python -m pdcore COMMAND [options]``: the demo of a full transfer, the bootstrap server, or a chaos run.
+"""``python -m pdcore COMMAND [options]``: the demo of a full transfer, the bootstrap server, a chaos run, or the simulator.
 
 Each command owns its parser (``COMMAND --help`` lists its options); this module only lists the
 commands and hands the rest of the command line to the chosen one, imported on demand (so
@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "look up where a request's prefill ranks are"),
     "chaos": ("pdcore.tools.chaos", "run 2 prefill -> 2 decode replicas under kills, pauses and injected faults, "
               "then check the invariants a scheduler relies on"),
+    "simulate": ("pdcore.sim.run", "run the protocol's role engines in one process over a simulated network, "
+                 "transport and clock, seed after seed, checking every invariant after every step"),
 }
 
 

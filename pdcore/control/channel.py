@@ -97,8 +97,10 @@ reports the peer gone "(it went away, or it requires a secret ...)".
 Liveness: every channel sends a ``Heartbeat`` (session id, epoch, seq) to each
 peer it has a DEALER to, every ``heartbeat_interval``. A peer that has sent
 nothing for ``dead_after``, or that comes back with a newer epoch, is reported
-once through ``on_peer_dead`` (``PeerLiveness`` is the sans-IO rule). A
-process that was paused (SIGSTOP, a debugger, a swap storm) hears nothing while
+once through ``on_peer_dead`` (``PeerLiveness`` is the sans-IO rule); a peer
+that introduces itself while none is tracked at its endpoint (new, or heard
+again after it was dropped: a paused process that resumed) through
+``on_peer_back``. A process that was paused (SIGSTOP, a debugger, a swap storm) hears nothing while
 it is stopped: on waking it gives every peer a fresh ``dead_after`` instead of
 declaring them all dead for its own silence.
 """
@@ -116,12 +118,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Final
 
 import zmq
 from zmq.utils import monitor, z85
 
 from . import auth, wire
+from .liveness import DeadPeer, PeerLiveness
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
 
@@ -204,95 +207,6 @@ def _raise_fd_limit() -> None:
     log.info("control channel: raised this process's soft limit of open files from %d to its hard limit %d", soft, hard)
 
 
-class DeadPeer(NamedTuple):
-    """A peer incarnation that is gone: ``session_id`` is None if it never introduced itself."""
-
-    endpoint: str
-    session_id: str | None
-    epoch: int | None
-    reason: str
-
-
-class PeerLiveness:
-    """Sans-IO liveness rule, keyed by the peer's control endpoint; ``now`` is an argument.
-
-    A peer is tracked from the first time we talk to it or hear from it; any
-    valid frame from it refreshes it; ``Heartbeat``/``Register`` tell its
-    session and epoch. Each incarnation is reported dead at most once.
-    """
-
-    def __init__(self, dead_after: float) -> None:
-        if not dead_after > 0:
-            raise ValueError(f"dead_after must be positive, got {dead_after!r}")
-        self.dead_after = dead_after
-        self._peers: dict[str, list[object]] = {}  # endpoint -> [session_id, epoch, last_heard]
-        self._where: dict[str, str] = {}  # session_id -> endpoint
-
-    def __contains__(self, endpoint: object) -> bool:
-        return endpoint in self._peers
-
-    def track(self, endpoint: str, now: float) -> None:
-        """Start the clock for a peer we talk to (no-op if already tracked)."""
-        self._peers.setdefault(endpoint, [None, None, now])
-
-    def heard(self, endpoint: str, now: float) -> None:
-        entry = self._peers.setdefault(endpoint, [None, None, now])
-        entry[2] = now
-
-    def introduced(self, endpoint: str, session_id: str, epoch: int, now: float) -> list[DeadPeer]:
-        """A frame naming its session and epoch; returns incarnations it replaces."""
-        dead: list[DeadPeer] = []
-        entry = self._peers.get(endpoint)
-        if entry is not None and entry[0] is not None:
-            old_session, old_epoch = entry[0], entry[1]
-            assert isinstance(old_session, str) and isinstance(old_epoch, int)
-            if old_session == session_id and epoch < old_epoch:
-                return dead  # a late frame of an older incarnation proves nothing
-            if old_session != session_id:
-                dead.append(DeadPeer(endpoint, old_session, old_epoch, f"replaced by session {session_id}"))
-                self._where.pop(old_session, None)
-            elif epoch > old_epoch:
-                dead.append(DeadPeer(endpoint, old_session, old_epoch, f"restarted (epoch {old_epoch} -> {epoch})"))
-        moved_from = self._where.get(session_id)
-        if moved_from is not None and moved_from != endpoint:
-            old = self._peers.get(moved_from)
-            if old is not None and isinstance(old[1], int) and old[1] < epoch:
-                del self._peers[moved_from]
-                dead.append(DeadPeer(moved_from, session_id, old[1], f"restarted at {endpoint} (epoch {epoch})"))
-        self._peers[endpoint] = [session_id, epoch, now]
-        self._where[session_id] = endpoint
-        return dead
-
-    def expire(self, now: float) -> list[DeadPeer]:
-        """Peers silent for longer than ``dead_after``; they are forgotten."""
-        limit = now - self.dead_after
-        gone = [ep for ep, entry in self._peers.items() if entry[2] < limit]  # type: ignore[operator]
-        out = []
-        for endpoint in gone:
-            session, epoch, last = self._peers.pop(endpoint)
-            if session is not None and self._where.get(session) == endpoint:  # type: ignore[call-overload]
-                del self._where[session]  # type: ignore[arg-type]
-            out.append(
-                DeadPeer(endpoint, session, epoch, f"no traffic for {now - last:.1f} s")  # type: ignore[arg-type,operator]
-            )
-        return out
-
-    def known(self, endpoint: str) -> tuple[str | None, int | None]:
-        """The session and epoch the peer at ``endpoint`` introduced (None, None if it never did)."""
-        entry = self._peers.get(endpoint)
-        return (None, None) if entry is None else (entry[0], entry[1])  # type: ignore[return-value]
-
-    def pardon(self, now: float) -> None:
-        """Every tracked peer counts as heard ``now``: we were not listening (a paused process)."""
-        for entry in self._peers.values():
-            entry[2] = now
-
-    def forget(self, endpoint: str) -> None:
-        entry = self._peers.pop(endpoint, None)
-        if entry is not None and entry[0] is not None and self._where.get(entry[0]) == endpoint:  # type: ignore[call-overload]
-            del self._where[entry[0]]  # type: ignore[arg-type]
-
-
 @dataclass
 class ChannelStats:
     """Counters, written only by the I/O thread (read them from anywhere)."""
@@ -362,6 +276,7 @@ class _Release:
 OnMessage = Callable[[str, wire.Message], None]
 OnRoomsFailed = Callable[[tuple[int, ...], str], None]
 OnPeerDead = Callable[[DeadPeer], None]
+OnPeerBack = Callable[[str, str, int], None]  # (endpoint, session id, epoch): a peer introduced itself (again)
 
 
 def _format_endpoint(host: str, port: int) -> str:
@@ -379,6 +294,7 @@ class ControlChannel:
         epoch: int = 0,
         on_rooms_failed: OnRoomsFailed | None = None,
         on_peer_dead: OnPeerDead | None = None,
+        on_peer_back: OnPeerBack | None = None,
         host: str = "127.0.0.1",
         advertise_host: str | None = None,
         heartbeat_interval: float = 1.0,
@@ -439,6 +355,7 @@ class ControlChannel:
         self._on_message = on_message
         self._on_rooms_failed = on_rooms_failed
         self._on_peer_dead = on_peer_dead
+        self._on_peer_back = on_peer_back
         self.session_id = session_id
         self.epoch = epoch
         self._host = host
@@ -578,11 +495,6 @@ class ControlChannel:
         read the monitor to its end left them: at most ``max_pending`` (libzmq may have accepted a
         burst more since: the next pass cuts it)."""
         return self._pending_seen
-
-    def introduced(self, endpoint: str) -> tuple[str | None, int | None]:
-        """The session and epoch the live peer at ``endpoint`` last introduced ((None, None): none is
-        tracked there, e.g. since it was found dead). Any thread: a read of the I/O thread's state."""
-        return self._liveness.known(endpoint)
 
     def forget(self, endpoint: str) -> None:
         """Drop the DEALER to ``endpoint`` (queued frames are discarded) and stop watching it."""
@@ -992,8 +904,11 @@ class ControlChannel:
             self._senders[ident] = sender
         now = time.monotonic()
         if isinstance(msg, (wire.Heartbeat, wire.Register, wire.EmbedRegister)):
+            back = self._liveness.known(sender)[0] is None  # new here, or heard again after it was dropped
             for dead in self._liveness.introduced(sender, msg.session_id, msg.epoch, now):
                 self._peer_dead(dead, drop=dead.endpoint != sender)
+            if back and self._on_peer_back is not None:
+                self._call(self._on_peer_back, sender, msg.session_id, msg.epoch)
             if sender not in self._dealers:
                 try:
                     self._dealer(sender)  # answer its heartbeats, so it can tell we are alive

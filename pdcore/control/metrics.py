@@ -78,7 +78,7 @@ class Buckets:
 
 
 class Counts:
-    """What a peer counts for its metrics: written by the scheduler thread (poll, register) and the worker."""
+    """What a peer counts for its metrics: written by the scheduler thread (poll, register) and the driver."""
 
     def __init__(self) -> None:
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (outcome, cause) -> requests
@@ -157,8 +157,9 @@ class PeerCollector:
         yield CounterMetricFamily(f"{p}_work_errors", "Work items that raised (a bug: see the log)",
                                   value=peer.stats["work_errors"])
         queues = GaugeMetricFamily(f"{p}_queue_depth", "Items waiting in each bounded queue", labels=["queue"])
-        queues.add_metric(["work"], peer._work.qsize())
-        queues.add_metric(["io"], peer._io_work.qsize())
+        depths = peer._driver.depths()
+        queues.add_metric(["work"], depths["inputs"])
+        queues.add_metric(["io"], depths["io"])
         queues.add_metric(["control_out"], peer._channel._outq.qsize())
         yield queues
         yield GaugeMetricFamily(f"{p}_in_flight", "Requests tracked", value=len(peer._table))

@@ -46,7 +46,7 @@ from typing import Any
 from .errors import CollectiveError
 from .events import FAILED_ELSEWHERE, Event, Failed
 
-__all__ = ["Agreement", "AGREEMENT_MODES"]
+__all__ = ["Agreement", "AGREEMENT_MODES", "pick_reasons"]
 
 #: Values of ``Agreement(agreement=...)``.
 AGREEMENT_MODES = ("auto", "shm", "group")
@@ -246,5 +246,11 @@ class Agreement:
             raise CollectiveError(f"exchanging failure reasons over the replica failed: {exc}") from exc
         if any(not isinstance(theirs, list) or len(theirs) != len(mine) for theirs in gathered):
             raise CollectiveError("the ranks of the replica failed different requests in one round")
-        return [next((theirs[i] for theirs in gathered if theirs[i] != FAILED_ELSEWHERE), own)
-                for i, own in enumerate(mine)]
+        return pick_reasons(gathered)
+
+
+def pick_reasons(gathered: list[list[str]]) -> list[str]:
+    """Per failed request (the same ones, in the same order, in each rank's list, lowest rank first): the
+    reason of the lowest rank that failed it itself, else the first rank's (``FAILED_ELSEWHERE`` there too)."""
+    return [next((theirs[i] for theirs in gathered if theirs[i] != FAILED_ELSEWHERE), first)
+            for i, first in enumerate(gathered[0])]

@@ -25,6 +25,7 @@ from ..core._table_py import FINGERPRINT_BYTES, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
 from . import _spec
+from ._spec import shard  # noqa: F401  (the compiled table takes it from here)
 from ._spec import PAD, ILLEGAL, ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from .types import EmbeddingItem, LandedItem, LandedRequest
 
@@ -76,14 +77,6 @@ def check_config(
         raise ValueError(f"sharded must be a bool, got {sharded!r}")
     if not (timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-
-
-def shard(rows: int, rank: int, ranks: int, sharded: bool) -> tuple[int, int]:
-    """This rank's (row_start, row_count) of an image of ``rows``: rank r of n gets a contiguous share."""
-    if not sharded:
-        return 0, rows
-    base, rem = divmod(rows, ranks)
-    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
 
 
 def check_items(rid: object, items: object, slots: int, slot_rows: int, max_items: int, ranks: int, sharded: bool) -> None:

@@ -197,3 +197,11 @@ CODE_RECEIVING: Final[int] = R.RECEIVING
 CODE_LANDED: Final[int] = R.LANDED
 #: A position past the staged requests: neutral under MIN.
 PAD: Final[int] = 255
+
+
+def shard(rows: int, rank: int, ranks: int, sharded: bool) -> tuple[int, int]:
+    """This rank's (row_start, row_count) of an image of ``rows``: rank r of n gets a contiguous share."""
+    if not sharded:
+        return 0, rows
+    base, rem = divmod(rows, ranks)
+    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)

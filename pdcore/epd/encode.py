@@ -2,56 +2,29 @@
 
 An encode rank registers with its deployment's bootstrap server (layout
 ``{"role": "encode"}``) so prefill ranks find it. Each prefill rank sends it
-``EmbedRegister`` once per session (where its receive slots are: the data
-connection is made on an I/O thread) and ``EmbedAsk`` per item; the rooms'
-logic is the sans-IO ``SendRooms`` (``pdcore.epd.sending``), and this module
-performs its actions: writes through the asking rank's grant, and
-``EmbedStatus`` frames. The scheduler's calls (``begin``, ``send``, ``fail``,
-``concluded``) never wait on the network: writes go to the worker thread.
+``EmbedRegister`` once per session and ``EmbedAsk`` per item; the protocol is
+``pdcore.protocol.encode.EncodeEngine`` (over the sans-IO ``SendRooms``), run
+on the peer's driver thread. This module is the scheduler's side: ``begin``,
+``send``, ``fail`` and ``concluded`` check the call against the rooms the
+scheduler holds, hand it to the engine and never wait on the network.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import threading
+import collections
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Any
 
-from ..control import wire
-from ..node.base import PeerBase
-from ..control.channel import DeadPeer
 from ..core.deadline import Deadline
-from ..core.errors import LocalProtocolError, PdError
+from ..core.errors import LocalProtocolError, PdError, PeerError
+from ..node.base import PeerBase
+from ..protocol.encode import EncodeEngine
+from ..protocol.engine import Services
 from .config import EncodeConfig
-from .sending import Action, SendRooms, Tell, Write
 from .types import EmbeddingChunk
 
 __all__ = ["EncodePeer", "Sender"]
-
-log = logging.getLogger("pdcore.encode")
-
-_WRITE_WAIT = 5.0  # seconds the worker waits for room in the transport before a write fails
-
-
-@dataclass(eq=False)
-class _Sink:
-    """A prefill rank that registered with this encode rank."""
-
-    session_id: str
-    epoch: int
-    endpoint: bytes
-    rank: int = 0  # its tp rank of ``ranks``
-    ranks: int = 1
-    handle: Any = None
-    connecting: bool = False
-    error: str = ""
-    waiting: list[Write] = field(default_factory=list)
-
-    @property
-    def ready(self) -> bool:
-        return not self.connecting and self.handle is not None and not self.handle.closed
 
 
 class EncodePeer(PeerBase):
@@ -59,22 +32,21 @@ class EncodePeer(PeerBase):
 
     ROLE = "encode"
 
-    def __init__(self, config: EncodeConfig) -> None:
-        super().__init__(config)
-        self._rooms = SendRooms(
-            tp_size=config.tp_size,
-            tp_rank=config.tp_rank,
-            park_timeout=config.park_timeout,
-            max_rooms=config.max_rooms,
-            tombstone_ttl=config.tombstone_ttl,
-        )
-        self._rooms_lock = threading.Lock()
-        self._sinks: dict[str, _Sink] = {}
-        self.stats["aborts_before_begin"] = 0  # aborts from prefill of rooms the scheduler had not begun
+    def _init_state(self) -> None:
+        self._begun: dict[int, bool] = {}  # rooms begun and not yet handed back by concluded() -> rows sent
+        self._gone: OrderedDict[int, float] = OrderedDict()  # rooms concluded() handed back -> until (late calls)
+        self._concluded: collections.deque[int] = collections.deque()  # the engine's, not yet handed back
 
     def _register_memory(self) -> None:
         for buf in self._config.send_buffers:
             self._transport.register(buf, require_grant=True)  # nobody writes into them
+
+    def _make_engine(self, services: Services) -> EncodeEngine:
+        return EncodeEngine(services)
+
+    def _deliver(self, kind: str, key: Any, value: Any) -> None:
+        if kind == "concluded":
+            self._concluded.append(key)
 
     @classmethod
     def start(cls, config: EncodeConfig) -> tuple[EncodePeer, Sender]:
@@ -91,166 +63,25 @@ class EncodePeer(PeerBase):
             raise
         return peer, Sender(peer)
 
-    # -- the rooms' actions ---------------------------------------------------------------
-
-    def _rooms_call(self, method: str, *args: Any) -> list[Action]:
-        with self._rooms_lock:
-            return getattr(self._rooms, method)(*args)  # type: ignore[no-any-return]
-
-    def _act(self, actions: list[Action]) -> None:
-        """Worker (or any thread, for ``Tell`` only): perform the rooms' actions."""
-        for action in actions:
-            if isinstance(action, Tell):
-                self._tell(action)
-            else:
-                self._write(action)
-
-    def _act_later(self, actions: list[Action]) -> None:
-        """Scheduler thread: tell now, write on the worker (a write may wait for room in the transport)."""
-        writes = [a for a in actions if isinstance(a, Write)]
-        for action in actions:
-            if isinstance(action, Tell):
-                self._tell(action)
-        if writes:
-            try:
-                self._submit(self._act, writes)
-            except PdError as e:
-                for w in writes:
-                    self._written(w, 0, f"cannot queue the write: {e}")
-
-    def _tell(self, tell: Tell) -> None:
-        if not tell.msg.ok:
-            log.info("encode peer: room %d failed toward %s: %s", tell.msg.room, tell.endpoint, tell.msg.reason)
+    def _room_call(self, call: str, room: int, fn: Any, *args: Any) -> None:
+        """Hand a call for a begun room to the engine; one it cannot take fails the room there."""
         try:
-            self._channel.send(tell.endpoint, tell.msg)
+            self._submit(fn, *args)
+        except PeerError:
+            raise
         except PdError as e:
-            log.warning("encode peer: cannot tell %s about room %d: %s", tell.endpoint, tell.msg.room, e)
+            raise LocalProtocolError(f"{call}: room {room}: the encode peer is overloaded: {e}", rooms=(room,)) from e
 
-    def _write(self, write: Write) -> None:
-        sink = self._sinks.get(write.endpoint)
-        if sink is None or sink.error:
-            self._written(write, 0, sink.error if sink else f"prefill rank {write.endpoint} is not registered")
-            return
-        if not sink.ready:
-            sink.waiting.append(write)
-            if not sink.connecting:
-                self._connect(write.endpoint, sink)
-            return
-        try:
-            self._transport.write(
-                sink.handle,
-                write.batch,
-                functools.partial(self._written, write),
-                deadline=Deadline.after(_WRITE_WAIT),
-                grant=write.grant,
-            )
-        except PdError as e:
-            self._written(write, 0, f"posting the writes failed: {e}")
-
-    def _written(self, write: Write, _batch: int, error: Any) -> None:
-        """Transport thread (or worker): a write completed; tell the asker, conclude the room."""
-        actions = self._rooms_call("written", write.room, write.rank, str(error) if error else "", time.monotonic())
-        self._act(actions)
-
-    # -- data connections -----------------------------------------------------------------
-
-    def _connect(self, sender: str, sink: _Sink) -> None:
-        sink.connecting = True
-        try:
-            self._submit_io(self._connect_io, sender, sink)
-        except PdError as e:
-            self._connected(sender, sink, None, f"cannot queue the transport connect to {sender}: {e}")
-
-    def _connect_io(self, sender: str, sink: _Sink) -> None:
-        handle, error = None, ""
-        try:
-            if sink.handle is not None:
-                self._transport.disconnect(sink.handle, deadline=Deadline.after(1.0))
-            handle = self._transport.connect(sink.endpoint, deadline=Deadline.after(self._config.start_timeout))
-        except Exception as e:  # whatever it was, the writes waiting for it must hear
-            if not isinstance(e, PdError):
-                log.exception("encode peer: connecting to %s failed unexpectedly", sender)
-            error = f"cannot connect the transport to {sender}: {e}"
-        self._from_io(self._connected, sender, sink, handle, error)
-
-    def _connected(self, sender: str, sink: _Sink, handle: Any, error: str) -> None:
-        if self._sinks.get(sender) is not sink:
-            if handle is not None:
-                self._transport.disconnect(handle)
-            return
-        sink.handle, sink.connecting = handle, False
-        waiting, sink.waiting = sink.waiting, []
-        for write in waiting:
-            if error:
-                self._written(write, 0, error)
-            else:
-                self._write(write)
-
-    # -- frames from prefill ranks --------------------------------------------------------
-
-    def _on_message(self, sender: str, msg: wire.Message) -> None:
-        now = time.monotonic()
-        if isinstance(msg, wire.EmbedRegister):
-            self._on_register(sender, msg)
-        elif isinstance(msg, wire.EmbedAsk):
-            sink = self._sinks.get(sender)
-            if sink is None or (sink.session_id, sink.epoch) != (msg.session_id, msg.epoch):
-                self._tell(Tell(sender, wire.EmbedStatus(
-                    room=msg.room, ok=False, rank=self._config.tp_rank,
-                    reason=f"prefill session {msg.session_id} (epoch {msg.epoch}) asked before it registered here",
-                )))
-                return
-            self._act(self._rooms_call("ask", sender, msg, now))
-        elif isinstance(msg, wire.Abort):
-            sink = self._sinks.get(sender)
-            with self._rooms_lock:
-                if sink is not None and not self._rooms.begun(msg.room):
-                    self.stats["aborts_before_begin"] += 1
-                actions = self._rooms.abort(sender, msg.room, msg.reason, now,
-                                            None if sink is None else (sink.rank, sink.ranks))
-            self._act(actions)
-        else:
-            log.warning("encode peer: unexpected %s from %s", type(msg).__name__, sender)
-
-    def _on_register(self, sender: str, msg: wire.EmbedRegister) -> None:
-        old = self._sinks.get(sender)
-        if old is not None and (old.session_id, old.epoch) == (msg.session_id, msg.epoch):
-            return  # idempotent
-        if old is not None:
-            self._lose_sink(sender, f"prefill rank {sender} re-registered (session {msg.session_id})")
-        sink = _Sink(msg.session_id, msg.epoch, msg.endpoint, msg.tp_rank, msg.tp_size)
-        self._sinks[sender] = sink
-        self._connect(sender, sink)
-
-    # -- failures from outside -------------------------------------------------------------
-
-    def _peer_lost(self, dead: DeadPeer) -> None:
-        self._lose_sink(dead.endpoint, dead.reason)
-
-    def _lose_sink(self, endpoint: str, reason: str) -> None:
-        sink = self._sinks.pop(endpoint, None)
-        if sink is not None:
-            for write in sink.waiting:
-                self._written(write, 0, f"prefill rank lost: {reason}")
-            sink.waiting = []
-            if sink.handle is not None:
-                self._transport.disconnect(sink.handle)  # fails what is in flight to it, promptly
-        self._act(self._rooms_call("lost", endpoint, reason, time.monotonic()))
-
-    def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
-        now = time.monotonic()
-        for room in rooms:
-            with self._rooms_lock:
-                actions = self._rooms.fail(room, reason, now) if self._rooms.begun(room) else []
-            self._act_later(actions)
-
-    def _tick(self, now: float) -> None:
-        super()._tick(now)
-        self._act(self._rooms_call("expire", now))
-
-    def _farewell(self) -> None:
-        for endpoint in list(self._sinks):
-            self._act(self._rooms_call("lost", endpoint, "the encode peer closed", time.monotonic()))
+    def _held(self, call: str, room: int) -> bool:
+        """True for a room begun here and not yet handed back; False for one ``concluded`` handed back
+        within ``tombstone_ttl`` (a late call does nothing); ``LocalProtocolError`` otherwise."""
+        self._check_open()
+        if room in self._begun:
+            return True
+        until = self._gone.get(room)
+        if until is not None and until > time.monotonic():
+            return False
+        raise LocalProtocolError(f"{call}: room {room} was not begun", rooms=(room,))
 
 
 class Sender:
@@ -260,14 +91,18 @@ class Sender:
         self._peer = peer
 
     def begin(self, room: int) -> bool:
-        """``room``'s request arrived; False when another request holds the room (or the peer is full)."""
+        """``room``'s request arrived; False when another request holds the room (begun and not handed
+        back by ``concluded``) or ``EncodeConfig.max_rooms`` rooms are."""
         if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 64:
             raise LocalProtocolError(f"begin: room {room!r} is not an unsigned 64-bit integer")
         peer = self._peer
-        with peer._rooms_lock:
-            ok, actions = peer._rooms.begin(room, time.monotonic())
-        peer._act_later(actions)
-        return ok
+        peer._check_open()
+        if room in peer._begun or len(peer._begun) >= peer._config.max_rooms:
+            return False
+        peer._room_call("begin", room, peer._engine.begin, room)
+        peer._begun[room] = False
+        peer._gone.pop(room, None)
+        return True
 
     def send(self, chunk: EmbeddingChunk) -> None:
         """Hand over a begun room's rows: written once every prefill rank of the block asked.
@@ -288,15 +123,31 @@ class Sender:
                     f"send: chunk.{name} [{addr:#x}, {addr + nbytes:#x}) of room {chunk.room} is not inside "
                     "one of EncodeConfig.send_buffers", rooms=(chunk.room,)
                 )
-        peer._act_later(peer._rooms_call("send", chunk, time.monotonic()))
+        if not peer._held("send", chunk.room):
+            return
+        if peer._begun[chunk.room]:
+            raise LocalProtocolError(f"send: room {chunk.room} already has its rows", rooms=(chunk.room,))
+        peer._room_call("send", chunk.room, peer._engine.send, chunk)
+        peer._begun[chunk.room] = True
 
     def fail(self, room: int, reason: str) -> None:
         """Conclude a begun room failed; every prefill rank that asked, or asks later, hears ``reason``."""
         peer = self._peer
-        peer._act_later(peer._rooms_call("fail", room, str(reason), time.monotonic()))
+        if peer._held("fail", room):
+            peer._room_call("fail", room, peer._engine.fail, room, str(reason) or "failed by the encode scheduler")
 
     def concluded(self) -> list[int]:
         """The begun rooms that concluded since the last call, sent or failed: their rows may be reused."""
         peer = self._peer
-        with peer._rooms_lock:
-            return peer._rooms.concluded()
+        out = []
+        until = time.monotonic() + peer._config.tombstone_ttl
+        gone = peer._gone
+        while peer._concluded:
+            room = peer._concluded.popleft()
+            if peer._begun.pop(room, None) is not None:
+                out.append(room)
+                gone.pop(room, None)
+                gone[room] = until
+        while len(gone) > 4 * peer._config.max_rooms:
+            gone.popitem(last=False)
+        return out

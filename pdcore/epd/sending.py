@@ -29,13 +29,15 @@ A room, on this encode rank:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..control import wire
 from ..core.errors import LocalProtocolError
-from ._recv_py import shard
+from ._spec import shard
 from .types import DTYPE_ITEMSIZE, EmbeddingChunk
 
 __all__ = ["SendRooms", "Write", "Tell"]
@@ -89,9 +91,37 @@ class SendRooms:
         # room -> (until, reason, unbegun): ``unbegun``, it failed before the scheduler began it (prefill gave it up)
         self._ended: OrderedDict[int, tuple[float, str, bool]] = OrderedDict()
         self._concluded: list[int] = []
+        # (deadline, serial, entry) of the rooms waiting for rows or asks: the driver asks for the next deadline
+        # after every input, so it must not cost a walk over every room. Stale entries (the room wrote, failed,
+        # ended, or waits for a later deadline) are dropped when they reach the top or when they outnumber the rooms.
+        self._waiting: list[tuple[float, int, _Room]] = []
+        self._serial = itertools.count()
 
     def __len__(self) -> int:
         return len(self._rooms)
+
+    def _wait(self, entry: _Room, deadline: float) -> None:
+        """``entry`` waits for its rows and asks until ``deadline``."""
+        entry.deadline = deadline
+        heapq.heappush(self._waiting, (deadline, next(self._serial), entry))
+        if len(self._waiting) > 2 * len(self._rooms) + 64:
+            self._waiting = [w for w in self._waiting if self._waits(w)]
+            heapq.heapify(self._waiting)
+
+    def _waits(self, item: tuple[float, int, _Room]) -> bool:
+        deadline, _, entry = item
+        return (entry.deadline == deadline and entry.writing < 0 and not entry.failed
+                and self._rooms.get(entry.room) is entry)
+
+    def next_deadline(self) -> float:
+        """When ``expire`` has work: a room's park deadline, or the oldest tombstone's (inf: neither)."""
+        waiting = self._waiting
+        while waiting and not self._waits(waiting[0]):
+            heapq.heappop(waiting)
+        due = waiting[0][0] if waiting else float("inf")
+        if self._ended:
+            due = min(due, next(iter(self._ended.values()))[0])
+        return due
 
     def begun(self, room: int) -> bool:
         entry = self._rooms.get(room)
@@ -114,7 +144,7 @@ class SendRooms:
                 return False, []
             entry = self._rooms[room] = _Room(room, now + self._park)
         entry.begun = True
-        entry.deadline = now + self._park
+        self._wait(entry, now + self._park)
         self._ended.pop(room, None)
         return True, self._try_write(entry, now)
 
@@ -157,6 +187,7 @@ class SendRooms:
             if len(self._rooms) >= self._max_rooms:
                 return [self._tell(endpoint, room, False, f"encode rank holds {len(self._rooms)} rooms already")]
             entry = self._rooms[room] = _Room(room, now + self._park)
+            self._wait(entry, entry.deadline)
         if entry.failed:
             return [self._tell(endpoint, room, False, entry.failed)]
         if entry.writing >= 0:
@@ -219,7 +250,12 @@ class SendRooms:
     def expire(self, now: float) -> list[Action]:
         """Rooms whose rows or asks did not all arrive in time fail; old tombstones go."""
         out: list[Action] = []
-        for entry in [e for e in self._rooms.values() if e.deadline <= now and e.writing < 0 and not e.failed]:
+        due = []
+        while self._waiting and self._waiting[0][0] <= now:
+            item = heapq.heappop(self._waiting)
+            if self._waits(item):
+                due.append(item[2])
+        for entry in due:
             if not entry.begun:
                 why = f"encode rank {self._tp_rank} never began room {entry.room} within {self._park:g} s"
             elif entry.chunk is None:

@@ -1,23 +1,23 @@
-"""What every role's peer runs on (prefill, decode, encode): resources, the worker and I/O threads,
-the control channel, the registration with a bootstrap server. ``pdcore.pd._peer`` adds the PD
-transfer table and its round; ``pdcore.epd.encode`` the encode rank's rooms.
+"""What every role's peer runs on (prefill, decode, encode): its planes, its driver, its engines,
+the registration with a bootstrap server. ``pdcore.pd._peer`` adds the PD transfer table and its
+round; ``pdcore.epd.encode`` the encode rank's rooms.
 
-Threads of a peer (DESIGN §2):
+A peer's protocol lives in its role engines (``pdcore.protocol``: sans-IO), run
+by one ``Driver`` (``pdcore.node.driver``) on one thread. Threads of a peer:
 
 - the **scheduler thread** calls ``register``/``poll``/``abort_room``/... They
-  touch the state table and enqueue work; they never wait on the network.
-- the **worker thread** runs that work in order: protocol messages, planning
-  and posting writes, fences. Each item is bounded by a deadline; an exception
-  fails the rooms the item concerns and nothing more.
-- the **I/O threads** (a few) do what may wait on another host: bootstrap
-  lookups and transport connects. They hand each result back to the worker,
-  so an unreachable endpoint delays only the rooms that need it, never an
-  abort, and one silent host holds one I/O thread, not all of them.
-- the control channel's **I/O thread** decodes frames and hands them to the
-  worker; the transport's threads report completions (``on_done``) that only
-  update the table and queue frames.
+  touch the state table (its calls are atomic) and submit inputs to the driver;
+  they never wait on the network.
+- the **driver thread** runs every engine input in order and performs the
+  engines' actions: control frames, grants and revokes, posting writes. Each
+  input is bounded; an exception is logged and counted, and the rest goes on.
+- the driver's **I/O threads** (a few) do what may wait on another host:
+  bootstrap look-ups and transport connects. Their results go back through the
+  driver, so an unreachable endpoint delays only the rooms that need it.
+- the control channel's **I/O thread** decodes frames and submits them; the
+  transport's threads submit completions.
 
-Everything here is bounded: the work queue, the I/O queue, every wait.
+Everything here is bounded: the driver's inputs, the I/O queue, every wait.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import transport as transport_mod
@@ -36,22 +34,24 @@ import transport as transport_mod
 from ..control import wire
 from ..control.auth import resolve_secret, warn_unauthenticated
 from ..control.bootstrap import BootstrapClient, RankRegistration
-from ..control.channel import ControlChannel, DeadPeer
+from ..control import plane as control_plane
+from ..control.liveness import DeadPeer
 from ..core.deadline import Deadline, DeadlineExceeded
-from ..core.errors import CapacityError, PdError, PeerError, StartError
+from ..core.errors import PdError, PeerError, StartError
+from ..protocol.engine import Services
 from .config import NodeConfig
+from .driver import Driver
 
 __all__ = ["PeerBase"]
 
 log = logging.getLogger("pdcore.peer")
 
-_TICK = 0.05  # the worker's period for deadlines when idle
-_IO_THREADS = 4
+_FAREWELL_WAIT = 1.0  # seconds close() waits for the engines' farewell frames to be queued
 
 
 class PeerBase:
     """Resources and threads of one rank's peer; the roles (``pdcore.pd._peer.PdPeer``, ``EncodePeer``)
-    add their state and protocol through the hooks at the end."""
+    add their engines and scheduler-side state through the hooks at the end."""
 
     ROLE = "peer"
 
@@ -64,20 +64,16 @@ class PeerBase:
         self.epoch = time.time_ns() // 1000  # a restarted rank comes back with a larger epoch
         self._agreement: Any = None  # a role with a replica round sets it; close() releases it
         self._init_state()
-        self._lock = threading.RLock()
-        self._work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.Queue(4 * config.max_pending)
-        self._io_work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(config.max_pending)
-        self._stop = threading.Event()
         self._owned = contextlib.ExitStack()
         self._closed = False
-        self._thread: threading.Thread | None = None
-        self._io_threads: list[threading.Thread] = []
+        self._driver: Driver | None = None
+        self._engine: Any = None  # the role's engine (a prefill peer's receiver engine rides on the same driver)
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
 
     # -- start and stop -----------------------------------------------------------------
 
     def _start(self) -> None:
-        """Transport, registered cache, control channel, worker thread; a half-built peer unwinds."""
+        """Transport, registered memory, control channel, engines, driver; a half-built peer unwinds."""
         cfg = self._config
         options = dict(cfg.transport_options)
         if cfg.transport == "tcp":
@@ -88,44 +84,42 @@ class PeerBase:
             self._transport = transport_mod.create(cfg.transport, **options)
             stack.callback(self._transport.close)
             self._register_memory()
-            self._channel = ControlChannel(
+            self._channel = control_plane.create(
+                cfg.control,
                 self._on_frame,
+                cfg.control_options,
                 session_id=self.session_id,
                 epoch=self.epoch,
                 on_rooms_failed=self._on_rooms_failed,
                 on_peer_dead=self._on_peer_dead,
+                on_peer_back=self._on_peer_back,
                 host=cfg.host,
                 heartbeat_interval=cfg.heartbeat_interval,
                 dead_after=cfg.dead_after,
                 secret=self._secret,
             )
+            self._driver = Driver(
+                self.ROLE, transport=self._transport, channel=self._channel,
+                secret=self._secret, max_inputs=16 * cfg.max_pending, io_queue=cfg.max_pending, stats=self.stats,
+            )
+            self._engine = self._make_engine(self._services())
+            self._driver.attach(self._engine)
             self._channel.start()
             stack.callback(self._channel.close)
             self._publish(stack)
-            self._thread = threading.Thread(target=self._run, name=f"pdcore-{self.ROLE}-worker", daemon=True)
-            self._io_threads = [
-                threading.Thread(target=self._io_run, name=f"pdcore-{self.ROLE}-io-{i}", daemon=True)
-                for i in range(_IO_THREADS)
-            ]
-            self._thread.start()
-            for t in self._io_threads:
-                t.start()
-            stack.callback(self._join_worker)
+            self._driver.start()
+            stack.callback(self._driver.close)
             self._owned = stack.pop_all()
 
-    def _join_worker(self, deadline: Deadline | None = None) -> None:
-        self._stop.set()
-        for _ in self._io_threads:
-            try:
-                self._io_work.put_nowait(None)  # wake an idle I/O thread at once
-            except queue.Full:
-                break  # busy threads see the stop between items
-        deadline = deadline or Deadline.after(5.0)
-        for thread in (self._thread, *self._io_threads):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(deadline.remaining())
-                if thread.is_alive():
-                    raise PeerError(f"{self.ROLE} peer: the {thread.name} thread did not stop by the deadline")
+    def _services(self, **extra: Any) -> Services:
+        """What this rank's engines are given (``pdcore.protocol.engine.Services``)."""
+        regions = tuple(wire.Region(addr=r.addr, length=r.length, key=r.key) for r in self._transport.regions())
+        base: dict[str, Any] = dict(config=self._config, session_id=self.session_id, epoch=self.epoch,
+                                    table=getattr(self, "_table", None), endpoint=self._transport.endpoint(),
+                                    regions=regions, layout=getattr(self, "_layout", None),
+                                    counts=getattr(self, "counts", None), stats=self.stats, deliver=self._deliver)
+        base.update(extra)
+        return Services(**base)
 
     @property
     def port(self) -> int:
@@ -137,14 +131,20 @@ class PeerBase:
         return self._channel.endpoint
 
     def close(self) -> None:
-        """Tell peers about rooms still in flight, stop every thread, free the cache registration."""
+        """Tell peers about rooms still in flight, stop every thread, free the registered memory."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self._farewell()
-        except Exception:  # best effort: closing must go on
-            log.exception("%s peer: telling peers about in-flight rooms failed", self.ROLE)
+        driver = self._driver
+        if driver is not None:
+            try:
+                done = threading.Event()
+                for engine in driver.engines:
+                    driver.submit_result(engine.close)  # farewell frames, queued before the channel closes
+                driver.call(done.set)
+                done.wait(_FAREWELL_WAIT)
+            except Exception:  # best effort: closing must go on
+                log.exception("%s peer: telling peers about in-flight rooms failed", self.ROLE)
         try:
             self._owned.close()
         finally:
@@ -156,6 +156,27 @@ class PeerBase:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PeerError(f"{self.ROLE} peer: closed")
+
+    def quiesce(self, seconds: float = 5.0) -> bool:
+        """Wait (at most ``seconds``) until the driver ran every input submitted before this call: the
+        engines then hold what the scheduler's calls and rounds so far imply. False if it did not."""
+        driver = self._driver
+        if driver is None or self._closed:
+            return True
+        done = threading.Event()
+        driver.call(done.set)
+        return done.wait(seconds)
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        """An input for the driver's thread (``fn(*args, now)``); ``PdError`` when it cannot take it."""
+        driver = self._driver
+        if driver is None or self._closed:
+            raise PeerError(f"{self.ROLE} peer: closed")
+        driver.submit(fn, *args)
 
     # -- registering with this deployment's bootstrap server (prefill and encode ranks) ------------
 
@@ -198,123 +219,77 @@ class PeerBase:
                 raise StartError(f"{self.ROLE} peer: the bootstrap server refused {what}: {e}") from e
         raise StartError(f"{self.ROLE} peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
 
-    # -- the worker ------------------------------------------------------------------------
-
-    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
-        """Queue work for the worker thread; never blocks. ``CapacityError`` when the queue is full."""
-        if self._stop.is_set():
-            raise PeerError(f"{self.ROLE} peer: closed")
-        try:
-            self._work.put_nowait((fn, args))
-        except queue.Full:
-            raise CapacityError(f"{self.ROLE} peer: {self._work.maxsize} work items already queued") from None
-
-    def _run(self) -> None:
-        next_tick = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                fn, args = self._work.get(timeout=max(0.0, next_tick - time.monotonic()))
-            except queue.Empty:
-                pass
-            else:
-                self._guarded(fn, *args)
-            now = time.monotonic()
-            if now >= next_tick:
-                self._guarded(self._tick, now)
-                next_tick = now + _TICK
-
-    def _submit_io(self, fn: Callable[..., None], *args: Any) -> None:
-        """Queue work that may wait on another host for the I/O thread; ``CapacityError`` when full.
-
-        ``fn`` runs there and hands its result back with ``_from_io``."""
-        if self._stop.is_set():
-            raise PeerError(f"{self.ROLE} peer: closed")
-        try:
-            self._io_work.put_nowait((fn, args))
-        except queue.Full:
-            raise CapacityError(f"{self.ROLE} peer: {self._io_work.maxsize} I/O items already queued") from None
-
-    def _from_io(self, fn: Callable[..., None], *args: Any) -> None:
-        """On the I/O thread: queue a result for the worker, waiting for room rather than losing it."""
-        while not self._stop.is_set():
-            try:
-                self._work.put((fn, args), timeout=_TICK)
-                return
-            except queue.Full:
-                continue
-
-    def _io_run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = self._io_work.get(timeout=1.0)  # close() wakes it with a None
-            except queue.Empty:
-                continue
-            if item is not None:
-                self._guarded(item[0], *item[1])
-
-    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:  # a bug of ours or an unexpected failure: logged, counted, never fatal
-            self.stats["work_errors"] += 1
-            log.exception("%s peer: work item %s failed", self.ROLE, getattr(fn, "__name__", fn))
-
     def connected_peers(self) -> int:
-        """Peers this rank has a control connection to (a metric)."""
-        return len(self._channel._dealers)
+        """Peers whose data connection is up (a metric)."""
+        return int(getattr(self._engine, "connected_peers", lambda: 0)())
 
     # -- role hooks -----------------------------------------------------------------------
 
     def _init_state(self) -> None:
-        """The role's own state, made before any thread starts (a role without any needs nothing)."""
+        """The role's scheduler-side state, made before any thread starts (a role without any needs nothing)."""
 
     def _register_memory(self) -> None:
         """Register the role's memory with the transport (``self._transport``), before the channel opens."""
         raise NotImplementedError
 
+    def _make_engine(self, services: Services) -> Any:
+        """The role's engine (``pdcore.protocol``), given what it needs."""
+        raise NotImplementedError
+
     def _publish(self, stack: contextlib.ExitStack) -> None:
         """Publish the role's metrics, if it has any; ``stack`` undoes it at close (or a failed start)."""
 
-    def _tick(self, now: float) -> None:
-        """Worker, every ``_TICK`` when idle and at least that often when busy: the role's deadlines."""
+    def _route(self, msg: wire.Message) -> Any:
+        """The engine a frame goes to (one engine per role; a prefill peer's receiver takes EPD statuses)."""
+        return self._engine
 
-    def _on_message(self, sender: str, msg: wire.Message) -> None:
-        raise NotImplementedError
+    def _deliver(self, kind: str, key: Any, value: Any) -> None:
+        """A value an engine hands the scheduler's side (``Services.deliver``; the driver's thread)."""
 
-    def _peer_lost(self, dead: DeadPeer) -> None:
-        raise NotImplementedError
-
-    def _rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
-        raise NotImplementedError
-
-    def _farewell(self) -> None:
-        raise NotImplementedError
-
-    # -- control-channel callbacks: hand over to the worker, never block --------------------
+    # -- control-plane callbacks (its I/O thread): hand over to the driver, never block ---------
 
     def _on_frame(self, sender: str, msg: wire.Message) -> None:
         release = self._channel.hold()  # the frame counts against its sender's quota until handled
+        engine = self._route(msg)
         try:
-            self._submit(self._handle_frame, sender, msg, release)
+            self._driver.submit(_Frame(engine, release), sender, msg)  # type: ignore[union-attr]
         except PdError as e:
             release()
             self._on_rooms_failed(wire.rooms_of(msg), f"{self.ROLE} peer overloaded: {e}")
 
-    def _handle_frame(self, sender: str, msg: wire.Message, release: Callable[[], None]) -> None:
-        try:
-            self._on_message(sender, msg)
-        finally:
-            release()
-
     def _on_rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         self.stats["protocol_errors"] += 1
-        with self._lock:
-            self._rooms_failed(rooms, reason)
+        if self._driver is None or not rooms:
+            return
+        for engine in self._driver.engines:
+            self._driver.submit_result(engine.rooms_failed, rooms, reason)
 
     def _on_peer_dead(self, dead: DeadPeer) -> None:
-        if self._stop.is_set():
+        if self._closed or self._driver is None:
             return  # closing: nothing left to fail
+        for engine in self._driver.engines:
+            self._driver.submit_result(engine.peer_dead, dead.endpoint, dead.session_id, dead.epoch, dead.reason)
+
+    def _on_peer_back(self, endpoint: str, session_id: str, epoch: int) -> None:
+        if self._closed or self._driver is None:
+            return
+        for engine in self._driver.engines:
+            back = getattr(engine, "peer_back", None)
+            if back is not None:
+                self._driver.submit_result(back, endpoint, session_id, epoch)
+
+
+class _Frame:
+    """A frame for ``engine``: handled on the driver's thread, then released from its sender's quota."""
+
+    __slots__ = ("__self__", "_release")
+
+    def __init__(self, engine: Any, release: Any) -> None:
+        self.__self__ = engine  # the driver performs this engine's actions after the input
+        self._release = release
+
+    def __call__(self, sender: str, msg: wire.Message, now: float) -> None:
         try:
-            self._submit(self._peer_lost, dead)
-        except PdError:
-            log.error("%s peer: could not queue the loss of %s", self.ROLE, dead.endpoint)
+            self.__self__.message(sender, msg, now)
+        finally:
+            self._release()

@@ -85,7 +85,7 @@ class NodeConfig:
     - ``start_timeout`` (30): a prefill or encode rank's ``start`` retries its
       bootstrap server for this long (then ``StartError``); each data connection
       such a rank makes to a peer gets as long (a failed one fails the rooms waiting).
-    - ``max_pending`` (4096): bounds the worker queue (4x), the I/O queue, the
+    - ``max_pending`` (4096): bounds the driver's inputs (16x), the I/O queue, the
       announcements a prefill rank parks before their room registers, and the
       tombstones and ended rids kept (4x); work past a queue's bound fails the
       room it concerns instead of waiting.
@@ -96,6 +96,9 @@ class NodeConfig:
     host: str = "127.0.0.1"
     transport: str = "tcp"
     transport_options: Mapping[str, Any] = field(default_factory=dict)
+    #: the control plane by name (``pdcore.control.plane``): "zmq", or "faulty:zmq" with ``control_options``
+    control: str = "zmq"
+    control_options: Mapping[str, Any] = field(default_factory=dict)
     heartbeat_interval: float = 1.0
     dead_after: float = 10.0
     tombstone_ttl: float = 60.0
@@ -111,6 +114,12 @@ class NodeConfig:
             raise config_error(self, "heartbeat_interval", f"must be below dead_after ({self.dead_after} s)")
         if self.secret is not None:
             check_secret(self.secret, f"{type(self).__name__}.secret")
+        from ..control.plane import PLANES
+
+        if self.control not in PLANES:
+            raise config_error(self, "control", f"must be one of {', '.join(PLANES)}, got {self.control!r}")
+        if self.control == "zmq" and self.control_options:
+            raise config_error(self, "control_options", f"the 'zmq' plane takes none, got {sorted(self.control_options)}")
         if self.max_pending < 1:
             raise config_error(self, "max_pending", f"must be positive, got {self.max_pending}")
 

@@ -15,14 +15,17 @@ from transport.plan import Layout
 
 from ..control.metrics import Counts, PeerCollector, check_registry
 from ..core.agreement import Agreement
-from ..core.errors import CapacityError, LocalProtocolError, PdError, PeerError, StartError
+from ..core._spec import Trigger
+from ..core.errors import LocalProtocolError, PdError, PeerError, StartError
 from ..core.events import BootstrapInfo, Event, Failed, Succeeded
 from ..core.replica import check_replica
 from ..core.table import StateTable
 from ..node.base import PeerBase
 from .config import PeerConfig
 
-__all__ = ["TransferPeer", "Tombstones", "PdPeer", "wire_int", "check_logprob"]
+__all__ = ["TransferPeer", "PdPeer", "wire_int", "check_logprob"]
+
+_ENDS = (Succeeded, Failed)
 
 
 class TransferPeer(Protocol):
@@ -68,52 +71,8 @@ class TransferPeer(Protocol):
         ...
 
 
-class Tombstones:
-    """Rooms that ended here, remembered for ``ttl`` seconds so late frames get a clear answer.
-
-    Bounded: past ``limit`` entries the oldest go first. ``now`` is an argument.
-    """
-
-    def __init__(self, ttl: float, limit: int) -> None:
-        self._ttl = ttl
-        self._limit = limit
-        self._rooms: OrderedDict[int, tuple[float, str]] = OrderedDict()
-
-    def add(self, room: int, reason: str, now: float) -> None:
-        self._rooms.pop(room, None)
-        self._rooms[room] = (now + self._ttl, reason)
-        while len(self._rooms) > self._limit:
-            self._rooms.popitem(last=False)
-
-    def get(self, room: int) -> str | None:
-        entry = self._rooms.get(room)
-        return None if entry is None else entry[1]
-
-    def pop(self, room: int) -> str | None:
-        entry = self._rooms.pop(room, None)
-        return None if entry is None else entry[1]
-
-    def expire(self, now: float) -> None:
-        while self._rooms:
-            room, (until, _) = next(iter(self._rooms.items()))
-            if until > now:
-                return
-            del self._rooms[room]
-
-    def __len__(self) -> int:
-        return len(self._rooms)
-
-
 def kv_layout(regions: list[Any], config: PeerConfig) -> Layout:
     return Layout([r.addr for r in regions], config.page_bytes_per_buffer, config.num_pages)
-
-
-def layout_json(layout: Layout, kv: Any = None) -> dict[str, Any]:
-    """What a peer needs to plan writes into our cache: its pages, and what they hold (``KvLayout``) if known."""
-    out = {"bases": list(layout.bases), "page_bytes": list(layout.page_bytes), "num_pages": layout.num_pages}
-    if kv is not None:
-        out["kv"] = kv.to_json()
-    return out
 
 
 def wire_int(where: str, name: str, value: Any, limit: int) -> int:
@@ -140,7 +99,12 @@ def check_logprob(where: str, value: Any) -> float | None:
 
 
 class PdPeer(PeerBase):
-    """A PD rank's peer: ``PrefillPeer`` and ``DecodePeer`` add their side of the protocol."""
+    """A PD rank's peer: the scheduler's side of ``PrefillPeer`` and ``DecodePeer``.
+
+    The scheduler's thread owns what is here: the table's registrations and rounds, the live
+    rids, the rids that ended lately (a late call for one is a no-op). The protocol is the role's
+    engine, on the driver's thread: each scheduler call becomes an input there, and each round's
+    fences and ends too (``fence``, ``settled``)."""
 
     _TERMINAL: tuple[type, ...] = ()  # the events that end a request on this side (metrics)
 
@@ -151,12 +115,11 @@ class PdPeer(PeerBase):
             config.capacity, bootstrap_timeout=config.bootstrap_timeout, waiting_timeout=config.waiting_timeout
         )
         self._agreement = Agreement(self._table, agreement=config.agreement, shm_timeout=config.agreement_timeout)
-        self._tombstones = Tombstones(config.tombstone_ttl, 4 * config.max_pending)
+        self._live_rids: set[str] = set()  # registered and not yet ended (the scheduler's thread)
         # rids that ended here lately (tombstone_ttl, the last 4 * max_pending): a late scheduler call is a no-op
         self._ended: OrderedDict[str, float] = OrderedDict()
         self._ended_limit = 4 * config.max_pending
         self._checked_replica: object = None  # the last replica poll() accepted
-        self._fence_backlog: list[str] = []  # fences the full work queue could not take yet
         # what the metrics read; None without a registry, so a peer without metrics pays nothing for them
         self.counts = Counts() if config.metrics is not None else None
 
@@ -182,18 +145,16 @@ class PdPeer(PeerBase):
             regions.append(region)
         self._layout = kv_layout(regions, cfg)
 
-    def _tick(self, now: float) -> None:
-        with self._lock:
-            self._tombstones.expire(now)
-            ended = self._ended
-            while ended and next(iter(ended.values())) <= now:
-                ended.popitem(last=False)
-
     # -- the scheduler's calls: what a rid may be ------------------------------------------
 
-    def _live(self, rid: str) -> bool:
-        """The role's table of live requests holds ``rid`` (until the round that ends it settles)."""
-        raise NotImplementedError
+    def _registered(self, rid: str) -> None:
+        """The table takes ``rid`` (the scheduler's thread, in registration order on every rank)."""
+        self._check_open()
+        self._table.register(rid, time.monotonic())
+        self._live_rids.add(rid)
+        self._ended.pop(rid, None)  # a rid used again: its next end goes to the back
+        if self.counts is not None:
+            self.counts.born(rid)
 
     def _accepts(self, rid: str, call: str) -> bool:
         """Whether the scheduler's ``call`` for ``rid`` goes ahead.
@@ -204,52 +165,36 @@ class PdPeer(PeerBase):
         ``LocalProtocolError`` for a rid this peer never registered, or forgot; ``PeerError``
         after ``close``.
         """
-        if self._closed:
-            raise PeerError(f"{self.ROLE} peer: closed")
-        with self._lock:  # the round records an ended rid before it drops it from the live table
-            if self._live(rid):
-                return True
-            if rid in self._ended:
-                return False
+        self._check_open()
+        if rid in self._live_rids:
+            return True
+        until = self._ended.get(rid)
+        if until is not None and until > time.monotonic():
+            return False
         raise LocalProtocolError(
             f"{call}({rid!r}): no such request on this {self.ROLE} peer (never registered here, or it ended "
             f"more than tombstone_ttl = {self._config.tombstone_ttl:g} s ago)"
         )
 
-    def _remember_ended(self, events: list[Event]) -> None:
-        until = time.monotonic() + self._config.tombstone_ttl
-        with self._lock:
-            ended = self._ended
-            for event in events:
-                if type(event) is Succeeded or type(event) is Failed:
-                    ended.pop(event.rid, None)
-                    ended[event.rid] = until
-            while len(ended) > self._ended_limit:
-                ended.popitem(last=False)
-
-    # -- the table -------------------------------------------------------------------------
-
-    def _fire(self, rid: str, trigger: int, reason: str = "") -> int | None:
-        """Fire a trigger for ``rid`` if it is still tracked; returns the new state or None."""
+    def _input(self, rid: str, fn: Any, *args: Any) -> None:
+        """Hand a scheduler call for ``rid`` to the engine; one it cannot take fails the request."""
         try:
-            return int(self._table.update(rid, trigger, time.monotonic(), reason))
-        except PdError:  # the request ended meanwhile (a race with the scheduler thread)
-            return None
+            self._submit(fn, *args)
+        except PeerError:
+            raise
+        except PdError as e:
+            self._table.update(rid, Trigger.FAIL, time.monotonic(), f"{self.ROLE} peer overloaded: {e}")
 
-    def _fenced(self, rid: str) -> None:
-        try:
-            self._table.fenced(rid)
-        except PdError:
-            pass
+    # -- the round ---------------------------------------------------------------------------
 
     def poll(self, replica: object = None) -> list[Event]:
         """The transfers whose state the replica agreed changed; every rank calls it in the same rounds.
 
         ``replica`` is the replica's ``torch.distributed`` process group (gloo), or None for a
         replica of one rank; anything else is a ``LocalProtocolError``. ``PeerError`` after ``close``.
+        Never waits on the network: the round's fences and ends go to the engine as inputs.
         """
-        if self._closed:
-            raise PeerError(f"{self.ROLE} peer: closed")
+        self._check_open()
         if replica is not None and replica is not self._checked_replica:
             check_replica(replica, f"{self.ROLE} peer: poll")
             self._checked_replica = replica
@@ -261,32 +206,36 @@ class PdPeer(PeerBase):
             events = self._agreement.round(time.monotonic(), replica)
             counts.rounds.observe(time.perf_counter() - started)
         fencing = self._table.take_fencing()
-        if self._fence_backlog:
-            fencing, self._fence_backlog = self._fence_backlog + fencing, []
-        for rid in fencing:
-            try:
-                self._submit(self._close_fence, rid)
-            except CapacityError:  # the queue is full: the fence stays armed and is queued next round
-                self._fence_backlog.append(rid)
-            except PdError:  # closing: no worker, and the transport goes down with the peer
-                self._fenced(rid)
+        if fencing:
+            self._result(self._engine.fence, fencing)
+        recent = self._ended
+        now = time.monotonic()
+        while recent and next(iter(recent.values())) <= now:
+            recent.popitem(last=False)
         if not events:
             return events
-        self._remember_ended(events)  # before the settle drops them: a concurrent send never sees neither
-        settled = self._settle(events)
+        ended = [event.rid for event in events if type(event) in _ENDS]
+        if ended:  # in bulk: this runs every round, on the scheduler's thread
+            self._live_rids.difference_update(ended)
+            recent.update(dict.fromkeys(ended, now + self._config.tombstone_ttl))
+            for _ in range(len(recent) - self._ended_limit):
+                recent.popitem(last=False)
+            self._result(self._engine.settled, events)
+        settled = self._settle(events, ended)
         if counts is not None:
             counts.ended(settled, self._TERMINAL)
         return settled
+
+    def _result(self, fn: Any, *args: Any) -> None:
+        """An input the round owes the engine (fences, ends): never refused, never lost."""
+        if self._driver is not None:
+            self._driver.submit_result(fn, *args)
 
     def has_in_flight(self) -> bool:
         """A transfer is still tracked: it may yet read or write the cache."""
         return self._table.has_in_flight()
 
-
-    # -- the protocol's hooks ---------------------------------------------------------------
-
-    def _settle(self, events: list[Event]) -> list[Event]:
-        raise NotImplementedError
-
-    def _close_fence(self, rid: str) -> None:
-        raise NotImplementedError
+    def _settle(self, events: list[Event], ended: list[str]) -> list[Event]:
+        """The role's events as the scheduler gets them (decode: a landing's first token); ``ended``:
+        the rids among them that ended."""
+        return events

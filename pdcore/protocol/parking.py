@@ -88,6 +88,10 @@ class Parking:
             out.append(key)
         return out
 
+    def next_deadline(self) -> float:
+        """When the oldest announcement's deadline passes (inf: none is parked)."""
+        return next(iter(self._entries.values()))[1] if self._entries else float("inf")
+
     def pages(self, sender: str | None = None) -> int:
         """Page ids parked for ``sender`` (None: for every sender)."""
         return self._total if sender is None else self._pages[sender]

@@ -1,0 +1,94 @@
+"""``faulty:zmq``: the ZeroMQ control channel with faults on the way out, for chaos runs.
+
+``FaultyChannel`` is a ``ControlChannel`` whose outgoing frames are dropped, held
+back (per-peer order kept), duplicated or corrupted (1 to 3 bytes of the encoded
+frame flipped) at seeded rates (``seed``, ``drop``, ``delay`` with
+``max_delay`` seconds, ``dup``, ``corrupt``). Frames leave through the I/O
+thread's send step, so the faults sit there; held-back frames go out from the
+flush the I/O thread runs at least every heartbeat interval. ``faults`` counts
+what was done; ``samples`` keeps corrupted frames that still decoded (what
+became what), which the wire's CRC-32 should make rare.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, deque
+from typing import Any
+
+from . import wire
+from .channel import ControlChannel
+
+__all__ = ["FaultyChannel"]
+
+
+def _short(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class FaultyChannel(ControlChannel):
+    def __init__(self, *args: Any, seed: int = 0, drop: float = 0.0, delay: float = 0.0, max_delay: float = 0.2,
+                 dup: float = 0.0, corrupt: float = 0.0, **kwargs: Any) -> None:
+        for name, rate in (("drop", drop), ("delay", delay), ("dup", dup), ("corrupt", corrupt)):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"faulty control channel: {name} must be in 0..1, got {rate!r}")
+        super().__init__(*args, **kwargs)
+        self._rates = (drop, delay, max_delay, dup, corrupt)
+        self._rng = random.Random(seed)
+        self._held: dict[str, deque[tuple[float, bytes, tuple[int, ...]]]] = {}
+        self.faults: Counter[str] = Counter()
+        self.samples: list[str] = []
+
+    def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
+        drop, delay, max_delay, dup, corrupt = self._rates
+        rng = self._rng
+        held = self._held.get(endpoint)
+        if rng.random() < drop:
+            self.faults["dropped"] += 1
+            return True  # "sent": lost on the way
+        if rng.random() < corrupt:
+            self.faults["corrupted"] += 1
+            data = bytearray(frame)
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(len(data))] ^= rng.randint(1, 255)
+            try:  # the wire's CRC-32 should refuse it; one that still decodes is noted
+                after = wire.decode(bytes(data))
+            except Exception:
+                pass
+            else:
+                self.faults["corrupted_still_valid"] += 1
+                if len(self.samples) < 20:
+                    self.samples.append(f"{_short(repr(wire.decode(frame)))} -> {_short(repr(after))}")
+            frame = bytes(data)
+        copies = 2 if rng.random() < dup else 1
+        if copies == 2:
+            self.faults["duplicated"] += 1
+        if held or rng.random() < delay:
+            due = time.monotonic() + rng.random() * max_delay
+            queue = self._held.setdefault(endpoint, deque())
+            if queue:
+                due = max(due, queue[-1][0])
+            else:
+                self.faults["delayed"] += 1
+            for _ in range(copies):
+                queue.append((due, frame, rooms))
+            return True
+        ok = True
+        for _ in range(copies):
+            ok = super()._send_now(endpoint, frame, rooms) and ok
+        return ok
+
+    def _flush(self) -> None:
+        now = time.monotonic()
+        for endpoint, queue in list(self._held.items()):
+            while queue and queue[0][0] <= now:
+                _, frame, rooms = queue.popleft()
+                super()._send_now(endpoint, frame, rooms)
+            if not queue:
+                del self._held[endpoint]
+        super()._flush()
+
+    def _drop_peer(self, endpoint: str) -> None:
+        self._held.pop(endpoint, None)
+        super()._drop_peer(endpoint)

@@ -1,0 +1,216 @@
+"""The threaded driver: one thread runs a peer's engines; it performs their actions on the real planes.
+
+An engine (``pdcore.protocol``) is sans-IO; this module is the other half. Every
+input reaches the engines through ``submit`` (any thread: the scheduler's calls,
+the control plane's frames and verdicts, the transport's completions, the I/O
+threads' results), lands on one queue and is run on the driver's thread, with
+``now`` appended: so no engine state is ever touched from two threads, and there
+is no "queue full" path inside the protocol. After each input the driver
+performs the engines' actions in order:
+
+- ``Send`` on the control plane (never blocks; a failure with a token is fed back);
+- ``Grant``, ``Revoke``, ``Disconnect``, ``Post`` on the transport, on this thread
+  (a ``Revoke`` may wait up to its ``seconds`` for a write still landing; a
+  ``Post`` up to its ``wait`` for room, as the protocol worker always did); a
+  ``Grant``'s and ``Revoke``'s outcome, and a ``Post`` that could not be
+  posted, are fed back before the next action;
+- ``Connect`` and ``LookUp`` on the I/O threads (they wait on other hosts), their
+  results submitted back.
+
+Bounds: the inputs the scheduler's calls and the control plane make are counted
+against ``max_inputs`` (past it ``submit`` raises ``CapacityError``, which the
+caller turns into a failure of what it concerns); completions and I/O results
+are bounded by their sources (the transport's in-flight bound, the I/O queue)
+and always taken. ``close`` stops every thread within its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..control.bootstrap import BootstrapClient
+from ..core.deadline import Deadline, DeadlineExceeded
+from ..core.errors import CapacityError, PdError, PeerError
+from ..protocol.actions import Connect, LookUp
+from .perform import Performer
+
+__all__ = ["Driver"]
+
+log = logging.getLogger("pdcore.driver")
+
+TICK = 0.05  # the longest the engines wait for their clock when idle
+_IO_THREADS = 4
+_LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on an I/O thread
+
+
+class Driver(Performer):
+    """Runs ``engines`` (attached with ``attach``) on one thread over ``transport`` and ``channel``."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        transport: Any,
+        channel: Any,
+        secret: bytes | None,
+        max_inputs: int,
+        io_queue: int,
+        stats: dict[str, int] | None = None,
+    ) -> None:
+        super().__init__(name, transport=transport, channel=channel, clock=time.monotonic, stats=stats)
+        self._secret = secret
+        self._max_inputs = max_inputs
+        self._inbox: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], bool] | None] = queue.SimpleQueue()
+        self._queued = 0  # bounded inputs queued (the scheduler's and the control plane's)
+        self._count_lock = threading.Lock()
+        self._io_items: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(io_queue)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._io_threads: list[threading.Thread] = []
+
+    def depths(self) -> dict[str, int]:
+        """Inputs and I/O items queued now (a metric)."""
+        return {"inputs": self._queued, "io": self._io_items.qsize()}
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run the engine input ``fn(*args, now)`` on the driver's thread; never blocks.
+
+        ``CapacityError`` past ``max_inputs`` queued, ``PeerError`` once closed."""
+        if self._stop.is_set():
+            raise PeerError(f"{self._name}: closed")
+        with self._count_lock:
+            if self._queued >= self._max_inputs:
+                raise CapacityError(f"{self._name}: {self._queued} inputs already queued")
+            self._queued += 1
+        self._inbox.put((fn, args, True))
+
+    def submit_result(self, fn: Callable[..., Any], *args: Any) -> None:
+        """As ``submit``, for what the planes answer (completions, I/O results): never refused, never lost
+        while the driver runs (bounded by its source: the transport's in-flight writes, the I/O queue)."""
+        if not self._stop.is_set():
+            self._inbox.put((fn, args, False))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` (no ``now``, no engine) on the driver's thread, after what is queued (tests)."""
+        self._inbox.put((lambda *a: fn(*a[:-1]), args, False))
+
+    # -- start and stop -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"pdcore-{self._name}-driver", daemon=True)
+        self._io_threads = [threading.Thread(target=self._io_run, name=f"pdcore-{self._name}-io-{i}", daemon=True)
+                            for i in range(_IO_THREADS)]
+        self._thread.start()
+        for t in self._io_threads:
+            t.start()
+
+    def close(self, deadline: Deadline | None = None) -> None:
+        """Stop the driver and the I/O threads (each within ``deadline``); idempotent."""
+        self._stop.set()
+        self._inbox.put(None)
+        for _ in self._io_threads:
+            try:
+                self._io_items.put_nowait(None)  # wake an idle I/O thread at once
+            except queue.Full:
+                break  # busy threads see the stop between items
+        deadline = deadline or Deadline.after(5.0)
+        for thread in (self._thread, *self._io_threads):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(deadline.remaining())
+                if thread.is_alive():
+                    raise PeerError(f"{self._name}: the {thread.name} thread did not stop by the deadline")
+
+    def run_now(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run an engine input on the caller's thread: only when the driver's thread is not running
+        (before ``start``, after ``close``), e.g. a farewell."""
+        assert self._thread is None or not self._thread.is_alive()
+        self.input(fn, args)
+
+    # -- the driver's thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        inbox = self._inbox
+        while not self._stop.is_set():
+            due = min(next_tick, min((e.next_deadline() for e in self._engines), default=next_tick))
+            try:
+                item = inbox.get(timeout=max(0.0, due - time.monotonic()))
+            except queue.Empty:
+                item = None
+            if item is not None:
+                fn, args, counted = item
+                if counted:
+                    with self._count_lock:
+                        self._queued -= 1
+                self.input(fn, args)
+            now = time.monotonic()
+            if now >= due:
+                for engine in self._engines:
+                    self.input(engine.tick, ())
+                next_tick = now + TICK
+
+    # -- the I/O threads ----------------------------------------------------------------------------
+
+    def _io(self, engine: Any, action: Connect | LookUp) -> None:
+        fn = self._connect_io if type(action) is Connect else self._look_up_io
+        try:
+            self._io_items.put_nowait((fn, (engine, action)))
+        except queue.Full:
+            why = f"{self._io_items.maxsize} I/O items already queued"
+            if type(action) is Connect:
+                engine.connected(action.token, None, why, time.monotonic())
+            else:
+                engine.looked_up(action.server, None, {}, None, time.monotonic())
+
+    def _result(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.submit_result(fn, *args)
+
+    def _io_run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._io_items.get(timeout=1.0)  # close() wakes it with a None
+            except queue.Empty:
+                continue
+            if item is None:
+                continue
+            try:
+                item[0](*item[1])
+            except Exception:
+                self.stats["work_errors"] += 1
+                log.exception("%s: I/O item failed", self._name)
+
+    def _connect_io(self, engine: Any, action: Connect) -> None:
+        """(Re)connect the transport to a sink; the engine adopts the outcome."""
+        handle, error = None, ""
+        try:
+            if action.old is not None:
+                self._transport.disconnect(action.old, deadline=Deadline.after(1.0))
+            handle = self._transport.connect(action.endpoint, deadline=Deadline.after(action.seconds))
+        except Exception as e:  # whatever it was, the rooms waiting for it must hear (else they wait forever)
+            if not isinstance(e, PdError):
+                log.exception("%s: connecting the transport failed unexpectedly", self._name)
+            error = f"cannot connect the transport: {e}"
+        self.submit_result(engine.connected, action.token, handle, error)
+
+    def _look_up_io(self, engine: Any, action: LookUp) -> None:
+        """A deployment's shape and the ranks the engine needs, from its bootstrap server."""
+        client = BootstrapClient(*action.server, secret=self._secret)
+        info, ranks, error = action.info, {}, None
+        try:
+            if info is None or not info.complete:
+                info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
+            if info is not None and info.complete:
+                for key in set(action.keys(info)) - action.have:
+                    ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
+        except (OSError, DeadlineExceeded) as e:
+            log.debug("%s: bootstrap %s:%d not reachable yet: %s", self._name, *action.server, e)
+        except PdError as e:
+            error = str(e)
+        self.submit_result(engine.looked_up, action.server, info, ranks, error)

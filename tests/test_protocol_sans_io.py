@@ -1,0 +1,72 @@
+"""The role engines are sans-IO: nothing under ``pdcore/protocol/`` imports a thread, socket, queue, clock or
+transport implementation, directly or through the pdcore modules it imports (read from the source: every
+import of every module they reach, ``TYPE_CHECKING`` blocks aside)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = {"threading", "socket", "select", "selectors", "queue", "zmq", "time", "concurrent", "asyncio",
+             "multiprocessing", "subprocess", "http", "urllib"}
+FORBIDDEN_OURS = ("pdcore.node", "pdcore.pd", "pdcore.tools", "pdcore.sim", "pdcore.control.channel",
+                  "pdcore.control.bootstrap", "pdcore.control.faulty", "pdcore.control.plane", "transport.tcp",
+                  "transport.verbs", "transport.faulty", "transport.registry")
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                out.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    name = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    name = node.module or ""
+                out.add(name)
+                out.update(f"{name}.{alias.name}" for alias in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body + node.orelse + getattr(node, "finalbody", []) +
+                      [h for handler in getattr(node, "handlers", []) for h in handler.body])
+
+    visit(tree.body)
+    return out
+
+
+def _file(module: str) -> Path | None:
+    for candidate in (ROOT / (module.replace(".", "/") + ".py"), ROOT / module.replace(".", "/") / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def test_the_engines_import_no_io() -> None:
+    todo = [f"pdcore.protocol.{p.stem}" for p in (ROOT / "pdcore" / "protocol").glob("*.py")]
+    seen: set[str] = set()
+    bad: list[str] = []
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = _file(module)
+        if path is None:
+            continue
+        for name in _imports(path, module):
+            top = name.split(".")[0]
+            if top in FORBIDDEN or name.startswith(FORBIDDEN_OURS):
+                bad.append(f"{module} imports {name}")
+            elif top in ("pdcore", "transport") and name not in ("pdcore", "transport"):
+                todo.append(name)
+    assert not bad, "\n".join(sorted(set(bad)))
+    assert "pdcore.protocol.prefill" in seen and "pdcore.epd.sending" in seen
