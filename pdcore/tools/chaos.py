@@ -66,7 +66,7 @@ from .demo import PRELOAD, Pages, Request, _cache, _leftovers, first_token, patt
 from .ranks import cause, context
 from .progress import RunProgress
 
-__all__ = ["ChaosPlan", "ChaosOutcome", "run", "report", "main", "faulty_control_channel"]
+__all__ = ["ChaosPlan", "ChaosOutcome", "run", "report", "main"]
 
 CANARY_FAILED = 0xA5  # a page handed back on Failed
 CANARY_DONE = 0x5A  # a page handed back after its RemotePrefillDone was checked
@@ -137,92 +137,6 @@ class ChaosPlan:
 # ------------------------------------------------------------------------------ control-channel faults
 
 
-def _short(text: str, limit: int = 240) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def faulty_control_channel(
-    seed: int, *, drop: float, delay: float, max_delay: float, dup: float, corrupt: float
-) -> type:
-    """A ``ControlChannel`` subclass whose outgoing frames are dropped, held back (per-peer order
-    kept), duplicated or corrupted (1-3 bytes of the encoded frame flipped) at these rates.
-
-    Frames leave through ``ControlChannel._send_now`` on the I/O thread (``_flush`` and the
-    heartbeat ``_tick``), so the faults sit there; held-back frames go out from ``_flush``, which
-    the I/O thread runs at least every heartbeat interval.
-    """
-    from ..control import wire
-    from ..control.channel import ControlChannel
-
-    for hook in ("_send_now", "_flush", "_drop_peer"):  # the I/O thread's private hooks this relies on
-        if not callable(getattr(ControlChannel, hook, None)):
-            raise RuntimeError(f"chaos: ControlChannel.{hook} is gone; faulty_control_channel needs updating")
-
-    class FaultyControlChannel(ControlChannel):
-        faults: Counter[str] = Counter()
-        samples: list[str] = []  # corrupted frames that still decoded: what became what
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._chaos_rng = random.Random(seed)
-            self._chaos_held: dict[str, deque[tuple[float, bytes, tuple[int, ...]]]] = {}
-
-        def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
-            rng = self._chaos_rng
-            held = self._chaos_held.get(endpoint)
-            if rng.random() < drop:
-                self.faults["dropped"] += 1
-                return True  # "sent": lost on the way
-            if rng.random() < corrupt:
-                self.faults["corrupted"] += 1
-                data = bytearray(frame)
-                for _ in range(rng.randint(1, 3)):
-                    data[rng.randrange(len(data))] ^= rng.randint(1, 255)
-                try:  # the wire's CRC-32 should refuse it; one that still decodes is noted (and shown on failure)
-                    wire.decode(bytes(data))
-                except Exception:
-                    pass
-                else:
-                    self.faults["corrupted_still_valid"] += 1
-                    if len(FaultyControlChannel.samples) < 20:
-                        FaultyControlChannel.samples.append(
-                            f"{_short(repr(wire.decode(frame)))} -> {_short(repr(wire.decode(bytes(data))))}"
-                        )
-                frame = bytes(data)
-            copies = 2 if rng.random() < dup else 1
-            if copies == 2:
-                self.faults["duplicated"] += 1
-            if held or rng.random() < delay:
-                now = time.monotonic()
-                due = now + rng.random() * max_delay
-                queue = self._chaos_held.setdefault(endpoint, deque())
-                if queue:
-                    due = max(due, queue[-1][0])
-                else:
-                    self.faults["delayed"] += 1
-                for _ in range(copies):
-                    queue.append((due, frame, rooms))
-                return True
-            ok = True
-            for _ in range(copies):
-                ok = super()._send_now(endpoint, frame, rooms) and ok
-            return ok
-
-        def _flush(self) -> None:
-            now = time.monotonic()
-            for endpoint, queue in list(self._chaos_held.items()):
-                while queue and queue[0][0] <= now:
-                    _, frame, rooms = queue.popleft()
-                    super()._send_now(endpoint, frame, rooms)
-                if not queue:
-                    del self._chaos_held[endpoint]
-            super()._flush()
-
-        def _drop_peer(self, endpoint: str) -> None:
-            self._chaos_held.pop(endpoint, None)
-            super()._drop_peer(endpoint)
-
-    return FaultyControlChannel
 
 
 # ------------------------------------------------------------------------------ ranks
@@ -355,29 +269,23 @@ class _Sync:
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _install_control_faults(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> None:
-    # A chaos harness only: replace the name the peers build their channel from (PeerBase._start
-    # calls ``ControlChannel(...)`` from pdcore.node.base's namespace) in this child process.
-    from ..node import base
-
-    if any((plan.control_drop, plan.control_delay, plan.control_dup, plan.control_corrupt)):
-        base.ControlChannel = faulty_control_channel(  # type: ignore[misc]
-            plan.rank_seed(role, index, gen, rank, "control"),
-            drop=plan.control_drop, delay=plan.control_delay, max_delay=plan.control_max_delay,
-            dup=plan.control_dup, corrupt=plan.control_corrupt,
-        )
-
-
 def _knobs(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if plan.transport.startswith("faulty:"):
         options = {"seed": plan.rank_seed(role, index, gen, rank, "transport"), "fail_rate": plan.fail_rate,
                    "land_rate": plan.land_rate, "delay": plan.delay}
+    control: dict[str, Any] = {}
+    if any((plan.control_drop, plan.control_delay, plan.control_dup, plan.control_corrupt)):
+        control = {"control": "faulty:zmq", "control_options": {
+            "seed": plan.rank_seed(role, index, gen, rank, "control"), "drop": plan.control_drop,
+            "delay": plan.control_delay, "max_delay": plan.control_max_delay, "dup": plan.control_dup,
+            "corrupt": plan.control_corrupt}}
     return {
         "page_bytes": plan.page_bytes,
         "num_pages": plan.num_pages,
         "transport": plan.transport,
         "transport_options": options,
+        **control,
         "capacity": 1024,
         "heartbeat_interval": plan.heartbeat_interval,
         "dead_after": plan.dead_after,
@@ -390,9 +298,6 @@ def _knobs(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> dict[
     }
 
 
-_MAPS = ("_rooms", "_by_rid", "_pending", "_requests", "_by_source", "_waiting")  # as demo._leftovers counts them
-
-
 def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any]:
     """Leftovers before close; threads and fault counters after it.
 
@@ -402,8 +307,9 @@ def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any
     round, so no collective waits meanwhile.
     """
     def maps() -> dict[str, int]:
-        return {name[1:]: len(getattr(peer, name)) for name in _MAPS if hasattr(peer, name)}
+        return peer._engine.held()  # as demo._leftovers counts them
 
+    peer.quiesce()  # the last round's ends reach the engine first
     result["maps_at_end"] = maps()
     until = time.monotonic() + max(plan.bootstrap_timeout, plan.waiting_timeout, plan.fence_timeout) + 2.0
     while any(maps().values()) and time.monotonic() < until:
@@ -412,8 +318,8 @@ def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any
     transport = getattr(peer, "_transport", None)
     result["transport_faults"] = dict(getattr(transport, "stats", {}) or {})
     channel = getattr(peer, "_channel", None)
-    result["control_faults"] = dict(getattr(type(channel), "faults", {}) or {})
-    result["corrupted_still_valid"] = list(getattr(type(channel), "samples", []))
+    result["control_faults"] = dict(getattr(channel, "faults", {}) or {})
+    result["corrupted_still_valid"] = list(getattr(channel, "samples", []))
     result["control_stats"] = dict(vars(channel.stats)) if channel is not None else {}
     result["peer_stats"] = dict(peer.stats)
     peer.close()
@@ -430,7 +336,6 @@ def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any
 def _prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, store: str, conn: Any) -> None:
     from .. import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
 
-    _install_control_faults(plan, "prefill", index, gen, rank)
     group = _join_group(store, rank, plan.prefill_tp, plan.collective_timeout)
     cache = _cache(plan)  # type: ignore[arg-type]
     peer, outbox = PrefillPeer.start(
@@ -494,7 +399,6 @@ def _news(sync: Any, peer: Any, live: dict[str, Request], log: list[Any], bootst
 def _decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[int], store: str, conn: Any) -> None:
     from .. import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
-    _install_control_faults(plan, "decode", index, gen, rank)
     group = _join_group(store, rank, plan.decode_tp, plan.collective_timeout)
     cache = _cache(plan)  # type: ignore[arg-type]
     peer, inbox = DecodePeer.start(

@@ -216,18 +216,19 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
     retry); with ``plan.await_tombstones`` the rank first waits for its tombstones' TTL to pass
     (no collective meanwhile: every rank of the replica left its loop in the same round).
     """
-    at_end = len(peer._tombstones)
+    engine = peer._engine
+    peer.quiesce()  # the last round's ends reach the engine first
+    at_end = engine.tombstones()
     if plan.await_tombstones:
         until = time.monotonic() + plan.tombstone_ttl + 2.0
-        while len(peer._tombstones) and time.monotonic() < until:
-            time.sleep(0.05)  # the worker expires tombstones on its own tick
-    names = ("_rooms", "_by_rid", "_pending", "_requests", "_by_source", "_waiting")
+        while engine.tombstones() and time.monotonic() < until:
+            time.sleep(0.05)  # the driver expires tombstones on its own tick
     return {
         "in_flight": peer.has_in_flight(),
         "tracked": len(peer._table),
         "tombstones_at_end": at_end,
-        "tombstones": len(peer._tombstones),
-        "maps": {name[1:]: len(getattr(peer, name)) for name in names if hasattr(peer, name)},
+        "tombstones": engine.tombstones(),
+        "maps": engine.held(),
     }
 
 

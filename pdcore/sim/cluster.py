@@ -1,0 +1,288 @@
+"""Simulated ranks and replicas: the real engines and tables, over the simulated planes.
+
+A ``SimRank`` is what a peer is in a real process, minus threads: its role's
+engine(s) (``pdcore.protocol``) with the real compiled table, a ``Performer``
+that performs their actions on a ``SimTransport`` and a ``SimChannel``, and its
+registered memory (numpy). Inputs reach the engines in event order; a paused
+rank keeps them until it resumes, a killed one drops them. A ``Replica`` is a
+rank's tp group: its round reduces the ranks' tables with MIN in one step (the
+same encode/decode the agreement runs, the same rule for failure reasons), so
+every rank of it gets the events of that round; the scheduler models
+(``pdcore.sim.workload``) act on them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from transport.plan import Layout
+
+from ..control.bootstrap import RankRegistration, Registry
+from ..control.liveness import DeadPeer
+from ..core.agreement import pick_reasons
+from ..core.events import Failed
+from ..core.table import StateTable
+from ..epd.config import EncodeConfig, ReceiverConfig
+from ..epd.table import ReceiveTable
+from ..node.perform import Performer
+from ..pd.config import DecodeConfig, PrefillConfig
+from ..protocol.actions import Connect, LookUp
+from ..protocol.decode import DecodeEngine
+from ..protocol.encode import EncodeEngine
+from ..protocol.engine import Services
+from ..protocol.prefill import PrefillEngine
+from ..protocol.receiver import ReceiverEngine
+from .control import Network, SimChannel
+from .data import Fabric, SimTransport
+from .world import World
+
+__all__ = ["SimRank", "Replica", "Planes"]
+
+TICK = 0.05  # simulated seconds between a rank's ticks
+
+
+class Planes:
+    """What every rank of a simulation shares: the world, the two planes, the bootstrap servers."""
+
+    def __init__(self, world: World, *, heartbeat: float, dead_after: float, wire_check: bool = True) -> None:
+        self.world = world
+        self.fabric = Fabric(world)
+        self.network = Network(world, heartbeat=heartbeat, dead_after=dead_after, wire_check=wire_check)
+        self.registries: dict[tuple[str, int], Registry] = {}
+        self.connect_delay = 0.001
+        self.lookup_delay = 0.001
+        self._ports = itertools.count(20000)
+        self.work_errors = 0
+
+    def endpoint(self) -> str:
+        port = next(self._ports)
+        return f"tcp://10.{port // 250 % 250}.{port % 250}.1:{7000 + port % 1000}"
+
+    def registry(self, server: tuple[str, int]) -> Registry:
+        return self.registries.setdefault(server, Registry())
+
+
+class SimPerformer(Performer):
+    """The simulator's performer: ``Connect`` and ``LookUp`` are answered after a simulated delay."""
+
+    def __init__(self, rank: SimRank) -> None:
+        super().__init__(rank.name, transport=rank.transport, channel=rank.channel, clock=lambda: rank.world.now,
+                         stats={})
+        self._rank = rank
+
+    def _io(self, engine: Any, action: Connect | LookUp) -> None:
+        planes = self._rank.planes
+        if type(action) is Connect:
+            planes.world.after(planes.connect_delay, self._connect, engine, action)
+        else:
+            planes.world.after(planes.lookup_delay, self._look_up, engine, action)
+
+    def _connect(self, engine: Any, action: Connect) -> None:
+        try:
+            handle, error = self._transport.connect(action.endpoint), ""
+        except Exception as e:
+            handle, error = None, f"cannot connect the transport: {e}"
+        self._rank.input(engine.connected, action.token, handle, error)
+
+    def _look_up(self, engine: Any, action: LookUp) -> None:
+        registry = self._rank.planes.registries.get(action.server)
+        info, ranks, error = action.info, {}, None
+        if registry is not None:
+            try:
+                if info is None or not info.complete:
+                    info = registry.parallel_info()
+                if info is not None and info.complete:
+                    for key in set(action.keys(info)) - action.have:
+                        ranks[key] = registry.lookup(*key)
+            except Exception as e:  # a refusal of the keys (no such group): as the server's 4xx would
+                error = str(e)
+        self._rank.input(engine.looked_up, action.server, info, ranks, error)
+
+    def _result(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._rank.input(fn, *args)
+
+
+class SimRank:
+    """One rank of one role (``"prefill"``, ``"decode"``, ``"encode"``) over the simulated planes."""
+
+    def __init__(self, planes: Planes, role: str, name: str, config: Any, *, epoch: int,
+                 buffers: list[np.ndarray], receiver: ReceiverConfig | None = None,
+                 deliver: Callable[[str, Any, Any], None] | None = None) -> None:
+        self.planes = planes
+        self.world: World = planes.world
+        self.role = role
+        self.name = name
+        self.config = config
+        self.session_id = f"{role}-{name}-{epoch}"
+        self.epoch = epoch
+        self.endpoint = planes.endpoint()
+        self.transport = SimTransport(planes.fabric, name)
+        self.channel = SimChannel(planes.network, self, self.endpoint)
+        self.killed = self.paused = False
+        self._backlog: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self.buffers = buffers
+        self.table: Any = None
+        self.layout: Layout | None = None
+        self.receiver: ReceiverEngine | None = None
+        self.recv_table: Any = None
+        deliver = deliver or (lambda kind, key, value: None)
+        regions = [self.transport.register(b, require_grant=role != "encode") for b in buffers]
+        if role == "encode":
+            self.engine = EncodeEngine(self._services(None, deliver))
+        else:
+            self.table = StateTable(config.capacity, bootstrap_timeout=config.bootstrap_timeout,
+                                    waiting_timeout=config.waiting_timeout)
+            self.layout = Layout([r.addr for r in regions], config.page_bytes_per_buffer, config.num_pages)
+            services = self._services(self.table, deliver)
+            self.engine = PrefillEngine(services) if role == "prefill" else DecodeEngine(services)
+        self.performer = SimPerformer(self)
+        self.performer.attach(self.engine)
+        if receiver is not None:
+            self.recv_table = ReceiveTable(
+                receiver.slots, receiver.slot_rows, max_requests=receiver.max_requests, max_items=receiver.max_items,
+                rank=config.tp_rank, ranks=config.tp_size, sharded=receiver.shard_rows, timeout=receiver.timeout)
+            self.slots = np.zeros(receiver.slots * receiver.slot_rows * receiver.row_bytes, np.uint8)
+            region = self.transport.register(self.slots, require_grant=True)
+            self.receiver = ReceiverEngine(
+                Services(config=receiver, session_id=self.session_id, epoch=epoch, table=self.recv_table,
+                         endpoint=self.transport.endpoint()),
+                tp_rank=config.tp_rank, tp_size=config.tp_size, slots_addr=region.addr)
+            self.performer.attach(self.receiver)
+        self.world.after(TICK * self.world.rng.random(), self._tick)
+
+    def _services(self, table: Any, deliver: Any) -> Services:
+        from ..control import wire
+
+        regions = tuple(wire.Region(addr=r.addr, length=r.length, key=r.key) for r in self.transport.regions())
+        return Services(config=self.config, session_id=self.session_id, epoch=self.epoch, table=table,
+                        endpoint=self.transport.endpoint(), regions=regions, layout=self.layout, deliver=deliver)
+
+    @property
+    def running(self) -> bool:
+        return not self.killed and not self.paused
+
+    @property
+    def engines(self) -> list[Any]:
+        return self.performer.engines
+
+    def register_with(self, server: tuple[str, int], layout: dict[str, Any]) -> None:
+        cfg = self.config
+        self.planes.registry(server).register(RankRegistration(
+            session_id=self.session_id, epoch=self.epoch, endpoint=self.endpoint, tp_size=cfg.tp_size,
+            dp_size=1, tp_rank=cfg.tp_rank, dp_rank=0, layout=layout, transport=self.transport.instance.hex()))
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def input(self, fn: Callable[..., Any], *args: Any) -> None:
+        """An engine input now (kept while paused, dropped once killed)."""
+        if self.killed:
+            return
+        if self.paused:
+            self._backlog.append((fn, args))
+            return
+        before = self.performer.stats["work_errors"]
+        self.performer.input(fn, args)
+        if self.performer.stats["work_errors"] != before:
+            self.planes.work_errors += 1
+
+    def frame(self, sender: str, msg: Any) -> None:
+        engine = self.receiver if self.receiver is not None and type(msg).__name__ == "EmbedStatus" else self.engine
+        self.input(engine.message, sender, msg)
+
+    def peer_dead(self, dead: DeadPeer) -> None:
+        for engine in self.engines:
+            self.input(engine.peer_dead, dead.endpoint, dead.session_id, dead.epoch, dead.reason)
+
+    def peer_back(self, endpoint: str, session_id: str, epoch: int) -> None:
+        for engine in self.engines:
+            back = getattr(engine, "peer_back", None)
+            if back is not None:
+                self.input(back, endpoint, session_id, epoch)
+
+    def _tick(self) -> None:
+        if self.killed:
+            return
+        for engine in self.engines:
+            self.input(engine.tick)
+        self.world.after(TICK, self._tick)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        self.paused = True
+        self.transport.paused = True
+
+    def resume(self) -> None:
+        if self.killed or not self.paused:
+            return
+        self.paused = False
+        self.transport.paused = False
+        self.channel.liveness.pardon(self.world.now)  # we were not listening: our silence proves nothing
+        self.planes.fabric.resume(self.transport)
+        backlog, self._backlog = self._backlog, []
+        for fn, args in backlog:
+            self.input(fn, *args)
+
+    def kill(self) -> None:
+        self.killed = True
+        self.transport.killed = True
+        self._backlog = []
+        self.planes.network.remove(self.endpoint)
+
+
+class Replica:
+    """A tp group of ranks of one role; ``round`` is their agreement, all ranks at once."""
+
+    def __init__(self, name: str, role: str, ranks: list[SimRank], server: tuple[str, int] | None) -> None:
+        self.name = name
+        self.role = role
+        self.ranks = ranks
+        self.server = server
+        self.killed = False
+
+    def round(self, now: float, recv: bool = False) -> list[list[Any]]:
+        """Each rank's events of one agreed round (the PD table's, or the receive table's with ``recv``)."""
+        tables = [r.recv_table if recv else r.table for r in self.ranks]
+        bufs = [t.encode(now) for t in tables]
+        if len(bufs) > 1:
+            agreed = np.minimum.reduce(bufs)
+            for buf in bufs:
+                buf[:] = agreed
+        events = [t.decode() for t in tables]
+        if not recv and len(events) > 1:
+            failed = [i for i, e in enumerate(events[0]) if type(e) is Failed]
+            if failed:
+                picked = pick_reasons([[evs[i].reason for i in failed] for evs in events])
+                for evs in events:
+                    for i, reason in zip(failed, picked):
+                        evs[i] = Failed(evs[i].rid, reason)
+        return events
+
+    def recv_failed(self) -> list[list[tuple[str, str]]]:
+        """Each rank's failed receive requests of the last round, reasons agreed (as ``Receiver.round``)."""
+        lists = [r.recv_table.failed() for r in self.ranks]
+        if len(lists) > 1 and lists[0]:
+            picked = pick_reasons([[reason for _, reason in failed] for failed in lists])
+            lists = [[(rid, reason) for (rid, _), reason in zip(failed, picked)] for failed in lists]
+        return lists
+
+
+def configs(role: str, tp: int, buffers_for: Callable[[int], list[np.ndarray]], *, page_bytes: int, num_pages: int,
+            kv_layout: Any, knobs: dict[str, Any], server: tuple[str, int] | None) -> list[Any]:
+    """The real config of each rank of a replica (validated as a peer's would be)."""
+    out = []
+    for rank in range(tp):
+        if role == "prefill":
+            out.append(PrefillConfig(kv_buffers=buffers_for(rank), page_bytes=page_bytes, num_pages=num_pages,
+                                     tp_size=tp, tp_rank=rank, kv_layout=kv_layout, bootstrap_host=server[0],
+                                     bootstrap_port=server[1], **knobs))
+        elif role == "decode":
+            out.append(DecodeConfig(kv_buffers=buffers_for(rank), page_bytes=page_bytes, num_pages=num_pages,
+                                    tp_size=tp, tp_rank=rank, kv_layout=kv_layout, **knobs))
+        else:
+            out.append(EncodeConfig(send_buffers=buffers_for(rank), tp_size=tp, tp_rank=rank, bootstrap_host=server[0],
+                                    bootstrap_port=server[1], **knobs))
+    return out
