@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure test-long mutants fuzz wheel rdma mooncake bench bench-quick clean
+.PHONY: demo test test-pure test-long mutants fuzz wheel rdma mooncake nixl bench bench-quick clean
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
@@ -48,6 +48,12 @@ mutants: $(STAMP)
 wheel: $(STAMP)
 	bash ci/wheel-check.sh
 
+# The role engines under the simulator on fresh seeds (the suite runs a fixed set): any violation prints its
+# seed and fails; `python -m pdcore simulate --seed N` replays it.
+SIM_SECONDS ?= 60
+simulate: $(STAMP)
+	$(PY) -m pdcore simulate --seconds $(SIM_SECONDS) --first-seed $$(( $$(date +%s) % 1000000 * 1000 ))
+
 fuzz: $(STAMP)
 	bash fuzz/run.sh 10  # seconds per target (six targets); longer: bash fuzz/run.sh 300
 
@@ -60,16 +66,30 @@ rdma: $(STAMP)
 mooncake: $(STAMP)
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda || echo "mooncake did not install: its rows are left out"
 
-bench-quick: $(STAMP) mooncake
+# NIXL beside them, in its own venv: PyPI's `nixl` 1.5.1 requires nixl-cu12 AND nixl-cu13, and with them torch and
+# the CUDA stack (GBs). The cu12 wheel alone, without dependencies (~70 MB, UCX inside), moves DRAM to DRAM here with
+# neither torch nor a GPU; numpy is the one thing its Python API needs. Never in $(VENV): its torch stays as it is.
+NIXL_VENV ?= $(VENV)/nixl
+NIXL_PY := $(NIXL_VENV)/bin/python
+NIXL_STAMP := $(NIXL_VENV)/.nixl-installed
+nixl: $(NIXL_STAMP)
+$(NIXL_STAMP):
+	@echo "nixl: NIXL 1.5.1 (nixl-cu12, no dependencies) and numpy in $(NIXL_VENV)"
+	@{ test -x $(NIXL_PY) || $(PYTHON) -m venv $(NIXL_VENV); } \
+		&& $(NIXL_PY) -m pip install -qq --disable-pip-version-check --no-deps nixl-cu12==1.5.1 nixl==1.5.1 numpy \
+		&& $(NIXL_PY) -c "import nixl._api" && touch $@ \
+		|| echo "nixl did not install: its rows are left out"
+
+bench-quick: $(STAMP) mooncake nixl
 	$(PY) benchmarks/agreement.py --quick
-	$(PY) benchmarks/transport.py --quick
+	$(PY) benchmarks/transport.py --quick --nixl-python $(NIXL_PY)
 	$(PY) benchmarks/pd.py --quick
 	$(PY) benchmarks/kv.py --quick
 	$(PY) benchmarks/epd.py --quick
 
-bench: $(STAMP) mooncake
+bench: $(STAMP) mooncake nixl
 	$(PY) benchmarks/agreement.py
-	$(PY) benchmarks/transport.py
+	$(PY) benchmarks/transport.py --nixl-python $(NIXL_PY)
 	$(PY) benchmarks/pd.py
 	$(PY) benchmarks/kv.py
 	$(PY) benchmarks/epd.py

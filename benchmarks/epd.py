@@ -71,6 +71,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -263,11 +264,15 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
 
 
 def _quiet(peer: Any) -> None:
-    """Let the peer's worker finish the asks of the requests just staged: the timed call is the scheduler's alone."""
-    until = time.monotonic() + 0.05
-    while not peer._work.empty() and time.monotonic() < until:
-        time.sleep(0.0001)
-    time.sleep(0.0003)
+    """Let the peer's driver finish the inputs of the requests just staged: the timed call is the scheduler's alone."""
+    done = threading.Event()
+    peer._driver.call(done.set)  # runs after every input queued before it
+    done.wait(5.0)
+
+
+def _landed_in_engine(engine: Any, rids: list[str]) -> None:
+    for rid in rids:
+        engine._items[(rid, 0)].dropped = True
 
 
 def receiver_rounds(n: int, group: Any, world: int, rank: int, ports: tuple[int, int], mode: str, call: str) -> Iterator[float]:
@@ -302,9 +307,10 @@ def receiver_rounds(n: int, group: Any, world: int, rank: int, ports: tuple[int,
         barrier = _shm_barrier(group, world) if mode == "shm" else None
         while True:
             now = time.monotonic()
-            for j in range(per_round):  # the worker's landings (not timed)
-                rid = rids[(cursor + j) % n]
-                recv._items[(rid, 0)].dropped = True  # landed: it no longer waits for the encode rank's lookup
+            landing = [rids[(cursor + j) % n] for j in range(per_round)]  # the data plane's landings (not timed)
+            # landed: the item no longer waits for its encode rank's look-up (the engine's own record, on its thread)
+            peer._driver.call(_landed_in_engine, recv.engine, landing)
+            for rid in landing:
                 table.landed(rid, 0, now)
             cursor += per_round
             _quiet(peer)

@@ -504,7 +504,7 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
                 i = (cursor + j) % n
                 for name, peer in peers.items():
                     rid = rids[name][i]
-                    peer._fire(rid, Trigger.WRITES_LANDED if peer._table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED)
+                    peer._table.update(rid, Trigger.WRITES_LANDED if peer._table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED, time.monotonic())
                 rid = rids["bare"][i]
                 table.update(rid, Trigger.WRITES_LANDED if table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED, time.monotonic())
             cursor += per_round

@@ -23,7 +23,7 @@ if "$work/venv/bin/python" -c "import Cython" 2>/dev/null; then
     exit 1
 fi
 "$work/venv/bin/python" - <<'PY'
-import pdcore, pdcore.core.table, pdcore.epd.table, pdcore.kv.plan, pdcore.tools.demo, transport.plan
+import pdcore, pdcore.core.table, pdcore.epd.table, pdcore.kv.plan, pdcore.tools.demo, pdcore.protocol.prefill, pdcore.sim.run, transport.plan
 from pdcore import EmbeddingItem  # every subpackage made it into the wheel, with its compiled module
 assert "site-packages" in pdcore.__file__, pdcore.__file__
 assert pdcore.core.table.IMPLEMENTATION == "cython" and transport.plan.IMPLEMENTATION == "cython"

@@ -77,20 +77,26 @@ def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any
              lifetime: float) -> None:
     """Register the request; when it is Bootstrapped, send all its pages and SIGSTOP itself at once.
 
-    ``outbox.send`` posts on the caller's thread while the transport has room: the first part of the
-    128 MiB goes into the socket with ``MSG_DONTWAIT`` (a few MiB, what the kernel buffers take) and
-    the rest is queued for the transport's sender thread. Stopping the whole process right after
-    ``send`` returns freezes that thread with most of the request still unsent, while the kernel
-    still delivers what was buffered: a transfer paused in its middle.
+    The peer's driver posts the writes right after ``outbox.send``: the first part of the 128 MiB
+    goes into the socket with ``MSG_DONTWAIT`` (a few MiB, what the kernel buffers take) and the rest
+    is queued for the transport's sender thread. The rank watches its own metrics (public: a
+    ``PrefillConfig.metrics`` registry) until ``bytes_posted`` says the transport took the writes,
+    and stops the whole process then: that freezes the sender thread with most of the request still
+    unsent, while the kernel still delivers what was buffered: a transfer paused in its middle.
     """
+    from prometheus_client import CollectorRegistry
     from pdcore import BootstrapInfo, Bootstrapped, Failed, PrefillConfig, PrefillPeer, Succeeded
 
     cache = [np.empty(PAGES * PAGE, np.uint8) for _ in range(LAYERS)]
     for layer, buf in enumerate(cache):
         buf.reshape(-1, _BLOCK)[:] = pattern_block(layer)
+    registry = CollectorRegistry()
     peer, outbox = PrefillPeer.start(PrefillConfig(
         kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options,
-        bootstrap_host="127.0.0.1", bootstrap_port=port, **knobs))
+        bootstrap_host="127.0.0.1", bootstrap_port=port, metrics=registry, **knobs))
+
+    def posted() -> float:
+        return registry.get_sample_value("pdcore_prefill_bytes_posted_total") or 0.0
     try:
         conn.send(("ready", os.getpid()))
         peer.register(RID, BootstrapInfo("127.0.0.1", port, ROOM))
@@ -105,6 +111,9 @@ def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any
                     peer.record_usage(RID, cached_tokens=PAGES, bootstrap_logprob=-0.5)
                     conn.send(("sending", time.monotonic()))  # before: nothing between send and the stop
                     outbox.send(RID, np.arange(PAGES), FIRST_TOKEN)
+                    taken = time.monotonic() + 10.0
+                    while not posted() and time.monotonic() < taken:  # the driver posts it: bounded wait
+                        time.sleep(0.0005)
                     os.kill(os.getpid(), signal.SIGSTOP)  # every thread freezes here, writes half-sent
                     conn.send(("resumed", time.monotonic()))
                 elif isinstance(event, (Succeeded, Failed)):

@@ -199,9 +199,9 @@ class Pair:
 
 
 def through_worker(peer: Any, timeout: float = 10.0) -> None:
-    """Return once the peer's worker ran every item queued before this call (its queue is FIFO)."""
+    """Return once the peer's driver ran every input queued before this call (its queue is FIFO)."""
     done = threading.Event()
-    peer._submit(done.set)
+    peer._driver.call(done.set)
     assert done.wait(Deadline.after(timeout).remaining()), "the worker did not reach the marker in time"
 
 

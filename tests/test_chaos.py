@@ -152,14 +152,17 @@ def test_grants_pass_through(pair) -> None:
 # ------------------------------------------------------------------------------ control-frame faults
 
 
-def _channels(faulty_cls):
+def _channels(rates: dict):
+    """A faulty:zmq source (chosen by name, as a peer's NodeConfig.control chooses it) and a plain sink."""
     import queue
 
-    from pdcore.control.channel import ControlChannel
+    from pdcore.control import plane
 
     got: queue.Queue = queue.Queue()
-    sink = ControlChannel(lambda sender, msg: got.put(msg), session_id="sink", heartbeat_interval=0.05, dead_after=5.0)
-    src = faulty_cls(lambda sender, msg: None, session_id="src", heartbeat_interval=0.05, dead_after=5.0)
+    sink = plane.create("zmq", lambda sender, msg: got.put(msg), session_id="sink", heartbeat_interval=0.05,
+                        dead_after=5.0)
+    src = plane.create("faulty:zmq", lambda sender, msg: None, {"seed": 5, "max_delay": 0.2, **rates},
+                       session_id="src", heartbeat_interval=0.05, dead_after=5.0)
     sink.start()
     src.start()
     return src, sink, got
@@ -170,12 +173,10 @@ def test_control_faults(fault: str) -> None:
     import queue
 
     from pdcore.control import wire
-    from pdcore.tools.chaos import faulty_control_channel
 
     rates = {"drop": 0.0, "delay": 0.0, "dup": 0.0, "corrupt": 0.0}
     rates[fault] = 1.0 if fault != "drop" else 0.5
-    cls = faulty_control_channel(5, max_delay=0.2, **rates)
-    src, sink, got = _channels(cls)
+    src, sink, got = _channels(rates)
     try:
         n = 40
         for room in range(1, n + 1):
@@ -187,18 +188,32 @@ def test_control_faults(fault: str) -> None:
             except queue.Empty:
                 break
         if fault == "delay":  # every frame held back, none lost, per-peer order kept
-            assert received == list(range(1, n + 1)) and cls.faults["delayed"] >= 1
+            assert received == list(range(1, n + 1)) and src.faults["delayed"] >= 1
         elif fault == "dup":
             assert received == [r for r in range(1, n + 1) for _ in (0, 1)]
         elif fault == "corrupt":  # the checksum refuses every one; the channel counts them and lives on
-            assert cls.faults["corrupted"] >= n and received == [] and cls.faults["corrupted_still_valid"] == 0
+            assert src.faults["corrupted"] >= n and received == [] and src.faults["corrupted_still_valid"] == 0
             assert sink.stats.protocol_errors >= n
         else:
-            assert 0 < cls.faults["dropped"] < n + 100 and len(received) < n
+            assert 0 < src.faults["dropped"] < n + 100 and len(received) < n
             assert received == sorted(received)
     finally:
         src.close(Deadline.after(5.0))
         sink.close(Deadline.after(5.0))
+
+
+def test_the_control_plane_is_chosen_by_name_and_a_wrong_one_is_refused_naming_it() -> None:
+    import numpy as np
+
+    from pdcore import DecodeConfig
+    from pdcore.core.errors import StartError
+
+    base = dict(kv_buffers=[np.zeros(4096, np.uint8)], page_bytes=4096, num_pages=1)
+    assert DecodeConfig(**base, control="faulty:zmq", control_options={"drop": 0.1}).control == "faulty:zmq"
+    with pytest.raises(StartError, match="DecodeConfig.control: must be one of zmq, faulty:zmq"):
+        DecodeConfig(**base, control="carrier-pigeon")
+    with pytest.raises(StartError, match="DecodeConfig.control_options"):
+        DecodeConfig(**base, control_options={"drop": 0.1})
 
 
 # ------------------------------------------------------------------------------ a chaos run

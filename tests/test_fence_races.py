@@ -1,26 +1,27 @@
-"""Regression tests for the three races that broke fence before free (one test each).
+"""The three orders that once broke fence before free, each forced in one process.
 
-Each opens the race's window on purpose, in one process, by wrapping one
-internal step of a peer (real sockets and threads otherwise); each fails on
-the code before its fix:
+Real peers over real sockets; each test holds one step open on purpose (a transport call the peer's
+driver makes, wrapped so it waits, or a posted batch whose completion is held back) and runs the
+other side's steps meanwhile:
 
-- a full work queue made ``poll`` treat "could not queue the fence" as "fence
-  closed", freeing pages with the grant still live;
-- prefill fired "writes posted" before counting the batch in flight, so an
-  abort handled in between was acknowledged as drained before the write;
-- prefill told decode "success" for a room it had already failed.
+- decode hands a failed request's pages back only once its revoke completed: a round that runs
+  while the revoke is still under way (once, a full work queue made it so) frees nothing;
+- prefill acknowledges an abort ("drained") only once no batch of the room is in flight: an abort
+  that arrives after "writes posted" waits for the write;
+- prefill never tells decode "success" for a room it failed, even if the room's last batch lands
+  after the failure.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from pdcore.control import wire
-from pdcore.core._spec import State, Trigger
-from pdcore.core.errors import CapacityError
-from pd_pair import Pair, through_worker, token
+from pdcore.core._spec import State
+from pd_pair import Pair, through_worker
 
 
 @pytest.fixture
@@ -37,79 +38,89 @@ def _announced(pair: Pair, rid: str, room: int) -> None:
     pair.pump(lambda: pair.seen("prefill", "Bootstrapped", rid), "prefill to hear the announcement")
 
 
-def test_a_full_work_queue_keeps_the_fence_armed(pair: Pair) -> None:
+def _told(peer: Any) -> list[Any]:
+    """Record every control message ``peer`` sends (a wrapper around its channel's ``send``)."""
+    sent: list[Any] = []
+    real = peer._channel.send
+
+    def send(endpoint: str, msg: Any) -> None:
+        sent.append(msg)
+        real(endpoint, msg)
+
+    peer._channel.send = send
+    return sent
+
+
+def _held_completions(peer: Any) -> tuple[list[Any], Any]:
+    """Post for real but keep the completions back until ``release(error)``."""
+    transport = peer._transport
+    real = transport.write
+    held: list[Any] = []
+
+    def write(handle: Any, batch: Any, on_done: Any = None, **kw: Any) -> int:
+        return real(handle, batch, lambda b, e, d=on_done: held.append((d, b, e)), **kw)
+
+    transport.write = write
+
+    def release() -> None:
+        del transport.write
+        for on_done, b, e in held:
+            on_done(b, e)
+
+    return held, release
+
+
+def test_pages_come_back_only_once_the_revoke_completed(pair: Pair) -> None:
     rid, room = "burst", 10
     _announced(pair, rid, room)
     decode = pair.decode
-    [link] = decode._requests[rid].links
+    [link] = decode._engine._requests[rid].links
     grant = link.grant
-    real_submit = decode._submit
-    refusing = [True]
+    entered, go = threading.Event(), threading.Event()
+    real_revoke = decode._transport.revoke
 
-    def submit(fn: Any, *args: Any) -> None:
-        if refusing[0] and getattr(fn, "__name__", "") == "_close_fence":
-            raise CapacityError("decode peer: the work queue is full")
-        real_submit(fn, *args)
+    def revoke(g: Any, **kw: Any) -> None:
+        entered.set()
+        assert go.wait(20), "the test never let the revoke go"
+        real_revoke(g, **kw)
 
-    decode._submit = submit  # type: ignore[method-assign]
+    decode._transport.revoke = revoke
     decode.abort_room(rid, room)
-    pair.rounds(5)
-    assert not pair.ended("decode", rid), "decode handed the pages back without closing the fence"
+    pair.pump(entered.is_set, "decode's driver to start the revoke", sides=("decode",))
+    pair.rounds(5)  # rounds while the revoke is under way
+    assert not pair.ended("decode", rid), "decode handed the pages back before its revoke completed"
     assert decode._transport._grants.get(grant.key) is not None
-    refusing[0] = False  # the queue has room again: the fence closes through the worker
+    go.set()
     pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room")
     assert pair.ended("decode", rid) == "Failed"
     assert decode._transport._grants.get(grant.key) is None, "Failed with the grant still live"
 
 
-def test_an_abort_between_writes_posted_and_the_post_waits_for_the_write(pair: Pair) -> None:
+def test_an_abort_after_writes_posted_is_acknowledged_only_once_the_writes_completed(pair: Pair) -> None:
     rid, room = "window", 11
     _announced(pair, rid, room)
-    prefill = pair.prefill
-    entry = prefill._by_rid[rid]
-    posted: list[int] = []
-    acks: list[tuple[int, int]] = []  # (writes posted, batches in flight) when the AbortAck went out
-    real_fire, real_tell, real_write = prefill._fire, prefill._tell, prefill._transport.write
-
-    def fire(rid_: str, trigger: int, reason: str = "") -> Any:
-        state = real_fire(rid_, trigger, reason)
-        if trigger == Trigger.WRITES_POSTED:  # decode's Abort is handled right here, inside the window
-            prefill._on_abort(next(iter(entry.dsts)), wire.Abort(room=room, reason="race"))
-        return state
-
-    def tell(endpoint: str, msg: Any) -> None:
-        if isinstance(msg, wire.AbortAck):
-            acks.append((len(posted), entry.inflight))
-        real_tell(endpoint, msg)
-
-    def write(*args: Any, **kw: Any) -> int:
-        posted.append(1)
-        return real_write(*args, **kw)
-
-    prefill._fire, prefill._tell, prefill._transport.write = fire, tell, write  # type: ignore[method-assign]
+    told = _told(pair.prefill)
+    held, release = _held_completions(pair.prefill)
     pair.send(rid)
-    pair.pump(lambda: bool(acks), "prefill to acknowledge the abort")
-    assert acks[0] == (1, 0), f"acknowledged as drained with (posted, in flight) = {acks[0]}"
+    pair.pump(lambda: bool(held), "prefill to post its writes", sides=())
+    pair.decode.abort_room(rid, room)
+    pair.pump(lambda: pair.prefill._table.state(rid) == State.FAILED, "prefill to hear the abort")
+    through_worker(pair.prefill)
+    assert not [m for m in told if isinstance(m, wire.AbortAck)], "acknowledged with a batch in flight"
+    release()
+    pair.pump(lambda: any(isinstance(m, wire.AbortAck) for m in told), "prefill to acknowledge the abort")
 
 
 def test_prefill_never_tells_success_for_a_room_it_failed(pair: Pair) -> None:
     rid, room = "late", 12
     _announced(pair, rid, room)
-    prefill = pair.prefill
-    entry = prefill._by_rid[rid]
-    told: list[Any] = []
-    real_tell = prefill._tell
-
-    def tell(endpoint: str, msg: Any) -> None:
-        told.append(msg)
-        real_tell(endpoint, msg)
-
-    prefill._tell = tell  # type: ignore[method-assign]
-    prefill.abort_room(rid, room)  # the room fails here first
-    assert prefill._table.state(rid) == State.FAILED
-    entry.inflight += 1  # the last batch of its finished hand-over was in flight...
-    entry.landing += 1
-    entry.final, entry.first_token = True, token(rid)
-    prefill._landed(entry, 1, None)  # ...and reports success
-    through_worker(prefill)
+    told = _told(pair.prefill)
+    held, release = _held_completions(pair.prefill)
+    pair.send(rid)
+    pair.pump(lambda: bool(held), "prefill to post its writes", sides=())
+    pair.prefill.abort_room(rid, room)  # the room fails here first...
+    through_worker(pair.prefill)
+    assert pair.prefill._table.state(rid) == State.FAILED
+    release()  # ...then its last batch reports success
+    through_worker(pair.prefill)
     assert not [m for m in told if isinstance(m, wire.Status) and m.state == State.SUCCESS], told

@@ -52,8 +52,8 @@ def test_parked_announcements_are_bounded_per_sender(pair: Pair, dealer: Any) ->
     for room in range(100, 400):  # 300 x 500 pages = 150,000 pages: a third of them fits
         dealer.send(_announce(room, 500))
     dealer.send(wire.encode(wire.Abort(room=999)))  # a marker: handled after every announcement above
-    parking = pair.prefill._pending
-    pair.pump(lambda: pair.prefill._tombstones.get(999) is not None, "the announcements to arrive")
+    parking = pair.prefill._engine._pending
+    pair.pump(lambda: pair.prefill._engine._tombstones.get(999) is not None, "the announcements to arrive")
     assert parking.pages(HOSTILE) <= 50_000 and len(parking) == 100, (parking.pages(HOSTILE), len(parking))
     assert 1 not in parking
     rids = [f"ok{i}" for i in range(4)]
@@ -79,9 +79,9 @@ def test_parked_announcements_are_bounded_in_all_whatever_ids_senders_pick() -> 
             sock.connect(pair.prefill.control_endpoint)
             sock.send(_announce(1000 + n, 800))
             sock.send(wire.encode(wire.Abort(room=2000 + n)))  # a marker, handled after its announcement
-        pair.pump(lambda: all(pair.prefill._tombstones.get(2000 + n) is not None for n in range(6)),
+        pair.pump(lambda: all(pair.prefill._engine._tombstones.get(2000 + n) is not None for n in range(6)),
                   "the announcements to arrive")
-        parking = pair.prefill._pending
+        parking = pair.prefill._engine._pending
         assert parking.pages() == 2_400 and len(parking) == 3, (parking.pages(), len(parking))
         pair.register("ok", 10)
         pair.drive(["ok"])

@@ -115,7 +115,7 @@ def test_malformed_control_frames_fail_only_what_they_name(pair: Pair, side: str
         assert pair.landed_intact(rid), rid
     # every thread is alive and the peer still serves: a new request goes through
     for p in (pair.prefill, pair.decode):
-        assert p._thread.is_alive() and p._channel._thread.is_alive()
+        assert p._driver._thread.is_alive() and p._channel._thread.is_alive()
     pair.register("after", room=3000)
     pair.drive(["after"])
     assert pair.ended("decode", "after") == "RemotePrefillDone" and pair.landed_intact("after")

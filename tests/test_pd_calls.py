@@ -130,8 +130,8 @@ def test_a_status_that_cannot_be_encoded_when_the_room_lands_fails_both_sides_wi
     its pages) and tell decode why, well before decode's waiting timeout (30 s here)."""
     real = pair.prefill._hand_over
 
-    def planted(rid: str, pages: Any, first: int, candidates: Any) -> None:
-        real(rid, pages, first, (1, I31 + 1))  # past PrefillOutbox.send, which validated the call
+    def planted(rid: str, pages: Any, upto: Any, finish: Any) -> None:
+        real(rid, pages, upto, (finish[0], (1, I31 + 1)))  # past PrefillOutbox.send, which validated the call
 
     pair.prefill._hand_over = planted  # type: ignore[method-assign]
     pair.register("bad", room=1)
@@ -240,7 +240,7 @@ def test_a_hand_over_after_only_some_decode_ranks_announced_fails_the_room_on_ev
             assert not deadline.expired(), "decode never bootstrapped"
             rounds(ranks[1:])
         decode[0][1].announce("r", [0, 1], 0)
-        entry = prefill._by_rid["r"]
+        entry = prefill._engine._by_rid["r"]
         while not entry.dsts:  # prefill adopted rank 0's announcement (white-box: rank 1 has not announced)
             assert not deadline.expired(), "prefill never took the announcement"
             rounds(ranks[1:])

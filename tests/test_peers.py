@@ -36,15 +36,15 @@ def make_pair() -> Any:
 def _hold_writes(peer: Any, rid: str | None = None) -> tuple[list[tuple[Any, ...]], Any]:
     """Make ``peer``'s transport keep the batches posted for ``rid`` (None: all) in flight.
 
-    Returns (held, release). A prefill batch's completion callback is bound to its room's entry,
-    which names the rid; other batches go through.
+    Returns (held, release). A prefill batch's completion callback is bound to its room's entry
+    (its last argument), which names the rid; other batches go through.
     """
     transport = peer._transport
     real = transport.write
     held: list[tuple[Any, ...]] = []
 
     def write(handle: Any, batch: Any, on_done: Any = None, *, deadline: Any = None, grant: int = 0) -> int:
-        entry = getattr(on_done, "args", (None,))[0]
+        entry = getattr(on_done, "args", (None,))[-1]
         if rid is not None and getattr(entry, "rid", None) != rid:
             return real(handle, batch, on_done, deadline=deadline, grant=grant)
         held.append((handle, batch, on_done, deadline, grant))
@@ -166,7 +166,7 @@ def test_prefill_abort_of_an_unregistered_room_answers_the_later_announcement(ma
     pair.announce(rid)
     pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to hear of the abort")
     assert pair.ended("decode", rid) == "Failed"
-    assert len(pair.prefill._tombstones) == 1 and not pair.prefill._pending
+    assert len(pair.prefill._engine._tombstones) == 1 and not pair.prefill._engine._pending
 
 
 def test_tombstones_expire_after_their_ttl(make_pair: Any) -> None:
@@ -174,8 +174,8 @@ def test_tombstones_expire_after_their_ttl(make_pair: Any) -> None:
     for i in range(5):
         pair.prefill.abort_room(f"gone{i}", 500 + i)
     through_worker(pair.prefill)
-    assert len(pair.prefill._tombstones) == 5
-    pair.pump(lambda: len(pair.prefill._tombstones) == 0, "the tombstones to expire", timeout=5.0)
+    assert len(pair.prefill._engine._tombstones) == 5
+    pair.pump(lambda: len(pair.prefill._engine._tombstones) == 0, "the tombstones to expire", timeout=5.0)
 
 
 def test_decode_failure_before_announcing_is_heard_by_prefill(make_pair: Any) -> None:
@@ -203,7 +203,8 @@ def test_a_room_prefill_failed_before_decode_announced_is_told_to_decode(make_pa
     rid, room = "early", 4242
     pair.register(rid, room, decode=False)
     pair.send(rid)  # nobody announced the room yet
-    assert pair.prefill._table.state(rid) == State.FAILED  # failed on the caller's thread
+    through_worker(pair.prefill)
+    assert pair.prefill._table.state(rid) == State.FAILED  # failed at the hand-over
     if when == "after prefill's round":
         pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to settle the room", sides=("prefill",))
     pair.decode.register(rid, pair_info(pair, room))

@@ -42,7 +42,7 @@ def test_new_rooms_succeed_after_the_data_connection_dropped(pair: Pair) -> None
     pair.drive(["before"])
     assert pair.ended("decode", "before") == "RemotePrefillDone"
     assert _cut_data_connections(pair) == 1
-    handle = next(iter(pair.prefill._sinks.values())).handle
+    handle = next(iter(pair.prefill._engine._sinks.values())).handle
     pair.pump(lambda: handle.closed, "prefill to notice the cut")
     rids = [f"after{i}" for i in range(4)]
     for i, rid in enumerate(rids):
@@ -56,10 +56,10 @@ def test_new_rooms_succeed_after_the_data_connection_dropped(pair: Pair) -> None
 def test_decode_registers_again_when_prefill_forgot_it(pair: Pair) -> None:
     pair.register("before", 1)
     pair.drive(["before"])
-    (endpoint,) = pair.prefill._sinks
-    pair.prefill._submit(pair.prefill._lose_sink, endpoint, "decode looked dead for a while")
+    (endpoint,) = pair.prefill._engine._sinks
+    pair.prefill._submit(pair.prefill._engine._lose_sink, endpoint, "decode looked dead for a while")
     through_worker(pair.prefill)
-    assert not pair.prefill._sinks
+    assert not pair.prefill._engine._sinks
     pair.register("unlucky", 2)  # announced to a prefill rank that no longer knows decode: it fails...
     pair.drive(["unlucky"])
     assert pair.ended("decode", "unlucky") == "Failed"
