@@ -1,6 +1,6 @@
 """The peers in one process (a prefill and a decode rank, real sockets and threads).
 
-The centre is fence before free (DESIGN §5, ``_spec``): a decode room whose
+The centre is fence before free (``pdcore/core/_spec.py``): a decode room whose
 pages were announced is reported ``Failed`` (its pages handed back to the
 scheduler) only once decode revoked the room's grant in the data plane, so a
 prefill write still in flight lands nothing afterwards. Prefill's writes are

@@ -13,7 +13,8 @@ replica's parallel info and each rank's endpoint. The HTTP API (JSON bodies)::
     any but GET /health, with a secret: 401 {"error": "authentication failed: <why>"}
     any, at the connection cap     503 with Retry-After: busy, the client backs off and retries
 
-Rules (spec §12.13, §12.15 are the reference's defects this fixes):
+Rules (each closes a defect seen in other engines' bootstrap servers: registrations
+that silently replace each other, and an unknown rank answered with a 500):
 
 - A registration names its slot (dp_rank, tp_rank). It must agree with every
   *other* registered rank on tp_size, dp_size and layout (compared canonically)

@@ -1,8 +1,8 @@
 """The control channel: the ZeroMQ I/O edge that carries ``pdcore.control.wire`` frames.
 
 Socket pattern: each channel binds one **ROUTER** (receive) and opens one
-**DEALER** per peer endpoint it sends to (connect). Why not the reference's
-PUSH/PULL:
+**DEALER** per peer endpoint it sends to (connect). Why not PUSH/PULL (as
+other engines' disaggregation code uses):
 
 - A ROUTER prefixes every frame with the sending connection's routing id,
   which each DEALER sets to its channel's own bound endpoint. So the receiver
@@ -15,7 +15,7 @@ PUSH/PULL:
   ``stats.superseded_frames`` and fail the rooms they name, without a protocol
   error per frame.
 - One DEALER per endpoint keeps per-peer FIFO (a registration is delivered
-  before the announcements that follow it), as the reference's PUSH did.
+  before the announcements that follow it), as PUSH would.
 
 Threads: one I/O thread owns every socket (ZMQ sockets are not thread-safe).
 ``send`` may be called from any thread: it encodes and validates the message

@@ -11,8 +11,8 @@ version sits *outside* the body so that a peer of another version gets a clear
 Why msgspec: it decodes msgpack straight into typed, frozen ``Struct``\\ s and
 checks types, ranges, lengths and unknown fields in the same C pass, with
 error messages that name the field (``- at `$.room```). Hand-written field
-checks (the reference's approach, spec §5) are exactly where its defects came
-from; msgspec is maintained, has no dependencies, and is several times faster
+checks are where such code's defects come from (a field of the wrong type
+that passes until it is used); msgspec is maintained, has no dependencies, and is several times faster
 than json + dataclasses.
 
 Rules:
@@ -101,7 +101,7 @@ TpSize = Annotated[int, Meta(ge=1, le=MAX_TP_SIZE)]
 PageId = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=_I31)]
 Count = Annotated[int, Meta(ge=0, le=_I31)]
-StateValue = Annotated[int, Meta(ge=0, le=5)]  # DESIGN §3: 0 Failed ... 5 Success
+StateValue = Annotated[int, Meta(ge=0, le=5)]  # a State (pdcore/core/_spec.py): 0 FAILED ... 5 SUCCESS
 SessionId = Annotated[str, Meta(min_length=1, max_length=MAX_SESSION_ID, pattern=r"^[!-~]+$")]
 Reason = Annotated[str, Meta(max_length=MAX_REASON)]
 Rows = Annotated[int, Meta(ge=0, le=(1 << 62) - 1)]
@@ -168,7 +168,7 @@ class AbortAck(_Msg, tag="abort_ack"):
     """Source rank → sink: no write of ``rank`` to this room is in flight or will be posted.
 
     Informational: the sink frees a room's pages once it revoked the room's
-    grant (fence before free, DESIGN §5), never on a source's word.
+    grant (fence before free: pdcore/core/_spec.py), never on a source's word.
     """
 
     room: Room

@@ -1,6 +1,6 @@
 """EPD: encode nodes ship image embeddings into prefill ranks' receive slots.
 
-- ``types``: the seed's values (``EmbeddingItem``, ``LandedItem``,
+- ``types``: the EPD values (``EmbeddingItem``, ``LandedItem``,
   ``LandedRequest``, ``EmbeddingChunk``) and traits (``EmbeddingReceiver``,
   ``EmbeddingSender``), also importable from ``pdcore``.
 - ``_spec``: the receiver's states, triggers and grids: the one source of truth.

@@ -85,7 +85,7 @@ class EncodePeer(PeerBase):
 
 
 class Sender:
-    """The encode scheduler's side of an ``EncodePeer`` (the seed's ``EmbeddingSender``)."""
+    """The encode scheduler's side of an ``EncodePeer`` (implements ``EmbeddingSender``)."""
 
     def __init__(self, peer: EncodePeer) -> None:
         self._peer = peer

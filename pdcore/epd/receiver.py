@@ -51,7 +51,7 @@ def _slot_memory(buf: Any, nbytes: int, name: str) -> Any:
 
 
 class Receiver:
-    """A prefill rank's receiver of image embeddings (the seed's ``EmbeddingReceiver``).
+    """A prefill rank's receiver of image embeddings (implements ``EmbeddingReceiver``).
 
     Made by ``PrefillPeer.embedding_receiver``; every rank of the replica
     stages the same requests in the same order and settles the same codes.

@@ -1,4 +1,4 @@
-"""EPD values and the two traits of the seed (``ts_pd/control.rs``), rendered in Python.
+"""EPD values and the two traits a scheduler programs against (receiver and sender).
 
 An encode node (E) ships each multimodal item's embedding rows to the prefill
 ranks (P) that wait for them; one room per item. The values here are small,
@@ -43,7 +43,7 @@ CODE_LANDED = 2
 
 
 class EmbeddingReceiver(Protocol):
-    """A prefill node's first stage: receiving the encode nodes' embeddings (the seed's trait).
+    """A prefill node's first stage: receiving the encode nodes' embeddings (a trait: ``EmbeddingReceiver``).
 
     Every member of the replica stages the same requests in the same order and
     settles the same codes.
@@ -90,7 +90,7 @@ class EmbeddingReceiver(Protocol):
 
 
 class EmbeddingSender(Protocol):
-    """An encode rank: sending each item's embedding to the prefill ranks that wait for it (the seed's trait)."""
+    """An encode rank: sending each item's embedding to the prefill ranks that wait for it (a trait: ``EmbeddingSender``)."""
 
     def begin(self, room: int) -> bool:
         """``room``'s request arrived; False when another request holds the room."""

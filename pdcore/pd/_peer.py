@@ -29,7 +29,7 @@ _ENDS = (Succeeded, Failed)
 
 
 class TransferPeer(Protocol):
-    """The scheduler's view of a peer (the seed's ``TransferPeer``): ``PrefillPeer`` and ``DecodePeer``.
+    """The scheduler's view of a peer (the ``TransferPeer`` trait): ``PrefillPeer`` and ``DecodePeer``.
 
     Every rank of a replica registers the same requests in the same order and calls ``poll``
     in the same rounds; the events (``Bootstrapped``, then ``Succeeded`` / ``RemotePrefillDone``
