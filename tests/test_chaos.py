@@ -202,6 +202,45 @@ def test_control_faults(fault: str) -> None:
         sink.close(Deadline.after(5.0))
 
 
+def test_a_faulty_channel_that_also_receives_still_delivers_what_it_held_back() -> None:
+    """The faults live beside the channel's own state: a faulty channel that receives frames (the channel
+    accounts each sender's bytes) and holds its own back must still deliver every held frame, in order,
+    from an I/O thread that stays up (a chaos run's ranks both send and receive)."""
+    import queue
+
+    from pdcore.control import plane, wire
+
+    got_src: queue.Queue = queue.Queue()
+    got_sink: queue.Queue = queue.Queue()
+    releases: list = []
+
+    def keep(sender: str, msg: object) -> None:  # held, as a peer's driver holds a frame until its engine ran
+        releases.append(src.hold())
+        got_src.put(msg)
+
+    sink = plane.create("zmq", lambda sender, msg: got_sink.put(msg), session_id="sink", heartbeat_interval=0.05,
+                        dead_after=5.0)
+    src = plane.create("faulty:zmq", keep, {"seed": 5, "max_delay": 0.05, "delay": 1.0}, session_id="src",
+                       heartbeat_interval=0.05, dead_after=5.0)
+    sink.start()
+    src.start()
+    try:
+        n = 20
+        for room in range(1, n + 1):
+            sink.send(src.endpoint, wire.Status(room=room, state=2, rank=0))
+        assert [got_src.get(timeout=5.0).room for _ in range(n)] == list(range(1, n + 1))
+        for room in range(1, n + 1):
+            src.send(sink.endpoint, wire.Status(room=room, state=2, rank=0))
+        assert [got_sink.get(timeout=5.0).room for _ in range(n)] == list(range(1, n + 1))
+        assert src.faults["delayed"] >= 1 and src.held_bytes() > 0
+        for release in releases:
+            release()
+        assert src.held_bytes() == 0
+    finally:
+        src.close(Deadline.after(5.0))
+        sink.close(Deadline.after(5.0))
+
+
 def test_the_control_plane_is_chosen_by_name_and_a_wrong_one_is_refused_naming_it() -> None:
     import numpy as np
 

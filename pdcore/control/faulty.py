@@ -36,14 +36,14 @@ class FaultyChannel(ControlChannel):
         super().__init__(*args, **kwargs)
         self._rates = (drop, delay, max_delay, dup, corrupt)
         self._rng = random.Random(seed)
-        self._held: dict[str, deque[tuple[float, bytes, tuple[int, ...]]]] = {}
+        self._delayed: dict[str, deque[tuple[float, bytes, tuple[int, ...]]]] = {}
         self.faults: Counter[str] = Counter()
         self.samples: list[str] = []
 
     def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
         drop, delay, max_delay, dup, corrupt = self._rates
         rng = self._rng
-        held = self._held.get(endpoint)
+        held = self._delayed.get(endpoint)
         if rng.random() < drop:
             self.faults["dropped"] += 1
             return True  # "sent": lost on the way
@@ -66,7 +66,7 @@ class FaultyChannel(ControlChannel):
             self.faults["duplicated"] += 1
         if held or rng.random() < delay:
             due = time.monotonic() + rng.random() * max_delay
-            queue = self._held.setdefault(endpoint, deque())
+            queue = self._delayed.setdefault(endpoint, deque())
             if queue:
                 due = max(due, queue[-1][0])
             else:
@@ -81,14 +81,14 @@ class FaultyChannel(ControlChannel):
 
     def _flush(self) -> None:
         now = time.monotonic()
-        for endpoint, queue in list(self._held.items()):
+        for endpoint, queue in list(self._delayed.items()):
             while queue and queue[0][0] <= now:
                 _, frame, rooms = queue.popleft()
                 super()._send_now(endpoint, frame, rooms)
             if not queue:
-                del self._held[endpoint]
+                del self._delayed[endpoint]
         super()._flush()
 
     def _drop_peer(self, endpoint: str) -> None:
-        self._held.pop(endpoint, None)
+        self._delayed.pop(endpoint, None)
         super()._drop_peer(endpoint)
