@@ -133,14 +133,14 @@ from .base import (
 )
 from .deadline import Deadline
 from .errors import CapacityError, StartError, TransportError
+from .twins import IMPLEMENTATION, load
 
-# The per-batch work (a batch's frame, the sink's checks of a frame, the acks) has two twins, chosen
-# here as transport.plan chooses its own: PDCORE_PURE_PYTHON=1 the pure one, else the compiled one.
-IMPLEMENTATION = "python" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "cython"
-if TYPE_CHECKING or IMPLEMENTATION == "python":
+# The per-batch work (a batch's frame, the sink's checks of a frame, the acks) has two twins,
+# chosen by transport/twins.py.
+if TYPE_CHECKING:
     from . import _tcp_fast_py as _fast
 else:
-    from . import _tcp_fast as _fast  # type: ignore[no-redef]  # ImportError here means a broken build
+    _fast = load("transport._tcp_fast")
 
 __all__ = [
     "IMPLEMENTATION",

@@ -20,7 +20,7 @@ from . import _spec
 from ._spec import State, Timer, Trigger
 from .errors import CapacityError, CollectiveError, LocalProtocolError
 from .events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
-from ._table_py import FINGERPRINT_BYTES, MAX_CAPACITY, _mismatch_message, check_config, rid_hash
+from .twin_common import FINGERPRINT_BYTES, MAX_CAPACITY, check_config, mismatch_message, rid_hash
 
 __all__ = ["StateTable", "FINGERPRINT_BYTES", "MAX_CAPACITY", "rid_hash"]
 
@@ -415,4 +415,4 @@ cdef class StateTable:
         lo = bytes(self._buffer[cap : cap + FP])
         hi = bytes(255 - int(b) for b in self._buffer[cap + FP :])
         mine = self._fp_sum.to_bytes(8, "little") + len(self._slots).to_bytes(4, "little")
-        raise CollectiveError(_mismatch_message(mine, lo, hi))
+        raise CollectiveError(mismatch_message(mine, lo, hi))

@@ -16,37 +16,11 @@ from . import _spec
 from ._spec import CODE_FAILING, FREE, Fence, State, Timer, Trigger, code_of, state_of_code
 from .errors import CapacityError, CollectiveError, LocalProtocolError
 from .events import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded
+from .twin_common import FINGERPRINT_BYTES, check_config, mismatch_message, rid_hash
 
-__all__ = ["StateTable", "FINGERPRINT_BYTES", "MAX_CAPACITY", "rid_hash"]
-
-#: Bytes of the (count, hash) fingerprint; the buffer carries them twice (h, 255-h).
-FINGERPRINT_BYTES = 12
-MAX_CAPACITY = 1 << 20
+__all__ = ["StateTable"]
 
 _M64 = (1 << 64) - 1
-
-
-def check_config(capacity: int, bootstrap_timeout: float, waiting_timeout: float) -> None:
-    """The constructor's checks, shared by both twins."""
-    if not 0 < capacity <= MAX_CAPACITY:
-        raise ValueError(f"capacity must be in 1..{MAX_CAPACITY}, got {capacity!r}")
-    for name, value in (("bootstrap_timeout", bootstrap_timeout), ("waiting_timeout", waiting_timeout)):
-        if not value > 0:
-            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-
-
-def rid_hash(rid: str, slot: int) -> int:
-    """A process-independent 64-bit hash of (slot, rid): FNV-1a, then a splitmix64 finaliser.
-
-    Python's ``hash(str)`` is salted per process, so it cannot be compared across ranks.
-    """
-    h = 0xCBF29CE484222325
-    for byte in rid.encode("utf-8"):
-        h = ((h ^ byte) * 0x100000001B3) & _M64
-    h = (h ^ (slot * 0x9E3779B97F4A7C15)) & _M64
-    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
-    return h ^ (h >> 31)
 
 
 class StateTable:
@@ -282,20 +256,4 @@ class StateTable:
             live_over_range = [slot for slot in self._slots.values() if self._buffer[slot] > _spec.CODE_SUCCESS]
             if not live_over_range:
                 return
-        raise CollectiveError(_mismatch_message(self._fingerprint(), bytes(lo), bytes(255 - int(b) for b in hi_inv)))
-
-
-def _mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
-    """Name what differs: the number of live requests, or which requests they are."""
-    count = int.from_bytes(mine[8:], "little")
-    if lowest[8:] != highest[8:]:
-        what = (
-            f"the ranks hold different numbers of live requests (this rank {count}, replica byte-wise "
-            f"min {int.from_bytes(lowest[8:], 'little')} / max {int.from_bytes(highest[8:], 'little')})"
-        )
-    else:
-        what = f"the ranks hold {count} live requests each, but not the same (slot, rid) set"
-    return (
-        f"replica agreement refused: {what}; this rank's fingerprint is {mine.hex()}. "
-        "Every rank must register and remove the same rids in the same order."
-    )
+        raise CollectiveError(mismatch_message(self._fingerprint(), bytes(lo), bytes(255 - int(b) for b in hi_inv)))

@@ -10,13 +10,17 @@ Python, as ``table.py`` takes the table's pure twin.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-if os.environ.get("PDCORE_PURE_PYTHON") == "1":
+from ..twins import load
+
+if TYPE_CHECKING:
     from ._events_py import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded
 else:
-    from ._events import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded  # type: ignore[no-redef]
+    _events = load("pdcore.core._events")
+    FAILED_ELSEWHERE, Event = _events.FAILED_ELSEWHERE, _events.Event
+    Bootstrapped, Failed, Succeeded = _events.Bootstrapped, _events.Failed, _events.Succeeded
 
 __all__ = [
     "BootstrapInfo",

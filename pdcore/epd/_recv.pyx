@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from ..core._table_py import FINGERPRINT_BYTES, rid_hash
+from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
 from . import _spec

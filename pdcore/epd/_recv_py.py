@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..core._table_py import FINGERPRINT_BYTES, rid_hash
+from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
 from . import _spec

@@ -14,9 +14,10 @@ peer's sender implement them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..twins import load
 
 __all__ = [
     "EmbeddingItem",
@@ -31,10 +32,12 @@ __all__ = [
     "CODE_LANDED",
 ]
 
-if os.environ.get("PDCORE_PURE_PYTHON") == "1":
+if TYPE_CHECKING:
     from ._types_py import DTYPE_ITEMSIZE, EmbeddingChunk, EmbeddingItem, LandedItem, LandedRequest
 else:
-    from ._types import DTYPE_ITEMSIZE, EmbeddingChunk, EmbeddingItem, LandedItem, LandedRequest  # type: ignore[no-redef]
+    _types = load("pdcore.epd._types")
+    DTYPE_ITEMSIZE, EmbeddingChunk, EmbeddingItem = _types.DTYPE_ITEMSIZE, _types.EmbeddingChunk, _types.EmbeddingItem
+    LandedItem, LandedRequest = _types.LandedItem, _types.LandedRequest
 
 #: The receiver's per-request codes (``EmbeddingReceiver.poll``), reduced with MIN across the replica.
 CODE_FAILED = 0  # failed or timed out on some rank

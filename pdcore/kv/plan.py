@@ -7,7 +7,7 @@ address, destination address, length) that move exactly the heads ``p`` owes
 pages, pairing ``src_pages[i]`` with ``dst_pages[i]``; an empty array when
 ``p`` owes ``d`` nothing. Inputs are checked here (naming the field); the
 kernel is compiled (``_heads``) or its pure twin (``_heads_py``,
-``PDCORE_PURE_PYTHON=1``), chosen as ``pdcore.core.table`` chooses.
+``PDCORE_PURE_PYTHON=1``), as ``pdcore/twins.py`` chooses.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..core.errors import LocalProtocolError
-from ..core.table import IMPLEMENTATION
+from ..twins import IMPLEMENTATION, load
 from .layout import KvLayout
 
-if TYPE_CHECKING or IMPLEMENTATION == "python":
+if TYPE_CHECKING:
     from ._heads_py import cut
 else:
-    from ._heads import cut  # ImportError: run `pip install -e .` to build it
+    cut = load("pdcore.kv._heads").cut
 
 __all__ = ["IMPLEMENTATION", "plan", "cut"]
 

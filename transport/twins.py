@@ -1,0 +1,38 @@
+"""The one chooser of the transport's compiled modules or their pure-Python twins.
+
+``PDCORE_PURE_PYTHON=1`` selects every twin; otherwise the compiled modules are
+imported and an ``ImportError`` is a broken build, raised, never a silent
+fallback. The chosen module is checked against ``TWINS`` (the names both twins
+define), so a stale build fails at import naming what is missing. The same
+variable chooses pdcore's twins (``pdcore/twins.py``); the transport imports
+nothing of pdcore, so it reads it here too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+__all__ = ["IMPLEMENTATION", "TWINS", "load"]
+
+#: "python" under ``PDCORE_PURE_PYTHON=1``, else "cython"; read here only, for the transport.
+IMPLEMENTATION = "python" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "cython"
+
+#: compiled module -> (its pure twin, the public names both define)
+TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "transport._plan": ("transport._plan_py", ("count_runs", "naive_plan", "plan")),
+    "transport._tcp_fast": ("transport._tcp_fast_py", ("FRAME_SIZE", "ACK_SIZE", "FRAME_ZERO_LENGTH", "FRAME_LOCAL_OUTSIDE",
+                                                    "LAND_OUTSIDE_REGIONS", "LAND_NEEDS_GRANT", "LAND_GRANT_NOT_LIVE",
+                                                    "LAND_GRANT_OTHER_SOURCE", "frame", "check_frame", "parse_acks")),
+}
+
+
+def load(compiled: str) -> ModuleType:
+    """The module chosen for ``compiled`` (a key of ``TWINS``), checked to define each of its names."""
+    pure, names = TWINS[compiled]
+    module = importlib.import_module(pure if IMPLEMENTATION == "python" else compiled)
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise ImportError(f"{module.__name__} lacks {', '.join(missing)}: a stale build? (pip install -e . rebuilds it)")
+    return module
