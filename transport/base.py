@@ -138,7 +138,6 @@ import os
 import struct
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -148,6 +147,7 @@ import numpy as np
 
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .loglimit import LogLimit
 
 __all__ = [
     "AcceptBackoff",
@@ -743,33 +743,24 @@ class AuthFailures:
     """A sink's failed handshakes: a count, and at most one warning per peer host every ``every``
     seconds (a flood of bad handshakes cannot flood the log). Thread-safe; memory is bounded."""
 
-    _MAX_HOSTS = 4096
-
     def __init__(self, what: str, logger: logging.Logger, every: float = 10.0) -> None:
-        self._what, self._log, self._every = what, logger, every
+        self._what, self._log = what, logger
         self._lock = threading.Lock()
-        self._last: dict[str, float] = {}  # host -> when we last logged it
+        self._limit = LogLimit(every)  # per peer host
         self.count = 0
 
     def failed(self, peer: tuple[Any, ...] | None, why: str) -> None:
         host = str(peer[0]) if peer else "?"
         where = f"{host}:{peer[1]}" if peer and len(peer) > 1 else host
-        now = time.monotonic()
         with self._lock:
             self.count += 1
             count = self.count
-            last = self._last.get(host)
-            if last is not None and now - last < self._every:
-                return
-            if len(self._last) >= self._MAX_HOSTS:
-                self._last = {h: t for h, t in self._last.items() if now - t < self._every}
-                if len(self._last) >= self._MAX_HOSTS:
-                    return  # that many hosts failing at once: their count still grows
-            self._last[host] = now
+        if self._limit.ready(host) is None:
+            return  # counted; that host was named within the last `every` seconds (or too many hosts fail)
         self._log.warning(
             "%s: authentication failed for the connection from %s: %s (%d failed handshakes so far; "
             "further failures from %s are not logged for %g s)",
-            self._what, where, why, count, host, self._every,
+            self._what, where, why, count, host, self._limit.every,
         )
 
 
@@ -791,10 +782,9 @@ class AcceptBackoff:
         self, what: str, logger: logging.Logger, *, first: float = 0.01, most: float = 1.0, every: float = 10.0
     ) -> None:
         self._what, self._log = what, logger
-        self._first, self._most, self._every = first, most, every
+        self._first, self._most = first, most
         self._delay = first
-        self._logged = -every
-        self._since = 0  # failures since the last warning
+        self._limit = LogLimit(every)
         self.count = 0  # accepts that failed for want of descriptors or memory
 
     def failed(self, error: OSError) -> float | None:
@@ -803,15 +793,13 @@ class AcceptBackoff:
         if error.errno not in OUT_OF_RESOURCES:
             return None
         self.count += 1
-        self._since += 1
         delay, self._delay = self._delay, min(2 * self._delay, self._most)
-        now = time.monotonic()
-        if now - self._logged >= self._every:
+        held = self._limit.ready()
+        if held is not None:
             self._log.warning(
                 "%s: cannot accept a connection: %s (%d times since the last warning); "
-                "waiting up to %g s before each further try", self._what, error, self._since, self._most,
+                "waiting up to %g s before each further try", self._what, error, held + 1, self._most,
             )
-            self._logged, self._since = now, 0
         return delay
 
     def succeeded(self) -> None:

@@ -103,6 +103,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta
+from transport.loglimit import LogLimit
 
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import LocalProtocolError, RemoteProtocolError, StartError
@@ -637,8 +638,6 @@ class _DeadlineSocket:
 
 # --------------------------------------------------------------------------- server
 
-_WARN_EVERY: Final = 10.0  # seconds: at most one warning per refused source address this often
-_WARN_ADDRESSES: Final = 4096  # addresses remembered for that; past it, new addresses are counted, not logged
 
 
 @dataclasses.dataclass
@@ -882,7 +881,7 @@ class _Server(ThreadingHTTPServer):
         self._auth_lock = threading.Lock()  # the nonce cache's
         self.stats = BootstrapStats()
         self.stats_lock = threading.Lock()
-        self._warned: dict[str, tuple[float, int]] = {}  # source address -> (last warning, refusals since)
+        self._warned = LogLimit()  # per source address: at most one warning every 10 s
         self._conns: dict[_Conn, threading.Thread] = {}  # holding a slot, in accept order
         self._handlers: set[threading.Thread] = set()  # every handler not yet joined (evicted ones too)
         self._live_lock = threading.Lock()
@@ -979,20 +978,13 @@ class _Server(ThreadingHTTPServer):
     def _refused(self, error: RequestAuthError, method: str, path: str, addr: Any) -> None:
         kind = {"signature": "bad_signatures", "window": "stale", "replay": "replays"}.get(error.kind)
         source = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
-        now = time.monotonic()
         with self.stats_lock:
             self.stats.auth_failures += 1
             if kind is not None:
                 setattr(self.stats, kind, getattr(self.stats, kind) + 1)
-            last, since = self._warned.get(source, (-math.inf, 0))
-            if now - last < _WARN_EVERY:
-                self._warned[source] = (last, since + 1)
-                return
-            if source not in self._warned and len(self._warned) >= _WARN_ADDRESSES:
-                self._warned = {a: v for a, v in self._warned.items() if now - v[0] < _WARN_EVERY}
-                if len(self._warned) >= _WARN_ADDRESSES:
-                    return  # counted in stats; too many sources to name each
-            self._warned[source] = (now, 0)
+        since = self._warned.ready(source)
+        if since is None:
+            return  # counted in stats; named within the last 10 s (or too many sources to name each)
         more = f" (and {since} more from it since the last warning)" if since else ""
         log.warning("bootstrap: refused %s %r from %s: %s%s", method, path[:64], source, error, more)
 

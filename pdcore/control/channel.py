@@ -123,6 +123,8 @@ from typing import Final
 import zmq
 from zmq.utils import monitor, z85
 
+from transport.loglimit import LogLimit
+
 from . import auth, wire
 from .liveness import DeadPeer, PeerLiveness
 from ..core.deadline import Deadline, DeadlineExceeded
@@ -329,7 +331,7 @@ class ControlChannel:
         self._handshake_ms = max(1, int(handshake_timeout * 1000))
         self._curve = curve_keys(auth.check_secret(secret, "control channel")) if secret is not None else None
         self._curve_key = z85.decode(self._curve[0]) if self._curve is not None else b""
-        self._auth_logged: dict[str, float] = {}  # endpoint -> when we last warned about it
+        self._auth_logged = LogLimit(_AUTH_LOG_EVERY, max_keys=max_peers)  # per endpoint
         self._monitors: dict[zmq.Socket[bytes], str] = {}  # a DEALER's handshake monitor -> its endpoint
         self._monitor_of: dict[str, zmq.Socket[bytes]] = {}  # ... and back
         self._poller = zmq.Poller()
@@ -349,7 +351,7 @@ class ControlChannel:
         self._pending_seen = 0  # len(_pending) after the last pass that read the monitor to its end
         self._port = 0
         self._null_fd = self._slot_fd = -1  # /dev/null, and a descriptor number reserved for a cut
-        self._evict_logged = -_AUTH_LOG_EVERY
+        self._evict_logged = LogLimit(_AUTH_LOG_EVERY)
         self._held_lock = threading.Lock()
         self._delivering: _Release | None = None  # the frame whose on_message is running (I/O thread)
         self._on_message = on_message
@@ -759,8 +761,7 @@ class ControlChannel:
                 self._cut_fds.add(victim)
                 cut += 1
         self.stats.pending_evicted += cut
-        if cut and time.monotonic() - self._evict_logged >= _AUTH_LOG_EVERY:  # a flood must not flood the log
-            self._evict_logged = time.monotonic()
+        if cut and self._evict_logged.ready() is not None:  # a flood must not flood the log
             log.warning(
                 "control channel %s: more than %d connections that sent no frame yet: the oldest idle ones "
                 "are cut (%d so far, stats.pending_evicted; %d accepted)",
@@ -835,11 +836,7 @@ class ControlChannel:
     def _auth_failed(self, peer: str, why: str, *, dead: bool) -> None:
         self.stats.auth_failures += 1
         reason = f"authentication failed: control handshake with {peer}: {why}; is the secret the same on both sides?"
-        now = time.monotonic()
-        if now - self._auth_logged.get(peer, -_AUTH_LOG_EVERY) >= _AUTH_LOG_EVERY:
-            if len(self._auth_logged) >= self._max_peers:
-                self._auth_logged.clear()
-            self._auth_logged[peer] = now
+        if self._auth_logged.ready(peer) is not None:
             log.warning("control channel %s: %s (more counted in stats.auth_failures)", self._endpoint, reason)
         if dead:  # the incarnation we knew there (a peer that went away fails its reconnect's handshake too)
             self._peer_dead(DeadPeer(peer, *self._liveness.known(peer), reason), drop=True, quiet=True)

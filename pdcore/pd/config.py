@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.agreement import AGREEMENT_MODES
 from ..core.errors import LocalProtocolError
+from ..core.twin_common import MAX_CAPACITY
 from ..kv.layout import KvLayout
 from ..node.config import NodeConfig, check_registration, check_seconds, check_writable_buffer, config_error
 
@@ -89,11 +91,11 @@ class PeerConfig(NodeConfig):
         sizes = self.page_bytes_per_buffer
         if len(sizes) != len(self.kv_buffers) or any(s < 1 for s in sizes):
             raise config_error(self, "page_bytes", f"one positive size or one per buffer ({len(self.kv_buffers)}), got {self.page_bytes}")
-        if not 1 <= self.capacity <= 1 << 20:
-            raise config_error(self, "capacity", f"must be in 1..{1 << 20}, got {self.capacity}")
+        if not 1 <= self.capacity <= MAX_CAPACITY:
+            raise config_error(self, "capacity", f"must be in 1..{MAX_CAPACITY}, got {self.capacity}")
         check_seconds(self, ("bootstrap_timeout", "waiting_timeout", "fence_timeout", "agreement_timeout"))
-        if self.agreement not in ("auto", "shm", "group"):
-            raise config_error(self, "agreement", f"must be 'auto', 'shm' or 'group', got {self.agreement!r}")
+        if self.agreement not in AGREEMENT_MODES:
+            raise config_error(self, "agreement", f"must be one of {', '.join(map(repr, AGREEMENT_MODES))}, got {self.agreement!r}")
         for name in ("max_parked_pages", "max_parked_pages_total"):
             if getattr(self, name) < 1:
                 raise config_error(self, name, f"must be positive, got {getattr(self, name)}")
