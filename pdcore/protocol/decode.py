@@ -39,6 +39,7 @@ from ..kv.routing import routing
 from .actions import Grant, Revoke
 from .engine import Engine, Services, ends
 from .lookups import Deployment, Lookups
+from .revokes import REVOKE_WAIT, RetryRevokes
 
 if TYPE_CHECKING:  # a value the look-ups carry: its module is the bootstrap's I/O, never imported here
     from ..control.bootstrap import ParallelInfo
@@ -47,8 +48,6 @@ __all__ = ["DecodeEngine", "page_ranges", "layout_json"]
 
 log = logging.getLogger("pdcore.decode")
 
-REVOKE_WAIT = 1.0  # seconds a revoke waits for a write landing through the grant before it cuts it
-RETRY = 0.05  # seconds between tries of a revoke that was not confirmed
 
 
 def page_ranges(layout: Any, page_ids: Any) -> list[tuple[int, int]]:
@@ -113,9 +112,9 @@ class DecodeEngine(Engine):
             self._lookup_needs, lambda request: (request.room, request.dp_rank), self._looked_up, self._out.append,
         )
         self._registered: set[str] = set()  # prefill endpoints that have our Register
-        self._unrevoked: list[_Request] = []  # revokes that could not be confirmed: retried every tick
-        self._landed_grants: list[Any] = []  # grants of landed requests a revoke failed for: retried every tick
-        self._retry_at = 0.0  # when the tick tries the revokes above again
+        self._unrevoked: RetryRevokes[_Request] = RetryRevokes()  # fences whose revoke was not confirmed
+        # grants of landed requests a revoke failed for (nothing waits on them: bounded)
+        self._landed_grants: RetryRevokes[Any] = RetryRevokes(limit=4 * self._config.max_pending)
 
     def tombstones(self) -> int:
         return 0
@@ -125,8 +124,8 @@ class DecodeEngine(Engine):
                 "landed_grants": len(self._landed_grants), "lookups": self._lookups.waiting()}
 
     def next_deadline(self) -> float:
-        retry = self._retry_at if self._unrevoked or self._landed_grants else float("inf")
-        return min(retry, self._lookups.next_deadline())
+        return min(self._unrevoked.next_deadline(), self._landed_grants.next_deadline(),
+                   self._lookups.next_deadline())
 
     # -- the scheduler's calls ------------------------------------------------------------
 
@@ -410,16 +409,12 @@ class DecodeEngine(Engine):
             if error is not None:
                 if not self._landed_grants:
                     log.warning("decode peer: revoking a landed room's grant failed (tried again): %s", error)
-                self._landed_grants.append(token[1])
-                del self._landed_grants[: max(0, len(self._landed_grants) - 4 * self._config.max_pending)]
-                self._retry_at = now + RETRY
+                self._landed_grants.add(token[1], now)
             return
         request, link = token
         if error is not None:
             log.warning("decode peer: revoking room %d's grant failed: %s", request.room, error)
-            if request not in self._unrevoked:
-                self._unrevoked.append(request)
-            self._retry_at = now + RETRY
+            self._unrevoked.add(request, now)
             return
         if link.grant is not None:
             link.grant = None
@@ -464,12 +459,8 @@ class DecodeEngine(Engine):
 
     def tick(self, now: float) -> None:
         self._lookups.tick(now, lambda request: request.live)
-        if now < self._retry_at:
-            return
-        retry, self._unrevoked = self._unrevoked, []
-        for request in retry:
+        for request in self._unrevoked.due(now):
             if request.live:
                 self._revoke(request, now)
-        grants, self._landed_grants = self._landed_grants, []
-        for grant in grants:
+        for grant in self._landed_grants.due(now):
             self._out.append(Revoke(("landed", grant), grant, True, REVOKE_WAIT))

@@ -33,6 +33,7 @@ from ..core.errors import LocalProtocolError, PdError
 from .actions import Grant, Revoke
 from .engine import Engine, Services
 from .lookups import Deployment, Lookups
+from .revokes import REVOKE_WAIT, RetryRevokes
 
 if TYPE_CHECKING:  # a value the look-ups carry: its module is the bootstrap's I/O, never imported here
     from ..control.bootstrap import ParallelInfo
@@ -41,8 +42,6 @@ __all__ = ["ReceiverEngine"]
 
 log = logging.getLogger("pdcore.receiver")
 
-REVOKE_WAIT = 1.0
-RETRY = 0.05  # seconds between tries of a fence whose revoke was not confirmed
 ABORT_LOOKUP = 10.0  # seconds a failed request's abort may wait for its encode deployment's look-up
 
 
@@ -85,8 +84,7 @@ class ReceiverEngine(Engine):
         self._early: dict[tuple[str, int], Any] = {}  # asks the table handed out before their ``staged`` input
         self._lookups = Lookups(self._lookup_needs, lambda record: record.item.room, self._looked_up, self._out.append)
         self._registered: set[str] = set()  # encode endpoints that have our EmbedRegister
-        self._unrevoked: list[tuple[int, Any]] = []  # (slot, grant) whose revoke could not be confirmed
-        self._retry_at = 0.0
+        self._unrevoked: RetryRevokes[tuple[int, Any]] = RetryRevokes()  # (slot, grant): revoke not confirmed
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
 
     def held(self) -> dict[str, int]:
@@ -96,7 +94,7 @@ class ReceiverEngine(Engine):
                 "lookups": self._lookups.waiting()}
 
     def next_deadline(self) -> float:
-        return min(self._retry_at if self._unrevoked else float("inf"), self._lookups.next_deadline())
+        return min(self._unrevoked.next_deadline(), self._lookups.next_deadline())
 
     # -- the scheduler's side ---------------------------------------------------------------
 
@@ -336,8 +334,7 @@ class ReceiverEngine(Engine):
         slot, grant = token
         if error is not None:  # not confirmed: the slot stays quarantined; the tick tries again
             log.warning("receiver: revoking slot %d's grant failed: %s", slot, error)
-            self._unrevoked.append((slot, grant))
-            self._retry_at = now + RETRY
+            self._unrevoked.add((slot, grant), now)
             return
         self._fenced_slot(slot)
         self.pump(now)
@@ -364,7 +361,5 @@ class ReceiverEngine(Engine):
 
     def tick(self, now: float) -> None:
         self._lookups.tick(now, lambda record: not record.dropped or now < record.abort_until)
-        if self._unrevoked and now >= self._retry_at:
-            retry, self._unrevoked = self._unrevoked, []
-            for slot, grant in retry:
-                self._fence(slot, grant)
+        for slot, grant in self._unrevoked.due(now):
+            self._fence(slot, grant)
