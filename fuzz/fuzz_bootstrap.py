@@ -24,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _harness import feed_whole_and_split, instrumented, main  # noqa: E402
 
 with instrumented():
-    from pdcore.control import auth, bootstrap
+    from pdcore.control import auth, bootstrap, request_signing
     from pdcore.core.errors import RemoteProtocolError
 
 SEEDS = [
@@ -104,8 +104,8 @@ def check_auth(data: bytes) -> None:
         assert len(nonces) == 0  # a refused request never enters the cache
     assert _refused(lambda: bootstrap.verify_request(KEY, m, pth, body, None, NOW, nonces)).kind == "missing"  # type: ignore[union-attr]
     # the client's check of an answer's signature: a bool for any header values
-    assert bootstrap._response_signed(KEY, "0" * 32, 200, body, [hdr]) in (True, False)
-    assert not bootstrap._response_signed(KEY, "0" * 32, 200, body, [hdr, hdr])
+    assert request_signing.response_signed(KEY, "0" * 32, 200, body, [hdr]) in (True, False)
+    assert not request_signing.response_signed(KEY, "0" * 32, 200, body, [hdr, hdr])
 
     # 2. a request signed over input-derived parts verifies once, then is a replay ...
     digest = hashlib.sha256(data).digest()

@@ -21,7 +21,7 @@ from unittest import mock
 import msgspec
 import pytest
 
-from pdcore.control import bootstrap
+from pdcore.control import bootstrap_server
 from pdcore.control.bootstrap import (
     MAX_BODY_BYTES,
     BootstrapClient,
@@ -289,7 +289,7 @@ def held_at_cap() -> Iterator[tuple[BootstrapServer, socket.socket, threading.Ev
     is full of connections past their request and a newcomer gets 503 busy.
     """
     entered, release = threading.Event(), threading.Event()
-    begin_handling = bootstrap._Server.begin_handling
+    begin_handling = bootstrap_server._Server.begin_handling
 
     def held(server: Any, conn: Any) -> bool:
         ok = begin_handling(server, conn)
@@ -298,7 +298,7 @@ def held_at_cap() -> Iterator[tuple[BootstrapServer, socket.socket, threading.Ev
             release.wait(30.0)
         return ok
 
-    with mock.patch.object(bootstrap._Server, "begin_handling", held):
+    with mock.patch.object(bootstrap_server._Server, "begin_handling", held):
         with BootstrapServer("127.0.0.1", 0, max_connections=1, request_timeout=60.0) as srv:
             with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as hog:
                 try:

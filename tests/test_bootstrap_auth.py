@@ -493,7 +493,7 @@ def test_secrets_are_checked_at_construction() -> None:
 
 
 def test_unauthenticated_server_warns_at_start() -> None:
-    with mock.patch("pdcore.control.bootstrap.auth.warn_unauthenticated") as warn:
+    with mock.patch("pdcore.control.bootstrap_server.auth.warn_unauthenticated") as warn:
         server = BootstrapServer("127.0.0.1", 0)
         warn.assert_not_called()  # at start, not at construction
         with server:
