@@ -1,7 +1,7 @@
 """``transport/`` stands alone: it imports nothing from pdcore, and works where pdcore is absent.
 
 pdcore re-exports the data plane's errors and deadline as the same classes
-(``transport/base.py`` says how), so ``except pdcore.PdError`` still catches
+(``transport/errors.py`` says how), so ``except pdcore.PdError`` still catches
 every transport error.
 """
 
