@@ -22,50 +22,50 @@ import _harness  # noqa: E402
 from _harness import feed_whole_and_split, main  # noqa: E402
 
 with _harness.atheris.instrument_imports(include=["transport"]) if _harness.atheris else contextlib.nullcontext():
-    from transport import tcp
+    from transport import tcp_hello
     from transport.base import derive_key
 
 KEY = derive_key(b"fuzz: the deployment secret....", "tcp-hello")
 OTHER_KEY = derive_key(b"fuzz: another deployment secret", "tcp-hello")
-HELLO = tcp.Hello(b"K" * 16, b"S" * 16, b"n" * 16)
+HELLO = tcp_hello.Hello(b"K" * 16, b"S" * 16, b"n" * 16)
 SINK_NONCE = b"k" * 16
-CHALLENGE = tcp.challenge(KEY, HELLO, SINK_NONCE)
-PROOF = tcp.proof(KEY, HELLO, SINK_NONCE)
+CHALLENGE = tcp_hello.challenge(KEY, HELLO, SINK_NONCE)
+PROOF = tcp_hello.proof(KEY, HELLO, SINK_NONCE)
 
 SEEDS = [
-    tcp.encode_hello(HELLO),
-    tcp.encode_hello(tcp.Hello(b"K" * 16, b"S" * 16)),
+    tcp_hello.encode_hello(HELLO),
+    tcp_hello.encode_hello(tcp_hello.Hello(b"K" * 16, b"S" * 16)),
     CHALLENGE,
     PROOF,
-    tcp.challenge(OTHER_KEY, HELLO, SINK_NONCE),
+    tcp_hello.challenge(OTHER_KEY, HELLO, SINK_NONCE),
     b"PDTA\x03",
 ]
 
 
 def check_hello(data: bytes) -> None:
     try:
-        hello = tcp.decode_hello(data)
-    except tcp.HelloError:
+        hello = tcp_hello.decode_hello(data)
+    except tcp_hello.HelloError:
         return
-    assert tcp.encode_hello(hello) == data, (hello, data)
+    assert tcp_hello.encode_hello(hello) == data, (hello, data)
     assert len(hello.sink) == len(hello.source) == 16 and len(hello.nonce) in (0, 16)
 
 
 def check_challenge(data: bytes) -> None:
-    for hello in (HELLO, tcp.Hello(b"K" * 16, b"S" * 16)):
+    for hello in (HELLO, tcp_hello.Hello(b"K" * 16, b"S" * 16)):
         try:
-            nonce, answer = tcp.check_challenge(KEY, hello, data)
-        except tcp.HelloError:
-            assert not hello.nonce or len(data) != len(CHALLENGE) or data != tcp.challenge(KEY, hello, data[:16])
+            nonce, answer = tcp_hello.check_challenge(KEY, hello, data)
+        except tcp_hello.HelloError:
+            assert not hello.nonce or len(data) != len(CHALLENGE) or data != tcp_hello.challenge(KEY, hello, data[:16])
             continue
-        assert hello.nonce and data == tcp.challenge(KEY, hello, nonce), data
-        tcp.check_proof(KEY, hello, nonce, answer)  # what the source answers, the sink accepts
+        assert hello.nonce and data == tcp_hello.challenge(KEY, hello, nonce), data
+        tcp_hello.check_proof(KEY, hello, nonce, answer)  # what the source answers, the sink accepts
 
 
 def check_proof(data: bytes) -> None:
     try:
-        tcp.check_proof(KEY, HELLO, SINK_NONCE, data)
-    except tcp.HelloError:
+        tcp_hello.check_proof(KEY, HELLO, SINK_NONCE, data)
+    except tcp_hello.HelloError:
         assert data != PROOF
         return
     assert data == PROOF, data
@@ -75,14 +75,14 @@ def check(data: bytes) -> None:
     check_hello(data)
     check_challenge(data)
     check_proof(data)
-    with contextlib.suppress(tcp.HelloError):
-        assert tcp.hello_size(data) in (tcp._HELLO.size, tcp._HELLO_AUTH.size)
+    with contextlib.suppress(tcp_hello.HelloError):
+        assert tcp_hello.hello_size(data) in (tcp_hello.HELLO.size, tcp_hello.HELLO_AUTH.size)
 
 
 def test_one_input(data: bytes) -> None:
     feed_whole_and_split(check, data)
     # behind a valid prefix: the mutation lands in the fields (the nonce, the MAC) rather than the magic
-    feed_whole_and_split(check_hello, tcp.encode_hello(HELLO)[:5] + data)
+    feed_whole_and_split(check_hello, tcp_hello.encode_hello(HELLO)[:5] + data)
     feed_whole_and_split(check_challenge, CHALLENGE[: 48 - min(len(data), 48)] + data[:48])
     feed_whole_and_split(check_proof, PROOF[: 32 - min(len(data), 32)] + data[:32])
 

@@ -127,12 +127,32 @@ from .base import (
     deliver,
     derive_key,
     encode_endpoint,
-    hello_mac,
     new_instance_id,
-    same_mac,
 )
 from .deadline import Deadline
 from .errors import CapacityError, StartError, TransportError
+from .tcp_hello import (
+    AT_CAP,
+    AUTH_FAILED,
+    AUTH_REQUIRED,
+    AUTH_UNSUPPORTED,
+    BUSY,
+    CHALLENGE,
+    HELLO_REPLY,
+    KEY_LABEL,
+    MAGIC,
+    OK,
+    VERSION,
+    WRONG_INSTANCE,
+    Hello,
+    HelloError,
+    challenge,
+    check_challenge,
+    check_proof,
+    decode_hello,
+    encode_hello,
+    hello_size,
+)
 from .twins import IMPLEMENTATION, load
 
 # The per-batch work (a batch's frame, the sink's checks of a frame, the acks) has two twins,
@@ -155,24 +175,7 @@ __all__ = [
 
 log = logging.getLogger("transport.tcp")
 
-_MAGIC = b"PDTC"
-_MAGIC_AUTH = b"PDTA"  # the hello of a source that authenticates: PDTC's fields, then its nonce
-_VERSION = 3  # v3: the authenticated hello (PDTA), its challenge and proof, statuses 3..6
-_HELLO = struct.Struct("<4sB16s16s")  # magic, version, sink instance, source instance
-_HELLO_AUTH = struct.Struct(f"<4sB16s16s{NONCE_BYTES}s")  # ... and the source nonce
-_HELLO_REPLY = struct.Struct("<4sBB")  # magic, version, status
-_CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")  # sink nonce, sink MAC
-_OK = 0
-_WRONG_INSTANCE = 1
-_AT_CAP = 2  # hello reply status: the sink holds max_sinks connections already
-_AUTH_REQUIRED = 3  # the sink has a secret; the hello did not authenticate
-_AUTH_UNSUPPORTED = 4  # the hello authenticates; the sink has no secret
-_AUTH_FAILED = 5  # the source's proof did not verify
-_BUSY = 6  # _MAX_HELLOS connections are in their handshake already
 _MAX_HELLOS = 64
-_KEY_LABEL = "tcp-hello"
-_SINK_ROLE = b"tcp/3 sink"
-_SOURCE_ROLE = b"tcp/3 source"
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
 _SEQ = struct.Struct("<Q")  # a frame's first field: written once the batch has its place in line
 _DESC_PAIR = struct.Struct("<QQ")
@@ -192,85 +195,6 @@ _ACK_GATHER = 16
 _ACK_GATHER_BYTES = 1 << 20  # buffers of queued batches the sender sends in one go
 _DISCARD_CHUNK = 1 << 20
 _AHEAD = 24 + 16  # bytes a sink reads past a payload: the next frame's header and first descriptor
-
-
-# ---------------------------------------------------------------------- the hello (sans-IO)
-
-
-class HelloError(Exception):
-    """Handshake bytes that are malformed or not authentic. The only error the functions below raise."""
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """A decoded hello: the sink instance it names, the source's instance, and its nonce (``b""``: a
-    source without a secret)."""
-
-    sink: bytes
-    source: bytes
-    nonce: bytes = b""
-
-
-def encode_hello(hello: Hello) -> bytes:
-    if hello.nonce:
-        return _HELLO_AUTH.pack(_MAGIC_AUTH, _VERSION, hello.sink, hello.source, hello.nonce)
-    return _HELLO.pack(_MAGIC, _VERSION, hello.sink, hello.source)
-
-
-def hello_size(prefix: bytes) -> int:
-    """The size of the hello whose first 5 bytes (magic, version) are ``prefix``; ``HelloError`` if
-    they are not a hello of this version."""
-    if len(prefix) < 5:
-        raise HelloError(f"a hello starts with 5 bytes of magic and version, got {len(prefix)}")
-    magic, version = bytes(prefix[:4]), prefix[4]
-    if magic not in (_MAGIC, _MAGIC_AUTH):
-        raise HelloError(f"magic {magic!r} is not a pdcore tcp hello")
-    if version != _VERSION:
-        raise HelloError(f"hello version {version}, this build speaks version {_VERSION}")
-    return _HELLO_AUTH.size if magic == _MAGIC_AUTH else _HELLO.size
-
-
-def decode_hello(data: bytes) -> Hello:
-    """Parse a whole hello (exactly its bytes); ``HelloError`` otherwise."""
-    data = bytes(data)
-    if len(data) != hello_size(data[:5]):
-        raise HelloError(f"a hello of {len(data)} bytes, expected {hello_size(data[:5])}")
-    if data[:4] == _MAGIC_AUTH:
-        _m, _v, sink, source, nonce = _HELLO_AUTH.unpack(data)
-        return Hello(sink, source, nonce)
-    _m, _v, sink, source = _HELLO.unpack(data)
-    return Hello(sink, source)
-
-
-def challenge(key: bytes, hello: Hello, nonce: bytes) -> bytes:
-    """What a sink sends after a status-0 reply to an authenticated ``hello``: its ``nonce`` and its MAC."""
-    return _CHALLENGE.pack(nonce, hello_mac(key, _SINK_ROLE, hello.sink, hello.source, hello.nonce, nonce))
-
-
-def check_challenge(key: bytes, hello: Hello, data: bytes) -> tuple[bytes, bytes]:
-    """Source side: check the sink's challenge to our ``hello``; return ``(sink nonce, our proof)``.
-
-    ``HelloError`` unless ``data`` is exactly what a sink holding ``key`` sends.
-    """
-    data = bytes(data)
-    if len(data) != _CHALLENGE.size or not hello.nonce:
-        raise HelloError(f"a challenge has {_CHALLENGE.size} bytes, got {len(data)}")
-    nonce, _mac = _CHALLENGE.unpack(data)
-    if not same_mac(challenge(key, hello, nonce), data):
-        raise HelloError("the sink's MAC does not verify")
-    return nonce, proof(key, hello, nonce)
-
-
-def proof(key: bytes, hello: Hello, sink_nonce: bytes) -> bytes:
-    """The source's answer to the sink's challenge (a MAC in the other direction)."""
-    return hello_mac(key, _SOURCE_ROLE, hello.sink, hello.source, hello.nonce, sink_nonce)
-
-
-def check_proof(key: bytes, hello: Hello, sink_nonce: bytes, data: bytes) -> None:
-    """Sink side: ``HelloError`` unless ``data`` is exactly the proof of a source holding ``key``."""
-    data = bytes(data)
-    if len(data) != MAC_BYTES or not hello.nonce or not same_mac(proof(key, hello, sink_nonce), data):
-        raise HelloError("the source's proof does not verify")
 
 
 # Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO = one poll interval): a call
@@ -501,7 +425,7 @@ class TcpTransport(Transport):
                 f"max_batch_writes ({max_batch_writes}) and max_sinks ({max_sinks}) must be positive"
             )
         secret = check_secret(secret, "tcp transport")
-        self._key = derive_key(secret, _KEY_LABEL) if secret is not None else None
+        self._key = derive_key(secret, KEY_LABEL) if secret is not None else None
         del secret  # only the derived key is kept
         self._auth = AuthFailures("tcp transport", log)
         self._max_sinks = max_sinks
@@ -682,40 +606,40 @@ class TcpTransport(Transport):
         sock.settimeout(max(deadline.remaining(), 1e-3))
         sock.sendall(encode_hello(hello))
         status = self._reply(sock, where, deadline)
-        if status == _OK and key is not None:
+        if status == OK and key is not None:
             sock.settimeout(max(deadline.remaining(), 1e-3))
-            body = _recv_by(sock, _CHALLENGE.size, deadline, self._stop)
+            body = _recv_by(sock, CHALLENGE.size, deadline, self._stop)
             try:
                 _nonce, answer = check_challenge(key, hello, body)
             except HelloError:
                 raise auth_failed(where, "it could not prove that it holds the deployment secret (different secrets?)") from None
             sock.sendall(answer)
             status = self._reply(sock, where, deadline)
-        if status == _OK:
+        if status == OK:
             return
-        if status == _AT_CAP:
+        if status == AT_CAP:
             raise TransportError(
                 f"{where} refused the connection: it is at its cap of data connections", op="connect", errno=errno_mod.ECONNREFUSED
             )
-        if status == _BUSY:
+        if status == BUSY:
             raise TransportError(
                 f"{where} refused the connection: {_MAX_HELLOS} handshakes are in progress there", op="connect", errno=errno_mod.ECONNREFUSED
             )
-        if status == _WRONG_INSTANCE:
+        if status == WRONG_INSTANCE:
             raise TransportError(f"{where} is another transport instance than the endpoint names (restarted?)", op="connect")
-        if status == _AUTH_REQUIRED:
+        if status == AUTH_REQUIRED:
             raise auth_failed(where, "it requires the deployment secret and this transport has none (its secret option is unset)")
-        if status == _AUTH_UNSUPPORTED:
+        if status == AUTH_UNSUPPORTED:
             raise auth_failed(where, "it has no deployment secret and this transport authenticates every connection")
-        if status == _AUTH_FAILED:
+        if status == AUTH_FAILED:
             raise auth_failed(where, "it did not accept this transport's proof of the deployment secret")
         raise TransportError(f"{where} answered the hello with unknown status {status}", op="connect", errno=errno_mod.EPROTO)
 
     def _reply(self, sock: socket.socket, where: str, deadline: Deadline) -> int:
         sock.settimeout(max(deadline.remaining(), 1e-3))
-        magic, version, status = _HELLO_REPLY.unpack(_recv_by(sock, _HELLO_REPLY.size, deadline, self._stop))
-        if magic != _MAGIC or version != _VERSION:
-            raise TransportError(f"{where} does not speak pdcore tcp v{_VERSION}", op="connect", errno=errno_mod.EPROTO)
+        magic, version, status = HELLO_REPLY.unpack(_recv_by(sock, HELLO_REPLY.size, deadline, self._stop))
+        if magic != MAGIC or version != VERSION:
+            raise TransportError(f"{where} does not speak pdcore tcp v{VERSION}", op="connect", errno=errno_mod.EPROTO)
         return int(status)
 
     def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
@@ -944,16 +868,16 @@ class TcpTransport(Transport):
                             conn.close()
                             return
                         # bounded threads and sockets, whoever dials: authenticated ones, and handshakes
-                        full = _AT_CAP if len(self._live) >= self._max_sinks else 0
+                        full = AT_CAP if len(self._live) >= self._max_sinks else 0
                         if not full and len(self._hellos) >= _MAX_HELLOS:
                             if len(self._evicting) < _MAX_HELLOS:
                                 self._evict()
                             else:  # as many cut ones still ending: no more threads now
-                                full = _BUSY
+                                full = BUSY
                         if full:
                             self.refused_connections += 1
                             try:
-                                conn.send(_HELLO_REPLY.pack(_MAGIC, _VERSION, full), socket.MSG_DONTWAIT)
+                                conn.send(HELLO_REPLY.pack(MAGIC, VERSION, full), socket.MSG_DONTWAIT)
                             except OSError:
                                 pass
                             conn.close()
@@ -988,7 +912,7 @@ class TcpTransport(Transport):
         key = self._key
 
         def reply(status: int) -> None:
-            conn.sendall(_HELLO_REPLY.pack(_MAGIC, _VERSION, status), socket.MSG_NOSIGNAL)
+            conn.sendall(HELLO_REPLY.pack(MAGIC, VERSION, status), socket.MSG_NOSIGNAL)
 
         prefix = _recv_by(conn, 5, deadline, stop)
         try:
@@ -996,24 +920,24 @@ class TcpTransport(Transport):
         except HelloError:
             return None  # not our protocol (or another version): hang up without a word
         if hello.sink != self._instance:
-            reply(_WRONG_INSTANCE)
+            reply(WRONG_INSTANCE)
             return None
         if key is None and hello.nonce:
             self._auth.failed(addr, "the source authenticates and this sink has no secret")
-            reply(_AUTH_UNSUPPORTED)
+            reply(AUTH_UNSUPPORTED)
             return None
         if key is not None and not hello.nonce:
             self._auth.failed(addr, "the source sent no proof of the deployment secret (it has none)")
-            reply(_AUTH_REQUIRED)
+            reply(AUTH_REQUIRED)
             return None
         if key is not None:
             nonce = os.urandom(NONCE_BYTES)
-            conn.sendall(_HELLO_REPLY.pack(_MAGIC, _VERSION, _OK) + challenge(key, hello, nonce), socket.MSG_NOSIGNAL)
+            conn.sendall(HELLO_REPLY.pack(MAGIC, VERSION, OK) + challenge(key, hello, nonce), socket.MSG_NOSIGNAL)
             try:
                 check_proof(key, hello, nonce, _recv_by(conn, MAC_BYTES, deadline, stop))
             except HelloError:
                 self._auth.failed(addr, "its proof of the deployment secret is wrong")
-                reply(_AUTH_FAILED)
+                reply(AUTH_FAILED)
                 return None
             except _PeerGone as e:
                 with self._lock:
@@ -1030,7 +954,7 @@ class TcpTransport(Transport):
                 self.refused_connections += 1
             else:
                 self._live.add(sid)
-        reply(_AT_CAP if full else _OK)
+        reply(AT_CAP if full else OK)
         return None if full else hello.source
 
     def _sink_loop(self, sid: int, conn: socket.socket, addr: Any) -> None:

@@ -26,7 +26,7 @@ import transport
 from pdcore.control import auth as pdcore_auth
 from pdcore.core.deadline import Deadline
 from pdcore.core.errors import StartError, TransportError
-from transport import tcp
+from transport import tcp, tcp_hello
 from transport.base import Endpoint, Grant, PeerHandle, Region, Transport, decode_endpoint, derive_key, encode_endpoint
 
 from _transport_support import Collector, MakeTransport, transport_maker
@@ -234,21 +234,21 @@ def test_a_raw_socket_knowing_the_instance_and_the_grant_key_lands_nothing(make:
     """The intruder knows the sink's instance id, the legitimate source's instance id and its live
     grant key (all of them travel in the clear); it lacks only the secret."""
     scene = Scene(make, SECRET)
-    hello = tcp.Hello(scene.sink.instance, scene.legit.instance, os.urandom(16) if how == "forged-proof" else b"")
+    hello = tcp_hello.Hello(scene.sink.instance, scene.legit.instance, os.urandom(16) if how == "forged-proof" else b"")
     frame = _frame(1, scene.region.addr, b"\xee" * 4096, scene.grant.key)
     with _dial(scene.sink) as s:
         if how == "plain-hello":
-            s.sendall(tcp.encode_hello(hello) + frame)
+            s.sendall(tcp_hello.encode_hello(hello) + frame)
             reply = _until_eof(s)
-            assert tcp._HELLO_REPLY.unpack(reply[: tcp._HELLO_REPLY.size])[2] == tcp._AUTH_REQUIRED
+            assert tcp_hello.HELLO_REPLY.unpack(reply[: tcp_hello.HELLO_REPLY.size])[2] == tcp_hello.AUTH_REQUIRED
         else:
-            s.sendall(tcp.encode_hello(hello))
-            assert tcp._HELLO_REPLY.unpack(_recv_all(s, tcp._HELLO_REPLY.size))[2] == tcp._OK
-            _recv_all(s, tcp._CHALLENGE.size)  # the sink's nonce and MAC: no use without the key
+            s.sendall(tcp_hello.encode_hello(hello))
+            assert tcp_hello.HELLO_REPLY.unpack(_recv_all(s, tcp_hello.HELLO_REPLY.size))[2] == tcp_hello.OK
+            _recv_all(s, tcp_hello.CHALLENGE.size)  # the sink's nonce and MAC: no use without the key
             s.sendall(os.urandom(32) + frame)
             reply = _until_eof(s)
-            assert tcp._HELLO_REPLY.unpack(reply[: tcp._HELLO_REPLY.size])[2] == tcp._AUTH_FAILED
-        assert len(reply) == tcp._HELLO_REPLY.size  # no ack: the frame was never read as one
+            assert tcp_hello.HELLO_REPLY.unpack(reply[: tcp_hello.HELLO_REPLY.size])[2] == tcp_hello.AUTH_FAILED
+        assert len(reply) == tcp_hello.HELLO_REPLY.size  # no ack: the frame was never read as one
     _wait(lambda: scene.sink.auth_failures == 1, "the sink counts the rejection")
     _wait(lambda: _sink_threads(scene.sink) == 1, "the intruder's sink thread ends")
     assert scene.untouched()
@@ -321,15 +321,15 @@ def test_a_replayed_handshake_is_refused(make: MakeTransport) -> None:
     finally:
         fwd.close()
     recorded = bytes(fwd.sent)
-    assert recorded.startswith(b"PDTA") and len(recorded) > tcp._HELLO_AUTH.size + 32 + 4096
+    assert recorded.startswith(b"PDTA") and len(recorded) > tcp_hello.HELLO_AUTH.size + 32 + 4096
     scene.dst[:4096] = CANARY  # the sink's memory is back to the canary: a replay that landed would show
     _wait(lambda: _sink_threads(scene.sink) == 1, "the victim's sink thread ends")
     for _ in range(2):
         with _dial(scene.sink) as s:
             s.sendall(recorded)
             reply = _until_eof(s)
-        assert len(reply) == tcp._HELLO_REPLY.size + tcp._CHALLENGE.size + tcp._HELLO_REPLY.size
-        assert tcp._HELLO_REPLY.unpack(reply[-tcp._HELLO_REPLY.size :])[2] == tcp._AUTH_FAILED
+        assert len(reply) == tcp_hello.HELLO_REPLY.size + tcp_hello.CHALLENGE.size + tcp_hello.HELLO_REPLY.size
+        assert tcp_hello.HELLO_REPLY.unpack(reply[-tcp_hello.HELLO_REPLY.size :])[2] == tcp_hello.AUTH_FAILED
     _wait(lambda: scene.sink.auth_failures == 2, "the sink counts both replays")
     _wait(lambda: _sink_threads(scene.sink) == 1, "the replays' sink threads end")
     assert scene.untouched()
@@ -427,22 +427,22 @@ def test_a_flood_of_idle_sockets_keeps_no_authenticated_source_out(make: MakeTra
 
 def test_the_hello_codec_accepts_only_exact_authentic_bytes() -> None:
     key, wrong = derive_key(SECRET, "tcp-hello"), derive_key(OTHER, "tcp-hello")
-    hello = tcp.Hello(b"K" * 16, b"S" * 16, b"n" * 16)
-    assert tcp.decode_hello(tcp.encode_hello(hello)) == hello
-    plain = tcp.Hello(b"K" * 16, b"S" * 16)
-    assert tcp.decode_hello(tcp.encode_hello(plain)) == plain
-    for bad in (b"", b"PDTA", tcp.encode_hello(hello)[:-1], tcp.encode_hello(hello) + b"x", b"XXXX" + tcp.encode_hello(hello)[4:]):
-        with pytest.raises(tcp.HelloError):
-            tcp.decode_hello(bad)
-    body = tcp.challenge(key, hello, b"k" * 16)
-    nonce, answer = tcp.check_challenge(key, hello, body)
+    hello = tcp_hello.Hello(b"K" * 16, b"S" * 16, b"n" * 16)
+    assert tcp_hello.decode_hello(tcp_hello.encode_hello(hello)) == hello
+    plain = tcp_hello.Hello(b"K" * 16, b"S" * 16)
+    assert tcp_hello.decode_hello(tcp_hello.encode_hello(plain)) == plain
+    for bad in (b"", b"PDTA", tcp_hello.encode_hello(hello)[:-1], tcp_hello.encode_hello(hello) + b"x", b"XXXX" + tcp_hello.encode_hello(hello)[4:]):
+        with pytest.raises(tcp_hello.HelloError):
+            tcp_hello.decode_hello(bad)
+    body = tcp_hello.challenge(key, hello, b"k" * 16)
+    nonce, answer = tcp_hello.check_challenge(key, hello, body)
     assert nonce == b"k" * 16
-    tcp.check_proof(key, hello, nonce, answer)
-    with pytest.raises(tcp.HelloError):
-        tcp.check_challenge(wrong, hello, body)
-    with pytest.raises(tcp.HelloError):  # a sink's MAC is no source proof: the roles differ
-        tcp.check_proof(key, hello, nonce, body[16:])
-    with pytest.raises(tcp.HelloError):  # bound to the source's nonce
-        tcp.check_challenge(key, tcp.Hello(b"K" * 16, b"S" * 16, b"m" * 16), body)
-    with pytest.raises(tcp.HelloError):  # and to the sink's
-        tcp.check_proof(key, hello, b"j" * 16, answer)
+    tcp_hello.check_proof(key, hello, nonce, answer)
+    with pytest.raises(tcp_hello.HelloError):
+        tcp_hello.check_challenge(wrong, hello, body)
+    with pytest.raises(tcp_hello.HelloError):  # a sink's MAC is no source proof: the roles differ
+        tcp_hello.check_proof(key, hello, nonce, body[16:])
+    with pytest.raises(tcp_hello.HelloError):  # bound to the source's nonce
+        tcp_hello.check_challenge(key, tcp_hello.Hello(b"K" * 16, b"S" * 16, b"m" * 16), body)
+    with pytest.raises(tcp_hello.HelloError):  # and to the sink's
+        tcp_hello.check_proof(key, hello, b"j" * 16, answer)

@@ -13,7 +13,7 @@ import pytest
 
 import transport
 from pdcore.core.deadline import Deadline
-from transport import tcp
+from transport import tcp, tcp_hello
 from pdcore.core.errors import TransportError
 from transport.base import decode_endpoint
 
@@ -31,7 +31,7 @@ def _dial(t: transport.Transport, instance: bytes | None = None, source: bytes =
     ep = decode_endpoint(t.endpoint())
     host, _, port = ep.address.decode().rpartition(":")
     s = socket.create_connection((host, int(port)), timeout=5)
-    s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, instance or ep.instance, source))
+    s.sendall(tcp_hello.HELLO.pack(tcp_hello.MAGIC, tcp_hello.VERSION, instance or ep.instance, source))
     return s
 
 
@@ -55,7 +55,7 @@ def test_sink_validates_raw_frames_before_landing_anything(sink: transport.Trans
     dst = np.zeros(4096, np.uint8)
     r = sink.register(dst)
     with _dial(sink) as s:
-        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 0
+        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
         # write 0 is fine, write 1 runs past the region's end: nothing lands
         s.sendall(_frame(1, [(r.addr, b"\x11" * 16), (r.addr + 4090, b"\x22" * 16)]))
         seq, status, err, n = tcp._ACK.unpack(_recv(s, tcp._ACK.size))
@@ -77,10 +77,10 @@ def test_sink_validates_raw_frames_before_landing_anything(sink: transport.Trans
 def test_sink_refuses_another_instance_and_broken_frames(sink: transport.Transport) -> None:
     sink.register(np.zeros(64, np.uint8))
     with _dial(sink, instance=b"x" * 16) as s:
-        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 1
+        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 1
         assert s.recv(1) == b""  # and hangs up
     with _dial(sink) as s:
-        _recv(s, tcp._HELLO_REPLY.size)
+        _recv(s, tcp_hello.HELLO_REPLY.size)
         s.sendall(tcp._FRAME.pack(1, (1 << 20) + 1, 0, 0))  # more writes than a sink accepts
         assert s.recv(1) == b""  # the stream cannot be trusted: connection closed, nothing else
 
@@ -129,7 +129,7 @@ def test_sink_checks_each_frame_against_the_grant_it_names(sink: transport.Trans
     g = sink.grant(me, [(r.addr + 1024, 1024)])
     theirs = sink.grant(other, [(r.addr, 4096)])
     with _dial(sink, source=me) as s:
-        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 0
+        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
         s.sendall(_frame(1, [(r.addr + 1024, b"\x11" * 8)]))  # no grant named
         s.sendall(_frame(2, [(r.addr + 1024, b"\x22" * 8)], grant=theirs.key))  # another source's grant
         s.sendall(_frame(3, [(r.addr + 1024, b"\x33" * 8), (r.addr + 2047, b"\x33" * 2)], grant=g.key))  # 1 byte out
@@ -157,7 +157,7 @@ def test_revoke_cuts_a_frame_stalled_mid_payload_and_nothing_lands_after_it(sink
     g = sink.grant(me, [(r.addr, 1 << 16)])
     s = _dial(sink, source=me)
     try:
-        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 0
+        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
         frame = _frame(1, [(r.addr, b"\x66" * (1 << 16))], grant=g.key)
         head = len(frame) - (1 << 16)
         s.sendall(frame[: head + 100])  # the header and 100 bytes of payload, then the source "pauses"
@@ -225,7 +225,7 @@ def test_raw_frames_at_the_exact_edge_of_a_region(sink: transport.Transport) -> 
         [(r1.addr, b"\x15" * 8), (r1.end - 3, b"\x16" * 4)],  # a valid write, then one byte past
     ]
     with _dial(sink) as s:
-        assert tcp._HELLO_REPLY.unpack(_recv(s, tcp._HELLO_REPLY.size))[2] == 0
+        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
         for seq, writes in enumerate(refused, 1):
             s.sendall(_frame(seq, writes))
             got = _ack(s)

@@ -1,0 +1,111 @@
+"""The TCP transport's hello, sans-IO: how a source opens a data connection and, with a secret, proves it.
+
+A source sends ``HELLO`` (magic ``PDTC``, version, the sink's and its own instance
+id) or, holding the deployment secret, ``HELLO_AUTH`` (magic ``PDTA``, the same and
+a nonce); the sink answers ``HELLO_REPLY`` with a status, and with a secret first a
+``CHALLENGE`` (its nonce and its MAC over both nonces), which the source checks
+before it sends its ``proof``. Both MACs name their role, so neither can be
+reflected. Pure functions of bytes, so the fuzzer drives them without sockets;
+the transport (``transport/tcp.py``) does the socket I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .secret import MAC_BYTES, NONCE_BYTES, hello_mac, same_mac
+
+MAGIC = b"PDTC"
+MAGIC_AUTH = b"PDTA"  # the hello of a source that authenticates: PDTC's fields, then its nonce
+VERSION = 3  # v3: the authenticated hello (PDTA), its challenge and proof, statuses 3..6
+HELLO = struct.Struct("<4sB16s16s")  # magic, version, sink instance, source instance
+HELLO_AUTH = struct.Struct(f"<4sB16s16s{NONCE_BYTES}s")  # ... and the source nonce
+HELLO_REPLY = struct.Struct("<4sBB")  # magic, version, status
+CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")  # sink nonce, sink MAC
+OK = 0
+WRONG_INSTANCE = 1
+AT_CAP = 2  # hello reply status: the sink holds max_sinks connections already
+AUTH_REQUIRED = 3  # the sink has a secret; the hello did not authenticate
+AUTH_UNSUPPORTED = 4  # the hello authenticates; the sink has no secret
+AUTH_FAILED = 5  # the source's proof did not verify
+BUSY = 6  # _MAX_HELLOS connections are in their handshake already
+KEY_LABEL = "tcp-hello"
+SINK_ROLE = b"tcp/3 sink"
+SOURCE_ROLE = b"tcp/3 source"
+
+
+class HelloError(Exception):
+    """Handshake bytes that are malformed or not authentic. The only error the functions below raise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A decoded hello: the sink instance it names, the source's instance, and its nonce (``b""``: a
+    source without a secret)."""
+
+    sink: bytes
+    source: bytes
+    nonce: bytes = b""
+
+
+def encode_hello(hello: Hello) -> bytes:
+    if hello.nonce:
+        return HELLO_AUTH.pack(MAGIC_AUTH, VERSION, hello.sink, hello.source, hello.nonce)
+    return HELLO.pack(MAGIC, VERSION, hello.sink, hello.source)
+
+
+def hello_size(prefix: bytes) -> int:
+    """The size of the hello whose first 5 bytes (magic, version) are ``prefix``; ``HelloError`` if
+    they are not a hello of this version."""
+    if len(prefix) < 5:
+        raise HelloError(f"a hello starts with 5 bytes of magic and version, got {len(prefix)}")
+    magic, version = bytes(prefix[:4]), prefix[4]
+    if magic not in (MAGIC, MAGIC_AUTH):
+        raise HelloError(f"magic {magic!r} is not a pdcore tcp hello")
+    if version != VERSION:
+        raise HelloError(f"hello version {version}, this build speaks version {VERSION}")
+    return HELLO_AUTH.size if magic == MAGIC_AUTH else HELLO.size
+
+
+def decode_hello(data: bytes) -> Hello:
+    """Parse a whole hello (exactly its bytes); ``HelloError`` otherwise."""
+    data = bytes(data)
+    if len(data) != hello_size(data[:5]):
+        raise HelloError(f"a hello of {len(data)} bytes, expected {hello_size(data[:5])}")
+    if data[:4] == MAGIC_AUTH:
+        _m, _v, sink, source, nonce = HELLO_AUTH.unpack(data)
+        return Hello(sink, source, nonce)
+    _m, _v, sink, source = HELLO.unpack(data)
+    return Hello(sink, source)
+
+
+def challenge(key: bytes, hello: Hello, nonce: bytes) -> bytes:
+    """What a sink sends after a status-0 reply to an authenticated ``hello``: its ``nonce`` and its MAC."""
+    return CHALLENGE.pack(nonce, hello_mac(key, SINK_ROLE, hello.sink, hello.source, hello.nonce, nonce))
+
+
+def check_challenge(key: bytes, hello: Hello, data: bytes) -> tuple[bytes, bytes]:
+    """Source side: check the sink's challenge to our ``hello``; return ``(sink nonce, our proof)``.
+
+    ``HelloError`` unless ``data`` is exactly what a sink holding ``key`` sends.
+    """
+    data = bytes(data)
+    if len(data) != CHALLENGE.size or not hello.nonce:
+        raise HelloError(f"a challenge has {CHALLENGE.size} bytes, got {len(data)}")
+    nonce, _mac = CHALLENGE.unpack(data)
+    if not same_mac(challenge(key, hello, nonce), data):
+        raise HelloError("the sink's MAC does not verify")
+    return nonce, proof(key, hello, nonce)
+
+
+def proof(key: bytes, hello: Hello, sink_nonce: bytes) -> bytes:
+    """The source's answer to the sink's challenge (a MAC in the other direction)."""
+    return hello_mac(key, SOURCE_ROLE, hello.sink, hello.source, hello.nonce, sink_nonce)
+
+
+def check_proof(key: bytes, hello: Hello, sink_nonce: bytes, data: bytes) -> None:
+    """Sink side: ``HelloError`` unless ``data`` is exactly the proof of a source holding ``key``."""
+    data = bytes(data)
+    if len(data) != MAC_BYTES or not hello.nonce or not same_mac(proof(key, hello, sink_nonce), data):
+        raise HelloError("the source's proof does not verify")
