@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.rounds = args.rounds or (300 if args.quick else 2000)
 
-    from pdcore.epd.table import IMPLEMENTATION
+    from pdcore.epd.recv_table import IMPLEMENTATION
 
     def say(msg: str) -> None:
         print(f"# {msg}", file=sys.stderr, flush=True)

@@ -45,7 +45,7 @@ from pdcore import RemotePrefillDone  # noqa: E402
 from pdcore.control.bootstrap import BootstrapServer  # noqa: E402
 from pdcore.core.deadline import Deadline  # noqa: E402
 from pdcore.kv import KvLayout  # noqa: E402
-from pdcore.kv.plan import plan  # noqa: E402
+from pdcore.kv.planner import plan  # noqa: E402
 from pdcore.kv.routing import routing  # noqa: E402
 
 HEADS, HEAD_BYTES, PAGE_TOKENS = 8, 256, 16

@@ -23,11 +23,11 @@ if "$work/venv/bin/python" -c "import Cython" 2>/dev/null; then
     exit 1
 fi
 "$work/venv/bin/python" - <<'PY'
-import pdcore, pdcore.core.table, pdcore.epd.table, pdcore.kv.plan, pdcore.tools.demo, pdcore.protocol.prefill, pdcore.sim.run, transport.plan
+import pdcore, pdcore.core.table, pdcore.epd.recv_table, pdcore.kv.planner, pdcore.tools.demo, pdcore.protocol.prefill, pdcore.sim.run, transport.plan
 from pdcore import EmbeddingItem  # every subpackage made it into the wheel, with its compiled module
 assert "site-packages" in pdcore.__file__, pdcore.__file__
 assert pdcore.core.table.IMPLEMENTATION == "cython" and transport.plan.IMPLEMENTATION == "cython"
-assert pdcore.epd.table.ReceiveTable.__module__ == "pdcore.epd._recv" and pdcore.kv.plan.cut.__module__ == "pdcore.kv._heads"
+assert pdcore.epd.recv_table.ReceiveTable.__module__ == "pdcore.epd._recv" and pdcore.kv.planner.cut.__module__ == "pdcore.kv._heads"
 assert pdcore.Succeeded.__module__ == "pdcore.core._events"  # compiled from a .py, under another name
 assert EmbeddingItem.__module__ == "pdcore.epd._types"  # so are the EPD values
 print(f"wheel: installed at {pdcore.__file__.rsplit('/', 2)[0]}, compiled twins in use")

@@ -37,7 +37,7 @@ _EXPORTS = {
     "DecodePeer": "pd.decode",
     "PrefillOutbox": "pd.prefill",
     "PrefillPeer": "pd.prefill",
-    "TransferPeer": "pd._peer",
+    "TransferPeer": "pd.peer",
     "EncodeConfig": "epd.config",
     "ReceiverConfig": "epd.config",
     "EncodePeer": "epd.encode",
@@ -83,7 +83,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .pd._peer import TransferPeer
+    from .pd.peer import TransferPeer
     from .control.auth import AuthenticationError
     from .pd.config import DecodeConfig, PeerConfig, PrefillConfig
     from .pd.decode import DecodeInbox, DecodePeer

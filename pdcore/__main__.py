@@ -16,7 +16,7 @@ import textwrap
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("pdcore.tools.demo_cli", "move N requests' KV cache from a prefill to a decode replica on this machine "
              "(real processes and sockets) and check every byte"),
-    "bootstrap": ("pdcore.tools.bootstrap", "run the bootstrap server: prefill ranks register with it, decode ranks "
+    "bootstrap": ("pdcore.tools.bootstrap_cli", "run the bootstrap server: prefill ranks register with it, decode ranks "
                   "look up where a request's prefill ranks are"),
     "chaos": ("pdcore.tools.chaos", "run 2 prefill -> 2 decode replicas under kills, pauses and injected faults, "
               "then check the invariants a scheduler relies on"),

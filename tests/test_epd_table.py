@@ -1,6 +1,6 @@
 """The EPD receiver's state table and slot pool: the spec, both twins, in lockstep, and across a replica.
 
-- the compiled grids equal ``pdcore.epd._spec``, and the grids obey their rules;
+- the compiled grids equal ``pdcore.epd._recv_spec``, and the grids obey their rules;
 - each twin refuses what it must (ids [cython] and [python]);
 - a hypothesis state machine drives both twins with the same calls and checks:
   no slot leased twice, no slot reused before its fence, codes monotone,
@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pdcore.epd import _recv_py
-from pdcore.epd import _spec
-from pdcore.epd._spec import ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
+from pdcore.epd import _recv_spec
+from pdcore.epd._recv_spec import ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from pdcore.epd.types import EmbeddingItem, LandedItem, LandedRequest
 from pdcore.core.errors import CapacityError, CollectiveError, LocalProtocolError, PdError
 
@@ -60,40 +60,40 @@ def test_compiled_grids_are_the_spec() -> None:
 
     req, item, slot, timed, drop = _recv.compiled_spec()
     as_int = lambda grid: tuple(tuple(None if c is None else int(c) for c in row) for row in grid)  # noqa: E731
-    assert req == as_int(_spec.REQUEST_TRANSITIONS)
-    assert item == as_int(_spec.ITEM_TRANSITIONS)
-    assert slot == as_int(_spec.SLOT_TRANSITIONS)
-    assert timed == {int(s) for s in _spec.REQUEST_TIMED}
-    assert drop == tuple(_spec.DROP_TRIGGER.get(s) for s in ItemState)
+    assert req == as_int(_recv_spec.REQUEST_TRANSITIONS)
+    assert item == as_int(_recv_spec.ITEM_TRANSITIONS)
+    assert slot == as_int(_recv_spec.SLOT_TRANSITIONS)
+    assert timed == {int(s) for s in _recv_spec.REQUEST_TIMED}
+    assert drop == tuple(_recv_spec.DROP_TRIGGER.get(s) for s in ItemState)
 
 
 def test_request_grid_moves_forward_and_failure_is_sticky() -> None:
     for state, trigger in itertools.product(RequestState, RequestTrigger):
-        new = _spec.REQUEST_TRANSITIONS[state][trigger]
+        new = _recv_spec.REQUEST_TRANSITIONS[state][trigger]
         if state == RequestState.FAILED or trigger != RequestTrigger.ALL_LANDED:
             assert new == RequestState.FAILED, (state, trigger)
         else:
             assert new == RequestState.LANDED
-    assert _spec.REQUEST_TIMED == {RequestState.RECEIVING}
-    assert (_spec.CODE_FAILED, _spec.CODE_RECEIVING, _spec.CODE_LANDED) == (0, 1, 2) and _spec.PAD == 255
+    assert _recv_spec.REQUEST_TIMED == {RequestState.RECEIVING}
+    assert (_recv_spec.CODE_FAILED, _recv_spec.CODE_RECEIVING, _recv_spec.CODE_LANDED) == (0, 1, 2) and _recv_spec.PAD == 255
 
 
 def test_item_grid_only_moves_forward_one_step() -> None:
     for state, trigger in itertools.product(ItemState, ItemTrigger):
-        new = _spec.ITEM_TRANSITIONS[state][trigger]
+        new = _recv_spec.ITEM_TRANSITIONS[state][trigger]
         if new is not None:
             assert new in (state, state + 1), (state, trigger, new)
-    assert _spec.ITEM_TRANSITIONS[ItemState.LANDED][ItemTrigger.LAND] == ItemState.LANDED  # a repeated landing
+    assert _recv_spec.ITEM_TRANSITIONS[ItemState.LANDED][ItemTrigger.LAND] == ItemState.LANDED  # a repeated landing
 
 
 def test_slot_grid_quarantine_and_hold_have_one_door_each() -> None:
-    grid = _spec.SLOT_TRANSITIONS
+    grid = _recv_spec.SLOT_TRANSITIONS
     assert [t for t in SlotTrigger if grid[SlotState.FENCING][t] is not None] == [SlotTrigger.FENCED]
     assert [t for t in SlotTrigger if grid[SlotState.HELD][t] is not None] == [SlotTrigger.RELEASE]
     assert [t for t in SlotTrigger if grid[SlotState.FREE][t] is not None] == [SlotTrigger.LEASE]
     # only an asked item's slot is quarantined
-    for state, trigger in _spec.DROP_TRIGGER.items():
-        assert (grid[SlotState.LEASED][trigger] == SlotState.FENCING) == (state in _spec.ASKED)
+    for state, trigger in _recv_spec.DROP_TRIGGER.items():
+        assert (grid[SlotState.LEASED][trigger] == SlotState.FENCING) == (state in _recv_spec.ASKED)
 
 
 @pytest.mark.compiled
@@ -110,7 +110,7 @@ def test_stub_names_match_the_twin() -> None:
 
 @pytest.mark.compiled
 def test_the_chooser_picks_the_twin_on_request() -> None:
-    code = "import pdcore.epd.table as t; print(t.IMPLEMENTATION, t.ReceiveTable.__module__)"
+    code = "import pdcore.epd.recv_table as t; print(t.IMPLEMENTATION, t.ReceiveTable.__module__)"
     for env, expect in (("1", "python pdcore.epd._recv_py"), ("", "cython pdcore.epd._recv")):
         out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PDCORE_PURE_PYTHON": env},
                              capture_output=True, text=True, check=True, timeout=60).stdout
@@ -543,7 +543,7 @@ class Lockstep(RuleBasedStateMachine):
         assert self.both("awaiting_release")[1] == bool(self.held)
 
 
-PAD = _spec.PAD
+PAD = _recv_spec.PAD
 Lockstep.TestCase.settings = settings(
     stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
 )

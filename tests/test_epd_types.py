@@ -89,7 +89,7 @@ def test_every_protocol_method_has_its_own_docstring() -> None:
     import inspect
 
     from pdcore.epd.receiver import Receiver
-    from pdcore.pd._peer import TransferPeer
+    from pdcore.pd.peer import TransferPeer
 
     for proto in (TransferPeer, types.EmbeddingReceiver, types.EmbeddingSender, Receiver):
         for name in (n for n in vars(proto) if not n.startswith("_") and callable(vars(proto)[n])):

@@ -13,7 +13,7 @@ from pdcore.core.errors import LocalProtocolError
 from pdcore.kv import KvLayout
 from pdcore.kv import _heads_py
 from pdcore.kv.pattern import page_content
-from pdcore.kv.plan import plan
+from pdcore.kv.planner import plan
 
 try:
     from pdcore.kv import _heads

@@ -11,7 +11,7 @@ import pytest
 from replica import run_replica
 
 from pdcore.kv import KvLayout
-from pdcore.kv.plan import plan
+from pdcore.kv.planner import plan
 from pdcore.kv.tiny import VOCAB, Tiny
 
 PROMPT = [(7 * i + 3) % VOCAB for i in range(11)]

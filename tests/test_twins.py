@@ -45,7 +45,7 @@ def test_a_chosen_module_that_lacks_a_name_fails_at_import_naming_it(chooser: ty
 
 @pytest.mark.parametrize("env, expected", [("1", "python"), ("", "cython")])
 def test_the_variable_chooses_every_twin_of_both_packages(env: str, expected: str) -> None:
-    code = ("import pdcore.core.table as t, pdcore.epd.table as e, pdcore.kv.plan as k, transport.plan as p, "
+    code = ("import pdcore.core.table as t, pdcore.epd.recv_table as e, pdcore.kv.planner as k, transport.plan as p, "
             "transport.tcp as c; print(t.IMPLEMENTATION, e.IMPLEMENTATION, k.IMPLEMENTATION, p.IMPLEMENTATION, "
             "c.IMPLEMENTATION, t.StateTable.__module__.endswith('_py'), c._fast.__name__.endswith('_py'))")
     out = subprocess.run([sys.executable, "-c", code], env={"PDCORE_PURE_PYTHON": env, "PATH": "/usr/bin:/bin"},

@@ -3,7 +3,7 @@
 - ``types``: the EPD values (``EmbeddingItem``, ``LandedItem``,
   ``LandedRequest``, ``EmbeddingChunk``) and traits (``EmbeddingReceiver``,
   ``EmbeddingSender``), also importable from ``pdcore``.
-- ``_spec``: the receiver's states, triggers and grids: the one source of truth.
+- ``_recv_spec``: the receiver's states, triggers and grids: the one source of truth.
 - ``table``: the chooser of the receiver's state table and slot pool, compiled
   (``_recv``) or its pure twin (``_recv_py``, ``PDCORE_PURE_PYTHON=1``).
 - ``config``: ``ReceiverConfig`` and ``EncodeConfig``.

@@ -1,7 +1,7 @@
 # cython: language_level=3, embedsignature=True
 """Compiled EPD receiver table: per-request codes, per-item states and the receive-slot pool.
 
-The behaviour is ``_recv_py``'s, decided by ``_spec``: the three grids, the
+The behaviour is ``_recv_py``'s, decided by ``_recv_spec``: the three grids, the
 timed states and the drop rule are copied into C arrays when this module is
 imported (``compiled_spec`` returns the copy for the test that checks it).
 Per round (``encode``, ``settle``) the work is passes over contiguous arrays;
@@ -21,8 +21,8 @@ import numpy as np
 from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
-from . import _spec
-from ._spec import ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
+from . import _recv_spec
+from ._recv_spec import ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from .types import LandedItem, LandedRequest
 from ._recv_py import (
     MAX_ITEMS,
@@ -84,7 +84,7 @@ cdef uint8_t _cell(object target):
 
 cdef void _load_spec() except *:
     assert (len(RequestState), len(RequestTrigger), len(ItemState), len(ItemTrigger)) == (N_RS, N_RT, N_IS, N_IT)
-    assert (len(SlotState), len(SlotTrigger), _spec.PAD, FINGERPRINT_BYTES) == (N_SS, N_ST, PAD, FP)
+    assert (len(SlotState), len(SlotTrigger), _recv_spec.PAD, FINGERPRINT_BYTES) == (N_SS, N_ST, PAD, FP)
     assert (RequestState.FAILED, RequestState.RECEIVING, RequestState.LANDED) == (R_FAILED, R_RECEIVING, R_LANDED)
     assert (RequestTrigger.ALL_LANDED, RequestTrigger.FAIL, RequestTrigger.TIMEOUT) == (RT_ALL_LANDED, RT_FAIL, RT_TIMEOUT)
     assert tuple(ItemState) == (I_PENDING, I_LEASED, I_RECEIVING, I_LANDED)
@@ -94,16 +94,16 @@ cdef void _load_spec() except *:
         ST_LEASE, ST_HAND_OUT, ST_RELEASE, ST_FENCED)
     cdef int s, t
     for s in range(N_RS):
-        TIMED[s] = RequestState(s) in _spec.REQUEST_TIMED
+        TIMED[s] = RequestState(s) in _recv_spec.REQUEST_TIMED
         for t in range(N_RT):
-            RGRID[s][t] = _cell(_spec.REQUEST_TRANSITIONS[s][t])
+            RGRID[s][t] = _cell(_recv_spec.REQUEST_TRANSITIONS[s][t])
     for s in range(N_IS):
-        DROP[s] = _cell(_spec.DROP_TRIGGER.get(ItemState(s)))
+        DROP[s] = _cell(_recv_spec.DROP_TRIGGER.get(ItemState(s)))
         for t in range(N_IT):
-            IGRID[s][t] = _cell(_spec.ITEM_TRANSITIONS[s][t])
+            IGRID[s][t] = _cell(_recv_spec.ITEM_TRANSITIONS[s][t])
     for s in range(N_SS):
         for t in range(N_ST):
-            SGRID[s][t] = _cell(_spec.SLOT_TRANSITIONS[s][t])
+            SGRID[s][t] = _cell(_recv_spec.SLOT_TRANSITIONS[s][t])
 
 
 _load_spec()

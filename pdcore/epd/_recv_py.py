@@ -2,7 +2,7 @@
 
 Same names, signatures, exceptions and results as the compiled module; the
 oracle the property tests drive it against, and what runs under
-``PDCORE_PURE_PYTHON=1``. Everything it decides comes from ``_spec``; read
+``PDCORE_PURE_PYTHON=1``. Everything it decides comes from ``_recv_spec``; read
 that module first.
 
 Sans-IO: ``now`` is an argument, nothing here touches a socket or a clock.
@@ -24,9 +24,9 @@ import numpy as np
 from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
-from . import _spec
-from ._spec import shard  # noqa: F401  (the compiled table takes it from here)
-from ._spec import PAD, ILLEGAL, ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
+from . import _recv_spec
+from ._recv_spec import shard  # noqa: F401  (the compiled table takes it from here)
+from ._recv_spec import PAD, ILLEGAL, ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from .types import EmbeddingItem, LandedItem, LandedRequest
 
 __all__ = ["ReceiveTable", "Ask", "FINGERPRINT_BYTES", "MAX_SLOTS", "MAX_REQUESTS", "MAX_ITEMS", "MAX_RECORDS"]
@@ -147,7 +147,7 @@ def _clock(now: object) -> float:
 
 
 def _item_step(rid: str, index: int, state: int, trigger: ItemTrigger) -> ItemState:
-    new = _spec.ITEM_TRANSITIONS[state][trigger]
+    new = _recv_spec.ITEM_TRANSITIONS[state][trigger]
     if new is ILLEGAL:
         raise LocalProtocolError(
             f"item {index} of {rid!r}: {trigger.name} is not allowed in {ItemState(state).name}"
@@ -387,7 +387,7 @@ class ReceiveTable:
 
     def _request_step(self, rec: int, trigger: RequestTrigger, reason: str) -> None:
         old = self._state[rec]
-        new = _spec.REQUEST_TRANSITIONS[old][trigger]
+        new = _recv_spec.REQUEST_TRANSITIONS[old][trigger]
         if new != old:
             self._state[rec] = new
             if new == RequestState.FAILED:
@@ -397,7 +397,7 @@ class ReceiveTable:
 
     def _slot_step(self, slot: int, trigger: SlotTrigger) -> None:
         old = self._sstate[slot]
-        new = _spec.SLOT_TRANSITIONS[old][trigger]
+        new = _recv_spec.SLOT_TRANSITIONS[old][trigger]
         if new is ILLEGAL:
             raise LocalProtocolError(f"slot {slot}: {trigger.name} is not allowed in {SlotState(old).name}")
         self._sstate[slot] = new
@@ -471,7 +471,7 @@ class ReceiveTable:
                 if slot in seen:
                     raise LocalProtocolError(f"slot {slot} is released twice in one call")
                 seen.add(slot)
-                if _spec.SLOT_TRANSITIONS[self._sstate[slot]][SlotTrigger.RELEASE] is ILLEGAL:
+                if _recv_spec.SLOT_TRANSITIONS[self._sstate[slot]][SlotTrigger.RELEASE] is ILLEGAL:
                     raise LocalProtocolError(
                         f"slot {slot}: RELEASE is not allowed in {SlotState(self._sstate[slot]).name}"
                     )
@@ -489,7 +489,7 @@ class ReceiveTable:
 
     def _fold(self, now: float) -> None:
         for rec in self._rec_of.values():
-            if self._state[rec] in _spec.REQUEST_TIMED and self._deadline[rec] <= now:
+            if self._state[rec] in _recv_spec.REQUEST_TIMED and self._deadline[rec] <= now:
                 base = rec * self._max_items
                 waiting = sum(1 for i in range(base, base + self._n_items[rec]) if self._istate[i] == ItemState.PENDING)
                 why = f"timeout after {self._timeout:g} s"
@@ -533,9 +533,9 @@ class ReceiveTable:
             landed: list[LandedRequest] = []
             failed: list[tuple[str, str]] = []
             for (rid, rec), code in zip(list(self._rec_of.items()), codes):
-                if code == _spec.CODE_LANDED:
+                if code == _recv_spec.CODE_LANDED:
                     landed.append(self._hand_out(rid, rec))
-                elif code == _spec.CODE_FAILED:
+                elif code == _recv_spec.CODE_FAILED:
                     failed.append((rid, self._reasons.get(rec, FAILED_ELSEWHERE)))
                     self._drop(rec)
                 else:
@@ -603,7 +603,7 @@ class ReceiveTable:
                 self._n_unasked -= 1
             slot = self._islot[i]
             if slot >= 0:
-                self._slot_step(slot, _spec.DROP_TRIGGER[ItemState(state)])
+                self._slot_step(slot, _recv_spec.DROP_TRIGGER[ItemState(state)])
 
     def _forget(self, rid: str, rec: int) -> None:
         del self._rec_of[rid]

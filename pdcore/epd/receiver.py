@@ -3,7 +3,7 @@
 The receive slots are cut from one buffer (and one deepstack buffer)
 registered once with the peer's transport for the receiver's life, written
 only through grants. Per-request codes, per-item states and the slot pool are
-the compiled ``ReceiveTable`` (``pdcore.epd.table``), driven from the
+the compiled ``ReceiveTable`` (``pdcore.epd.recv_table``), driven from the
 scheduler's thread here (``stage``, the rounds, ``release``) and from the
 protocol's side by ``pdcore.protocol.receiver.ReceiverEngine`` (asks, grants,
 landings, fences: its docstring tells an item's story), which runs on the
@@ -33,7 +33,7 @@ from ..core.replica import check_replica
 from ..protocol.engine import Services
 from ..protocol.receiver import ReceiverEngine
 from .config import ReceiverConfig
-from .table import ReceiveTable
+from .recv_table import ReceiveTable
 from .types import EmbeddingItem, LandedRequest
 
 __all__ = ["Receiver"]

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from ..control import wire
 from ..core.errors import LocalProtocolError
-from ._spec import shard
+from ._recv_spec import shard
 from .types import DTYPE_ITEMSIZE, EmbeddingChunk
 
 __all__ = ["SendRooms", "Write", "Tell"]

@@ -8,7 +8,7 @@ and the field. Never subclass them. They are compiled from ``_types_py`` (see
 there why); ``PDCORE_PURE_PYTHON=1`` takes that file as Python.
 
 ``EmbeddingReceiver`` and ``EmbeddingSender`` are ``typing.Protocol``\\ s, as
-``pdcore.pd._peer.TransferPeer`` is: the prefill peer's receiver and the encode
+``pdcore.pd.peer.TransferPeer`` is: the prefill peer's receiver and the encode
 peer's sender implement them.
 """
 

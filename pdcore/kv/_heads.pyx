@@ -3,7 +3,7 @@
 
 One pass per buffer over (page pair, slot) segments, merging a segment into
 the previous write when both sides follow on directly; no Python object per
-write. Inputs are converted and checked by the caller (``pdcore.kv.plan``).
+write. Inputs are converted and checked by the caller (``pdcore.kv.planner``).
 """
 
 import numpy as np

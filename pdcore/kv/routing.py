@@ -21,7 +21,7 @@ from transport.plan import plan as plan_pages
 
 from ..core.errors import LocalProtocolError
 from .layout import KvLayout
-from .plan import plan as plan_heads
+from .planner import plan as plan_heads
 
 __all__ = ["Routing", "routing"]
 

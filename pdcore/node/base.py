@@ -1,5 +1,5 @@
 """What every role's peer runs on (prefill, decode, encode): its planes, its driver, its engines,
-the registration with a bootstrap server. ``pdcore.pd._peer`` adds the PD transfer table and its
+the registration with a bootstrap server. ``pdcore.pd.peer`` adds the PD transfer table and its
 round; ``pdcore.epd.encode`` the encode rank's rooms.
 
 A peer's protocol lives in its role engines (``pdcore.protocol``: sans-IO), run
@@ -50,7 +50,7 @@ _FAREWELL_WAIT = 1.0  # seconds close() waits for the engines' farewell frames t
 
 
 class PeerBase:
-    """Resources and threads of one rank's peer; the roles (``pdcore.pd._peer.PdPeer``, ``EncodePeer``)
+    """Resources and threads of one rank's peer; the roles (``pdcore.pd.peer.PdPeer``, ``EncodePeer``)
     add their engines and scheduler-side state through the hooks at the end."""
 
     ROLE = "peer"

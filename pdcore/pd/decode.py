@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..control import wire
-from ._peer import PdPeer, wire_int
+from .peer import PdPeer, wire_int
 from .config import DecodeConfig
 from ..core.errors import LocalProtocolError
 from ..core.events import BootstrapInfo, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..control import wire
-from ._peer import PdPeer, check_logprob, wire_int
+from .peer import PdPeer, check_logprob, wire_int
 from .config import PrefillConfig
 from ..core.deadline import Deadline
 from ..core.errors import LocalProtocolError, PeerError, StartError

@@ -1,7 +1,7 @@
 """The EPD receiver's protocol (a prefill rank receiving image embeddings), sans-IO.
 
 Per-request codes, per-item states and the slot pool are the receive table
-(``pdcore.epd.table``); this engine asks and fences:
+(``pdcore.epd.recv_table``); this engine asks and fences:
 
 - each staged item that holds a slot (or needs none: an empty shard) is asked
   for: its encode rank — DP group ``room % encode dp``, rank ``tp_rank //

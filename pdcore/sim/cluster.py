@@ -26,7 +26,7 @@ from ..core.agreement import pick_reasons
 from ..core.events import Failed
 from ..core.table import StateTable
 from ..epd.config import EncodeConfig, ReceiverConfig
-from ..epd.table import ReceiveTable
+from ..epd.recv_table import ReceiveTable
 from ..node.perform import Performer
 from ..pd.config import DecodeConfig, PrefillConfig
 from ..protocol.actions import Connect, LookUp

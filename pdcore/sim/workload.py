@@ -50,7 +50,7 @@ from ..epd.config import ReceiverConfig
 from ..epd.types import EmbeddingChunk, EmbeddingItem
 from ..kv.layout import KvLayout
 from ..kv.pattern import page_content
-from ..epd._spec import shard
+from ..epd._recv_spec import shard
 from .cluster import Planes, Replica, SimRank, configs
 from .world import Violation, World
 
