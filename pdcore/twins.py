@@ -12,9 +12,10 @@ which imports nothing of pdcore.
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
+
+from transport.twins import checked_import
 
 __all__ = ["IMPLEMENTATION", "TWINS", "load"]
 
@@ -35,9 +36,4 @@ TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def load(compiled: str) -> ModuleType:
     """The module chosen for ``compiled`` (a key of ``TWINS``), checked to define each of its names."""
-    pure, names = TWINS[compiled]
-    module = importlib.import_module(pure if IMPLEMENTATION == "python" else compiled)
-    missing = [name for name in names if not hasattr(module, name)]
-    if missing:
-        raise ImportError(f"{module.__name__} lacks {', '.join(missing)}: a stale build? (pip install -e . rebuilds it)")
-    return module
+    return checked_import(compiled, *TWINS[compiled], IMPLEMENTATION)

@@ -133,7 +133,7 @@ from typing import Any, ClassVar
 
 # The interface's parts, each in its own module; their names are importable from here too.
 from .accepting import OUT_OF_RESOURCES, AcceptBackoff
-from .completions import Batch, Completion, CompletionQueue, OnDone, as_batch, call_on_done, deliver
+from .completions import Batch, Completion, CompletionQueue, OnDone, as_batch, call_on_done, deliver, take_slot
 from .deadline import Deadline
 from .endpoint import Endpoint, decode_endpoint, encode_endpoint, new_instance_id
 from .regions import Grant, GrantTable, Region, RegionTable, buffer_span, byte_view, grant_ranges
@@ -156,7 +156,7 @@ __all__ = [
     "HELLO_TIMEOUT", "MAC_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "NONCE_BYTES", "OUT_OF_RESOURCES",
     "OnDone", "PeerHandle", "Region", "RegionTable", "Transport", "as_batch", "auth_failed", "buffer_span",
     "byte_view", "call_on_done", "check_secret", "decode_endpoint", "deliver", "derive_key", "encode_endpoint",
-    "grant_ranges", "hello_mac", "new_instance_id", "same_mac",
+    "grant_ranges", "hello_mac", "new_instance_id", "same_mac", "take_slot",
 ]
 
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeAlias
 import numpy as np
 
 from .deadline import Deadline
-from .errors import TransportError
+from .errors import CapacityError, TransportError
 
 
 #: A batch: a sequence of ``(local_addr, remote_addr, length)`` triples, or an
@@ -113,3 +113,20 @@ def call_on_done(on_done: OnDone, batch_id: int, error: TransportError | None) -
     except Exception:
         exc_type, exc, tb = sys.exc_info()
         threading.excepthook(threading.ExceptHookArgs((exc_type, exc, tb, threading.current_thread())))
+
+
+def take_slot(peer: Any, limit: int, deadline: Deadline | None, check_usable: Callable[[Any], None]) -> None:
+    """Take one of ``peer``'s ``limit`` in-flight slots (the caller holds ``peer.lock``, a Condition that
+    every completion notifies): at once, or waiting up to ``deadline`` for one; with no deadline a full
+    peer is a ``CapacityError`` at once. ``check_usable(peer)`` raises if the peer failed meanwhile."""
+    if peer.slots >= limit:
+        if deadline is None:
+            raise CapacityError(
+                f"{limit} batches already in flight to this peer "
+                "(queue-mode batches hold their slot until completions() takes them)"
+            )
+        peer.lock.wait_for(lambda: peer.slots < limit or peer.error is not None, timeout=deadline.remaining())
+        check_usable(peer)
+        if peer.slots >= limit:
+            raise CapacityError(f"{limit} batches still in flight to this peer at the deadline")
+    peer.slots += 1

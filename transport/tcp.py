@@ -128,9 +128,10 @@ from .base import (
     derive_key,
     encode_endpoint,
     new_instance_id,
+    take_slot,
 )
 from .deadline import Deadline
-from .errors import CapacityError, StartError, TransportError
+from .errors import StartError, TransportError
 from .tcp_hello import (
     AT_CAP,
     AUTH_FAILED,
@@ -201,6 +202,12 @@ _AHEAD = 24 + 16  # bytes a sink reads past a payload: the next frame's header a
 # that waited that long raises BlockingIOError (EAGAIN), a "tick" on which the loops check for
 # stop and stalls. Python-level socket timeouts would add a poll() before every recv/send.
 _TICK = (BlockingIOError, TimeoutError)
+
+
+def _usable(p: Any) -> None:
+    """After waiting for a slot: the peer did not fail meanwhile."""
+    if p.error is not None:
+        raise TransportError(f"peer is unusable: {p.error}", op="write")
 
 
 def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
@@ -695,20 +702,7 @@ class TcpTransport(Transport):
         with p.lock:
             if p.error is not None or p.closed:
                 raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
-            if p.slots >= self._max_inflight:
-                if deadline is None:
-                    raise CapacityError(
-                        f"{self._max_inflight} batches already in flight to this peer "
-                        "(queue-mode batches hold their slot until completions() takes them)"
-                    )
-                p.lock.wait_for(
-                    lambda: p.slots < self._max_inflight or p.error is not None, timeout=deadline.remaining()
-                )
-                if p.error is not None:
-                    raise TransportError(f"peer is unusable: {p.error}", op="write")
-                if p.slots >= self._max_inflight:
-                    raise CapacityError(f"{self._max_inflight} batches still in flight to this peer at the deadline")
-            p.slots += 1
+            take_slot(p, self._max_inflight, deadline, _usable)
             p.seq += 1
             batch_id = next(self._batch_ids)
             _SEQ.pack_into(bufs[0], 0, p.seq)

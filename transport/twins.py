@@ -14,7 +14,7 @@ import importlib
 import os
 from types import ModuleType
 
-__all__ = ["IMPLEMENTATION", "TWINS", "load"]
+__all__ = ["IMPLEMENTATION", "TWINS", "checked_import", "load"]
 
 #: "python" under ``PDCORE_PURE_PYTHON=1``, else "cython"; read here only, for the transport.
 IMPLEMENTATION = "python" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "cython"
@@ -30,8 +30,12 @@ TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def load(compiled: str) -> ModuleType:
     """The module chosen for ``compiled`` (a key of ``TWINS``), checked to define each of its names."""
-    pure, names = TWINS[compiled]
-    module = importlib.import_module(pure if IMPLEMENTATION == "python" else compiled)
+    return checked_import(compiled, *TWINS[compiled], IMPLEMENTATION)
+
+
+def checked_import(compiled: str, pure: str, names: tuple[str, ...], implementation: str) -> ModuleType:
+    """Import ``pure`` (``implementation`` "python") or ``compiled``; ``ImportError`` naming what it lacks of ``names``."""
+    module = importlib.import_module(pure if implementation == "python" else compiled)
     missing = [name for name in names if not hasattr(module, name)]
     if missing:
         raise ImportError(f"{module.__name__} lacks {', '.join(missing)}: a stale build? (pip install -e . rebuilds it)")

@@ -202,9 +202,10 @@ from .base import (
     hello_mac,
     new_instance_id,
     same_mac,
+    take_slot,
 )
 from .deadline import Deadline
-from .errors import CapacityError, StartError, TransportError
+from .errors import StartError, TransportError
 
 __all__ = ["INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
 
@@ -1030,17 +1031,7 @@ class VerbsTransport(Transport):
             wrs.append((la, mr.lkey, ra, rem.key, n))
         with p.lock:
             self._check_usable(p)
-            if p.slots >= self._max_inflight:
-                if deadline is None:
-                    raise CapacityError(
-                        f"{self._max_inflight} batches already in flight to this peer "
-                        "(queue-mode batches hold their slot until completions() takes them)"
-                    )
-                p.lock.wait_for(lambda: p.slots < self._max_inflight or p.error is not None, timeout=deadline.remaining())
-                self._check_usable(p)
-                if p.slots >= self._max_inflight:
-                    raise CapacityError(f"{self._max_inflight} batches still in flight to this peer at the deadline")
-            p.slots += 1
+            take_slot(p, self._max_inflight, deadline, self._check_usable)
             batch_id = next(self._batch_ids)
             b = _Batch(batch_id, wrs, on_done)
             if not p.inflight:
