@@ -1,15 +1,40 @@
 """What the benchmarks share: the pipelined replay both transport floors use (post batches up to the in-flight
-bound, reap, repeat), and a benchmark rank of a real gloo replica."""
+bound, reap, repeat), a benchmark rank of a real gloo replica, and the run's progress lines and machine fields."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from pdcore.core.deadline import Deadline
 from pdcore.core.errors import CapacityError
+
+
+def say(msg: str) -> None:
+    """A progress line, on stderr (stdout holds the table or the JSON)."""
+    print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+class RunClock:
+    """When a benchmark run started and how busy the machine was then; ``fields`` adds the end's."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.started = time.monotonic()
+        self.load_before = os.getloadavg()
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "loadavg_before": [round(x, 2) for x in self.load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "cpus": os.cpu_count(),
+            "quick": self.quick,
+            "seconds": round(time.monotonic() - self.started, 1),
+        }
 
 
 def post_pipelined(t: Any, peer: Any, batches: Sequence[Any], seconds: float, what: str) -> None:

@@ -85,7 +85,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
     sys.path.insert(0, ROOT)
 
 from benchmarks.agreement import _shm_barrier, _sync, library_rounds  # noqa: E402
-from benchmarks._pipeline import gloo_rank  # noqa: E402
+from benchmarks._pipeline import RunClock, gloo_rank, say  # noqa: E402
 from benchmarks.pd import Floor, _recv  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -438,11 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdcore.epd.recv_table import IMPLEMENTATION
 
-    def say(msg: str) -> None:
-        print(f"# {msg}", file=sys.stderr, flush=True)
-
-    started = time.monotonic()
-    load_before = os.getloadavg()
+    clock = RunClock(args.quick)
     rows: list[dict[str, Any]] = []
     if not args.skip_throughput:
         rows += bench_throughput(args, say)
@@ -457,11 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio_ge_1MiB": TARGET_RATIO,
         "min_ratio_ge_1MiB": min(big) if big else None,
         "meets_target": all(r >= TARGET_RATIO for r in big) if big else None,
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        "cpus": os.cpu_count(),
-        "quick": args.quick,
-        "seconds": round(time.monotonic() - started, 1),
+        **clock.fields(),
     }
     if args.json:
         print(json.dumps({"rows": rows, **summary}, indent=1))

@@ -112,7 +112,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow the package
     sys.path.insert(0, ROOT)
 
-from benchmarks._pipeline import gloo_rank, post_pipelined  # noqa: E402
+from benchmarks._pipeline import RunClock, gloo_rank, post_pipelined, say  # noqa: E402
 
 TARGET_RATIO = 0.7
 GRANTS_TARGET = 0.95  # grants may cost at most 5% of end-to-end throughput
@@ -632,11 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdcore.core.table import IMPLEMENTATION
     from transport.plan import IMPLEMENTATION as PLAN_IMPLEMENTATION
 
-    def say(msg: str) -> None:
-        print(f"# {msg}", file=sys.stderr, flush=True)
-
-    started = time.monotonic()
-    load_before = os.getloadavg()
+    clock = RunClock(args.quick)
     rows: list[dict[str, Any]] = []
     if not args.skip_poll:
         rows += bench_poll(args, say)
@@ -663,11 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                  "to the last event (run_seconds: as run() returns, shutdown included)",
         "floor": "the TCP transport's write/completions API replaying the e2e run's coalesced batches "
                  "(one per request, hand-over order), pipelined, between two processes per (P, D) pair",
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        "cpus": os.cpu_count(),
-        "quick": args.quick,
-        "seconds": round(time.monotonic() - started, 1),
+        **clock.fields(),
     }
     if args.json:
         print(json.dumps({"rows": rows, **summary}, indent=1))
