@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .demo import Pages, Request, _cache, _leftovers, first_token, pattern
+from .demo import Pages, Request, _cache, _leftovers, first_token, pattern, timings
 from .ranks import cause
 from .chaos_plan import CANARY_DONE, CANARY_FAILED, ChaosPlan, FRESH
 
@@ -170,12 +170,7 @@ def _knobs(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> dict[
         "transport_options": options,
         **control,
         "capacity": 1024,
-        "heartbeat_interval": plan.heartbeat_interval,
-        "dead_after": plan.dead_after,
-        "bootstrap_timeout": plan.bootstrap_timeout,
-        "waiting_timeout": plan.waiting_timeout,
-        "fence_timeout": plan.fence_timeout,
-        "tombstone_ttl": plan.tombstone_ttl,
+        **timings(plan),
         **({"unsafe_no_grants": True} if plan.unsafe_no_grants else {}),
         "secret": plan.secret,
     }

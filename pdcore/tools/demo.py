@@ -198,12 +198,7 @@ def _knobs(plan: Plan, tp: int) -> dict[str, Any]:
         "num_pages": plan.num_pages,
         "transport": plan.transport,
         "capacity": max(64, len(plan.requests)),
-        "heartbeat_interval": plan.heartbeat_interval,
-        "dead_after": plan.dead_after,
-        "bootstrap_timeout": plan.bootstrap_timeout,
-        "waiting_timeout": plan.waiting_timeout,
-        "fence_timeout": plan.fence_timeout,
-        "tombstone_ttl": plan.tombstone_ttl,
+        **timings(plan),
         "unsafe_no_grants": not plan.grants,
         "secret": plan.secret,
     }
@@ -470,8 +465,21 @@ class _Contents:
 # ------------------------------------------------------------------------------ the run
 
 
+class ReplicaLogs:
+    """An outcome's check that every rank of each replica logged the same events in the same order."""
+
+    prefill: dict[tuple[int, int], dict[str, Any]]
+    decode: dict[tuple[int, int], dict[str, Any]]
+
+    def decode_logs_agree(self) -> bool:
+        return _logs_agree(self.decode)
+
+    def prefill_logs_agree(self) -> bool:
+        return _logs_agree(self.prefill)
+
+
 @dataclass
-class Outcome:
+class Outcome(ReplicaLogs):
     """What a run produced, per replica and rank."""
 
     prefill: dict[tuple[int, int], dict[str, Any]]
@@ -484,11 +492,11 @@ class Outcome:
     #: one line per entry of ``errors`` (``errors`` holds the tracebacks)
     causes: list[str] = field(default_factory=list)
 
-    def decode_logs_agree(self) -> bool:
-        return _logs_agree(self.decode)
 
-    def prefill_logs_agree(self) -> bool:
-        return _logs_agree(self.prefill)
+def timings(plan: Any) -> dict[str, float]:
+    """A plan's liveness and timeout knobs, as a peer config takes them (the demos' and chaos's plans)."""
+    return {name: getattr(plan, name) for name in (
+        "heartbeat_interval", "dead_after", "bootstrap_timeout", "waiting_timeout", "fence_timeout", "tombstone_ttl")}
 
 
 def _logs_agree(ranks: dict[tuple[int, int], dict[str, Any]]) -> bool:

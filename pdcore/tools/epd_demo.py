@@ -54,7 +54,7 @@ from .demo import (
     _join,
     _knobs,
     _leftovers,
-    _logs_agree,
+    ReplicaLogs,
     fill_pattern,
     first_token,
     holds_pattern,
@@ -496,7 +496,7 @@ def _take(plan: EpdPlan, receiver: Any, landed: list[Any], index: int, rank: int
 
 
 @dataclass
-class EpdOutcome:
+class EpdOutcome(ReplicaLogs):
     """What an EPD run produced, per role, replica and rank (encode ranks: dp_rank * tp + tp_rank)."""
 
     encode: dict[tuple[int, int], dict[str, Any]]
@@ -506,12 +506,6 @@ class EpdOutcome:
     seconds: float
     start_failure: str | None = None
     causes: list[str] = field(default_factory=list)
-
-    def decode_logs_agree(self) -> bool:
-        return _logs_agree(self.decode)
-
-    def prefill_logs_agree(self) -> bool:
-        return _logs_agree(self.prefill)
 
 
 #: ``demo``'s preload and this run's: every rank joins a gloo group, and ten ranks importing torch each
