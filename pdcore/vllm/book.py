@@ -14,14 +14,19 @@ One request, Mooncake-style (the router gives both instances the same room at on
   are announced; ``RemotePrefillDone`` reports it received, ``Failed`` reports it received *and*
   its blocks as load errors (vLLM's ``kv_load_failure_policy`` recomputes or fails it). A request
   vLLM gives up while loading is aborted; its blocks come back only after pdcore's fence.
-- prefill, scheduler: ``allocated`` registers the request (``Register``); ``scheduled`` marks the
-  step that completes its prompt (``streams``: its layers go as they are saved, for prompts of
-  at least ``layerwise_min_pages`` pages); ``finished`` hands over the first token (``Finish``)
-  and keeps the blocks (delayed free) until the worker reports the transfer ended.
-- prefill, worker: hands over only after ``Bootstrapped`` (earlier would fail the room): layer by
-  layer if it was bootstrapped when the prompt's last chunk ran, else the whole request once the
-  first token is known; reports a request sent once pdcore ended it (``Succeeded`` or ``Failed``)
-  and vLLM told this worker it finished (the scheduler frees the blocks then).
+- prefill, scheduler: ``admitted`` registers the request (``Register``) when it arrives, and
+  ``matched`` holds it back ("ask again later") until the workers report it ready: every decode
+  rank announced its blocks (pdcore's ``Bootstrapped``; a hand-over before it would fail the
+  room), or it failed (then it runs, its transfer ended). ``scheduled`` marks the step that
+  completes its prompt (``streams``: its layers go as they are saved, for prompts of at least
+  ``layerwise_min_pages`` pages, so the writes overlap the forward pass); ``finished`` hands over
+  the first token (``Finish``) and keeps the blocks (delayed free) until the worker reports the
+  transfer ended.
+- prefill, worker: hands over only after ``Bootstrapped``: layer by layer if it was bootstrapped
+  when the prompt's last chunk ran, else the whole request once the first token is known;
+  reports a request ready (``WorkerReport``) at its ``Bootstrapped`` or ``Failed``, and sent once
+  pdcore ended it (``Succeeded`` or ``Failed``) and vLLM told this worker it finished (the
+  scheduler frees the blocks then).
 
 Both sides transfer ``pages_for(prompt_tokens)`` blocks, the blocks of the prompt but its last
 token: decode holds exactly those when it announces, and a block is a pdcore page, so the counts
@@ -102,12 +107,17 @@ class SchedulerBook:
         self._prompt: dict[str, int] = {}  # producer: prompt tokens of registered requests
         self._attempted: set[str] = set()  # consumer: loaded once (a failed load is recomputed, not retried)
         self._delayed: set[str] = set()  # producer: blocks kept until the worker reports the transfer ended
+        self._ready: set[str] = set()  # producer: registered requests the workers reported ready to run
 
     # -- decode ---------------------------------------------------------------------------
 
-    def matched(self, rid: str, transfer: Transfer | None, prompt_tokens: int, computed_tokens: int) -> tuple[int, bool]:
-        """``get_num_new_matched_tokens``: what decode loads (asynchronously) instead of computing."""
-        if self.producer or transfer is None or rid in self._attempted:
+    def matched(self, rid: str, transfer: Transfer | None, prompt_tokens: int,
+                computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: what decode loads (asynchronously) instead of computing;
+        prefill: None (ask again later) while a registered request is not ready to run."""
+        if self.producer:
+            return (None, False) if rid in self._transfers and rid not in self._ready else (0, False)
+        if transfer is None or rid in self._attempted:
             return 0, False
         if computed_tokens:
             raise RuntimeError(f"pdcore connector: request {rid!r} has {computed_tokens} tokens cached locally; a "
@@ -118,13 +128,7 @@ class SchedulerBook:
     def allocated(self, rid: str, transfer: Transfer | None, prompt_tokens: int, block_ids: Sequence[int],
                   external_tokens: int) -> None:
         """``update_state_after_alloc``: decode loads into the blocks; prefill registers the request."""
-        if transfer is None:
-            return
-        if self.producer:
-            if rid not in self._transfers:
-                self._transfers[rid] = transfer
-                self._prompt[rid] = prompt_tokens
-                self._plan.registers.append(Register(rid, transfer))
+        if transfer is None or self.producer:
             return
         if external_tokens <= 0 or rid in self._attempted:
             return
@@ -137,6 +141,13 @@ class SchedulerBook:
         self._plan.loads.append(Load(rid, transfer, tuple(int(b) for b in block_ids[:n])))
 
     # -- prefill --------------------------------------------------------------------------
+
+    def admitted(self, rid: str, transfer: Transfer | None, prompt_tokens: int) -> None:
+        """``on_new_request``: prefill registers a request with a room at once (it runs once ready)."""
+        if self.producer and transfer is not None and rid not in self._transfers:
+            self._transfers[rid] = transfer
+            self._prompt[rid] = prompt_tokens
+            self._plan.registers.append(Register(rid, transfer))
 
     def scheduled(self, rid: str, block_ids: Sequence[int]) -> None:
         """Prefill: this step computes the last of ``rid``'s prompt: its layers may go as they are saved."""
@@ -165,6 +176,7 @@ class SchedulerBook:
         if transfer is None:
             return False
         del self._transfers[rid]
+        self._ready.discard(rid)
         prompt = self._prompt.pop(rid)
         pages = tuple(int(b) for b in block_ids[: pages_for(prompt, self.block_size)])
         self._plan.finishes.append(Finish(rid, pages, first_token))
@@ -173,8 +185,12 @@ class SchedulerBook:
 
     # -- both -----------------------------------------------------------------------------
 
-    def worker_output(self, finished_sending: Iterable[str] | None, finished_recving: Iterable[str] | None) -> None:
+    def worker_output(self, finished_sending: Iterable[str] | None, finished_recving: Iterable[str] | None,
+                      ready: Iterable[str] = ()) -> None:
         """``update_connector_output``: what every worker reported (vLLM aggregates the workers)."""
+        for rid in ready:
+            if rid in self._transfers:
+                self._ready.add(rid)
         for rid in finished_sending or ():
             self._delayed.discard(rid)
         for rid in finished_recving or ():  # still attempted: a failed load is recomputed, never loaded again
@@ -205,14 +221,16 @@ class _Sending:
 class ProducerWorker:
     """A prefill worker's side: one ``PrefillPeer`` rank and its outbox."""
 
-    def __init__(self, peer: Any, outbox: Any, replica: Any = None) -> None:
+    def __init__(self, peer: Any, outbox: Any, replica: Any = None, layerwise_min_pages: int = 16) -> None:
         self._peer = peer
         self._outbox = outbox
+        self._layerwise_min_pages = layerwise_min_pages  # shorter prompts go whole (pdcore would hold them anyway)
         self._replica = replica
         self._reqs: dict[str, _Sending] = {}
         self._streams: dict[str, tuple[int, ...]] = {}
         self._vllm_finished: set[str] = set()
-        self.counts = {"succeeded": 0, "failed": 0}
+        self._ready: set[str] = set()  # to report to the scheduler side (WorkerReport)
+        self.counts = {"succeeded": 0, "failed": 0, "layer_by_layer": 0, "whole": 0}
 
     def take(self, plan: StepPlan) -> None:
         """A step's plan: register new requests, note the prompts that complete, hand over finishes."""
@@ -222,7 +240,8 @@ class ProducerWorker:
             t = reg.transfer
             self._reqs[reg.rid] = _Sending(t)
             self._peer.register(reg.rid, BootstrapInfo(t.host, t.port, t.room))
-        self._streams = {rid: pages for rid, pages in plan.streams.items() if rid in self._reqs}
+        self._streams = {rid: pages for rid, pages in plan.streams.items()
+                         if rid in self._reqs and len(pages) >= self._layerwise_min_pages}
         for fin in plan.finishes:
             st = self._reqs.get(fin.rid)
             if st is None:
@@ -259,15 +278,19 @@ class ProducerWorker:
                 continue
             if isinstance(event, Bootstrapped):
                 st.bootstrapped = True
+                self._ready.add(event.rid)
                 self._try_hand_over(event.rid, st)
             elif isinstance(event, (Succeeded, Failed)):
                 st.ended = True
+                self._ready.add(event.rid)
                 if isinstance(event, Failed):
                     self.counts["failed"] += 1
                     log.warning("pdcore: prefill request %s (room %d) failed: %s", event.rid, st.transfer.room,
                                 event.reason)
                 else:
                     self.counts["succeeded"] += 1
+                    log.info("pdcore: room %d sent (%s)", st.transfer.room,
+                             "layer by layer" if st.begun else "whole, after the forward pass")
         done = {rid for rid, st in self._reqs.items() if st.ended and rid in self._vllm_finished}
         for rid in done:
             del self._reqs[rid]
@@ -275,6 +298,11 @@ class ProducerWorker:
         # a request vLLM finished without ever registering it here is not ours to report
         self._vllm_finished.intersection_update(self._reqs)
         return done
+
+    def take_ready(self) -> set[str]:
+        """The requests that became ready to run (bootstrapped or failed) since the last call."""
+        ready, self._ready = self._ready, set()
+        return ready
 
     def pending(self) -> int:
         """Requests this worker still tracks."""
@@ -285,8 +313,10 @@ class ProducerWorker:
             return
         st.handed = True
         if st.begun:
+            self.counts["layer_by_layer"] += 1
             self._outbox.finish(rid, st.first_token)
         else:
+            self.counts["whole"] += 1
             assert st.pages is not None
             self._outbox.send(rid, st.pages, st.first_token)
 

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.request import RequestStatus
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PdcoreConnector", "PdcoreMetadata"]
+__all__ = ["PdcoreConnector", "PdcoreMetadata", "PdcoreWorkerReport"]
 
 log = logging.getLogger("pdcore.vllm")
 
@@ -71,6 +72,18 @@ class PdcoreMetadata(KVConnectorMetadata):
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class PdcoreWorkerReport(KVConnectorWorkerMetadata):
+    """Worker to scheduler, one step: prefill requests ready to run (bootstrapped, or failed)."""
+
+    def __init__(self, ready: set[str]) -> None:
+        self.ready = ready
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # every rank of a replica gets the same events in the same round (pdcore's agreement)
+        assert isinstance(other, PdcoreWorkerReport)
+        return PdcoreWorkerReport(self.ready | other.ready)
 
 
 def _natural(name: str) -> list[Any]:
@@ -131,6 +144,14 @@ class PdcoreConnector(KVConnectorBase_V1):
         return self._book.matched(request.request_id, self._transfer(request), request.num_prompt_tokens,
                                   num_computed_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        assert self._book is not None
+        if self._producer:
+            transfer = self._transfer(request)
+            self._book.admitted(request.request_id, transfer, request.num_prompt_tokens)
+            if self._book.knows(request.request_id):
+                self._requests[request.request_id] = request
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._book is not None
         transfer = self._transfer(request)
@@ -138,8 +159,6 @@ class PdcoreConnector(KVConnectorBase_V1):
             return
         (block_ids,) = blocks.get_block_ids()
         self._book.allocated(request.request_id, transfer, request.num_prompt_tokens, block_ids, num_external_tokens)
-        if self._producer and self._book.knows(request.request_id):
-            self._requests[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._book is not None
@@ -165,7 +184,9 @@ class PdcoreConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._book is not None
-        self._book.worker_output(connector_output.finished_sending, connector_output.finished_recving)
+        report = connector_output.kv_connector_worker_meta
+        ready = report.ready if isinstance(report, PdcoreWorkerReport) else ()
+        self._book.worker_output(connector_output.finished_sending, connector_output.finished_recving, ready)
 
     def has_pending_push_work(self) -> bool:
         return self._book is not None and self._book.pending_push()
@@ -220,7 +241,7 @@ class PdcoreConnector(KVConnectorBase_V1):
             config = PrefillConfig(**common, bootstrap_host=opts.bootstrap_host, bootstrap_port=opts.bootstrap_port,
                                    layerwise_min_pages=opts.layerwise_min_pages)
             self._peer, outbox = PrefillPeer.start(config)
-            self._worker = ProducerWorker(self._peer, outbox, replica)
+            self._worker = ProducerWorker(self._peer, outbox, replica, opts.layerwise_min_pages)
         else:
             from ..pd.config import DecodeConfig
             from ..pd.decode import DecodePeer
@@ -266,6 +287,14 @@ class PdcoreConnector(KVConnectorBase_V1):
             self._load_errors |= errors
             return None, received or None
         return None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Prefill: the requests that became ready to run this step (the scheduler holds them till then)."""
+        if isinstance(self._worker, ProducerWorker):
+            ready = self._worker.take_ready()
+            if ready:
+                return PdcoreWorkerReport(ready)
+        return None
 
     def pending_transfers(self) -> int:
         """Worker: the requests this rank still tracks (registered, not yet reported to vLLM)."""

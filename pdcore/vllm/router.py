@@ -1,7 +1,8 @@
 """``python -m pdcore.vllm.router``: an OpenAI-compatible front of one prefill and one decode vLLM server.
 
 Each completion request gets a fresh room; both instances get it in ``kv_transfer_params``
-together with the prefill deployment's bootstrap address (``pdcore.vllm.params``). The prefill
+together with the prefill deployment's bootstrap address (``pdcore.vllm.params``; other keys the
+client put there are passed on). The prefill
 copy runs with one output token and no stream; the decode copy is the client's request, and its
 answer (a stream or one body) is what the client gets. Both are sent at once (Mooncake-style):
 decode announces its blocks and waits, prefill writes them after its forward pass.
@@ -29,9 +30,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from .params import split_address, transfer_params
+from .params import BOOTSTRAP_KEY, ROOM_KEY, split_address, transfer_params
 
-__all__ = ["Router", "main", "prefill_body", "decode_body"]
+__all__ = ["Router", "main", "prefill_body", "decode_body", "room_params", "serve"]
 
 log = logging.getLogger("pdcore.vllm.router")
 
@@ -56,6 +57,13 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     out = dict(body)
     out["kv_transfer_params"] = params
     return out
+
+
+def room_params(body: dict[str, Any], room: int, bootstrap: tuple[str, int]) -> dict[str, Any]:
+    """The room's ``kv_transfer_params``: the client's own keys kept, the room and bootstrap address set."""
+    client = body.get("kv_transfer_params")
+    keep = {k: v for k, v in client.items() if k not in (ROOM_KEY, BOOTSTRAP_KEY)} if isinstance(client, dict) else {}
+    return {**keep, **transfer_params(room, *bootstrap)}
 
 
 class _Upstream:
@@ -168,7 +176,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": f"bad request body: {e}"})
             return
         room = router.next_room()
-        params = transfer_params(room, *router.bootstrap)
+        params = room_params(body, room, router.bootstrap)
         prefill = _Upstream(router.prefill, router.timeout)
         decode = _Upstream(router.decode, router.timeout)
         done = threading.Event()
