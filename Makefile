@@ -86,7 +86,7 @@ VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pdcore-vllm/venv
 VLLM_PY := $(VLLM_VENV)/bin/python
 vllm: $(STAMP)
 	@bash ci/vllm-install.sh $(VLLM_VENV)
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_book.py tests/test_vllm_connector.py
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_book.py tests/test_vllm_router.py tests/test_vllm_connector.py
 	$(VLLM_PY) tests/vllm/e2e.py
 
 bench-quick: $(STAMP) mooncake nixl

@@ -75,10 +75,23 @@ def check(ok: bool, what: str) -> None:
         raise Failure(what)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(preferred: int = 0) -> int:
+    """``preferred`` if it is free (the README's commands use these ports), else any free port."""
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise Failure("no free port")
+
+
+def shown(argv: list[str]) -> str:
+    """A command line as a shell would take it (the README shows these)."""
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 class Proc:
@@ -230,7 +243,7 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     ref = Proc("reference", [python, str(HERE / "instance.py"), "reference", model, str(work / "prompts.json"),
                              str(work / "reference.json")], work / "reference.log", env)
     procs.append(ref)
-    p_http, d_http, boot, r_port = free_port(), free_port(), free_port(), free_port()
+    p_http, d_http, boot, r_port = free_port(8100), free_port(8200), free_port(8998), free_port(8000)
     server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
               "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--block-size", str(BLOCK),
               "--host", "127.0.0.1"]
@@ -247,6 +260,8 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
                                       "--kv-transfer-config", json.dumps(decode_cfg)],
                   work / "decode.log", {**env, "PDCORE_SECRET_FILE": str(secret)})
     procs += [prefill, decode]
+    for p in (prefill, decode):
+        print(f"vllm: {p.name}: {shown(p.p.args)}", flush=True)
     say(f"started the reference instance, a prefill server (:{p_http}, bootstrap :{boot}) and a decode server "
         f"(:{d_http})")
     wait_for(lambda: get(p_http, "/health")[0] == 200 and get(d_http, "/health")[0] == 200, START_DEADLINE,
@@ -255,6 +270,7 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
                              "--decode", f"http://127.0.0.1:{d_http}", "--bootstrap", f"127.0.0.1:{boot}",
                              "--port", str(r_port)], work / "router.log", env)
     procs.append(router)
+    print(f"vllm: router: {shown(router.p.args)}", flush=True)
     wait_for(lambda: get(r_port, "/health")[0] == 200, 60, "the router", [router, prefill, decode])
     say("servers and router up")
     wait_for(lambda: not ref.alive(), START_DEADLINE, "the reference instance", [])
