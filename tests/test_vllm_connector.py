@@ -80,6 +80,8 @@ def test_layer_caches_pdcore_cannot_serve_are_refused(vc: ModuleType) -> None:
         conn.register_kv_caches({"layers.0.attn": shared, "layers.1.attn": shared})
     with pytest.raises(StartError, match="one page size for all layers"):
         conn.register_kv_caches({"layers.0.attn": torch.zeros(8, 2, 32, 64), "layers.1.attn": torch.zeros(8, 2, 32, 32)})
+    with pytest.raises(StartError, match="CPU layout"):  # a cache laid out otherwise (block size 16 here)
+        conn.register_kv_caches({"layers.0.attn": torch.zeros(8, 2, 16, 64)})
 
 
 def test_the_step_plan_pickles(vc: ModuleType) -> None:

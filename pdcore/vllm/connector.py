@@ -12,11 +12,11 @@ pdcore page and no byte is copied on either side. The rules of a request's life 
 ``pdcore.vllm.book`` (tested without vLLM); this module maps vLLM's calls onto them.
 
 Every worker polls its peer once per step (``get_finished``), also on steps without a forward
-pass; nothing here waits on the network. What is refused at start, each with the reason:
-``kv_both``, pipeline parallelism, prefix caching on a decode instance, hybrid KV caches
-(several KV cache groups), layers sharing one cache tensor. Prefill and decode of different tp
-sizes are refused by pdcore when a request pairs them (the request fails, so
-``kv_load_failure_policy`` applies), never written with the wrong heads.
+pass; nothing here waits on the network. The cache is described to pdcore as a ``KvLayout``
+(HND, K and V in one buffer per layer), so prefill and decode of different tp sizes pair through
+pdcore's planner, each decode rank getting its heads. What is refused at start, each with the
+reason: ``kv_both``, pipeline parallelism, prefix caching on a decode instance, hybrid KV caches
+(several KV cache groups), layers sharing one cache tensor, a cache not in vLLM's CPU layout.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from ..core.errors import StartError
+from ..core.errors import LocalProtocolError, StartError
+from ..kv.layout import KvLayout
 from .book import ConsumerWorker, ProducerWorker, SchedulerBook, StepPlan
 from .params import ConnectorOptions, Transfer, options_from, transfer_of
 from .version import check_vllm_version
@@ -222,6 +223,7 @@ class PdcoreConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        layout = self._kv_layout(first, len(caches), tp_size, page_bytes)
         replica = None
         if tp_size > 1:
             from vllm.distributed.parallel_state import get_tp_group
@@ -231,7 +233,7 @@ class PdcoreConnector(KVConnectorBase_V1):
         secret = opts.secret()
         knobs = dict(opts.timeouts)
         common = dict(kv_buffers=caches, page_bytes=page_bytes, num_pages=num_pages, tp_size=tp_size,
-                      tp_rank=tp_rank, host=opts.host, secret=secret, **knobs)
+                      tp_rank=tp_rank, host=opts.host, secret=secret, kv_layout=layout, **knobs)
         if self._producer:
             from ..pd.config import PrefillConfig
             from ..pd.prefill import PrefillPeer
@@ -250,6 +252,24 @@ class PdcoreConnector(KVConnectorBase_V1):
             self._worker = self._consumer_worker(self._peer, inbox, replica)
         log.info("pdcore: %s rank %d/%d over %d layers of %d blocks x %d bytes", "prefill" if self._producer else
                  "decode", tp_rank, tp_size, len(caches), num_pages, page_bytes)
+
+    def _kv_layout(self, cache: torch.Tensor, layers: int, tp_size: int, page_bytes: int) -> KvLayout:
+        """vLLM's CPU cache as a pdcore ``KvLayout``: per layer one buffer ``[blocks, heads, tokens, K then V]``
+        (HND, K and V fused), so prefill and decode of different tp sizes get their heads from the planner."""
+        if cache.dim() != 4 or cache.shape[2] != self._block_size:
+            raise StartError(f"PdcoreConnector: a layer's KV cache is {tuple(cache.shape)}; the connector knows vLLM's "
+                             f"CPU layout [num_blocks, kv_heads, block_size={self._block_size}, 2 * head_size] only")
+        heads = self._vllm_config.model_config.get_total_num_kv_heads()
+        layout = KvLayout(order="hnd", kv_heads=heads, head_bytes=int(cache.shape[3]) * cache.element_size(),
+                          page_tokens=int(cache.shape[2]), layers=layers, fused_kv=True)
+        try:
+            want = layout.page_bytes(tp_size)
+        except LocalProtocolError as e:
+            raise StartError(f"PdcoreConnector: {e}") from None
+        if want != page_bytes:
+            raise StartError(f"PdcoreConnector: a block of a layer holds {page_bytes} bytes, but {heads} KV heads over "
+                             f"tp {tp_size} in vLLM's CPU layout would make {want}")
+        return layout
 
     def _consumer_worker(self, peer: Any, inbox: Any, replica: Any) -> ConsumerWorker:
         """The decode worker's book (a subclass may return its own: the negative control does)."""

@@ -187,7 +187,8 @@ class _Handler(BaseHTTPRequestHandler):
         router.count("routed")
         try:
             self._relay(decode, decode_body(body, params))
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
+            # a connection cut under http.client (the client went away) surfaces as any of these
             if not done.is_set():
                 log.info("room %d: ended early: %s", room, e)
             prefill.cut()

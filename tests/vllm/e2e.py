@@ -17,9 +17,16 @@ with its log's tail):
 5. cancellations: a request waiting for its KV whose client goes away, and a streamed one
    cancelled through the router, while others run: the others are intact and both servers end
    with no request and no KV block held;
-6. the prefill server killed (SIGKILL) while two decode requests wait for their KV: they are
-   recomputed (the policy) and their tokens equal the reference's, within a deadline;
-7. the offline pair (``pdcore.vllm.offline``): a prefill and a decode ``LLM`` in two processes.
+6. a request whose transfer cannot happen (no bootstrap server at its address) is recomputed
+   (``kv_load_failure_policy=recompute``): its tokens equal the reference's;
+7. heterogeneous tp: the same prefill server (tp 1) feeds a decode server of tp 2 (two workers,
+   one KV head each) through pdcore's planner, behind a second router: the batch again, every
+   request's tokens equal to the reference's (the tp 1 decode server is stopped first: six vLLM
+   processes on two cores starve pdcore's handshakes past their 5 s deadlines);
+8. the prefill server killed (SIGKILL) while two requests wait for their KV on the tp 2 decode
+   server (``kv_load_failure_policy=fail``): both end with an error within ``dead_after`` and
+   a margin, and decode holds no block afterwards;
+9. the offline pair (``pdcore.vllm.offline``): a prefill and a decode ``LLM`` in two processes.
 
 Its closing line: ``vllm pd: N requests, M identical to one instance (...)``.
 """
@@ -51,6 +58,7 @@ LENGTHS = [5, 17, 31, 33, 47, 63, 65, 100, 130, 200]  # none a multiple of 32; 2
 START_DEADLINE = 420.0  # vLLM imports in 20-60 s and initialises in 10-30 s on a loaded 2-core machine
 REQUEST_TIMEOUT = 120.0
 DEAD_AFTER = 5.0  # decode's pdcore dead_after: how soon a killed prefill is noticed
+BOOTSTRAP_TIMEOUT = 20.0  # decode's: how long a request whose prefill cannot be found waits for it
 
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -206,6 +214,33 @@ def open_request(port: int, b: dict) -> socket.socket:
     return s
 
 
+def expect_error(port: int, b: dict) -> int:
+    """A completion that must fail: its HTTP status (0 if it succeeded)."""
+    try:
+        post(port, b)
+    except Failure as e:
+        msg = str(e)
+        return int(msg.split("answered ", 1)[1].split(":", 1)[0]) if "answered " in msg else -1
+    return 0
+
+
+def batch_through(port: int, model: str, prompts: list[list[int]]) -> list[tuple[list[int], str]]:
+    """Every prompt at once through a router, half of them streamed."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(post, port, body(model, p, stream=i % 2 == 1)) for i, p in enumerate(prompts)]
+        return [f.result(timeout=REQUEST_TIMEOUT + 30) for f in futures]
+
+
+def start_router(python: str, prefill: int, decode: int, boot: int, port: int, log: Path, env: dict[str, str],
+                 procs: list[Proc]) -> Proc:
+    router = Proc(log.stem, [python, "-m", "pdcore.vllm.router", "--prefill", f"http://127.0.0.1:{prefill}",
+                             "--decode", f"http://127.0.0.1:{decode}", "--bootstrap", f"127.0.0.1:{boot}",
+                             "--port", str(port)], log, env)
+    procs.append(router)
+    print(f"vllm: {router.name}: {shown(router.p.args)}", flush=True)
+    return router
+
+
 def main() -> int:
     venv_python = sys.executable
     repo = HERE.parent.parent
@@ -253,7 +288,7 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
                                                  "layerwise_min_pages": 2}}
     decode_cfg = {"kv_connector": "CorruptingConnector", "kv_connector_module_path": "negative_control",
                   "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {"dead_after": DEAD_AFTER}}
+                  "kv_connector_extra_config": {"bootstrap_timeout": BOOTSTRAP_TIMEOUT}}
     prefill = Proc("prefill", server + ["--port", str(p_http), "--kv-transfer-config", json.dumps(prefill_cfg)],
                    work / "prefill.log", env)
     decode = Proc("decode", server + ["--port", str(d_http), "--no-enable-prefix-caching",
@@ -266,11 +301,7 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
         f"(:{d_http})")
     wait_for(lambda: get(p_http, "/health")[0] == 200 and get(d_http, "/health")[0] == 200, START_DEADLINE,
              "the prefill and decode servers to answer /health", [prefill, decode])
-    router = Proc("router", [python, "-m", "pdcore.vllm.router", "--prefill", f"http://127.0.0.1:{p_http}",
-                             "--decode", f"http://127.0.0.1:{d_http}", "--bootstrap", f"127.0.0.1:{boot}",
-                             "--port", str(r_port)], work / "router.log", env)
-    procs.append(router)
-    print(f"vllm: router: {shown(router.p.args)}", flush=True)
+    router = start_router(python, p_http, d_http, boot, r_port, work / "router.log", env, procs)
     wait_for(lambda: get(r_port, "/health")[0] == 200, 60, "the router", [router, prefill, decode])
     say("servers and router up")
     wait_for(lambda: not ref.alive(), START_DEADLINE, "the reference instance", [])
@@ -280,9 +311,7 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     say("reference tokens ready")
 
     # 3. the batch, all at once, half streamed
-    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
-        futures = [pool.submit(post, r_port, body(model, p, stream=i % 2 == 1)) for i, p in enumerate(batch)]
-        got = [f.result(timeout=REQUEST_TIMEOUT + 30) for f in futures]
+    got = batch_through(r_port, model, batch)
     identical = sum(t == ref_of[tuple(p)] for (t, _), p in zip(got, batch))
     for (t, reason), p in zip(got, batch):
         check(len(t) == MAX_TOKENS and reason == "length", f"prompt of {len(p)}: {len(t)} tokens, finish {reason!r}")
@@ -326,26 +355,54 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     say("cancelled: a request waiting for its KV and a stream through the router; the others intact, both "
         "servers idle with every block free")
 
-    # 6. the prefill server killed while decode requests wait for their KV
+    # 6. a transfer that cannot happen, under kv_load_failure_policy=recompute
+    started = time.monotonic()
+    lost = {"pdcore_room": room + 1, "pdcore_bootstrap": "127.0.0.1:1"}  # no bootstrap server there
+    recomputed, _ = post(d_http, body(model, waiting[1], params=lost), timeout=BOOTSTRAP_TIMEOUT + 60)
+    check(recomputed == ref_of[tuple(waiting[1])], f"a request recomputed after its transfer failed gave {recomputed}")
+    check("failed" in (work / "decode.log").read_text(errors="replace"), "decode logged no failed transfer")
+    say(f"a transfer that could not happen: recomputed (policy recompute) in {time.monotonic() - started:.0f} s, "
+        "tokens as one instance's")
+
+    # 7. heterogeneous tp: the same prefill server (tp 1) -> a decode server of tp 2, policy fail
+    for p in (router, decode):
+        p.stop()
+    decode2_cfg = {"kv_connector": "PdcoreConnector", "kv_connector_module_path": "pdcore.vllm.connector",
+                   "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
+                   "kv_connector_extra_config": {"dead_after": DEAD_AFTER}}
+    d2_http, r2_port = free_port(8300), free_port(8001)
+    decode2 = Proc("decode-tp2", server + ["--port", str(d2_http), "--no-enable-prefix-caching",
+                                           "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+                                           "--kv-transfer-config", json.dumps(decode2_cfg)],
+                   work / "decode-tp2.log", {**env, "PDCORE_SECRET_FILE": str(secret)})
+    procs.append(decode2)
+    print(f"vllm: {decode2.name}: {shown(decode2.p.args)}", flush=True)
+    wait_for(lambda: get(d2_http, "/health")[0] == 200, START_DEADLINE, "the tp 2 decode server", [decode2, prefill])
+    router2 = start_router(python, p_http, d2_http, boot, r2_port, work / "router-tp2.log", env, procs)
+    wait_for(lambda: get(r2_port, "/health")[0] == 200, 60, "the second router", [router2, decode2, prefill])
+    got2 = batch_through(r2_port, model, batch)
+    hetero = sum(t == ref_of[tuple(p)] for (t, _), p in zip(got2, batch))
+    check(hetero == len(batch), f"tp 1 -> tp 2: only {hetero} of {len(batch)} requests equal the reference")
+    say(f"prefill tp 1 -> decode tp 2 (pdcore's planner, one KV head per decode rank): {hetero}/{len(batch)} "
+        "identical to one instance")
+
+    # 8. the prefill server killed while two decode requests wait for their KV: policy fail, no hang
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(post, d_http, body(model, p, params={**fake, "pdcore_room": room + 1 + i}))
+        futures = [pool.submit(expect_error, d2_http, body(model, p, params={**fake, "pdcore_room": room + 2 + i}))
                    for i, p in enumerate(waiting[:2])]
-        wait_for(lambda: gauges(d_http).get("num_requests_waiting") == 2, 60, "decode to wait for two transfers",
-                 [decode])
+        wait_for(lambda: gauges(d2_http).get("num_requests_waiting") == 2, 60, "decode to wait for two transfers",
+                 [decode2])
         killed = time.monotonic()
         os.killpg(prefill.p.pid, signal.SIGKILL)
         prefill.p.wait(30)
-        recomputed = [f.result(timeout=DEAD_AFTER + 60) for f in futures]
+        errors = [f.result(timeout=DEAD_AFTER + 60) for f in futures]
     took = time.monotonic() - killed
-    check(all(t == ref_of[tuple(p)] for (t, _), p in zip(recomputed, waiting[:2])),
-          f"requests recomputed after the prefill died differ: {recomputed}")
-    check("failed" in (work / "decode.log").read_text(errors="replace"), "decode logged no failed transfer")
-    wait_for(lambda: idle(d_http), 30, "decode to hold no request and no block", [decode])
-    say(f"prefill killed: decode's 2 waiting requests failed over to recompute in {took:.1f} s, tokens as one "
-        "instance's")
+    check(all(e == 500 for e in errors), f"requests waiting on a killed prefill ended with {errors}, not an error")
+    wait_for(lambda: idle(d2_http), 30, "the tp 2 decode server to hold no request and no block", [decode2])
+    say(f"prefill killed: the 2 requests waiting for it failed (policy fail) in {took:.1f} s; decode holds nothing")
 
-    # 7. the offline pair: two LLM objects in two processes
-    for p in (router, decode):
+    # 9. the offline pair: two LLM objects in two processes
+    for p in (router2, decode2):
         p.stop()
     oboot = free_port()
     first_room = random.Random().randrange(1 << 40)
@@ -361,12 +418,13 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     check(offline_same == len(offline), f"offline pair: {offline_same}/{len(offline)} identical")
     say(f"offline LLM pair: {offline_same}/{len(offline)} identical")
 
-    n = len(batch) + others + len(recomputed) + len(offline)
-    m = identical + others + len(recomputed) + offline_same
+    n = 2 * len(batch) + others + 1 + len(offline)
+    m = identical + hetero + others + (recomputed == ref_of[tuple(waiting[1])]) + offline_same
     print(f"vllm pd: {n} requests, {m} identical to one instance ({len(batch)} through the router and pdcore, "
-          f"{streamed} of them layer by layer, {others} beside the negative control and the cancellations, "
-          f"{len(recomputed)} recomputed after prefill was killed, {len(offline)} through the offline pair; "
-          f"negative control changed its tokens; {time.monotonic() - T0:.0f} s)", flush=True)
+          f"{streamed} of them layer by layer, {len(batch)} from prefill tp 1 to decode tp 2, "
+          f"{others} beside the negative control and the cancellations, "
+          f"1 recomputed after its transfer failed, {len(offline)} through the offline pair; negative control "
+          f"changed its tokens; 2 waiting on a killed prefill failed; {time.monotonic() - T0:.0f} s)", flush=True)
     return 0 if m == n else 1
 
 
