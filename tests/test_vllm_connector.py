@@ -95,3 +95,20 @@ def test_the_step_plan_pickles(vc: ModuleType) -> None:
     assert meta.plan == plan
     report = pickle.loads(pickle.dumps(vc.PdcoreWorkerReport({"a"}).aggregate(vc.PdcoreWorkerReport({"b"}))))
     assert report.ready == {"a", "b"}
+
+
+def test_the_cpu_cache_is_described_as_fused_hnd_so_other_tp_sizes_pair(vc: ModuleType) -> None:
+    import torch
+
+    from pdcore import StartError
+    from pdcore.kv.layout import KvLayout
+
+    cfg = config(role="kv_consumer", prefix=False)
+    cfg.model_config = SimpleNamespace(get_total_num_kv_heads=lambda: 2)
+    conn = make(vc, cfg, worker=True)
+    one_head = torch.zeros(8, 1, 32, 64)  # a rank of tp 2: one of 2 KV heads, head_size 32 (K and V: 64)
+    layout = conn._kv_layout(one_head, 2, 2, one_head[0].numel() * 4)
+    assert layout == KvLayout(order="hnd", kv_heads=2, head_bytes=256, page_tokens=32, layers=2, fused_kv=True)
+    assert layout.page_bytes(1) == 2 * layout.page_bytes(2)  # a tp 1 rank's block holds both heads
+    with pytest.raises(StartError, match="2 KV heads over tp 1"):  # the shape disagrees with the model's heads
+        conn._kv_layout(one_head, 2, 1, one_head[0].numel() * 4)

@@ -217,6 +217,7 @@ class PdcoreConnector(KVConnectorBase_V1):
             if start < end:
                 raise StartError(f"PdcoreConnector: layers {a!r} and {b!r} share KV cache memory (KV sharing across "
                                  "layers is not supported yet)")
+        self._check_cpu_layout(first)
         self._layer_index = {n: i for i, n in enumerate(names)}
         num_pages = int(first.shape[0])
         page_bytes = first[0].numel() * first.element_size()
@@ -253,12 +254,15 @@ class PdcoreConnector(KVConnectorBase_V1):
         log.info("pdcore: %s rank %d/%d over %d layers of %d blocks x %d bytes", "prefill" if self._producer else
                  "decode", tp_rank, tp_size, len(caches), num_pages, page_bytes)
 
-    def _kv_layout(self, cache: torch.Tensor, layers: int, tp_size: int, page_bytes: int) -> KvLayout:
-        """vLLM's CPU cache as a pdcore ``KvLayout``: per layer one buffer ``[blocks, heads, tokens, K then V]``
-        (HND, K and V fused), so prefill and decode of different tp sizes get their heads from the planner."""
+    def _check_cpu_layout(self, cache: torch.Tensor) -> None:
         if cache.dim() != 4 or cache.shape[2] != self._block_size:
             raise StartError(f"PdcoreConnector: a layer's KV cache is {tuple(cache.shape)}; the connector knows vLLM's "
                              f"CPU layout [num_blocks, kv_heads, block_size={self._block_size}, 2 * head_size] only")
+
+    def _kv_layout(self, cache: torch.Tensor, layers: int, tp_size: int, page_bytes: int) -> KvLayout:
+        """vLLM's CPU cache as a pdcore ``KvLayout``: per layer one buffer ``[blocks, heads, tokens, K then V]``
+        (HND, K and V fused), so prefill and decode of different tp sizes get their heads from the planner."""
+        self._check_cpu_layout(cache)
         heads = self._vllm_config.model_config.get_total_num_kv_heads()
         layout = KvLayout(order="hnd", kv_heads=heads, head_bytes=int(cache.shape[3]) * cache.element_size(),
                           page_tokens=int(cache.shape[2]), layers=layers, fused_kv=True)
