@@ -37,6 +37,8 @@ __all__ = ["Router", "main", "prefill_body", "decode_body", "room_params", "serv
 log = logging.getLogger("pdcore.vllm.router")
 
 _COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+# what an upstream connection cut under http.client (the client went away: ``_Upstream.cut``) surfaces as
+_CUT = (OSError, http.client.HTTPException, ValueError, AttributeError)
 
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -187,8 +189,7 @@ class _Handler(BaseHTTPRequestHandler):
         router.count("routed")
         try:
             self._relay(decode, decode_body(body, params))
-        except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
-            # a connection cut under http.client (the client went away) surfaces as any of these
+        except _CUT as e:
             if not done.is_set():
                 log.info("room %d: ended early: %s", room, e)
             prefill.cut()
@@ -205,7 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
             if resp.status != 200:
                 self.server.router.count("prefill_errors")
                 log.warning("room %d: prefill answered %d: %s", params["pdcore_room"], resp.status, data[:300])
-        except (OSError, http.client.HTTPException) as e:
+        except _CUT as e:
             if not done.is_set():
                 self.server.router.count("prefill_errors")
                 log.warning("room %d: prefill request failed: %s", params["pdcore_room"], e)
