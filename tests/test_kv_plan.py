@@ -42,7 +42,8 @@ def cases(draw: st.DrawFn) -> tuple[KvLayout, int, int, np.ndarray, np.ndarray, 
     tps = [x for x in (1, 2, 3, 4, 5, 6, 8, 16) if order == "mla" or x > h or h % x == 0]
     p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
     layout = KvLayout(order=order, kv_heads=h, head_bytes=draw(st.sampled_from([1, 2, 6])),
-                      page_tokens=draw(st.sampled_from([1, 2, 4])), layers=draw(st.integers(1, 3)))
+                      page_tokens=draw(st.sampled_from([1, 2, 4])), layers=draw(st.integers(1, 3)),
+                      fused_kv=order == "hnd" and draw(st.booleans()))  # vLLM's CPU cache: K and V in one buffer
     num_pages = draw(st.integers(1, 12))
     n = draw(st.integers(0, num_pages))
     perm = st.permutations(range(num_pages))
@@ -122,12 +123,21 @@ def test_writes_counted_against_the_per_token_slot_scheme() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [(dict(order="xyz"), "order"), (dict(kv_heads=0), "kv_heads"), (dict(order="mla", kv_heads=2), "kv_heads"),
-     (dict(page_tokens=True), "page_tokens")],
+     (dict(page_tokens=True), "page_tokens"), (dict(order="nhd", fused_kv=True), "fused_kv"),
+     (dict(fused_kv=1), "fused_kv")],
 )
 def test_layout_rejects(kwargs: dict, field: str) -> None:
     base = dict(order="hnd", kv_heads=4, head_bytes=8, page_tokens=4, layers=2)
     with pytest.raises(LocalProtocolError, match=f"KvLayout.{field}"):
         KvLayout(**{**base, **kwargs})
+
+
+def test_fused_kv_has_one_buffer_per_layer_and_survives_json() -> None:
+    fused = KvLayout(order="hnd", kv_heads=2, head_bytes=256, page_tokens=32, layers=2, fused_kv=True)
+    assert fused.buffers == 2 and fused.page_bytes(1) == 2 * 32 * 256 and fused.page_bytes(2) == 32 * 256
+    assert KvLayout.from_json(fused.to_json()) == fused
+    plain = KvLayout(order="hnd", kv_heads=2, head_bytes=256, page_tokens=32, layers=2)
+    assert "fused_kv" not in plain.to_json() and KvLayout.from_json(plain.to_json()) == plain != fused
 
 
 def test_tp_that_cannot_share_heads_is_refused() -> None:

@@ -6,6 +6,11 @@ or "nhd") or one latent buffer (``order`` "mla"); pages of ``page_tokens``
 tokens; ``kv_heads`` KV heads in all (H) of ``head_bytes`` bytes per token
 each (for MLA: one latent of ``head_bytes`` per token, the same on every rank).
 
+``fused_kv=True`` (HND only) keeps a layer's K and V in one buffer, as vLLM's CPU cache does
+(``[blocks, heads, tokens, K then V]``): each head's region of a page holds its tokens' K and V,
+``head_bytes`` is a token's K and V together, and buffer ``l`` is layer ``l``. The planner
+slices whole head regions, so where K and V sit inside a head's region does not matter.
+
 Heads on a rank ``r`` of ``tp`` (``heads(r, tp)``): with ``tp <= H`` the
 contiguous range ``[r*H/tp, (r+1)*H/tp)`` (``tp`` must divide H); with
 ``tp > H`` one head, ``(r*H) // tp``, replicated over the ``tp/H`` (or, when
@@ -69,6 +74,7 @@ class KvLayout:
     head_bytes: int
     page_tokens: int
     layers: int
+    fused_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -77,13 +83,19 @@ class KvLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX:
                 raise LocalProtocolError(f"KvLayout.{name}: must be a positive int, got {value!r}")
+        if not isinstance(self.fused_kv, bool):
+            raise LocalProtocolError(f"KvLayout.fused_kv: must be a bool, got {self.fused_kv!r}")
+        if self.fused_kv and self.order != "hnd":
+            raise LocalProtocolError(f"KvLayout.fused_kv: K and V in one buffer needs order 'hnd' (whole head regions "
+                                     f"per page), got {self.order!r}")
         if self.order == "mla" and self.kv_heads != 1:
             raise LocalProtocolError(f"KvLayout.kv_heads: an MLA cache has one latent per token, got {self.kv_heads}")
 
     @property
     def buffers(self) -> int:
-        """Buffers per rank: K and V per layer (buffer ``2l`` is layer l's K, ``2l+1`` its V), or one latent per layer."""
-        return self.layers if self.order == "mla" else 2 * self.layers
+        """Buffers per rank: K and V per layer (buffer ``2l`` is layer l's K, ``2l+1`` its V), or one per layer
+        (a latent, or ``fused_kv``'s K and V together)."""
+        return self.layers if self.order == "mla" or self.fused_kv else 2 * self.layers
 
     def check_tp(self, tp: int, what: str = "tp") -> None:
         """``tp`` ranks can share the heads: ``tp`` divides H, or exceeds it (replicated heads)."""
@@ -171,8 +183,11 @@ class KvLayout:
         return self.buffers * pages * (self.page_tokens if sliced else 1)
 
     def to_json(self) -> dict[str, Any]:
-        return {"order": self.order, "kv_heads": self.kv_heads, "head_bytes": self.head_bytes,
-                "page_tokens": self.page_tokens, "layers": self.layers}
+        out = {"order": self.order, "kv_heads": self.kv_heads, "head_bytes": self.head_bytes,
+               "page_tokens": self.page_tokens, "layers": self.layers}
+        if self.fused_kv:  # absent when False: peers of before the field read the same layouts
+            out["fused_kv"] = True
+        return out
 
     @classmethod
     def from_json(cls, value: Any) -> KvLayout:
@@ -180,10 +195,10 @@ class KvLayout:
         if not isinstance(value, dict):
             raise LocalProtocolError(f"kv_layout: expected an object, got {type(value).__name__}")
         fields = ("order", "kv_heads", "head_bytes", "page_tokens", "layers")
-        extra = sorted(set(value) - set(fields))
+        extra = sorted(set(value) - set(fields) - {"fused_kv"})
         if extra:
             raise LocalProtocolError(f"kv_layout: unknown field {extra[0]!r}")
         missing = [f for f in fields if f not in value]
         if missing:
             raise LocalProtocolError(f"kv_layout: missing field {missing[0]!r}")
-        return cls(**{f: value[f] for f in fields})
+        return cls(**{f: value[f] for f in fields}, fused_kv=value.get("fused_kv", False))

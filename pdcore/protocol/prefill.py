@@ -109,7 +109,7 @@ class PrefillEngine(Engine):
         self._pending = Parking(cfg.max_pending, cfg.max_parked_pages, cfg.max_parked_pages_total)
         self._tombstones = Tombstones(cfg.tombstone_ttl, 4 * cfg.max_pending)
         self._sinks: dict[str, _Sink] = {}
-        self._per_layer = 2 if cfg.kv_layout is not None and cfg.kv_layout.order != "mla" else 1
+        self._per_layer = 1 if cfg.kv_layout is None else cfg.kv_layout.buffers // cfg.kv_layout.layers
 
     # -- what the simulator and the metrics read -------------------------------------------
 

@@ -1,0 +1,387 @@
+"""The connector's bookkeeping, free of vLLM: what the scheduler side remembers between steps, the
+plan it hands the workers each step, and what each worker does with its pdcore peer.
+
+Why it is split off the connector: vLLM calls the connector from two places (the scheduler, and
+every worker, possibly other processes), and the rules of a request's life are the part that can
+be wrong; here they are plain code over a ``PrefillPeer``/``DecodePeer``, tested without vLLM.
+
+One request, Mooncake-style (the router gives both instances the same room at once):
+
+- decode, scheduler: ``matched`` declares the prompt but its last token as external and async
+  (vLLM recomputes the last token and samples the first itself); ``allocated`` puts the blocks
+  allocated for them into the next ``StepPlan`` as a ``Load``.
+- decode, worker: ``take`` registers the load with the peer; at its ``Bootstrapped`` the blocks
+  are announced; ``RemotePrefillDone`` reports it received, ``Failed`` reports it received *and*
+  its blocks as load errors (vLLM's ``kv_load_failure_policy`` recomputes or fails it). A request
+  vLLM gives up while loading is aborted; its blocks come back only after pdcore's fence.
+- prefill, scheduler: ``admitted`` registers the request (``Register``) when it arrives, and
+  ``matched`` holds it back ("ask again later") until the workers report it ready: every decode
+  rank announced its blocks (pdcore's ``Bootstrapped``; a hand-over before it would fail the
+  room), or it failed (then it runs, its transfer ended). ``scheduled`` marks the step that
+  completes its prompt (``streams``: its layers go as they are saved, for prompts of at least
+  ``layerwise_min_pages`` pages, so the writes overlap the forward pass); ``finished`` hands over
+  the first token (``Finish``) and keeps the blocks (delayed free) until the worker reports the
+  transfer ended.
+- prefill, worker: hands over only after ``Bootstrapped``: layer by layer if it was bootstrapped
+  when the prompt's last chunk ran, else the whole request once the first token is known;
+  reports a request ready (``WorkerReport``) at its ``Bootstrapped`` or ``Failed``, and sent once
+  pdcore ended it (``Succeeded`` or ``Failed``) and vLLM told this worker it finished (the
+  scheduler frees the blocks then).
+
+Both sides transfer ``pages_for(prompt_tokens)`` blocks, the blocks of the prompt but its last
+token: decode holds exactly those when it announces, and a block is a pdcore page, so the counts
+agree without a message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.events import BootstrapInfo, Bootstrapped, Failed, RemotePrefillDone, Succeeded
+from .params import Transfer
+
+__all__ = ["pages_for", "Register", "Load", "Finish", "StepPlan", "SchedulerBook", "ProducerWorker",
+           "ConsumerWorker"]
+
+log = logging.getLogger("pdcore.vllm")
+
+
+def pages_for(prompt_tokens: int, block_size: int) -> int:
+    """The blocks a transfer carries: those holding the prompt's first ``prompt_tokens - 1`` tokens."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return max(0, -(-(prompt_tokens - 1) // block_size))
+
+
+@dataclass(frozen=True)
+class Register:
+    """Prefill: track ``rid`` for ``transfer``'s room."""
+
+    rid: str
+    transfer: Transfer
+
+
+@dataclass(frozen=True)
+class Load:
+    """Decode: receive ``rid``'s KV into ``pages`` (prompt order) for ``transfer``'s room."""
+
+    rid: str
+    transfer: Transfer
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Prefill: ``rid`` finished in vLLM: hand over ``pages`` with ``first_token``, or abort (None)."""
+
+    rid: str
+    pages: tuple[int, ...]
+    first_token: int | None
+
+
+@dataclass
+class StepPlan:
+    """What the scheduler side tells every worker for one step (pickled: workers may be processes)."""
+
+    registers: list[Register] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    streams: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    finishes: list[Finish] = field(default_factory=list)
+    aborts: list[tuple[str, int]] = field(default_factory=list)  # decode: (rid, room) given up while loading
+
+    def __bool__(self) -> bool:
+        return bool(self.registers or self.loads or self.streams or self.finishes or self.aborts)
+
+
+class SchedulerBook:
+    """The scheduler side's state: requests with a room, by vLLM request id (unique while live)."""
+
+    def __init__(self, producer: bool, block_size: int) -> None:
+        self.producer = producer
+        self.block_size = block_size
+        self._plan = StepPlan()
+        self._transfers: dict[str, Transfer] = {}  # producer: registered; consumer: loading
+        self._prompt: dict[str, int] = {}  # producer: prompt tokens of registered requests
+        self._attempted: set[str] = set()  # consumer: loaded once (a failed load is recomputed, not retried)
+        self._delayed: set[str] = set()  # producer: blocks kept until the worker reports the transfer ended
+        self._ready: set[str] = set()  # producer: registered requests the workers reported ready to run
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def matched(self, rid: str, transfer: Transfer | None, prompt_tokens: int,
+                computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: what decode loads (asynchronously) instead of computing;
+        prefill: None (ask again later) while a registered request is not ready to run."""
+        if self.producer:
+            return (None, False) if rid in self._transfers and rid not in self._ready else (0, False)
+        if transfer is None or rid in self._attempted:
+            return 0, False
+        if computed_tokens:
+            raise RuntimeError(f"pdcore connector: request {rid!r} has {computed_tokens} tokens cached locally; a "
+                               "decode instance must run without prefix caching (--no-enable-prefix-caching)")
+        external = prompt_tokens - 1
+        return (external, True) if external > 0 else (0, False)
+
+    def allocated(self, rid: str, transfer: Transfer | None, prompt_tokens: int, block_ids: Sequence[int],
+                  external_tokens: int) -> None:
+        """``update_state_after_alloc``: decode loads into the blocks; prefill registers the request."""
+        if transfer is None or self.producer:
+            return
+        if external_tokens <= 0 or rid in self._attempted:
+            return
+        n = pages_for(external_tokens + 1, self.block_size)
+        if len(block_ids) < n:
+            raise RuntimeError(f"pdcore connector: request {rid!r} got {len(block_ids)} blocks for {external_tokens} "
+                               f"tokens, {n} needed")
+        self._attempted.add(rid)
+        self._transfers[rid] = transfer
+        self._plan.loads.append(Load(rid, transfer, tuple(int(b) for b in block_ids[:n])))
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def admitted(self, rid: str, transfer: Transfer | None, prompt_tokens: int) -> None:
+        """``on_new_request``: prefill registers a request with a room at once (it runs once ready)."""
+        if self.producer and transfer is not None and rid not in self._transfers:
+            self._transfers[rid] = transfer
+            self._prompt[rid] = prompt_tokens
+            self._plan.registers.append(Register(rid, transfer))
+
+    def scheduled(self, rid: str, block_ids: Sequence[int]) -> None:
+        """Prefill: this step computes the last of ``rid``'s prompt: its layers may go as they are saved."""
+        if self.producer and rid in self._transfers and rid not in self._delayed:
+            n = pages_for(self._prompt[rid], self.block_size)
+            if n:
+                self._plan.streams[rid] = tuple(int(b) for b in block_ids[:n])
+
+    def knows(self, rid: str) -> bool:
+        """Prefill: ``rid`` was registered with the workers (``scheduled`` wants to hear of it)."""
+        return rid in self._transfers
+
+    def finished(self, rid: str, block_ids: Sequence[int], first_token: int | None) -> bool:
+        """``request_finished``: whether vLLM must keep ``rid``'s blocks (True: until the worker reports it).
+
+        Prefill: a registered request is handed over (``first_token``) or aborted (None). Decode: a
+        request still loading is aborted; vLLM keeps its blocks itself until it is reported received.
+        """
+        transfer = self._transfers.get(rid)
+        if not self.producer:
+            self._attempted.discard(rid)  # it leaves vLLM: a reused id may load again
+            if transfer is not None:  # still loading
+                del self._transfers[rid]
+                self._plan.aborts.append((rid, transfer.room))
+            return False
+        if transfer is None:
+            return False
+        del self._transfers[rid]
+        self._ready.discard(rid)
+        prompt = self._prompt.pop(rid)
+        pages = tuple(int(b) for b in block_ids[: pages_for(prompt, self.block_size)])
+        self._plan.finishes.append(Finish(rid, pages, first_token))
+        self._delayed.add(rid)
+        return True
+
+    # -- both -----------------------------------------------------------------------------
+
+    def worker_output(self, finished_sending: Iterable[str] | None, finished_recving: Iterable[str] | None,
+                      ready: Iterable[str] = ()) -> None:
+        """``update_connector_output``: what every worker reported (vLLM aggregates the workers)."""
+        for rid in ready:
+            if rid in self._transfers:
+                self._ready.add(rid)
+        for rid in finished_sending or ():
+            self._delayed.discard(rid)
+        for rid in finished_recving or ():  # still attempted: a failed load is recomputed, never loaded again
+            self._transfers.pop(rid, None)
+
+    def pending_push(self) -> bool:
+        """Prefill: a finished request's blocks wait for its transfer (the engine must keep stepping)."""
+        return bool(self._delayed)
+
+    def take_plan(self) -> StepPlan:
+        """This step's plan; the next one starts empty."""
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+
+@dataclass
+class _Sending:
+    transfer: Transfer
+    pages: tuple[int, ...] | None = None
+    first_token: int | None = None
+    finished: bool = False  # vLLM sent its Finish (first token or abort)
+    bootstrapped: bool = False
+    begun: bool = False
+    handed: bool = False
+    ended: bool = False  # pdcore: Succeeded or Failed
+
+
+class ProducerWorker:
+    """A prefill worker's side: one ``PrefillPeer`` rank and its outbox."""
+
+    def __init__(self, peer: Any, outbox: Any, replica: Any = None, layerwise_min_pages: int = 16) -> None:
+        self._peer = peer
+        self._outbox = outbox
+        self._layerwise_min_pages = layerwise_min_pages  # shorter prompts go whole (pdcore would hold them anyway)
+        self._replica = replica
+        self._reqs: dict[str, _Sending] = {}
+        self._streams: dict[str, tuple[int, ...]] = {}
+        self._vllm_finished: set[str] = set()
+        self._ready: set[str] = set()  # to report to the scheduler side (WorkerReport)
+        self.counts = {"succeeded": 0, "failed": 0, "layer_by_layer": 0, "whole": 0}
+
+    def take(self, plan: StepPlan) -> None:
+        """A step's plan: register new requests, note the prompts that complete, hand over finishes."""
+        for reg in plan.registers:
+            if reg.rid in self._reqs:
+                continue
+            t = reg.transfer
+            self._reqs[reg.rid] = _Sending(t)
+            self._peer.register(reg.rid, BootstrapInfo(t.host, t.port, t.room))
+        self._streams = {rid: pages for rid, pages in plan.streams.items()
+                         if rid in self._reqs and len(pages) >= self._layerwise_min_pages}
+        for fin in plan.finishes:
+            st = self._reqs.get(fin.rid)
+            if st is None:
+                continue
+            st.finished = True
+            if st.ended:
+                continue
+            if fin.first_token is None:
+                self._peer.abort_room(fin.rid, st.transfer.room)
+                continue
+            st.pages, st.first_token = fin.pages, fin.first_token
+            self._try_hand_over(fin.rid, st)
+
+    def layer_saved(self, layer: int) -> None:
+        """Layer ``layer``'s KV of this step is in the cache: stream it for the prompts that completed."""
+        for rid, pages in self._streams.items():
+            st = self._reqs.get(rid)
+            if st is None or st.ended or st.handed or not st.bootstrapped:
+                continue
+            if not st.begun:
+                if layer != 0:
+                    continue  # bootstrapped mid-pass: the whole request goes at its finish
+                self._outbox.begin(rid, pages)
+                st.begun = True
+            self._outbox.layers_done(rid, layer + 1)
+
+    def step_done(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """The end of a step: poll the peer; the requests whose transfer ended and vLLM finished."""
+        self._streams = {}
+        self._vllm_finished.update(finished_req_ids)
+        for event in self._peer.poll(self._replica):
+            st = self._reqs.get(event.rid)
+            if st is None:
+                continue
+            if isinstance(event, Bootstrapped):
+                st.bootstrapped = True
+                self._ready.add(event.rid)
+                self._try_hand_over(event.rid, st)
+            elif isinstance(event, (Succeeded, Failed)):
+                st.ended = True
+                self._ready.add(event.rid)
+                if isinstance(event, Failed):
+                    self.counts["failed"] += 1
+                    log.warning("pdcore: prefill request %s (room %d) failed: %s", event.rid, st.transfer.room,
+                                event.reason)
+                else:
+                    self.counts["succeeded"] += 1
+                    log.info("pdcore: room %d sent (%s)", st.transfer.room,
+                             "layer by layer" if st.begun else "whole, after the forward pass")
+        done = {rid for rid, st in self._reqs.items() if st.ended and rid in self._vllm_finished}
+        for rid in done:
+            del self._reqs[rid]
+            self._vllm_finished.discard(rid)
+        # a request vLLM finished without ever registering it here is not ours to report
+        self._vllm_finished.intersection_update(self._reqs)
+        return done
+
+    def take_ready(self) -> set[str]:
+        """The requests that became ready to run (bootstrapped or failed) since the last call."""
+        ready, self._ready = self._ready, set()
+        return ready
+
+    def pending(self) -> int:
+        """Requests this worker still tracks."""
+        return len(self._reqs)
+
+    def _try_hand_over(self, rid: str, st: _Sending) -> None:
+        if st.handed or not st.bootstrapped or st.first_token is None:
+            return
+        st.handed = True
+        if st.begun:
+            self.counts["layer_by_layer"] += 1
+            self._outbox.finish(rid, st.first_token)
+        else:
+            self.counts["whole"] += 1
+            assert st.pages is not None
+            self._outbox.send(rid, st.pages, st.first_token)
+
+
+@dataclass
+class _Loading:
+    transfer: Transfer
+    pages: tuple[int, ...]
+    index: int
+    aborted: bool = False
+
+
+class ConsumerWorker:
+    """A decode worker's side: one ``DecodePeer`` rank and its inbox."""
+
+    def __init__(self, peer: Any, inbox: Any, replica: Any = None) -> None:
+        self._peer = peer
+        self._inbox = inbox
+        self._replica = replica
+        self._reqs: dict[str, _Loading] = {}
+        self._next_index = 0
+        self.counts = {"landed": 0, "failed": 0}
+
+    def take(self, plan: StepPlan) -> None:
+        """A step's plan: register the new loads, abort the ones vLLM gave up."""
+        for load in plan.loads:
+            t = load.transfer
+            self._reqs[load.rid] = _Loading(t, load.pages, self._next_index)
+            self._next_index = (self._next_index + 1) % (1 << 31)
+            self._peer.register(load.rid, BootstrapInfo(t.host, t.port, t.room))
+        for rid, room in plan.aborts:
+            st = self._reqs.get(rid)
+            if st is not None and not st.aborted:
+                st.aborted = True
+                self._peer.abort_room(rid, room)
+
+    def step_done(self) -> tuple[set[str], set[int]]:
+        """The end of a step: poll the peer; the requests received (landed or failed) and the blocks
+        of the failed ones (load errors: vLLM recomputes or fails them)."""
+        received: set[str] = set()
+        errors: set[int] = set()
+        for event in self._peer.poll(self._replica):
+            st = self._reqs.get(event.rid)
+            if st is None:
+                continue
+            if isinstance(event, Bootstrapped):
+                self._inbox.announce(event.rid, st.pages, st.index)
+            elif isinstance(event, RemotePrefillDone):
+                received.add(event.rid)
+                self.counts["landed"] += 1
+                self.landed(event.rid, st.pages)
+            elif isinstance(event, Failed):
+                received.add(event.rid)
+                self.counts["failed"] += 1
+                if not st.aborted:
+                    errors.update(st.pages)
+                    log.warning("pdcore: decode request %s (room %d) failed: %s", event.rid, st.transfer.room,
+                                event.reason)
+        for rid in received:
+            del self._reqs[rid]
+        return received, errors
+
+    def landed(self, rid: str, pages: tuple[int, ...]) -> None:
+        """Hook: ``rid``'s KV landed in ``pages`` (the end-to-end test's negative control overrides it)."""
+
+    def pending(self) -> int:
+        """Requests this worker still tracks."""
+        return len(self._reqs)

@@ -1,0 +1,114 @@
+"""``PdcoreConnector`` against the installed vLLM (``make vllm`` runs these in its venv; marker ``vllm``).
+
+What it refuses at start, each with an error naming the reason, instead of wrong tokens later:
+another vLLM release, ``kv_both``, pipeline parallelism, prefix caching on decode, hybrid KV
+caches, a non-contiguous or shared layer cache; and that its step plan survives pickling (the
+scheduler and the workers may be different processes).
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore")]
+
+
+@pytest.fixture(scope="module")
+def vc() -> ModuleType:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("vllm", reason="needs vLLM: make vllm installs it in its own venv")
+        from pdcore.vllm import connector
+
+    return connector
+
+
+def config(role: str = "kv_producer", prefix: bool = True, pp: int = 1, extra: dict | None = None) -> Any:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=extra or {},
+                                           is_kv_producer=role == "kv_producer"),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix, block_size=32),
+    )
+
+
+def make(vc: ModuleType, cfg: Any, worker: bool = False, groups: int = 1) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    role = KVConnectorRole.WORKER if worker else KVConnectorRole.SCHEDULER
+    return vc.PdcoreConnector(cfg, role, SimpleNamespace(kv_cache_groups=[object()] * groups))
+
+
+def test_the_supported_release_is_installed_and_another_is_refused(vc: ModuleType, monkeypatch) -> None:
+    import vllm
+
+    assert vllm.__version__.split("+")[0] == "0.32.0"
+    make(vc, config())  # starts
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.33\.0 is not supported.*0\.32\.0"):
+        make(vc, config())
+
+
+@pytest.mark.parametrize(("cfg", "groups", "match"), [
+    (dict(role="kv_both"), 1, "kv_role 'kv_both' is not supported"),
+    (dict(pp=2), 1, "pipeline parallelism"),
+    (dict(role="kv_consumer", prefix=True), 1, "without prefix caching"),
+    (dict(), 2, "hybrid KV caches"),
+    (dict(extra={"bootstrap_prot": 1}), 1, "unknown key.*bootstrap_prot"),
+])
+def test_unsupported_setups_are_refused_at_start(vc: ModuleType, cfg: dict, groups: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(vc, config(**cfg), groups=groups)
+
+
+def test_layer_caches_pdcore_cannot_serve_are_refused(vc: ModuleType) -> None:
+    import torch
+
+    from pdcore import StartError
+
+    conn = make(vc, config(role="kv_consumer", prefix=False), worker=True)
+    base = torch.zeros(8, 2, 32, 64)
+    with pytest.raises(StartError, match="not a contiguous CPU tensor"):
+        conn.register_kv_caches({"layers.0.attn": base.transpose(1, 2)})
+    shared = torch.zeros(16, 2, 32, 64)
+    with pytest.raises(StartError, match="share KV cache memory"):
+        conn.register_kv_caches({"layers.0.attn": shared, "layers.1.attn": shared})
+    with pytest.raises(StartError, match="one page size for all layers"):
+        conn.register_kv_caches({"layers.0.attn": torch.zeros(8, 2, 32, 64), "layers.1.attn": torch.zeros(8, 2, 32, 32)})
+    with pytest.raises(StartError, match="CPU layout"):  # a cache laid out otherwise (block size 16 here)
+        conn.register_kv_caches({"layers.0.attn": torch.zeros(8, 2, 16, 64)})
+
+
+def test_the_step_plan_pickles(vc: ModuleType) -> None:
+    from pdcore.vllm.book import Finish, Load, Register, StepPlan
+    from pdcore.vllm.params import Transfer
+
+    t = Transfer(3, "127.0.0.1", 8998)
+    plan = StepPlan(registers=[Register("a", t)], loads=[Load("b", t, (1, 2))], streams={"a": (4,)},
+                    finishes=[Finish("a", (4,), 9)], aborts=[("b", 3)])
+    meta = pickle.loads(pickle.dumps(vc.PdcoreMetadata(plan)))
+    assert meta.plan == plan
+    report = pickle.loads(pickle.dumps(vc.PdcoreWorkerReport({"a"}).aggregate(vc.PdcoreWorkerReport({"b"}))))
+    assert report.ready == {"a", "b"}
+
+
+def test_the_cpu_cache_is_described_as_fused_hnd_so_other_tp_sizes_pair(vc: ModuleType) -> None:
+    import torch
+
+    from pdcore import StartError
+    from pdcore.kv.layout import KvLayout
+
+    cfg = config(role="kv_consumer", prefix=False)
+    cfg.model_config = SimpleNamespace(get_total_num_kv_heads=lambda: 2)
+    conn = make(vc, cfg, worker=True)
+    one_head = torch.zeros(8, 1, 32, 64)  # a rank of tp 2: one of 2 KV heads, head_size 32 (K and V: 64)
+    layout = conn._kv_layout(one_head, 2, 2, one_head[0].numel() * 4)
+    assert layout == KvLayout(order="hnd", kv_heads=2, head_bytes=256, page_tokens=32, layers=2, fused_kv=True)
+    assert layout.page_bytes(1) == 2 * layout.page_bytes(2)  # a tp 1 rank's block holds both heads
+    with pytest.raises(StartError, match="2 KV heads over tp 1"):  # the shape disagrees with the model's heads
+        conn._kv_layout(one_head, 2, 1, one_head[0].numel() * 4)
