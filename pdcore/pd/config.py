@@ -1,8 +1,8 @@
 """Configuration of the PD peers (on ``pdcore.node.config.NodeConfig``): validated when built, so a bad
 value fails at start.
 
-Every timeout is in seconds. Defaults follow the reference deployment's
-(bootstrap 120 s, waiting 300 s) except where its defaults hid failures.
+Every timeout is in seconds. Defaults are those of common disaggregated deployments
+(bootstrap 120 s, waiting 300 s) except where such defaults hid failures.
 """
 
 from __future__ import annotations
