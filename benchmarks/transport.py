@@ -512,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nixl-tls", default=_nixl.NETWORK_TLS, metavar="UCX_TLS",
                     help="UCX transports for NIXL (default tcp,self; shm,tcp,self is a kernel copy, labelled so)")
     args = ap.parse_args(argv)
+    args.nixl_python = os.path.abspath(args.nixl_python)  # NIXL's agents start in benchmarks/: a relative path breaks
 
     quick = args.quick
     page_sizes = [4 * KiB, 16 * KiB, 64 * KiB, 1 * MiB]
