@@ -110,6 +110,27 @@ class Faults:
         return [k for k, v in vars(self).items() if v and k != "delay"]
 
 
+#: Each fault kind a seed may switch on, in the order the seed draws them: the chance it is on, and the
+#: rates it then draws one of (None: on at 1.0, no draw). Image failures need an encode stage.
+_FAULT_DRAWS: tuple[tuple[str, float, tuple[float, ...] | None], ...] = (
+    ("drop", 0.4, (0.001, 0.01, 0.05)),
+    ("duplicate", 0.3, (0.005, 0.05)),
+    ("reorder", 0.3, (0.01, 0.1)),
+    ("delay", 0.3, (0.002, 0.01)),
+    ("partition", 0.25, (0.5, 2.0)),
+    ("data_error", 0.3, (0.005, 0.05)),
+    ("data_jitter", 0.3, (0.002, 0.02)),
+    ("pause", 0.3, (0.5, 2.0)),
+    ("kill", 0.2, (0.3, 1.0)),
+    ("stall", 0.25, (1.0, 4.0)),
+    ("exit", 0.15, None),
+    ("slow_lookups", 0.3, (0.01, 0.05)),
+    ("early_send", 0.25, (0.01, 0.1)),
+    ("abort", 0.3, (0.01, 0.1)),
+    ("image_fail", 0.3, (0.02, 0.2)),
+)
+
+
 def draw(seed: int, world: World, *, scale: int = 0) -> tuple[Shape, Faults]:
     """The seed's deployment and faults (each kind on with some chance, at a drawn rate)."""
     rng = world.rng
@@ -132,37 +153,9 @@ def draw(seed: int, world: World, *, scale: int = 0) -> tuple[Shape, Faults]:
     f = Faults()
     if rng.random() < 0.15:
         return shape, f  # a clean run: every request must land
-    on = lambda p: rng.random() < p  # noqa: E731
-    if on(0.4):
-        f.drop = rng.choice([0.001, 0.01, 0.05])
-    if on(0.3):
-        f.duplicate = rng.choice([0.005, 0.05])
-    if on(0.3):
-        f.reorder = rng.choice([0.01, 0.1])
-    if on(0.3):
-        f.delay = rng.choice([0.002, 0.01])
-    if on(0.25):
-        f.partition = rng.choice([0.5, 2.0])
-    if on(0.3):
-        f.data_error = rng.choice([0.005, 0.05])
-    if on(0.3):
-        f.data_jitter = rng.choice([0.002, 0.02])
-    if on(0.3):
-        f.pause = rng.choice([0.5, 2.0])
-    if on(0.2):
-        f.kill = rng.choice([0.3, 1.0])
-    if on(0.25):
-        f.stall = rng.choice([1.0, 4.0])
-    if on(0.15):
-        f.exit = 1.0
-    if on(0.3):
-        f.slow_lookups = rng.choice([0.01, 0.05])
-    if on(0.25):
-        f.early_send = rng.choice([0.01, 0.1])
-    if on(0.3):
-        f.abort = rng.choice([0.01, 0.1])
-    if on(0.3) and encode_tp:
-        f.image_fail = rng.choice([0.02, 0.2])
+    for name, chance, rates in _FAULT_DRAWS:
+        if rng.random() < chance and (name != "image_fail" or encode_tp):
+            setattr(f, name, 1.0 if rates is None else rng.choice(rates))
     return shape, f
 
 
