@@ -8,7 +8,7 @@ in the project's. So the benchmark (project interpreter) starts two of these
 processes, a sink and a source, and drives them over the socket ``FD`` it
 passed down (a ``socketpair``; pickled tuples of ints and bytes only, so the
 two interpreters need not share a numpy). This file imports only the standard
-library, numpy and nixl: never pdcore or transport.
+library, numpy, nixl and ``_digest.py`` beside it: never pdcore or transport.
 
 Each agent runs WITHOUT NIXL's progress thread: that thread spins a core from
 the moment the agent exists, idle or not, and on a 2-core machine two of them
@@ -41,7 +41,6 @@ Offsets and lengths travel as the bytes of little-endian int64 arrays.
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import sys
 import time
@@ -50,20 +49,14 @@ from typing import Any
 
 import numpy as np
 
+from _digest import regions_digest  # benchmarks/, this script's sys.path[0]
+
 BUF_BYTES = 128 << 20  # as benchmarks/transport.py: one registered buffer per side
 RUN_SECONDS = 120.0  # every wait has a deadline
 
 
 def _arrays(*blobs: bytes) -> list[np.ndarray]:
     return [np.frombuffer(b, dtype="<i8") for b in blobs]
-
-
-def _digest(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    view = memoryview(buf)
-    for off, n in zip(offsets.tolist(), lengths.tolist()):
-        h.update(view[off : off + n])
-    return h.hexdigest()
 
 
 def _sink(conn: Connection, agent: Any, buf: np.ndarray) -> None:
@@ -94,7 +87,7 @@ def _sink(conn: Connection, agent: Any, buf: np.ndarray) -> None:
             conn.send(("ok",))
         elif cmd == "digest":
             offsets, lengths = _arrays(msg[1], msg[2])
-            conn.send(("digest", _digest(buf, offsets, lengths)))
+            conn.send(("digest", regions_digest(buf, offsets, lengths)))
         else:
             raise ValueError(f"sink: unknown command {cmd!r}")
 
@@ -184,7 +177,7 @@ def _source(conn: Connection, agent: Any, buf: np.ndarray) -> None:
             conn.send(("ran", msg[1], s.run(int(msg[1]), int(msg[2]))))
         elif cmd == "digest":
             offsets, lengths = _arrays(msg[1], msg[2])
-            conn.send(("digest", _digest(buf, offsets, lengths)))
+            conn.send(("digest", regions_digest(buf, offsets, lengths)))
         else:
             raise ValueError(f"source: unknown command {cmd!r}")
 

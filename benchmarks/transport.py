@@ -56,7 +56,6 @@ measured on it. ``--quick`` keeps the whole run under 45 s.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -79,6 +78,7 @@ if ROOT not in sys.path:
 import transport  # noqa: E402
 from pdcore.core.deadline import Deadline  # noqa: E402
 from transport import plan as plan_mod  # noqa: E402
+from benchmarks._digest import regions_digest  # noqa: E402
 from benchmarks._pipeline import post_pipelined  # noqa: E402
 from benchmarks import _nixl  # noqa: E402
 
@@ -96,15 +96,6 @@ class LeftOut(Exception):
 
 
 # ----------------------------------------------------------------------------- the sink child
-
-
-def _digest(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> str:
-    """BLAKE2b of ``buf``'s regions in order (benchmarks/_nixl_agent.py computes the same on NIXL's sink)."""
-    h = hashlib.blake2b(digest_size=16)
-    view = memoryview(buf)
-    for off, n in zip(offsets.tolist(), lengths.tolist()):
-        h.update(view[off : off + n])
-    return h.hexdigest()
 
 
 def _sink_main(conn: Connection, name: str, options: dict[str, Any]) -> None:
@@ -141,7 +132,7 @@ def _sink_main(conn: Connection, name: str, options: dict[str, Any]) -> None:
                 dst[off : off + n] = 0
             conn.send(("ok",))
         elif cmd == "digest":  # after it: what landed there
-            conn.send(("digest", _digest(dst, *arg)))
+            conn.send(("digest", regions_digest(dst, *arg)))
         elif cmd == "mooncake":
             try:
                 from mooncake.engine import TransferEngine
@@ -435,7 +426,7 @@ class Bench:
         own sink. ``True`` where the destination's BLAKE2b equals the source regions' in the batch's order.
         """
         src_off, dst_off, lens = self._offsets(batch)
-        want = _digest(self.src, src_off, lens)
+        want = regions_digest(self.src, src_off, lens)
         out: dict[str, bool] = {}
         for name, move in movers.items():
             if move is None:
