@@ -11,7 +11,8 @@ __all__ = ["IMPLEMENTATION", "StateTable", "ShmReducer", "FINGERPRINT_BYTES"]
 
 if TYPE_CHECKING:
     from ._shm_py import ShmReducer
-    from ._table_py import FINGERPRINT_BYTES, StateTable
+    from ._table_py import StateTable
+    from .twin_common import FINGERPRINT_BYTES
 else:
     ShmReducer = load("pdcore.core._shm").ShmReducer
     _table = load("pdcore.core._table")
