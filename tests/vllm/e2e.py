@@ -57,7 +57,7 @@ MAX_TOKENS = 8
 LENGTHS = [5, 17, 31, 33, 47, 63, 65, 100, 130, 200]  # none a multiple of 32; 200 spans 7 blocks
 START_DEADLINE = 420.0  # vLLM imports in 20-60 s and initialises in 10-30 s on a loaded 2-core machine
 REQUEST_TIMEOUT = 120.0
-DEAD_AFTER = 5.0  # decode's pdcore dead_after: how soon a killed prefill is noticed
+DEAD_AFTER = 15.0  # decode's pdcore dead_after: how soon a killed prefill is noticed (5 s was missed under load: six vLLM processes on two cores starve the heartbeats)
 BOOTSTRAP_TIMEOUT = 20.0  # decode's: how long a request whose prefill cannot be found waits for it
 
 ENV = {
