@@ -4,7 +4,7 @@
 #   bash ci/rxe-vm.sh bash ci/rdma-tests.sh
 #
 # 1. exposes Debian's pyverbs to the venv if it is not yet (ci/link-pyverbs.sh);
-# 2. runs `pytest -m rdma tests/rdma tests/transport tests/test_fence_blackbox.py` with
+# 2. runs `pytest -m rdma tests/rdma tests/transport tests/test_fence_blackbox.py tests/test_abort_blackbox.py` with
 #    PDCORE_REQUIRE_RDMA=1, so a missing device or any skipped RDMA test fails the run;
 # 3. runs a short seeded chaos run over verbs (`python -m pdcore chaos --transport faulty:verbs
 #    --tp 1`: replicas of one rank, so no rank imports torch, which costs ~110 s under TCG);
@@ -47,7 +47,7 @@ deselect=(
 )
 t0=$SECONDS
 timeout -k 15 "${PDCORE_RDMA_TEST_TIMEOUT:-420}" \
-    "$py" -m pytest -m rdma tests/rdma tests/transport tests/test_fence_blackbox.py -p no:cacheprovider -ra --durations=5 \
+    "$py" -m pytest -m rdma tests/rdma tests/transport tests/test_fence_blackbox.py tests/test_abort_blackbox.py -p no:cacheprovider -ra --durations=5 \
     "${deselect[@]}"
 rc=$?
 log "pytest exited $rc after $((SECONDS - t0))s"

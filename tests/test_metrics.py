@@ -72,6 +72,8 @@ def test_a_scrape_adds_up_to_the_run() -> None:
             assert end[(f"pdcore_{role}_{name}_total", ())] == 0, name
     assert end[("pdcore_decode_in_flight", ())] == 0
     assert end[("pdcore_prefill_connected_peers", ())] == 1
+    assert end[("pdcore_decode_revoke_method", (("method", "sink check"),))] == 1  # tcp
+    assert end[("pdcore_decode_memory_windows", ())] == 0
     assert end[("pdcore_bootstrap_ranks", ())] == 1
     assert end[("pdcore_bootstrap_busy_total", ())] == 0
 

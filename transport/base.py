@@ -47,14 +47,18 @@ How each transport keeps the promise:
   it to finish; a frame still landing at the deadline (a paused or stalled
   source) has its connection cut, and ``revoke`` returns once the sink thread
   has stopped writing into memory.
-- ``verbs``: writes carry the region's rkey and the device, not the sink's
-  CPU, checks them, so the grant cannot be checked per write without memory
-  windows. This transport moves the sink queue pair of the grant's source to
-  the error state (``revoke_method``): in-flight and later writes of that
-  source fail, all of its rooms with them, and it must connect again. A
+- ``verbs``: the device, not the sink's CPU, checks writes. With memory
+  windows (``revoke_method == "memory window"``) a grant is one type 2 window
+  per contiguous range, bound on the queue pair of its source, and a region
+  that requires grants opens to nothing else; ``revoke`` asks the source to
+  stop, waits until nothing through the grant is in flight (or cuts that
+  source's queue pair at the deadline) and invalidates the windows: the
+  source's other grants carry on. On a device without windows
+  (``"queue pair to error"``) it moves the sink queue pair of the grant's
+  source to the error state: in-flight and later writes of that source fail,
+  all of its rooms with them, and it must connect again. A
   ``revoke(..., settled=True)`` (the caller knows every write through the
-  grant completed at the source, e.g. it reported success) only forgets the
-  grant.
+  grant completed at the source, e.g. it reported success) needs no wait.
 
 Guarantees every transport gives (the conformance suite in
 ``tests/transport/`` checks them):

@@ -138,6 +138,16 @@ class FaultyTransport(Transport):
         return int(getattr(self.inner, "refused_connections", 0))
 
     @property
+    def revoke_method(self) -> str:
+        """The inner transport's (a revoke goes straight to it)."""
+        return str(getattr(self.inner, "revoke_method", "unknown"))
+
+    @property
+    def windows_live(self) -> int:
+        """The inner transport's memory windows bound now (0 without them)."""
+        return int(getattr(self.inner, "windows_live", 0))
+
+    @property
     def accept_failures(self) -> int:
         """The inner transport's count of accepts that failed for want of descriptors or memory."""
         return int(getattr(self.inner, "accept_failures", 0))

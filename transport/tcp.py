@@ -494,6 +494,11 @@ class TcpTransport(Transport):
         """Accepts that failed for want of descriptors or memory (each followed by a back-off)."""
         return self._backoff.count
 
+    @property
+    def revoke_method(self) -> str:
+        """How ``revoke`` enforces: ``"sink check"`` (the sink checks every write against its grant)."""
+        return "sink check"
+
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         self._check_open("register")
         addr, length, owner = buffer_span(buf)

@@ -9,11 +9,14 @@ handshake and two threads.
 Resources
 ---------
 One device context and one protection domain per transport. ``register`` makes
-one memory region (MR) with local-write and remote-write access; a region's
-``key`` is the MR's rkey. Each connected peer (source side) owns one RC queue
-pair and its own completion queue (so one peer's flushes can never overrun
+one memory region (MR) with local-write and remote-write access (with memory
+windows, see "Grants and revoke", a region that requires grants gets no remote
+access); a region's ``key`` is the MR's rkey (for such a region, its lkey).
+Each connected peer (source side) owns one RC queue pair and its own
+completion queue (so one peer's flushes can never overrun
 another's CQ); the sink side owns one RC QP per connected source, all on one
-small CQ (a sink posts nothing, so it never gets a completion).
+small CQ (a sink posts only the binds and invalidations of memory windows, and
+reaps their completions itself, see "Grants and revoke").
 
 Device, port and GID: ``device`` by name (default: the first device with an
 active port), ``ib_port`` (default: its first active port), ``gid_index``
@@ -44,7 +47,8 @@ Writes and completions
 ----------------------
 ``write`` validates every write against the local regions and the peer's last
 endpoint, then posts the batch as a chain of RDMA WRITE work requests (one SGE
-each) with ``ibv_post_send``. Selective signalling: a WR is signalled if it
+each; a write longer than the port's ``max_msg_sz``, 8 MiB on rxe, as several:
+one longer message fails the queue pair at the sink) with ``ibv_post_send``. Selective signalling: a WR is signalled if it
 ends its batch, ends a post (the send queue is full), or is every
 ``max_send_wr // 4``-th; never more than ``max_send_wr`` WRs are outstanding on
 the QP, and the rest of a long batch is posted as completions retire earlier
@@ -72,43 +76,78 @@ from it (that batch fails with a local protection error).
 Grants and revoke
 -----------------
 ``grant(source, ranges)`` checks that every range lies in a registered region
-(``ValueError`` otherwise) and keeps the grant in a ``GrantTable``: pure
-bookkeeping, nothing on the wire. A source's ``write(..., grant=key)`` checks
-that the key is a u64 and otherwise ignores it: the RDMA WRITE carries the
-region's rkey, and the sink's device, not its CPU, checks writes, against the
-MR and nothing finer. ``register(..., require_grant=True)`` is accepted but
-changes nothing on the wire for the same reason.
+(``ValueError`` otherwise) and keeps the grant in a ``GrantTable``. What
+enforces it depends on the device, chosen at start (``memory_windows``,
+``revoke_method``; a device without type 2 windows is logged once):
 
-Enforcement would take memory windows (type 2: one per grant, bound on the
-source's QP, invalidated on revoke). **This transport does not implement
-memory windows**, so ``revoke`` uses the documented fallback
-(``revoke_method == "queue pair to error"``): ``revoke(grant)`` forgets the
-grant and moves every sink QP whose handshake named the grant's source
-instance to the error state and destroys it (under the transport lock, so the
-cm thread never races it; the cm thread closes the liveness sockets, which
-tells the source at once). ``ibv_destroy_qp`` returns only once the device
-has stopped using the QP, so once ``revoke`` returns nothing more from that
-source lands over those QPs, even if the source never hears of it (paused, or
-deaf to its liveness socket). The price: every in-flight and later write of
-that source fails, **all** of its rooms with them, and it must ``connect``
-again. Its other grants stay in the table but are useless until it
-reconnects; once it has, they work again.
+**Memory windows** (``revoke_method == "memory window"``; rxe has them). A
+region registered with ``require_grant=True`` gets local write and
+``IBV_ACCESS_MW_BIND`` but no remote write, and ``endpoint()`` carries it with
+key 0: its own rkey opens nothing and never leaves the sink. A grant is one
+type 2 window per contiguous range (ranges that touch inside one region are
+one window; never a span over bytes the grant does not hold; at most
+``max_windows`` per grant), bound with ``IBV_WR_BIND_MW`` on the sink QP of
+each connection of the grant's source, so only that source's QP can write
+through it. Their rkeys reach the source over the connection's liveness
+socket (``transport/windows.py`` has the frames): in the handshake's reply for
+the grants live then, and as a ``W`` frame sent before ``grant`` returns for
+later ones, so they are on the way before the announcement that names the
+key; a ``write`` naming a key whose windows have not arrived waits for them
+(at most its deadline or 1 s). Each WRITE carries its window's rkey; a write
+outside the grant's windows fails its batch before anything is posted; a key
+that is not this connection's (revoked, another source's) raises ``EACCES``.
 
-A reconnected source could still write into a revoked grant's ranges (the
-rkey covers the whole region). So that a source that was merely paused or
-slow (it runs this code, unmodified) cannot do that by naming the old key,
-the handshake's ``_OK`` reply carries the last grant key the sink issued and
-the keys of that source's live grants; on that connection ``write`` raises
-``TransportError(op="write", errno=EACCES)``, posting nothing, for a key at
-or below that floor that was not live (revoked, settled or not). Keys issued
-later pass. The sink takes that snapshot after the new QP is revocable, so
-a revoke racing the handshake either kills the new QP or is in the snapshot.
-A source that does not run this code, or writes with ``grant=0``, is not
-held back: without memory windows the sink's device cannot tell its writes
-from any other.
+``revoke(grant)`` costs only that grant: the sink sends ``S`` key; the source
+stops posting through it and answers ``s`` key once none of its batches
+through it is in flight (those land first: they are before the revoke
+returns); the sink then invalidates the windows with ``IBV_WR_LOCAL_INV`` and
+frees them, and returns. Other grants and the queue pair carry on. A source
+that does not answer by the revoke's deadline (default 1 s: paused, deaf, or
+not running this code) has the windows invalidated and its queue pair cut (to
+the error state, destroyed), as the fallback below does, so nothing of it
+lands once ``revoke`` returns. ``revoke(..., settled=True)`` invalidates
+without asking (every write through the grant completed at the source).
 
-``revoke(..., settled=True)`` (every write through the grant completed at the
-source) only forgets the grant and keeps the QPs.
+What invalidation promises on rxe (Debian 6.1 kernel), measured by
+tests/rdma/test_windows_verbs.py: the responder checks the rkey of every
+packet of a WRITE, not only the first, so a multi-packet WRITE under way when
+the invalidation completes lands nothing more, and its source sees
+``IBV_WC_REM_ACCESS_ERR``. A WRITE with a region's own rkey, an invented rkey
+or a revoked window's lands nothing and fails the same way, which moves that
+queue pair to the error state (an RC access error is fatal to the QP on both
+sides): only a source that bypasses this code's checks loses its connection.
+The one window the device cannot close is a packet already being copied when
+the invalidation completes; the answer ``s`` (nothing in flight) is what
+rules that out for a source running this code, and the cut for any other.
+rkeys are 24-bit window indices and an 8-bit key; rxe allocates indices
+cyclically, so a revoked window's rkey names no live window until about
+``max_mw`` windows later.
+
+**Queue pair to error** (the fallback, ``revoke_method == "queue pair to
+error"``). The RDMA WRITE carries the region's rkey, and the sink's device
+checks writes against the MR and nothing finer; ``require_grant`` changes
+nothing on the wire. ``revoke(grant)`` forgets the grant and moves every sink
+QP whose handshake named the grant's source instance to the error state and
+destroys it (under the transport lock, so the cm thread never races it; the
+cm thread closes the liveness sockets, which tells the source at once).
+``ibv_destroy_qp`` returns only once the device has stopped using the QP, so
+once ``revoke`` returns nothing more from that source lands over those QPs,
+even if the source never hears of it (paused, or deaf to its liveness
+socket). The price: every in-flight and later write of that source fails,
+**all** of its rooms with them, and it must ``connect`` again. Its other
+grants stay in the table but are useless until it reconnects; once it has,
+they work again. A reconnected source could still write into a revoked
+grant's ranges (the rkey covers the whole region). So that a source that was
+merely paused or slow (it runs this code, unmodified) cannot do that by naming
+the old key, the handshake's ``_OK`` reply carries the last grant key the sink
+issued and the keys of that source's live grants; on that connection
+``write`` raises ``TransportError(op="write", errno=EACCES)``, posting
+nothing, for a key at or below that floor that was not live (revoked, settled
+or not). Keys issued later pass. The sink takes that snapshot after the new
+QP is revocable, so a revoke racing the handshake either kills the new QP or
+is in the snapshot. A source that does not run this code, or writes with
+``grant=0``, is not held back. ``revoke(..., settled=True)`` only forgets the
+grant and keeps the QPs.
 
 Authentication
 --------------
@@ -136,9 +175,9 @@ thread, which serves handshakes one at a time, for at most ``min(peer_timeout,
 write). What it cannot: make the sink create a QP or move one to RTS (so no
 RC queue pair of the sink is connected to it, and the sink's device drops its
 RDMA WRITEs whatever rkey they carry), learn the sink's QPN or PSN, or learn the
-grant floor and live grant keys. An authenticated source still gets an rkey
-for each whole region (no memory windows), so a grant limits it only as
-"Grants and revoke" says; and the handshake does not authenticate RoCE
+grant floor and live grant keys. An authenticated source gets rkeys only for
+its grants' windows (without windows: for each whole region, so a grant limits
+it only as "Grants and revoke" says); and the handshake does not authenticate RoCE
 packets: an attacker on the network path who can forge a live connection's
 QPN and PSN is out of reach of this check.
 
@@ -165,6 +204,7 @@ import itertools
 import logging
 import operator
 import os
+import select
 import selectors
 import socket
 import struct
@@ -206,6 +246,19 @@ from .base import (
 )
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .windows import (
+    FRAME_REVOKED,
+    FRAME_STOPPED,
+    FRAME_WINDOWS,
+    MAX_FRAME_WINDOWS,
+    WINDOWS_HEAD,
+    WINDOWS_ROW,
+    FrameReader,
+    SourceWindows,
+    encode_stop,
+    encode_windows,
+    window_spans,
+)
 
 __all__ = ["INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
 
@@ -231,7 +284,7 @@ def _import_pyverbs() -> Any:
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.cq import CQ, cqe_status_to_str
         from pyverbs.device import Context, get_device_list
-        from pyverbs.mr import MR
+        from pyverbs.mr import MR, MW, MWBindInfo
         from pyverbs.pd import PD
         from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
@@ -254,6 +307,8 @@ def _import_pyverbs() -> Any:
             "Context": Context,
             "get_device_list": staticmethod(get_device_list),
             "MR": MR,
+            "MW": MW,
+            "MWBindInfo": MWBindInfo,
             "PD": PD,
             "Error": PyverbsError,
             "RDMAError": PyverbsRDMAError,
@@ -277,7 +332,7 @@ except ImportError as _e:  # pragma: no cover - depends on the machine
 
 _MAGIC = b"PDTV"
 _MAGIC_AUTH = b"PDVA"  # the hello of a source with a secret (no QP information until both are authenticated)
-_VERSION = 3  # v2: the OK reply carries the source's grant floor and live grants; v3: the authenticated handshake
+_VERSION = 4  # v2: the OK reply carries the grant floor and live grants; v3: authenticated; v4: memory windows
 #: endpoint ``address``: GID, LID, active MTU (ibv_mtu), link layer; then ``host:port`` (ASCII)
 _ADDR = struct.Struct("<16sHBB")
 #: source → sink: magic, version, sink instance, source instance, QPN, PSN, GID, LID, MTU
@@ -294,12 +349,15 @@ _PROOF = struct.Struct(f"<{MAC_BYTES}s{_QP_INFO.size}s")
 _KEY_LABEL = "verbs-hello"
 _SINK_ROLE = b"verbs/3 sink"
 _SOURCE_ROLE = b"verbs/3 source"
-#: after an ``_OK`` reply: the sink's last issued grant key, then the count and keys of this source's live grants
-_GRANTS = struct.Struct("<QI")
+#: after an ``_OK`` reply: the sink's last issued grant key, the count of this source's live grants, and
+#: whether the sink binds memory windows; then per live grant its key (u64), or with windows its ``W`` frame
+_GRANTS = struct.Struct("<QIB")
 _MAX_LIVE_GRANTS = 1 << 20
 _OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
 _AUTH_REQUIRED, _AUTH_UNSUPPORTED, _AUTH_FAILED = 4, 5, 6  # sink has a secret / has none / the proof is wrong
-_REVOKED = b"R"  # sink → source on the liveness socket: "revoke killed your QP", then EOF
+_REVOKED = FRAME_REVOKED  # sink → source on the liveness socket: "revoke killed your QP", then EOF
+_SINK_WR = 64  # send WRs of a sink QP: binds and invalidations of windows, posted and reaped in turn
+_SEND_TIMEOUT = 1.0  # seconds a frame may wait for room in a liveness socket before the connection is cut
 _U64_MAX = (1 << 64) - 1
 _IPV4_MAPPED = bytes(10) + b"\xff\xff"
 _HOP_LIMIT = 64
@@ -362,6 +420,7 @@ class _Device:
     link_layer: int
     max_qp_wr: int
     max_cqe: int
+    max_msg: int  # the port's largest message: a longer write is posted as several WRs
 
 
 def _pick_gid(ctx: Any, port: int, gid_tbl_len: int, ethernet: bool) -> int | None:
@@ -437,7 +496,8 @@ def _open_device(name: str | None, ib_port: int | None, gid_index: int | None) -
                 if not any(gid):
                     problems.append(f"{dev} port {port} GID index {idx} is empty")
                     continue
-                info = _Device(dev, port, idx, gid, pa.lid, pa.active_mtu, pa.link_layer, attr.max_qp_wr, attr.max_cqe)
+                info = _Device(dev, port, idx, gid, pa.lid, pa.active_mtu, pa.link_layer, attr.max_qp_wr, attr.max_cqe,
+                               min(pa.max_msg_sz or 1 << 31, 1 << 31))
                 return ctx, info
         except BaseException:
             ctx.close()
@@ -477,6 +537,8 @@ class _Batch:
     on_done: OnDone | None
     posted: int = 0  # WRs of this batch posted so far
     last_wr: int = 0  # wr_id of its last WR, once all are posted
+    grant: int = 0  # the grant key it writes through, counted in SourceWindows.busy (windows only)
+    error: TransportError | None = None  # refused before posting: a fence WR keeps its place in the order
 
 
 class _WrPool:
@@ -537,6 +599,9 @@ class _VerbsPeer(PeerHandle):
     last_progress: float = 0.0
     grant_floor: int = 0  # grant keys <= this that are not in grant_live were dead when we connected
     grant_live: frozenset[int] = frozenset()
+    win: SourceWindows | None = None  # the sink binds memory windows: their rkeys by grant (under ``lock``)
+    reader: FrameReader = field(default_factory=FrameReader)  # the liveness socket's frames (cm thread)
+    tell: threading.Lock = field(default_factory=threading.Lock)  # one frame at a time onto the liveness socket
 
 
 @dataclass(eq=False, slots=True)
@@ -550,6 +615,9 @@ class _SinkConn:
     sock: socket.socket
     qp: Any
     src: bytes
+    windows: dict[int, list[tuple[Any, int, int, int]]] = field(default_factory=dict)  # grant -> (MW, addr, len, rkey)
+    reader: FrameReader = field(default_factory=FrameReader)
+    stopped: set[int] = field(default_factory=set)  # grants the source answered ``s`` for (under ``_lock``)
 
 
 class VerbsTransport(Transport):
@@ -565,7 +633,10 @@ class VerbsTransport(Transport):
     source; a handshake beyond it is refused and that source's ``connect`` raises); ``secret``
     (bytes of 16..4096, default None: the deployment secret; with it every handshake is a mutual
     challenge-response before any QP information moves, see "Authentication" in the module
-    docstring; refused handshakes are counted in ``auth_failures``).
+    docstring; refused handshakes are counted in ``auth_failures``); ``memory_windows`` (default
+    None: where the device has type 2 windows; False: never, True: ``StartError`` without them) and
+    ``max_windows`` (4096 windows per grant, one per contiguous range; a grant needing more raises
+    ``ValueError``), see "Grants and revoke".
     """
 
     name: ClassVar[str] = "verbs"
@@ -586,6 +657,8 @@ class VerbsTransport(Transport):
         retry_cnt: int = 6,
         max_sinks: int = 1024,
         secret: bytes | None = None,
+        memory_windows: bool | None = None,
+        max_windows: int = 4096,
     ) -> None:
         secret = check_secret(secret, "verbs transport")
         self._key = derive_key(secret, _KEY_LABEL) if secret is not None else None
@@ -600,6 +673,12 @@ class VerbsTransport(Transport):
             )
         if not isinstance(max_sinks, int) or max_sinks < 1:
             raise StartError(f"verbs transport: max_sinks ({max_sinks!r}) must be a positive int")
+        if memory_windows not in (None, True, False) or not isinstance(max_windows, int) or max_windows < 1:
+            raise StartError(
+                f"verbs transport: memory_windows ({memory_windows!r}) must be None, True or False and "
+                f"max_windows ({max_windows!r}) a positive int"
+            )
+        self._max_windows = max_windows
         if qp_timeout is None:
             # ack timeout * (retries + 1) well inside peer_timeout: the QP reports a dead peer first
             budget = peer_timeout / 2 / (retry_cnt + 1)
@@ -612,8 +691,9 @@ class VerbsTransport(Transport):
         self._retry_cnt = retry_cnt
         self._instance = new_instance_id()
         self._regions = RegionTable()
-        self._mrs: dict[int, Any] = {}  # rkey -> MR
-        self._owners: dict[int, Any] = {}  # rkey -> what keeps the memory alive
+        self._mrs: dict[int, Any] = {}  # region key (rkey, or lkey of a guarded MR) -> MR
+        self._guarded: set[int] = set()  # rkeys of regions only windows open (require_grant, with windows)
+        self._owners: dict[int, Any] = {}  # region key -> what keeps the memory alive
         self._batch_ids = itertools.count(1)
         self._peer_ids = itertools.count(1)
         self._peers: dict[int, _VerbsPeer] = {}
@@ -627,7 +707,11 @@ class VerbsTransport(Transport):
         self._grant_lock = threading.Lock()
         self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
         self._unconfirmed: dict[int, Grant] = {}  # revokes that raised, by key; guarded by _grant_lock
+        self._spans: dict[int, list[tuple[int, int]]] = {}  # live grant -> its windows' ranges; under _grant_lock
+        self._mw_lock = threading.Lock()  # orders every bind, invalidation and sink-side frame (see grant)
+        self._sink_wr_next = 1  # wr_id of the next bind or invalidation; under _mw_lock
         self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)  # a source answered ``s``, or a sink went away
         self._work = threading.Condition()  # wakes the completion thread
         self._posts = 0  # bumped under _work by every write(): the completion thread waits for a change
         self._stop = threading.Event()
@@ -642,10 +726,18 @@ class VerbsTransport(Transport):
                 stack.callback(self._ctx.close)
                 self._pd = _pv.PD(self._ctx)
                 stack.callback(self._pd.close)
-                self._sink_cq = _pv.CQ(self._ctx, 16)
+                self._sink_cq = _pv.CQ(self._ctx, _SINK_WR + 16)
                 stack.callback(self._sink_cq.close)
             except _pv.Error as ex:
                 raise StartError(f"verbs transport: cannot open the device: {ex}") from ex
+            self._windows, why = self._probe_windows(memory_windows)
+            if not self._windows:
+                if memory_windows:
+                    raise StartError(f"verbs transport: memory_windows=True, but {why}")
+                if memory_windows is None:
+                    log.warning("verbs transport on %s: %s; revoke moves the source's queue pairs to the error "
+                                "state instead (revoke_method)", self._dev.name, why)
+            self._mr_access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_MW_BIND if self._windows else 0)
             self._max_send_wr = max(2, min(max_send_wr, self._dev.max_qp_wr, self._dev.max_cqe - 1))
             self._signal_every = max(1, self._max_send_wr // 4)
             try:
@@ -707,31 +799,72 @@ class VerbsTransport(Transport):
 
     @property
     def revoke_method(self) -> str:
-        """How ``revoke`` (not settled) enforces: ``"queue pair to error"`` (no memory windows here)."""
-        return "queue pair to error"
+        """How ``revoke`` (not settled) enforces: ``"memory window"`` (the grant's windows are
+        invalidated), or on a device without type 2 windows ``"queue pair to error"``."""
+        return "memory window" if self._windows else "queue pair to error"
+
+    @property
+    def memory_windows(self) -> bool:
+        """True if grants are memory windows (chosen at start: the device and ``memory_windows``)."""
+        return self._windows
+
+    @property
+    def windows_live(self) -> int:
+        """Memory windows bound now, over every connected source."""
+        with self._mw_lock:
+            with self._lock:
+                return sum(len(w) for s in self._sinks.values() for w in s.windows.values())
+
+    def _probe_windows(self, want: bool | None) -> tuple[bool, str]:
+        """Whether this device binds type 2 memory windows (one is allocated and freed to be sure), and why not."""
+        if want is False:
+            return False, "memory windows are off (memory_windows=False)"
+        e = _pv.e
+        try:
+            attr = self._ctx.query_device()
+        except _pv.Error as ex:
+            return False, f"query_device failed: {ex}"
+        flags = attr.device_cap_flags
+        type_2 = getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2B", 0) | getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2A", 0)
+        if not attr.max_mw or not flags & e.IBV_DEVICE_MEM_WINDOW or not flags & type_2:
+            return False, f"the device has no type 2 memory windows (max_mw {attr.max_mw})"
+        try:
+            _pv.MW(self._pd, e.IBV_MW_TYPE_2).close()
+        except _pv.Error as ex:
+            return False, f"allocating a type 2 memory window failed: {ex}"
+        return True, ""
 
     @property
     def max_sinks(self) -> int:
         return self._max_sinks
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
-        """``require_grant`` is accepted for the interface; the device cannot enforce it (module docstring)."""
+        """With memory windows, a ``require_grant`` region is registered without remote write: only a
+        grant's windows open it, and the endpoint withholds its rkey (key 0). Without windows the
+        device cannot enforce ``require_grant`` (module docstring)."""
         self._check_open("register")
         addr, length, owner = buffer_span(buf)
         if self._regions.find(addr, 1) is not None or self._regions.find(addr + length - 1, 1) is not None:
             raise ValueError(f"[{addr:#x}, +{length}) overlaps a registered region")
+        guarded = require_grant and self._windows
+        access = self._mr_access | (0 if guarded else _pv.e.IBV_ACCESS_REMOTE_WRITE)
         try:
-            mr = _pv.MR(self._pd, length, self._access, address=addr)
+            mr = _pv.MR(self._pd, length, access, address=addr)
         except _pv.Error as ex:
             raise TransportError(f"registering [{addr:#x}, +{length}) failed: {ex}", op="register", errno=_rdma_errno(ex)) from ex
-        region = Region(addr, length, mr.rkey)
+        # a region's key names its MR here: the rkey, or for a guarded MR (no remote access, so no
+        # rkey: rxe gives them all 0) its lkey; a device's keys name one MR each
+        key = mr.lkey if guarded else mr.rkey
+        region = Region(addr, length, key)
         try:
             self._regions.add(region)
         except ValueError:
             mr.close()
             raise
-        self._mrs[mr.rkey] = mr
-        self._owners[mr.rkey] = owner
+        self._mrs[key] = mr
+        self._owners[key] = owner
+        if guarded:
+            self._guarded.add(key)
         return region
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
@@ -739,6 +872,7 @@ class VerbsTransport(Transport):
             return
         mr = self._mrs.pop(region.key, None)
         self._owners.pop(region.key, None)
+        self._guarded.discard(region.key)
         if mr is not None:
             try:
                 mr.close()
@@ -751,30 +885,63 @@ class VerbsTransport(Transport):
     # ------------------------------------------------------------------ grants (sink side)
 
     def grant(self, source: bytes, ranges: Any) -> Grant:
+        """Record the grant; with memory windows also bind one window per contiguous range on every
+        connected queue pair of ``source`` and send it their rkeys (``W``) before returning, so
+        they are there before the announcement that names the key. Keys are issued and bound under
+        one lock: each connection hears of its grants in key order."""
         self._check_open("grant")
-        with self._grant_lock:
-            g = self._grants.add(bytes(source), ranges)
-            self._last_grant = g.key
-            bad = self._regions.outside(g.ranges)
-            if bad is not None:
-                self._grants.pop(g.key)
-                raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
+        with self._mw_lock:
+            with self._grant_lock:
+                g = self._grants.add(bytes(source), ranges)
+                self._last_grant = g.key
+                bad = self._regions.outside(g.ranges)
+                spans = [] if bad is not None or not self._windows else window_spans(g.ranges, self._region_bounds())
+                if bad is None and len(spans) > self._max_windows:
+                    bad = (0, 0)
+                if bad is not None:
+                    self._grants.pop(g.key)
+                    if bad == (0, 0):
+                        raise ValueError(
+                            f"a grant of {len(g.ranges)} ranges needs {len(spans)} memory windows, more than "
+                            f"max_windows={self._max_windows}: grant fewer, longer ranges, or raise max_windows"
+                        )
+                    raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
+                if self._windows:
+                    self._spans[g.key] = spans
+            if self._windows:
+                with self._lock:
+                    sinks = [c for c in self._sinks.values() if c.src == g.source]
+                broken = [c for c in sinks if not self._open_windows(c, g.key, spans, send=True)]
+                self._cut(broken, say=b"")
         return g
 
-    def _grant_snapshot(self, source: bytes) -> bytes:
-        """For an ``_OK`` reply: the last key issued and the keys of ``source``'s live grants."""
+    def _grant_snapshot(self, sink: _SinkConn) -> bytes:
+        """For an ``_OK`` reply: the last key issued and the source's live grants: their keys, or with
+        memory windows the windows bound for them on this connection (``W`` frames). Under ``_mw_lock``."""
         with self._grant_lock:
-            live = sorted(g.key for g in self._grants.of_source(source))[:_MAX_LIVE_GRANTS]
+            live = sorted(g.key for g in self._grants.of_source(sink.src))[:_MAX_LIVE_GRANTS]
             floor = self._last_grant
-        return _GRANTS.pack(floor, len(live)) + struct.pack(f"<{len(live)}Q", *live)
+            spans = {k: self._spans[k] for k in live} if self._windows else {}
+        if not self._windows:
+            return _GRANTS.pack(floor, len(live), 0) + struct.pack(f"<{len(live)}Q", *live)
+        frames = [_GRANTS.pack(floor, len(live), 1)]
+        for k in live:
+            if not self._open_windows(sink, k, spans[k], send=False):
+                raise OSError(errno_mod.EIO, f"binding the memory windows of grant {k} failed")
+            frames.append(encode_windows(k, [(a, n, rkey) for _mw, a, n, rkey in sink.windows[k]]))
+        return b"".join(frames)
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
-        """Forget ``grant``; unless ``settled``, also kill every sink QP of its source (module docstring).
+        """Forget ``grant``; unless ``settled``, make sure nothing more lands through it once this returns.
 
-        Does not wait: moving a QP to the error state and destroying it are synchronous, so
-        ``deadline`` bounds nothing here. Revoking a grant that is not live (revoked already, or
-        not this transport's) does nothing. ``TransportError(op="revoke")`` if a QP could be
-        neither moved to the error state nor destroyed; calling ``revoke`` again tries again.
+        With memory windows: ask each connection of the source to stop (``S``), wait until it
+        answered that nothing of this grant is in flight (``s``) or ``deadline`` (default 1 s) passed,
+        then invalidate the grant's windows; a connection that did not answer in time, or whose
+        invalidation failed, is cut (its queue pair to the error state and destroyed), as is every
+        connection without windows (module docstring). Other grants and connections stay.
+        Revoking a grant that is not live (revoked already, or not this transport's) does nothing.
+        ``TransportError(op="revoke")`` if a queue pair could be neither moved to the error state nor
+        destroyed; calling ``revoke`` again tries again.
         """
         with self._grant_lock:
             live = self._grants.get(grant.key)
@@ -783,35 +950,22 @@ class VerbsTransport(Transport):
             if live is None or live != grant:  # keys are per sink: another sink's grant may share this one's
                 return
             self._grants.pop(grant.key)
+            self._spans.pop(grant.key, None)
         if settled:
+            with self._mw_lock:
+                with self._lock:
+                    sinks = [c for c in self._sinks.values() if grant.key in c.windows]
+                for c in sinks:  # every write through it completed: nothing to wait for; the source
+                    _send_frame(c.sock, encode_stop(grant.key))  # forgets the windows (its answer is ignored)
+                    if self._close_windows(c, grant.key):
+                        self._cut([c], say=b"")
             with self._grant_lock:
                 self._unconfirmed.pop(grant.key, None)
             return
-        failures: list[str] = []
-        closed = False
-        with self._lock:  # the cm thread drops sinks under this lock too: one owner per sink
-            victims = []
-            for s in [s for s in self._sinks.values() if s.src == live.source]:
-                why = self._kill_sink_qp(s.qp)
-                if why:
-                    failures.append(why)  # stays in _sinks: the next revoke of this grant tries again
-                else:
-                    del self._sinks[s.key]
-                    victims.append(s)
-            if victims:
-                closed = self._closed
-                for s in victims:  # say why before the hang-up (the QP is dead already)
-                    with contextlib.suppress(OSError):
-                        s.sock.send(_REVOKED)
-                if not closed:  # the cm thread unwatches and closes the sockets: the source sees EOF
-                    self._cm_pending.extend((s.sock, None) for s in victims)
-        if victims:
-            if closed:
-                for s in victims:
-                    s.sock.close()
-            else:
-                with contextlib.suppress(OSError):
-                    self._wake_w.send(b"r")
+        if self._windows:
+            failures = self._revoke_windows(live, deadline or Deadline.after(1.0))
+        else:
+            failures = self._revoke_by_qp(live)
         with self._grant_lock:
             if failures:
                 self._unconfirmed[grant.key] = live
@@ -822,22 +976,180 @@ class VerbsTransport(Transport):
                 f"revoke: {len(failures)} QP(s) of the source could not be stopped: {failures[0]}", op="revoke"
             )
 
-    @staticmethod
-    def _kill_sink_qp(qp: Any) -> str:
-        """Move a sink QP to the error state and destroy it; '' if at least one of the two worked."""
+    def _revoke_windows(self, g: Grant, deadline: Deadline) -> list[str]:
+        key = g.key
+        with self._mw_lock:
+            with self._lock:
+                sinks = [c for c in self._sinks.values() if key in c.windows]
+                for c in sinks:
+                    c.stopped.discard(key)
+            mute = [c for c in sinks if not _send_frame(c.sock, encode_stop(key))]
+        with self._drained:
+            self._drained.wait_for(
+                lambda: all(key in c.stopped or self._sinks.get(c.key) is not c for c in sinks),
+                timeout=deadline.remaining(),
+            )
+        with self._mw_lock:
+            with self._lock:
+                unanswered = [c for c in sinks if key not in c.stopped and c not in mute]
+                for c in sinks:
+                    c.stopped.discard(key)
+            failed = [c for c in sinks if self._close_windows(c, key)]
+            cut = list({c.key: c for c in (*mute, *unanswered, *failed)}.values())
+            if unanswered:
+                log.warning("verbs transport: revoke of grant %d: %d source connection(s) did not answer within the "
+                            "deadline; their queue pairs are cut", key, len(unanswered))
+            return self._cut(cut, say=_REVOKED)
+
+    def _revoke_by_qp(self, g: Grant) -> list[str]:
+        """The fallback without memory windows: cut every connection of the grant's source."""
+        with self._lock:
+            sinks = [c for c in self._sinks.values() if c.src == g.source]
+        return self._cut(sinks, say=_REVOKED)
+
+    def _cut(self, sinks: list[_SinkConn], *, say: bytes) -> list[str]:
+        """Kill each connection's QP (to the error state, its windows freed, destroyed), tell the source
+        ``say``, hang up. ``ibv_destroy_qp`` returns once the device stopped using the QP, so nothing
+        more lands through it. Returns why a QP could not be stopped (that connection stays, so the
+        next revoke tries again)."""
+        failures: list[str] = []
+        victims = []
+        with self._lock:  # the cm thread drops connections under this lock too: one owner per connection
+            closed = self._closed
+            for c in sinks:
+                if self._sinks.get(c.key) is not c:
+                    continue  # dropped meanwhile
+                why = self._kill_sink_qp(c)
+                if why:
+                    failures.append(why)
+                    continue
+                del self._sinks[c.key]
+                victims.append(c)
+                if say:  # say why before the hang-up (the QP is dead already)
+                    with contextlib.suppress(OSError):
+                        c.sock.send(say)
+            if victims and not closed:  # the cm thread unwatches and closes the sockets: the source sees EOF
+                self._cm_pending.extend((c.sock, None) for c in victims)
+            self._drained.notify_all()
+        if victims:
+            if closed:
+                for c in victims:
+                    c.sock.close()
+            else:
+                with contextlib.suppress(OSError):
+                    self._wake_w.send(b"r")
+        return failures
+
+    def _kill_sink_qp(self, c: _SinkConn) -> str:
+        """Move a sink QP to the error state, free its windows, destroy it; '' if the QP stopped."""
         errors = []
         try:
-            qp.modify(_pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR), _pv.e.IBV_QP_STATE)
+            c.qp.modify(_pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR), _pv.e.IBV_QP_STATE)
         except _pv.Error as ex:
             errors.append(f"to error: {ex}")
+        self._free_windows([w for ws in c.windows.values() for w in ws])
+        c.windows.clear()
         try:
-            qp.close()
+            c.qp.close()
         except _pv.Error as ex:
             errors.append(f"destroy: {ex}")
         return "; ".join(errors) if len(errors) == 2 else ""
 
+    # ------------------------------------------------------------------ memory windows (sink side, under _mw_lock)
+
+    def _region_bounds(self) -> list[tuple[int, int]]:
+        return [(r.addr, r.end) for r in self._regions.snapshot()]
+
+    def _open_windows(self, c: _SinkConn, key: int, spans: list[tuple[int, int]], *, send: bool) -> bool:
+        """Bind one type 2 window per span on ``c``'s QP (and with ``send`` tell the source: ``W``);
+        False if that failed (the caller cuts the connection)."""
+        e = _pv.e
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+        made: list[tuple[Any, int, int, int]] = []
+        wrs = []
+        try:
+            for a, n in spans:
+                region = self._regions.find(a, n)
+                mr = self._mrs.get(region.key) if region is not None else None
+                if mr is None:
+                    raise _BindFailed(f"[{a:#x}, +{n}) is no longer registered")
+                mw = _pv.MW(self._pd, e.IBV_MW_TYPE_2)
+                wr = _pv.SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
+                wr.set_bind_wr(mw, _pv.MWBindInfo(mr, a, n, access))
+                made.append((mw, a, n, wr.rkey))
+                wrs.append(wr)
+            why = self._sink_wrs(c.qp, wrs)
+            if why:
+                raise _BindFailed(why)
+        except (_pv.Error, _BindFailed) as ex:
+            log.warning("verbs transport: binding %d memory window(s) of grant %d failed: %s", len(spans), key, ex)
+            self._free_windows(made)
+            return False
+        c.windows[key] = made
+        return not send or _send_frame(c.sock, encode_windows(key, [(a, n, rkey) for _mw, a, n, rkey in made]))
+
+    def _close_windows(self, c: _SinkConn, key: int) -> bool:
+        """Invalidate grant ``key``'s windows on ``c`` and free them; True if that failed (cut ``c``)."""
+        made = c.windows.pop(key, None)
+        if not made:
+            return False
+        e = _pv.e
+        wrs = []
+        for _mw, _a, _n, rkey in made:
+            wr = _pv.SendWR(opcode=e.IBV_WR_LOCAL_INV, send_flags=e.IBV_SEND_SIGNALED)
+            wr.imm_data = rkey  # pyverbs 44 carries invalidate_rkey in imm_data's place (one union)
+            wrs.append(wr)
+        try:
+            why = self._sink_wrs(c.qp, wrs)
+        except _pv.Error as ex:
+            why = str(ex)
+        self._free_windows(made)
+        if why:
+            log.warning("verbs transport: invalidating the windows of grant %d failed: %s", key, why)
+        return bool(why)
+
+    @staticmethod
+    def _free_windows(made: list[tuple[Any, int, int, int]]) -> None:
+        for mw, *_ in made:
+            with contextlib.suppress(_pv.Error):
+                mw.close()  # ibv_dealloc_mw: invalidates a window still bound
+
+    def _sink_wrs(self, qp: Any, wrs: list[Any]) -> str:
+        """Post ``wrs`` (signalled binds or invalidations) on a sink QP, ``_SINK_WR`` at a time, and
+        reap their completions from the sink CQ; '' if all succeeded, else why not. Under ``_mw_lock``:
+        nothing else posts on sink QPs, so every completion on the sink CQ is one of these."""
+        deadline = Deadline.after(5.0)
+        for at in range(0, len(wrs), _SINK_WR):
+            chunk = wrs[at : at + _SINK_WR]
+            first = self._sink_wr_next
+            self._sink_wr_next += len(chunk)
+            for i, wr in enumerate(chunk):
+                wr.wr_id = first + i
+                qp.post_send(wr)
+            left = len(chunk)
+            why = ""
+            spins = 0
+            while left:
+                _n, wcs = self._sink_cq.poll(_SINK_WR)
+                for wc in wcs:
+                    if wc.wr_id < first:
+                        continue  # of an earlier call that gave up waiting
+                    left -= 1
+                    if wc.status != _pv.e.IBV_WC_SUCCESS and not why:
+                        why = f"work completion {wc_status_name(wc.status)}"
+                if not wcs:
+                    if deadline.expired():
+                        return f"{left} window operation(s) not completed within 5 s"
+                    spins += 1
+                    time.sleep(0 if spins < 64 else 1e-4)
+            if why:
+                return why
+        return ""
+
     def endpoint(self) -> bytes:
-        return encode_endpoint(Endpoint(self.name, self._instance, self._address, self._regions.snapshot()))
+        """With memory windows a region that requires a grant travels with key 0: no source learns its rkey."""
+        regions = tuple(Region(r.addr, r.length, 0) if r.key in self._guarded else r for r in self._regions.snapshot())
+        return encode_endpoint(Endpoint(self.name, self._instance, self._address, regions))
 
     # ------------------------------------------------------------------ QPs
 
@@ -926,10 +1238,19 @@ class VerbsTransport(Transport):
                 raise TransportError(f"the peer could not set up its QP (errno {err})", op="connect", errno=err or None)
             try:
                 sock.settimeout(max(deadline.remaining(), 1e-3))
-                floor, count = _GRANTS.unpack(_recv_exact(sock, _GRANTS.size))
+                floor, count, windowed = _GRANTS.unpack(_recv_exact(sock, _GRANTS.size))
                 if count > _MAX_LIVE_GRANTS:
                     raise TransportError(f"{host}:{port} sent {count} live grants (at most {_MAX_LIVE_GRANTS})", op="connect")
-                live = frozenset(struct.unpack(f"<{count}Q", _recv_exact(sock, 8 * count)))
+                win = SourceWindows(floor=floor) if windowed else None
+                live: frozenset[int] = frozenset()
+                if win is None:
+                    live = frozenset(struct.unpack(f"<{count}Q", _recv_exact(sock, 8 * count)))
+                for _ in range(count if win is not None else 0):
+                    kind, key, n = WINDOWS_HEAD.unpack(_recv_exact(sock, WINDOWS_HEAD.size))
+                    if kind != FRAME_WINDOWS or n > MAX_FRAME_WINDOWS:
+                        raise TransportError(f"{host}:{port} sent a malformed grant in its handshake", op="connect")
+                    body = _recv_exact(sock, n * WINDOWS_ROW.size)
+                    win.add(key, [WINDOWS_ROW.unpack_from(body, i * WINDOWS_ROW.size) for i in range(n)])
             except OSError as ex:
                 raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
             try:
@@ -941,7 +1262,7 @@ class VerbsTransport(Transport):
             stack.callback(wrs.close)
             peer = _VerbsPeer(
                 next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, wrs=wrs, sock=sock,
-                grant_floor=floor, grant_live=live,
+                grant_floor=floor, grant_live=live, win=win,
             )
             peer.last_progress = time.monotonic()
             with self._lock:
@@ -998,7 +1319,10 @@ class VerbsTransport(Transport):
         deadline: Deadline | None = None,
         grant: int = 0,
     ) -> int:
-        """``grant`` is not sent (the WRITE carries the region's rkey); it must be a u64, and not a key
+        """With memory windows each WRITE carries the rkey of grant ``grant``'s window that holds it (a
+        write outside them fails its batch; an unknown or revoked key raises ``EACCES``; a key whose
+        windows have not arrived yet waits for them, at most ``deadline`` or 1 s). Without windows
+        ``grant`` is not sent (the WRITE carries the region's rkey); it must be a u64, and not a key
         the sink had revoked when this connection was made (module docstring)."""
         p = self._own(peer, "write")
         try:
@@ -1007,7 +1331,7 @@ class VerbsTransport(Transport):
             raise TransportError(f"a grant key is an unsigned 64-bit int, got {grant!r}", op="write") from None
         if not 0 <= key <= _U64_MAX:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
-        if key and key <= p.grant_floor and key not in p.grant_live:
+        if p.win is None and key and key <= p.grant_floor and key not in p.grant_live:
             raise TransportError(
                 f"grant {key} was not live at the sink when this connection was made (revoked): nothing is posted",
                 op="write",
@@ -1026,14 +1350,20 @@ class VerbsTransport(Transport):
             mr = self._mrs.get(loc.key)
             if mr is None:
                 raise TransportError(f"local range [{la:#x}, +{n}) was deregistered", op="write")
-            if n > 1 << 31:
-                raise TransportError(f"a single write is at most 2 GiB, got {n} bytes", op="write")
-            wrs.append((la, mr.lkey, ra, rem.key, n))
+            step = self._dev.max_msg  # rxe: 8 MiB; a longer message fails the QP at the sink
+            for off in range(0, n, step):
+                wrs.append((la + off, mr.lkey, ra + off, rem.key, min(step, n - off)))
         with p.lock:
             self._check_usable(p)
+            refused = None
+            if p.win is not None:
+                wrs, refused = self._through_windows(p, key, wrs, deadline)
             take_slot(p, self._max_inflight, deadline, self._check_usable)
             batch_id = next(self._batch_ids)
-            b = _Batch(batch_id, wrs, on_done)
+            b = _Batch(batch_id, wrs, on_done, error=refused)
+            if key and p.win is not None and refused is None:
+                b.grant = key
+                p.win.began(key)
             if not p.inflight:
                 p.last_progress = time.monotonic()
             p.inflight.append(b)
@@ -1046,6 +1376,37 @@ class VerbsTransport(Transport):
                 self._posts += 1
                 self._work.notify()
         return batch_id
+
+    def _through_windows(
+        self, p: _VerbsPeer, key: int, wrs: list[tuple[int, int, int, int, int]], deadline: Deadline | None
+    ) -> tuple[list[tuple[int, int, int, int, int]], TransportError | None]:
+        """``wrs`` with each remote rkey replaced by its window's (holding ``p.lock``), or why the batch fails."""
+        win = p.win
+        assert win is not None
+        if key:
+            if not win.known(key):  # the sink sent the windows before the key was announced: they are on the way
+                wait = min(deadline.remaining() if deadline is not None else 1.0, self._peer_timeout)
+                p.lock.wait_for(lambda: win.known(key) or p.error is not None or p.closed, timeout=wait)
+                self._check_usable(p)
+            if key not in win.grants:
+                raise TransportError(
+                    f"grant {key} is not live at the sink for this connection (revoked, not granted to this "
+                    f"source, or its windows did not arrive): nothing is posted",
+                    op="write",
+                    errno=errno_mod.EACCES,
+                )
+        out = []
+        for i, (la, lkey, ra, rkey, n) in enumerate(wrs):
+            if key:
+                rkey = win.rkey(key, ra, n)
+                if rkey is None:
+                    return [], TransportError(f"write {i} of {len(wrs)}: [{ra:#x}, +{n}) is outside grant {key}",
+                                              op="write", errno=errno_mod.EACCES)
+            elif rkey == 0:
+                return [], TransportError(f"write {i} of {len(wrs)} targets [{ra:#x}, +{n}) without a grant; its "
+                                          f"region requires one", op="write", errno=errno_mod.EACCES)
+            out.append((la, lkey, ra, rkey, n))
+        return out, None
 
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
         return self._queue.get(max_items, deadline)
@@ -1160,6 +1521,7 @@ class VerbsTransport(Transport):
         """Poll one peer's CQ; complete, fail and post as the completions say. True if it found any."""
         e = _pv.e
         done: list[_Batch] = []
+        answers: list[int] = []  # grants being revoked whose last batch just completed: tell the sink
         failure: TransportError | None = None
         with p.deliver:
             with p.lock:
@@ -1182,16 +1544,29 @@ class VerbsTransport(Transport):
                 if wcs:
                     p.last_progress = time.monotonic()
                 while p.inflight and p.inflight[0].last_wr and p.inflight[0].last_wr <= p.retired:
-                    done.append(p.inflight.popleft())
+                    b = p.inflight.popleft()
+                    done.append(b)
+                    if b.grant and p.win is not None and p.win.ended(b.grant):
+                        answers.append(b.grant)
                 if failure is None and p.unposted:
                     failure = self._post_locked(p)
                 if failure is None and p.inflight and not p.unposted and p.retired >= p.last_signalled:
                     failure = self._post_locked(p, flush=True)  # the tail was unsignalled: make it complete
             for b in done:
-                self._deliver(p, b, None)
+                self._deliver(p, b, b.error)
+            for k in answers:
+                self._tell(p, encode_stop(k, answer=True))
             if failure is not None:
                 self._fail_peer(p, failure)
         return bool(wcs) or failure is not None
+
+    @staticmethod
+    def _tell(p: _VerbsPeer, frame: bytes) -> None:
+        """A frame to the sink on the liveness socket (lost if it is gone: then so is its QP)."""
+        with p.tell:
+            sock = p.sock
+            if sock is not None:
+                _send_frame(sock, frame)
 
     def _wc_failure(self, p: _VerbsPeer, wr_id: int, status: int, vendor_err: int) -> TransportError:
         which = next((b.batch_id for b in p.inflight if b.last_wr == 0 or b.last_wr >= wr_id), None)
@@ -1269,16 +1644,60 @@ class VerbsTransport(Transport):
                 elif what == "listen":
                     self._cm_accept()
                 elif isinstance(what, _VerbsPeer):
-                    said = _hangup(key.fileobj)
+                    said = self._heard_from_sink(what, key.fileobj)
                     if said is not None:
                         self._sel_drop(key.fileobj)
                         self._fail_peer(what, _hangup_error(said))
                 elif isinstance(what, _SinkConn):
-                    if _hangup(key.fileobj) is not None:
+                    if not self._heard_from_source(what, key.fileobj):
                         self._drop_sink(what)
             if self._accept_again is not None and time.monotonic() >= self._accept_again:
                 self._accept_again = None
                 self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+
+    def _heard_from_sink(self, p: _VerbsPeer, sock: Any) -> bytes | None:
+        """A source's liveness socket is readable: apply ``W`` and ``S`` frames; None while it stays
+        open, else what ended it (``_REVOKED``, or ``b""`` for EOF or a byte that is no frame)."""
+        data = _hangup(sock)
+        if not data or p.win is None:
+            return data
+        try:
+            frames = p.reader.feed(data)
+        except ValueError:
+            return b""
+        for kind, key, rows in frames:
+            if kind == _REVOKED:
+                return _REVOKED
+            if kind == FRAME_STOPPED:
+                return b""  # the sink's to hear, not ours
+            with p.lock:
+                if kind == FRAME_WINDOWS:
+                    p.win.add(key, rows)
+                    p.lock.notify_all()
+                    answer = False
+                else:
+                    answer = p.win.stop(key)
+            if answer:
+                self._tell(p, encode_stop(key, answer=True))
+        return None
+
+    def _heard_from_source(self, c: _SinkConn, sock: Any) -> bool:
+        """A sink's liveness socket is readable: record ``s`` answers; False if it ended or broke protocol."""
+        data = _hangup(sock)
+        if not data:
+            return data is None
+        try:
+            frames = c.reader.feed(data)
+        except ValueError:
+            return False
+        with self._lock:
+            for kind, key, _rows in frames:
+                if kind != FRAME_STOPPED:
+                    return False
+                if key in c.windows:  # only an answer to a revoke under way counts (bounded)
+                    c.stopped.add(key)
+            self._drained.notify_all()
+        return True
 
     def _cm_apply_pending(self) -> None:
         while True:
@@ -1367,7 +1786,7 @@ class VerbsTransport(Transport):
             path_mtu = min(mtu, self._dev.mtu)
             qp = None
             try:
-                qp = self._make_qp(self._sink_cq, 1)  # a sink QP only answers; it posts nothing
+                qp = self._make_qp(self._sink_cq, _SINK_WR)  # a sink QP posts only window binds and invalidations
                 self._to_rts(qp, rqpn=qpn, rpsn=psn, lpsn=mypsn, gid=gid, lid=lid, mtu=path_mtu)
             except _pv.Error as ex:
                 if qp is not None:
@@ -1377,15 +1796,16 @@ class VerbsTransport(Transport):
                 return
             # revocable before the source can use it: in _sinks before the reply with our QPN leaves
             sink = _SinkConn(next(self._sink_ids), conn, qp, src)
-            with self._lock:
-                if self._closed:
-                    qp.close()
-                    conn.close()
-                    return
-                self._sinks[sink.key] = sink
-            # snapshot after the QP is revocable: a revoke either finds this QP or misses the snapshot
-            grants = self._grant_snapshot(src)
-            conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0) + grants)
+            with self._mw_lock:  # no grant binds, and no revoke invalidates, between the snapshot and the reply
+                with self._lock:
+                    if self._closed:
+                        qp.close()
+                        conn.close()
+                        return
+                    self._sinks[sink.key] = sink
+                # snapshot after the QP is revocable: a revoke either finds this QP or misses the snapshot
+                grants = self._grant_snapshot(sink)
+                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0) + grants)
             conn.setblocking(False)
         except (OSError, struct.error):
             if sink is not None:
@@ -1397,11 +1817,12 @@ class VerbsTransport(Transport):
 
     def _drop_sink(self, sink: _SinkConn) -> None:
         """Tear an accepted source down (cm thread); a no-op for the QP if ``revoke`` took it first."""
-        with self._lock:
+        with self._mw_lock, self._lock:
             mine = self._sinks.get(sink.key) is sink
             if mine:
                 del self._sinks[sink.key]
-                self._kill_sink_qp(sink.qp)
+                self._kill_sink_qp(sink)
+            self._drained.notify_all()
         self._sel_drop(sink.sock)
         sink.sock.close()
         if self._accept_again is not None:
@@ -1434,6 +1855,8 @@ class VerbsTransport(Transport):
             self._cm_pending.clear()
         for sink in sinks:
             self._qp_to_error(sink.qp)
+            self._free_windows([w for ws in sink.windows.values() for w in ws])  # a bound window holds its QP
+            sink.windows.clear()
         errors = []
         for sink in sinks:
             try:
@@ -1496,6 +1919,27 @@ class VerbsTransport(Transport):
         return f"<VerbsTransport {self.device} {self._hostport} regions={len(self._regions)} peers={len(self._peers)}>"
 
 
+class _BindFailed(Exception):
+    """Binding a grant's memory windows failed (the message says why)."""
+
+
+def _send_frame(sock: socket.socket, data: bytes) -> bool:
+    """Send a whole frame on a non-blocking liveness socket, waiting at most ``_SEND_TIMEOUT`` for room;
+    False if it could not (the peer is gone, or has not read for that long: the caller cuts it)."""
+    view = memoryview(data)
+    deadline = Deadline.after(_SEND_TIMEOUT)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            if deadline.expired():
+                return False
+            select.select([], [sock], [], deadline.remaining())
+        except OSError:
+            return False
+    return True
+
+
 def _rows(batch: Batch) -> list[tuple[int, int, int]] | list[list[int]]:
     """The batch's ``(local, remote, length)`` rows; plain int triples skip numpy (cheaper per small batch)."""
     if isinstance(batch, (list, tuple)):
@@ -1526,13 +1970,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _hangup(sock: Any) -> bytes | None:
-    """A liveness socket became readable: None if it is still open, else what came before the end.
-
-    ``b""``: EOF or a broken connection. Anything else (``_REVOKED``, or a byte that breaks the
-    protocol) also means the peer is gone: the caller drops the connection either way.
-    """
+    """A liveness socket became readable: what it holds (frames, see ``transport/windows.py``), None if
+    nothing yet, ``b""`` for EOF or a broken connection. Without memory windows any byte ends it."""
     try:
-        data = sock.recv(64)
+        data = sock.recv(65536)
     except BlockingIOError:
         return None
     except OSError:

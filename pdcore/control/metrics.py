@@ -164,6 +164,12 @@ class PeerCollector:
         yield queues
         yield GaugeMetricFamily(f"{p}_in_flight", "Requests tracked", value=len(peer._table))
         yield GaugeMetricFamily(f"{p}_connected_peers", "Peers with a data connection", value=peer.connected_peers())
+        revoke = GaugeMetricFamily(f"{p}_revoke_method", "How the data plane enforces a revoke (1 for the method in use)",
+                                   labels=["method"])
+        revoke.add_metric([getattr(transport, "revoke_method", "unknown")], 1)
+        yield revoke
+        yield GaugeMetricFamily(f"{p}_memory_windows", "Memory windows bound for sources now (verbs)",
+                                value=getattr(transport, "windows_live", 0))
 
 
 class BootstrapCollector:

@@ -1,7 +1,9 @@
 """Grants on the verbs transport (soft-RoCE in CI): the QP-to-error fallback of ``revoke``, and the sink QP cap.
 
-Without memory windows a sink cannot check a write against a grant; ``revoke`` (not settled) kills
-every sink QP of the grant's source instead. These tests check what that promises: in-flight and
+Without memory windows (a device without them; here sinks built with ``memory_windows=False``) a
+sink cannot check a write against a grant; ``revoke`` (not settled) kills every sink QP of the
+grant's source instead (tests/rdma/test_windows_verbs.py checks the windows). These tests check
+what the fallback promises: in-flight and
 later writes of that source fail and land nothing after ``revoke`` returns, other sources carry on,
 the source can connect again, ``settled=True`` keeps the QP, and ``max_sinks`` refuses clearly.
 Every wait is bounded by a deadline.
@@ -41,9 +43,9 @@ def _wait_for(cond: Any, seconds: float, what: str) -> None:
 
 
 def test_grant_bookkeeping_and_the_key_a_write_carries(make_verbs: Any) -> None:
-    src_t, dst_t = make_verbs(), make_verbs()
+    src_t, dst_t = make_verbs(), make_verbs(memory_windows=False)
     assert len(src_t.instance) == 16 and src_t.instance != dst_t.instance
-    assert dst_t.revoke_method == "queue pair to error"
+    assert dst_t.revoke_method == "queue pair to error" and not dst_t.memory_windows
     with pytest.raises(AttributeError):
         dst_t.revoke_method = "memory window"
     src = np.full(8192, 0x31, np.uint8)
@@ -71,7 +73,7 @@ def test_revoke_fails_in_flight_writes_and_nothing_lands_after_it(make_verbs: An
     """(a) Revoke while 4 MiB batches are in flight: they fail at the source, the source's later
     writes raise or fail, a canary written after revoke returned stays intact while the source
     keeps trying, and another source of the same sink is not disturbed."""
-    src_t, other_t, dst_t = make_verbs(max_inflight=16), make_verbs(), make_verbs()
+    src_t, other_t, dst_t = make_verbs(max_inflight=16), make_verbs(), make_verbs(memory_windows=False)
     size = 4 << 20
     src = np.full(size, 0xAA, np.uint8)
     dst = np.zeros(size, np.uint8)
@@ -140,7 +142,7 @@ def test_revoke_holds_against_a_source_that_never_hears_of_it(make_verbs: Any, m
     import transport.verbs as verbs
 
     src_t = make_verbs(max_inflight=16, qp_timeout=14, retry_cnt=3)  # ~0.07 s x 4 tries on the wire
-    dst_t = make_verbs()
+    dst_t = make_verbs(memory_windows=False)
     size = 1 << 20
     src = np.full(size, 0xAB, np.uint8)
     dst = np.zeros(size, np.uint8)
@@ -187,7 +189,7 @@ def test_revoke_holds_against_a_source_that_never_hears_of_it(make_verbs: Any, m
 
 def test_revoke_ignores_a_grant_of_another_sink(make_verbs: Any) -> None:
     """Grant keys are per sink: revoking sink B's grant on sink A (same key) changes nothing on A."""
-    src_t, a_t, b_t = make_verbs(), make_verbs(), make_verbs()
+    src_t, a_t, b_t = make_verbs(), make_verbs(memory_windows=False), make_verbs(memory_windows=False)
     dst = np.zeros(4096, np.uint8)
     rd = a_t.register(dst)
     other = np.zeros(4096, np.uint8)
@@ -205,7 +207,7 @@ def test_revoke_ignores_a_grant_of_another_sink(make_verbs: Any) -> None:
 def test_after_revoke_the_source_connects_again_and_writes_through_a_new_grant(make_verbs: Any) -> None:
     """(b) The revoked source's handle is dead; a new connection and new grants work, its kept grants
     work again, and the revoked key is refused on every later connection (the handshake says so)."""
-    src_t, dst_t = make_verbs(), make_verbs()
+    src_t, dst_t = make_verbs(), make_verbs(memory_windows=False)
     src = np.full(16384, 0x21, np.uint8)
     dst = np.zeros(16384, np.uint8)
     rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
@@ -258,7 +260,7 @@ def test_after_revoke_the_source_connects_again_and_writes_through_a_new_grant(m
 
 def test_revoke_settled_keeps_the_queue_pair(make_verbs: Any) -> None:
     """(c) ``settled=True`` only forgets the grant: the connection and the other grants keep working."""
-    src_t, dst_t = make_verbs(), make_verbs()
+    src_t, dst_t = make_verbs(), make_verbs(memory_windows=False)
     src = np.full(8192, 0x41, np.uint8)
     dst = np.zeros(8192, np.uint8)
     rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
@@ -299,7 +301,7 @@ def test_revoke_for_a_source_that_never_connected_returns_at_once(make_verbs: An
 def test_sink_qp_cap_refuses_clearly_and_frees_slots(make_verbs: Any) -> None:
     """(e) ``max_sinks`` QPs at most: one more handshake fails the source's connect naming the cap;
     a source that disconnects, or a revoke, frees slots."""
-    dst_t = make_verbs(max_sinks=2)
+    dst_t = make_verbs(max_sinks=2, memory_windows=False)  # the fallback: a revoke frees the QP
     assert dst_t.max_sinks == 2
     a_t, b_t = make_verbs(), make_verbs()
     dst = np.zeros(4096, np.uint8)
@@ -364,7 +366,7 @@ def test_a_revoke_that_could_not_stop_the_qp_raises_and_the_next_one_tries_again
 ) -> None:
     """The caller retries an unconfirmed revoke (decode does, every tick): the retry must act, not
     find the grant gone and report success."""
-    src_t, dst_t = make_verbs(), make_verbs()
+    src_t, dst_t = make_verbs(), make_verbs(memory_windows=False)
     dst = np.zeros(4096, np.uint8)
     rd = dst_t.register(dst)
     g = dst_t.grant(src_t.instance, [(rd.addr, 4096)])

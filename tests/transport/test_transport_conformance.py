@@ -505,7 +505,6 @@ def test_writes_through_a_live_grant_land(make_transport: MakeTransport) -> None
     dst_t.revoke(g, deadline=Deadline.after(5))  # idempotent
 
 
-@pytest.mark.transports("tcp")  # verbs without memory windows cannot check a write against a grant (base.py)
 def test_a_write_outside_its_grant_fails_its_batch_and_lands_nothing(make_transport: MakeTransport) -> None:
     src_t, dst_t, _src, dst, rs, rd, peer = granted_pair(make_transport)
     g = dst_t.grant(src_t.instance, [(rd.addr, 4096)])

@@ -1,0 +1,139 @@
+"""The two ranks of tests/test_abort_blackbox.py, run as real processes (multiprocessing spawn).
+
+Public API only. Each child reports over its end of a duplex pipe: ``(kind, payload)``, or
+``("error", traceback)`` if it raised; every loop has its own deadline, so a child never outlives
+the test for long.
+
+``REQUESTS`` requests of ``PER`` pages of ``PAGE`` bytes (4 MiB each) in one KV buffer on each
+side. Prefill's buffer holds seeded random bytes that are never 0 (decode's initial bytes) nor
+``CANARY``; room ``i`` reads prefill's pages ``i * PER ...`` and writes decode's pages of block
+``REQUESTS - 1 - i``, so a page that lands in the wrong place is caught as well as one that does
+not land.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+PAGE = 64 << 10
+PER = 64  # pages per request: 4 MiB
+REQUESTS = 16
+PAGES = REQUESTS * PER
+CANARY = 0xA5
+VICTIM = f"r{REQUESTS - 1}"  # decode aborts it once the first other request landed: it is still in flight
+FIRST_ROOM = 0xAB0
+
+
+def prefill_bytes() -> np.ndarray:
+    data = np.random.default_rng(2024).integers(1, 256, PAGES * PAGE, dtype=np.uint8)
+    data[data == CANARY] = 0x5A
+    return data
+
+
+def src_pages(i: int) -> list[int]:
+    return list(range(i * PER, (i + 1) * PER))
+
+
+def dst_pages(i: int) -> list[int]:
+    return src_pages(REQUESTS - 1 - i)
+
+
+def _guarded(conn: Connection, body: Any, *args: Any) -> None:
+    try:
+        body(conn, *args)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+        raise
+
+
+def run_prefill(conn: Connection, port: int, transport: str, options: dict[str, Any], lifetime: float) -> None:
+    _guarded(conn, _prefill, port, transport, options, lifetime)
+
+
+def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any], lifetime: float) -> None:
+    from pdcore import BootstrapInfo, Bootstrapped, Failed, PrefillConfig, PrefillPeer, Succeeded
+
+    cache = [prefill_bytes()]
+    peer, outbox = PrefillPeer.start(PrefillConfig(
+        kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options,
+        bootstrap_host="127.0.0.1", bootstrap_port=port, heartbeat_interval=0.5, dead_after=60.0))
+    try:
+        conn.send(("ready", os.getpid()))
+        for i in range(REQUESTS):
+            peer.register(f"r{i}", BootstrapInfo("127.0.0.1", port, FIRST_ROOM + i))
+        ends: dict[str, str] = {}
+        until = time.monotonic() + lifetime
+        while len(ends) < REQUESTS and time.monotonic() < until:
+            for event in peer.poll(None):
+                if isinstance(event, Bootstrapped):
+                    i = int(event.rid[1:])
+                    peer.record_usage(event.rid, cached_tokens=0, bootstrap_logprob=None)
+                    outbox.send(event.rid, src_pages(i), 100 + i)
+                elif isinstance(event, (Succeeded, Failed)):
+                    ends[event.rid] = type(event).__name__
+            time.sleep(0.001)
+        conn.send(("done", {"ends": ends, "in_flight": peer.has_in_flight()}))
+    finally:
+        peer.close()
+
+
+def run_decode(conn: Connection, port: int, transport: str, options: dict[str, Any], window: float,
+               lifetime: float) -> None:
+    _guarded(conn, _decode, port, transport, options, window, lifetime)
+
+
+def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any], window: float,
+            lifetime: float) -> None:
+    """Announce every request; when the first one lands, abort ``VICTIM``; check each request's bytes
+    at its terminal event; on the victim's ``Failed`` reuse its pages (``CANARY``) and watch them."""
+    from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
+
+    want = prefill_bytes().reshape(PAGES, PAGE)
+    cache = [np.zeros(PAGES * PAGE, np.uint8)]
+    pages = cache[0].reshape(PAGES, PAGE)
+    peer, inbox = DecodePeer.start(DecodeConfig(
+        kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options,
+        heartbeat_interval=0.5, dead_after=60.0))
+    try:
+        conn.send(("ready", os.getpid()))
+        for i in range(REQUESTS):
+            peer.register(f"r{i}", BootstrapInfo("127.0.0.1", port, FIRST_ROOM + i))
+        ends: dict[str, str] = {}
+        intact: dict[str, bool] = {}
+        aborted_after: list[str] = []  # what had landed when the victim was aborted
+        reused_at: float | None = None
+        victim = pages[dst_pages(int(VICTIM[1:]))[0] : dst_pages(int(VICTIM[1:]))[-1] + 1]
+        until = time.monotonic() + lifetime
+        while time.monotonic() < until:
+            for event in peer.poll(None):
+                i = int(event.rid[1:])
+                if isinstance(event, Bootstrapped):
+                    inbox.announce(event.rid, dst_pages(i), request_pool_index=i)
+                    continue
+                ends[event.rid] = type(event).__name__
+                got = pages[dst_pages(i)[0] : dst_pages(i)[-1] + 1]
+                intact[event.rid] = bool(np.array_equal(got, want[src_pages(i)[0] : src_pages(i)[-1] + 1]))
+                if isinstance(event, RemotePrefillDone) and not aborted_after and event.rid != VICTIM:
+                    aborted_after = sorted(ends)
+                    peer.abort_room(VICTIM, FIRST_ROOM + int(VICTIM[1:]))
+                if isinstance(event, Failed) and event.rid == VICTIM:
+                    victim[:] = CANARY  # the scheduler hands the pages to another request
+                    reused_at = time.monotonic()
+            if len(ends) == REQUESTS and reused_at is not None and time.monotonic() - reused_at > window:
+                break
+            time.sleep(0.001)
+        conn.send(("done", {
+            "ends": ends, "intact": intact, "aborted_after": aborted_after, "in_flight": peer.has_in_flight(),
+            "overwritten": int(np.count_nonzero(victim != CANARY)) if reused_at is not None else None,
+        }))
+    finally:
+        peer.close()
