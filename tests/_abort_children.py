@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from _fence_children import _guarded  # the same report-the-traceback wrapper
 
 PAGE = 64 << 10
 PER = 64  # pages per request: 4 MiB
@@ -42,17 +43,6 @@ def src_pages(i: int) -> list[int]:
 
 def dst_pages(i: int) -> list[int]:
     return src_pages(REQUESTS - 1 - i)
-
-
-def _guarded(conn: Connection, body: Any, *args: Any) -> None:
-    try:
-        body(conn, *args)
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except (OSError, ValueError):
-            pass
-        raise
 
 
 def run_prefill(conn: Connection, port: int, transport: str, options: dict[str, Any], lifetime: float) -> None:
