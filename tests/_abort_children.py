@@ -4,9 +4,9 @@ Public API only. Each child reports over its end of a duplex pipe: ``(kind, payl
 ``("error", traceback)`` if it raised; every loop has its own deadline, so a child never outlives
 the test for long.
 
-``REQUESTS`` requests of ``PER`` pages of ``PAGE`` bytes (4 MiB each) in one KV buffer on each
+``REQUESTS`` requests of ``per`` pages of ``PAGE`` bytes (the test's choice) in one KV buffer on each
 side. Prefill's buffer holds seeded random bytes that are never 0 (decode's initial bytes) nor
-``CANARY``; room ``i`` reads prefill's pages ``i * PER ...`` and writes decode's pages of block
+``CANARY``; room ``i`` reads prefill's pages ``i * per ...`` and writes decode's pages of block
 ``REQUESTS - 1 - i``, so a page that lands in the wrong place is caught as well as one that does
 not land.
 """
@@ -23,38 +23,36 @@ import numpy as np
 from _fence_children import _guarded  # the same report-the-traceback wrapper
 
 PAGE = 64 << 10
-PER = 64  # pages per request: 4 MiB
 REQUESTS = 16
-PAGES = REQUESTS * PER
 CANARY = 0xA5
 VICTIM = f"r{REQUESTS - 1}"  # decode aborts it once the first other request landed: it is still in flight
 FIRST_ROOM = 0xAB0
 
 
-def prefill_bytes() -> np.ndarray:
-    data = np.random.default_rng(2024).integers(1, 256, PAGES * PAGE, dtype=np.uint8)
+def prefill_bytes(per: int) -> np.ndarray:
+    data = np.random.default_rng(2024).integers(1, 256, REQUESTS * per * PAGE, dtype=np.uint8)
     data[data == CANARY] = 0x5A
     return data
 
 
-def src_pages(i: int) -> list[int]:
-    return list(range(i * PER, (i + 1) * PER))
+def src_pages(i: int, per: int) -> list[int]:
+    return list(range(i * per, (i + 1) * per))
 
 
-def dst_pages(i: int) -> list[int]:
-    return src_pages(REQUESTS - 1 - i)
+def dst_pages(i: int, per: int) -> list[int]:
+    return src_pages(REQUESTS - 1 - i, per)
 
 
-def run_prefill(conn: Connection, port: int, transport: str, options: dict[str, Any], lifetime: float) -> None:
-    _guarded(conn, _prefill, port, transport, options, lifetime)
+def run_prefill(conn: Connection, port: int, transport: str, options: dict[str, Any], per: int, lifetime: float) -> None:
+    _guarded(conn, _prefill, port, transport, options, per, lifetime)
 
 
-def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any], lifetime: float) -> None:
+def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any], per: int, lifetime: float) -> None:
     from pdcore import BootstrapInfo, Bootstrapped, Failed, PrefillConfig, PrefillPeer, Succeeded
 
-    cache = [prefill_bytes()]
+    cache = [prefill_bytes(per)]
     peer, outbox = PrefillPeer.start(PrefillConfig(
-        kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options,
+        kv_buffers=cache, page_bytes=PAGE, num_pages=REQUESTS * per, transport=transport, transport_options=options,
         bootstrap_host="127.0.0.1", bootstrap_port=port, heartbeat_interval=0.5, dead_after=60.0))
     try:
         conn.send(("ready", os.getpid()))
@@ -67,7 +65,7 @@ def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any
                 if isinstance(event, Bootstrapped):
                     i = int(event.rid[1:])
                     peer.record_usage(event.rid, cached_tokens=0, bootstrap_logprob=None)
-                    outbox.send(event.rid, src_pages(i), 100 + i)
+                    outbox.send(event.rid, src_pages(i, per), 100 + i)
                 elif isinstance(event, (Succeeded, Failed)):
                     ends[event.rid] = type(event).__name__
             time.sleep(0.001)
@@ -76,22 +74,23 @@ def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any
         peer.close()
 
 
-def run_decode(conn: Connection, port: int, transport: str, options: dict[str, Any], window: float,
+def run_decode(conn: Connection, port: int, transport: str, options: dict[str, Any], per: int, window: float,
                lifetime: float) -> None:
-    _guarded(conn, _decode, port, transport, options, window, lifetime)
+    _guarded(conn, _decode, port, transport, options, per, window, lifetime)
 
 
-def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any], window: float,
+def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any], per: int, window: float,
             lifetime: float) -> None:
     """Announce every request; when the first one lands, abort ``VICTIM``; check each request's bytes
     at its terminal event; on the victim's ``Failed`` reuse its pages (``CANARY``) and watch them."""
     from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
-    want = prefill_bytes().reshape(PAGES, PAGE)
-    cache = [np.zeros(PAGES * PAGE, np.uint8)]
-    pages = cache[0].reshape(PAGES, PAGE)
+    num_pages = REQUESTS * per
+    want = prefill_bytes(per).reshape(num_pages, PAGE)
+    cache = [np.zeros(num_pages * PAGE, np.uint8)]
+    pages = cache[0].reshape(num_pages, PAGE)
     peer, inbox = DecodePeer.start(DecodeConfig(
-        kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options,
+        kv_buffers=cache, page_bytes=PAGE, num_pages=num_pages, transport=transport, transport_options=options,
         heartbeat_interval=0.5, dead_after=60.0))
     try:
         conn.send(("ready", os.getpid()))
@@ -101,17 +100,17 @@ def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any]
         intact: dict[str, bool] = {}
         aborted_after: list[str] = []  # what had landed when the victim was aborted
         reused_at: float | None = None
-        victim = pages[dst_pages(int(VICTIM[1:]))[0] : dst_pages(int(VICTIM[1:]))[-1] + 1]
+        victim = pages[dst_pages(int(VICTIM[1:]), per)[0] : dst_pages(int(VICTIM[1:]), per)[-1] + 1]
         until = time.monotonic() + lifetime
         while time.monotonic() < until:
             for event in peer.poll(None):
                 i = int(event.rid[1:])
                 if isinstance(event, Bootstrapped):
-                    inbox.announce(event.rid, dst_pages(i), request_pool_index=i)
+                    inbox.announce(event.rid, dst_pages(i, per), request_pool_index=i)
                     continue
                 ends[event.rid] = type(event).__name__
-                got = pages[dst_pages(i)[0] : dst_pages(i)[-1] + 1]
-                intact[event.rid] = bool(np.array_equal(got, want[src_pages(i)[0] : src_pages(i)[-1] + 1]))
+                got = pages[dst_pages(i, per)[0] : dst_pages(i, per)[-1] + 1]
+                intact[event.rid] = bool(np.array_equal(got, want[src_pages(i, per)[0] : src_pages(i, per)[-1] + 1]))
                 if isinstance(event, RemotePrefillDone) and not aborted_after and event.rid != VICTIM:
                     aborted_after = sorted(ends)
                     peer.abort_room(VICTIM, FIRST_ROOM + int(VICTIM[1:]))
