@@ -707,7 +707,6 @@ class VerbsTransport(Transport):
         self._grant_lock = threading.Lock()
         self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
         self._unconfirmed: dict[int, Grant] = {}  # revokes that raised, by key; guarded by _grant_lock
-        self._spans: dict[int, list[tuple[int, int]]] = {}  # live grant -> its windows' ranges; under _grant_lock
         self._mw_lock = threading.Lock()  # orders every bind, invalidation and sink-side frame (see grant)
         self._sink_wr_next = 1  # wr_id of the next bind or invalidation; under _mw_lock
         self._lock = threading.Lock()
@@ -895,19 +894,16 @@ class VerbsTransport(Transport):
                 g = self._grants.add(bytes(source), ranges)
                 self._last_grant = g.key
                 bad = self._regions.outside(g.ranges)
-                spans = [] if bad is not None or not self._windows else window_spans(g.ranges, self._region_bounds())
-                if bad is None and len(spans) > self._max_windows:
-                    bad = (0, 0)
                 if bad is not None:
                     self._grants.pop(g.key)
-                    if bad == (0, 0):
-                        raise ValueError(
-                            f"a grant of {len(g.ranges)} ranges needs {len(spans)} memory windows, more than "
-                            f"max_windows={self._max_windows}: grant fewer, longer ranges, or raise max_windows"
-                        )
                     raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
-                if self._windows:
-                    self._spans[g.key] = spans
+                spans = self._spans_of(g) if self._windows else []
+                if len(spans) > self._max_windows:
+                    self._grants.pop(g.key)
+                    raise ValueError(
+                        f"a grant of {len(g.ranges)} ranges needs {len(spans)} memory windows, more than "
+                        f"max_windows={self._max_windows}: grant fewer, longer ranges, or raise max_windows"
+                    )
             if self._windows:
                 with self._lock:
                     sinks = [c for c in self._sinks.values() if c.src == g.source]
@@ -919,16 +915,15 @@ class VerbsTransport(Transport):
         """For an ``_OK`` reply: the last key issued and the source's live grants: their keys, or with
         memory windows the windows bound for them on this connection (``W`` frames). Under ``_mw_lock``."""
         with self._grant_lock:
-            live = sorted(g.key for g in self._grants.of_source(sink.src))[:_MAX_LIVE_GRANTS]
+            live = sorted(self._grants.of_source(sink.src), key=lambda g: g.key)[:_MAX_LIVE_GRANTS]
             floor = self._last_grant
-            spans = {k: self._spans[k] for k in live} if self._windows else {}
         if not self._windows:
-            return _GRANTS.pack(floor, len(live), 0) + struct.pack(f"<{len(live)}Q", *live)
+            return _GRANTS.pack(floor, len(live), 0) + struct.pack(f"<{len(live)}Q", *(g.key for g in live))
         frames = [_GRANTS.pack(floor, len(live), 1)]
-        for k in live:
-            if not self._open_windows(sink, k, spans[k], send=False):
-                raise OSError(errno_mod.EIO, f"binding the memory windows of grant {k} failed")
-            frames.append(encode_windows(k, [(a, n, rkey) for _mw, a, n, rkey in sink.windows[k]]))
+        for g in live:
+            if not self._open_windows(sink, g.key, self._spans_of(g), send=False):
+                raise OSError(errno_mod.EIO, f"binding the memory windows of grant {g.key} failed")
+            frames.append(_windows_frame(g.key, sink.windows[g.key]))
         return b"".join(frames)
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
@@ -950,7 +945,6 @@ class VerbsTransport(Transport):
             if live is None or live != grant:  # keys are per sink: another sink's grant may share this one's
                 return
             self._grants.pop(grant.key)
-            self._spans.pop(grant.key, None)
         if settled:
             with self._mw_lock:
                 with self._lock:
@@ -1057,8 +1051,9 @@ class VerbsTransport(Transport):
 
     # ------------------------------------------------------------------ memory windows (sink side, under _mw_lock)
 
-    def _region_bounds(self) -> list[tuple[int, int]]:
-        return [(r.addr, r.end) for r in self._regions.snapshot()]
+    def _spans_of(self, g: Grant) -> list[tuple[int, int]]:
+        """The ranges of grant ``g``'s windows (one per contiguous range within one region)."""
+        return window_spans(g.ranges, [(r.addr, r.end) for r in self._regions.snapshot()])
 
     def _open_windows(self, c: _SinkConn, key: int, spans: list[tuple[int, int]], *, send: bool) -> bool:
         """Bind one type 2 window per span on ``c``'s QP (and with ``send`` tell the source: ``W``);
@@ -1086,7 +1081,7 @@ class VerbsTransport(Transport):
             self._free_windows(made)
             return False
         c.windows[key] = made
-        return not send or _send_frame(c.sock, encode_windows(key, [(a, n, rkey) for _mw, a, n, rkey in made]))
+        return not send or _send_frame(c.sock, _windows_frame(key, made))
 
     def _close_windows(self, c: _SinkConn, key: int) -> bool:
         """Invalidate grant ``key``'s windows on ``c`` and free them; True if that failed (cut ``c``)."""
@@ -1917,6 +1912,11 @@ class VerbsTransport(Transport):
 
     def __repr__(self) -> str:
         return f"<VerbsTransport {self.device} {self._hostport} regions={len(self._regions)} peers={len(self._peers)}>"
+
+
+def _windows_frame(key: int, made: list[tuple[Any, int, int, int]]) -> bytes:
+    """The ``W`` frame of grant ``key``'s windows bound on one connection (``(MW, addr, length, rkey)``)."""
+    return encode_windows(key, [(a, n, rkey) for _mw, a, n, rkey in made])
 
 
 class _BindFailed(Exception):

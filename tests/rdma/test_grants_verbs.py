@@ -22,7 +22,7 @@ import pytest
 from pdcore.core.deadline import Deadline
 from pdcore.core.errors import CapacityError, TransportError
 
-from _transport_support import Collector  # tests/rdma/conftest.py puts tests/transport on the path
+from _transport_support import Collector, wait_until  # tests/rdma/conftest.py puts tests/transport on the path
 
 pytestmark = pytest.mark.rdma
 
@@ -34,12 +34,6 @@ def _sink_qps(t: Any) -> int:
     with t._lock:
         return len(t._sinks)
 
-
-def _wait_for(cond: Any, seconds: float, what: str) -> None:
-    deadline = Deadline.after(seconds)
-    while not cond():
-        assert not deadline.expired(), f"{what} within {seconds} s"
-        time.sleep(0.01)
 
 
 def test_grant_bookkeeping_and_the_key_a_write_carries(make_verbs: Any) -> None:
@@ -127,7 +121,7 @@ def test_revoke_fails_in_flight_writes_and_nothing_lands_after_it(make_verbs: An
     with pytest.raises(TransportError, match="unusable"):
         src_t.write(peer, [(rs.addr, rd.addr, 16)], done, grant=g.key)
 
-    _wait_for(lambda: _sink_qps(dst_t) == 1, 5, "the revoked QP was not dropped")
+    wait_until(lambda: _sink_qps(dst_t) == 1, 5, "the revoked QP was not dropped")
     more = Collector(SLOW)  # the other source still writes through its own grant
     bid = other_t.write(other, [(r_other.addr, r_side.addr, 4096)], more, grant=g_other.key)
     assert more.wait(1) == [(bid, None)] and (side == 0x0B).all()
@@ -228,7 +222,7 @@ def test_after_revoke_the_source_connects_again_and_writes_through_a_new_grant(m
             return True
         return False
 
-    _wait_for(told, 10, "the source did not learn that its QP was revoked")
+    wait_until(told, 10, "the source did not learn that its QP was revoked")
     assert (dst[8192:] == 0).all()  # nothing landed through the other grant of the revoked connection
 
     g2 = dst_t.grant(src_t.instance, [(rd.addr, 4096)])  # before the reconnect
@@ -315,7 +309,7 @@ def test_sink_qp_cap_refuses_clearly_and_frees_slots(make_verbs: Any) -> None:
     assert _sink_qps(dst_t) == 2 and dst_t.refused_connections == 1
 
     a_t.disconnect(a1)  # the sink sees the liveness socket close and frees the QP
-    _wait_for(lambda: _sink_qps(dst_t) == 1, 10, "the disconnected source's QP was not freed")
+    wait_until(lambda: _sink_qps(dst_t) == 1, 10, "the disconnected source's QP was not freed")
     b1 = b_t.connect(ep, deadline=Deadline.after(10))
     with pytest.raises(TransportError, match="max_sinks=2"):
         b_t.connect(ep, deadline=Deadline.after(10))
@@ -357,7 +351,7 @@ def test_revoke_races_the_source_going_away(make_verbs: Any) -> None:
         dst_t.revoke(g)
         th.join(10)
         assert not th.is_alive()
-        _wait_for(lambda: _sink_qps(dst_t) == 0, 10, "a QP was left behind")
+        wait_until(lambda: _sink_qps(dst_t) == 0, 10, "a QP was left behind")
     assert not errors
 
 

@@ -26,7 +26,7 @@ from pdcore.core.deadline import Deadline
 from pdcore.core.errors import TransportError
 from transport.endpoint import decode_endpoint
 
-from _transport_support import Collector  # tests/rdma/conftest.py puts tests/transport on the path
+from _transport_support import Collector, wait_until  # tests/rdma/conftest.py puts tests/transport on the path
 
 pytestmark = pytest.mark.rdma
 
@@ -39,12 +39,6 @@ def _sinks(t: Any) -> list[Any]:
     with t._lock:
         return list(t._sinks.values())
 
-
-def _wait_for(cond: Any, seconds: float, what: str) -> None:
-    deadline = Deadline.after(seconds)
-    while not cond():
-        assert not deadline.expired(), f"{what} within {seconds} s"
-        time.sleep(0.005)
 
 
 def test_windows_are_the_default_and_a_guarded_rkey_never_leaves_the_sink(make_verbs: Any) -> None:
@@ -78,7 +72,7 @@ def test_windows_are_the_default_and_a_guarded_rkey_never_leaves_the_sink(make_v
     dst_t.revoke(early)
     dst_t.revoke(late, settled=True)
     assert dst_t.windows_live == 0 and len(_sinks(dst_t)) == 1  # the queue pair stays
-    _wait_for(lambda: not peer.win.grants, 5, "the source did not forget the windows of its revoked grants")
+    wait_until(lambda: not peer.win.grants, 5, "the source did not forget the windows of its revoked grants")
     with pytest.raises(TransportError, match=f"grant {early.key} is not live"):
         src_t.write(peer, [(rs.addr, rd.addr, 16)], done, grant=early.key)
     small = make_verbs(max_windows=2)
@@ -201,7 +195,7 @@ def test_invalidation_stops_a_write_already_on_the_wire(make_verbs: Any) -> None
     done = Collector(SLOW * 2)
     bid = src_t.write(peer, [(rs.addr, rd.addr, size)], done, grant=g.key)
     probe = 256 << 10
-    _wait_for(lambda: dst[probe] != 0, SLOW, "the write did not pass its first 256 KiB")
+    wait_until(lambda: dst[probe] != 0, SLOW, "the write did not pass its first 256 KiB")
     (conn,) = _sinks(dst_t)
     with dst_t._mw_lock:  # the sink's half of revoke alone: no stop asked, the write is mid-flight
         # True (failed) when the next packet's access error moved the QP to the error state before the

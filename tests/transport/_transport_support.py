@@ -11,6 +11,7 @@ splits it into the registry name and the constructor options.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,6 +54,14 @@ def transport_maker(name: str, defaults: dict[str, Any]) -> Iterator[MakeTranspo
         t.close(deadline=Deadline.after(5.0))
     leaked = [th.name for th in set(threading.enumerate()) - before if th.is_alive()]
     assert not leaked, f"threads left behind after close(): {leaked}"
+
+
+def wait_until(cond: Callable[[], Any], seconds: float, what: str) -> None:
+    """Poll ``cond`` until it is true; fail naming ``what`` after ``seconds`` (a deadline, not a sleep)."""
+    deadline = Deadline.after(seconds)
+    while not cond():
+        assert not deadline.expired(), f"{what} within {seconds} s"
+        time.sleep(0.005)
 
 
 class Collector:
