@@ -25,7 +25,7 @@ from _fence_children import _guarded  # the same report-the-traceback wrapper
 PAGE = 64 << 10
 REQUESTS = 16
 CANARY = 0xA5
-VICTIM = f"r{REQUESTS - 1}"  # decode aborts it once the first other request landed: it is still in flight
+VICTIM = f"r{REQUESTS - 1}"  # sent last; decode aborts it once bytes of another request are in its memory
 FIRST_ROOM = 0xAB0
 
 
@@ -81,9 +81,10 @@ def run_decode(conn: Connection, port: int, transport: str, options: dict[str, A
 
 def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any], per: int, window: float,
             lifetime: float) -> None:
-    """Announce every request; when the first one lands, abort ``VICTIM``; check each request's bytes
+    """Announce every request; once bytes of another request are in decode's memory (seen in the memory
+    itself, not in an event, which comes a round trip later), abort ``VICTIM``; check each request's bytes
     at its terminal event; on the victim's ``Failed`` reuse its pages (``CANARY``) and watch them."""
-    from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
+    from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed
 
     num_pages = REQUESTS * per
     want = prefill_bytes(per).reshape(num_pages, PAGE)
@@ -98,11 +99,18 @@ def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any]
             peer.register(f"r{i}", BootstrapInfo("127.0.0.1", port, FIRST_ROOM + i))
         ends: dict[str, str] = {}
         intact: dict[str, bool] = {}
-        aborted_after: list[str] = []  # what had landed when the victim was aborted
+        aborted_after: list[str] = []  # the requests whose first page had bytes when the victim was aborted
+        victim_untouched = False  # the victim's last page was still empty then: it was in flight
         reused_at: float | None = None
         victim = pages[dst_pages(int(VICTIM[1:]), per)[0] : dst_pages(int(VICTIM[1:]), per)[-1] + 1]
         until = time.monotonic() + lifetime
+        firsts = [dst_pages(i, per)[0] for i in range(REQUESTS - 1)]
         while time.monotonic() < until:
+            if not aborted_after:
+                aborted_after = [f"r{i}" for i, page in enumerate(firsts) if pages[page, 0]]
+                if aborted_after:
+                    victim_untouched = not victim[-1].any()
+                    peer.abort_room(VICTIM, FIRST_ROOM + int(VICTIM[1:]))
             for event in peer.poll(None):
                 i = int(event.rid[1:])
                 if isinstance(event, Bootstrapped):
@@ -111,9 +119,6 @@ def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any]
                 ends[event.rid] = type(event).__name__
                 got = pages[dst_pages(i, per)[0] : dst_pages(i, per)[-1] + 1]
                 intact[event.rid] = bool(np.array_equal(got, want[src_pages(i, per)[0] : src_pages(i, per)[-1] + 1]))
-                if isinstance(event, RemotePrefillDone) and not aborted_after and event.rid != VICTIM:
-                    aborted_after = sorted(ends)
-                    peer.abort_room(VICTIM, FIRST_ROOM + int(VICTIM[1:]))
                 if isinstance(event, Failed) and event.rid == VICTIM:
                     victim[:] = CANARY  # the scheduler hands the pages to another request
                     reused_at = time.monotonic()
@@ -121,7 +126,8 @@ def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any]
                 break
             time.sleep(0.001)
         conn.send(("done", {
-            "ends": ends, "intact": intact, "aborted_after": aborted_after, "in_flight": peer.has_in_flight(),
+            "ends": ends, "intact": intact, "aborted_after": aborted_after, "victim_untouched": victim_untouched,
+            "in_flight": peer.has_in_flight(),
             "overwritten": int(np.count_nonzero(victim != CANARY)) if reused_at is not None else None,
         }))
     finally:

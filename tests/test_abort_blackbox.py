@@ -4,7 +4,8 @@ they are in flight, and the other 15 land whole.
 Real processes, the public API only (``tests/_abort_children.py`` holds the ranks): the test
 process runs the bootstrap server and spawns one prefill and one decode rank (tp 1) sharing one
 connection. Prefill sends every request as soon as it is bootstrapped; decode aborts the last one
-the moment the first other one lands (so it and most of the others are still on the wire), and
+the moment bytes of another one show in its memory (so it and most of the others are still on the
+wire: the test checks that its last page was still empty), and
 reuses the aborted request's pages at its ``Failed`` (a canary it keeps checking). Judged from
 decode's memory and both sides' events: the victim fails at decode (prefill may have finished
 its writes first) and nothing lands in its pages after decode handed them back; every other request ends ``RemotePrefillDone`` /
@@ -57,6 +58,7 @@ def test_aborting_one_of_16_requests_in_flight_fails_only_that_one(transport_nam
     others = [f"r{i}" for i in range(kids.REQUESTS) if f"r{i}" != kids.VICTIM]
     assert decode["aborted_after"] and kids.VICTIM not in decode["aborted_after"], decode
     assert len(decode["aborted_after"]) < len(others), f"every other request had landed at the abort: {decode}"
+    assert decode["victim_untouched"], f"the victim had landed at the abort: it was not in flight: {decode}"
     assert decode["ends"].get(kids.VICTIM) == "Failed", decode
     assert prefill["ends"].get(kids.VICTIM) in ("Failed", "Succeeded"), prefill  # its writes may all have landed first
     assert decode["overwritten"] == 0, f"{decode['overwritten']} bytes landed in the aborted request's reused pages"
