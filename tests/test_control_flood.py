@@ -155,3 +155,40 @@ def test_a_peer_connection_stops_being_pending_at_once() -> None:
         a.close(Deadline.after(WAIT))
         b.close(Deadline.after(WAIT))
     assert control_threads() == []
+
+
+def test_the_oldest_idle_connection_is_cut_not_an_older_one_whose_client_spoke() -> None:
+    """In-process and deterministic (the flood test above only samples it by timing): a client that
+    sent the first byte of its greeting is older than every idle one, yet the idle ones are cut
+    first, oldest first. A channel that cuts by age alone cuts the talker, and with it a real peer's
+    handshake in progress under a redialling flood."""
+    inbox = Inbox()
+    channel = inbox.channel("decode-0", secret=SECRET, max_pending=4)
+    channel.start()
+    port = _port(channel.endpoint)
+    talker = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+    idle: list[socket.socket] = []
+    try:
+        talker.sendall(b"\xff")  # a ZMTP signature's first byte: a handshake begun, not finished
+        wait_for(lambda: channel.stats.accepted == 1, f"the talker accepted: {channel.stats}")
+        for _ in range(10):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=WAIT))
+        wait_for(lambda: channel.stats.pending_evicted >= 7, f"7 of 11 pending connections cut: {channel.stats}")
+        assert channel.stats.pending_evicted == 7, channel.stats
+        for s in idle[:7]:  # the oldest idle ones, each to its end (after libzmq's greeting bytes)
+            s.settimeout(WAIT)
+            while s.recv(4096):
+                pass
+        # cut before idle[0] were it cut at all: its end would be readable by now
+        talker.setblocking(False)
+        try:
+            while True:
+                assert talker.recv(4096), "the connection whose client spoke was cut before idle ones"
+        except BlockingIOError:
+            pass  # open: nothing more to read, no end of stream
+    finally:
+        talker.close()
+        for s in idle:
+            s.close()
+        channel.close(Deadline.after(WAIT))
+    assert control_threads() == []
