@@ -11,13 +11,21 @@ long as the test looks.
 
 from __future__ import annotations
 
+import contextlib
+import select
+import socket
+import threading
 from typing import Any
 
 import pytest
 
 from pdcore.core._spec import State
+from pdcore import BootstrapInfo
+from pdcore.core.deadline import Deadline
 from pdcore.core.errors import PdError
 from pd_pair import PAGE, Pair, through_worker, token
+
+WAIT = 10.0  # seconds: any one wait of the relay below
 
 
 @pytest.fixture
@@ -190,6 +198,87 @@ def test_decode_failure_before_announcing_is_heard_by_prefill(make_pair: Any) ->
     pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room")
     pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to hear that decode failed the room", timeout=10.0)
     assert pair.ended("prefill", rid) == "Failed"
+    assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
+
+
+class _HeldServer:
+    """A TCP relay in front of the bootstrap server that holds every connection until ``release()``:
+    a look-up through it answers only then (loopback, threads; every wait has a deadline)."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._open = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.port = self._listener.getsockname()[1]
+        self.accepted = threading.Event()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self.accepted.set()
+            t = threading.Thread(target=self._relay, args=(client,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _relay(self, client: socket.socket) -> None:
+        with client:
+            if not self._open.wait(WAIT):
+                return
+            with socket.create_connection(("127.0.0.1", self._port), timeout=WAIT) as server:
+                socks = [client, server]
+                deadline = Deadline.after(WAIT)
+                while socks and not deadline.expired():
+                    for s in select.select(socks, [], [], 0.05)[0]:
+                        data = s.recv(65536)
+                        other = server if s is client else client
+                        if data:
+                            other.sendall(data)
+                        else:
+                            socks.remove(s)
+                            with contextlib.suppress(OSError):
+                                other.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._open.set()
+        for t in self._threads:
+            t.join(WAIT)
+        self._listener.close()
+
+
+def test_decode_abort_before_its_look_up_answered_is_heard_by_prefill(make_pair: Any) -> None:
+    """Decode's scheduler aborts a request while its look-up of the prefill deployment is on the way
+    (held here at a relay until decode's round reported the room failed): decode did not know the
+    room's prefill ranks when it failed the room, and must tell them once the look-up answers, or
+    prefill holds the room until its own bootstrap timer (30 s here, beyond the wait).
+    ``tests/test_simulate.py`` replays the seeds of the simulator that found it."""
+    pair = make_pair()
+    rid, room = "aborted-at-once", 31338
+    held = _HeldServer(pair.port)
+    try:
+        pair.rooms[rid] = room
+        pair.prefill.register(rid, BootstrapInfo("127.0.0.1", pair.port, room))
+        pair.decode.register(rid, BootstrapInfo("127.0.0.1", held.port, room))
+        assert held.accepted.wait(WAIT), "decode did not look the deployment up"
+        pair.decode.abort_room(rid, room)
+        pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room", sides=("decode",))
+        assert not pair.seen("decode", "Bootstrapped", rid)
+        held.release()
+        pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to hear that decode failed the room", timeout=10.0)
+    finally:
+        held.close()
+    assert pair.ended("prefill", rid) == "Failed"
+    assert "aborted by decode" in pair.reasons[("prefill", rid)], pair.reasons
     assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
 
 

@@ -96,6 +96,7 @@ class _Request:
     mismatch: str = ""  # the deployments cannot pair: failing once its prefill ranks are told why
     rechecked: bool = False  # a verdict against one of its prefill ranks was checked with a fresh look-up
     live: bool = True
+    untold: bool = False  # ended here before its prefill ranks were known: told once a look-up finds them
 
 
 class DecodeEngine(Engine):
@@ -216,8 +217,11 @@ class DecodeEngine(Engine):
             request.live = False
             for link in request.links:
                 self._by_source.pop((link.endpoint, request.room), None)
-            if failed and request.links and not request.abort_sent:
-                self._abort_unannounced(request)
+            if failed and not request.abort_sent:
+                if request.links:
+                    self._abort_unannounced(request)
+                else:
+                    self._abort_unbootstrapped(request, now)
             if not failed:  # every byte landed: the grants only go
                 for link in request.links:
                     if link.grant is not None:
@@ -344,6 +348,10 @@ class DecodeEngine(Engine):
         return tuple(links)
 
     def _looked_up(self, request: _Request, why: str | None, now: float) -> None:
+        if not request.live:  # ended meanwhile: its prefill ranks may still be owed word of it
+            if request.untold and why is None:
+                self._abort_unbootstrapped(request, now)
+            return
         if why is not None:
             self._fire(request.rid, Trigger.FAIL, now, request.mismatch or why)
         else:
@@ -428,6 +436,32 @@ class DecodeEngine(Engine):
             if link.endpoint in self._registered:  # lost, or never sent our Register: nobody to tell
                 self._tell(link.endpoint, wire.Abort(room=request.room, reason="failed on the decode replica before announcing"))
 
+    def _abort_unbootstrapped(self, request: _Request, now: float) -> None:
+        """A request that ended here before its prefill ranks were known (the scheduler aborted it, say,
+        while its look-up was on the way): the prefill ranks of its room hold it too and would wait for
+        their bootstrap timeout. Tell them (an ``Abort``, which they take without a ``Register``) once
+        the deployment's ranks are known: now if cached, else after one more look-up; whom that
+        look-up does not find is not told (best effort, bounded by one look-up)."""
+        deployment = self._lookups.get(request.server)
+        info = deployment.known()
+        keys: list[tuple[int, int]] = []
+        if info is not None:
+            try:
+                keys = self._lookup_keys(info, request.room, request.dp_rank)
+            except PdError:
+                request.abort_sent = True  # no such group: nobody there holds the room
+                return
+        if (info is None or any(key not in deployment.ranks for key in keys)) and not request.untold:
+            request.untold = True
+            if request not in deployment.waiting:
+                self._lookups.wait(request.server, request, now)
+            return
+        request.abort_sent, request.untold = True, False
+        for key in keys:
+            rank = deployment.ranks.get(key)
+            if rank is not None:
+                self._tell(rank[0], wire.Abort(room=request.room, reason="failed on the decode replica before it was bootstrapped"))
+
     # -- failures from outside -------------------------------------------------------------------
 
     def peer_dead(self, endpoint: str, session_id: str | None, epoch: int | None, reason: str, now: float) -> None:
@@ -458,7 +492,7 @@ class DecodeEngine(Engine):
                 self._fire(request.rid, Trigger.FAIL, now, reason)
 
     def tick(self, now: float) -> None:
-        self._lookups.tick(now, lambda request: request.live)
+        self._lookups.tick(now, lambda request: request.live or request.untold)
         for request in self._unrevoked.due(now):
             if request.live:
                 self._revoke(request, now)

@@ -236,12 +236,18 @@ class SimRank:
 class Replica:
     """A tp group of ranks of one role; ``round`` is their agreement, all ranks at once."""
 
-    def __init__(self, name: str, role: str, ranks: list[SimRank], server: tuple[str, int] | None) -> None:
+    def __init__(self, name: str, role: str, ranks: list[SimRank], server: tuple[str, int] | None,
+                 started: float = 0.0) -> None:
         self.name = name
         self.role = role
         self.ranks = ranks
         self.server = server
         self.killed = False
+        self.started = started  # when this incarnation started (a restart: later than 0)
+        self.epoch = 1
+
+    def __repr__(self) -> str:
+        return f"Replica({self.name}, {self.role}, epoch {self.epoch}{', killed' if self.killed else ''})"
 
     def round(self, now: float, recv: bool = False) -> list[list[Any]]:
         """Each rank's events of one agreed round (the PD table's, or the receive table's with ``recv``)."""

@@ -269,7 +269,8 @@ class Simulation:
         if role == "prefill" and self.shape.encode_tp:
             receiver = ReceiverConfig(slots=SLOTS, slot_rows=SLOT_ROWS, hidden=HIDDEN, dtype=DTYPE,
                                       shard_rows=self.shape.shard_rows, timeout=TIMERS["receive"])
-        replica = Replica(name, role, [], server if role != "decode" else None)
+        replica = Replica(name, role, [], server if role != "decode" else None, started=self.world.now)
+        replica.epoch = epoch
         for rank, cfg in enumerate(cfgs):
             landed: dict[str, Any] = {}
             r = SimRank(self.planes, role, f"{name}.{rank}", cfg, epoch=epoch, buffers=cfg.kv_buffers,
@@ -493,6 +494,9 @@ class Simulation:
             return
         if "peer lost" in other[1] or "found dead" in other[1]:
             return  # the other side lost contact (a killed incarnation): there was nobody to tell it
+        if side == "prefill" and req.prefill.epoch > 1 and \
+                other[0] < req.prefill.started + TIMERS["dead_after"] + TIMERS["heartbeat"]:
+            return  # decode may still have known the killed incarnation (its verdict comes dead_after late): it told that one
         if side == "decode" and not req.announced:
             return  # decode never had pages to announce (its pool was full): its timer is its only way
         if now - other[0] > TIMERS["dead_after"] + 0.1:

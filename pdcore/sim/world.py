@@ -5,7 +5,8 @@ arriving, a write landing, a completion, a look-up answer, a scheduler's round,
 a fault. ``run`` takes them in time order (ties in the order they were
 scheduled), so a seed replays exactly. Time moves only when the next event is
 later: seconds of simulated time cost what their events cost to compute. The
-last events are kept (``trace``) to say what led to a violation.
+last steps are kept (``trace``: each step's time, function and arguments, formatted
+only when read) to say what led to a violation.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class World:
         self.rng = random.Random(seed)
         self._heap: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
         self._seq = 0
-        self.trace: deque[str] = deque(maxlen=trace)
+        self._steps: deque[tuple[float, Callable[..., Any], tuple[Any, ...]]] = deque(maxlen=trace)
         self.steps = 0
 
     def at(self, when: float, fn: Callable[..., Any], *args: Any) -> None:
@@ -41,9 +42,11 @@ class World:
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + delay, fn, *args)
 
-    def note(self, what: str) -> None:
-        """A line for the trace (cheap: formatted by the caller only when it is worth it)."""
-        self.trace.append(f"{self.now:10.4f} {what}")
+    @property
+    def trace(self) -> list[str]:
+        """The last steps taken, oldest first, one line each: when, what ran, with what."""
+        return [f"{when:10.4f} {getattr(fn, '__qualname__', fn)}({', '.join(_short(a) for a in args)})"
+                for when, fn, args in self._steps]
 
     def run(self, until: float, check: Callable[[], None] | None = None) -> None:
         """Take events up to time ``until``; ``check()`` after each one (raises ``Violation``)."""
@@ -52,6 +55,7 @@ class World:
             when, _, fn, args = heapq.heappop(heap)
             self.now = when
             self.steps += 1
+            self._steps.append((when, fn, args))  # a tuple a step: formatted only if a violation reads it
             fn(*args)
             if check is not None:
                 check()
@@ -59,3 +63,8 @@ class World:
 
     def pending(self) -> int:
         return len(self._heap)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
