@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ DTYPE = "torch.float16"
 ROW_BYTES = HIDDEN * 2
 SLOTS = 6
 SLOT_ROWS = 8
-SEND_SLOTS = 32  # more than the receivers can ask for at once: encode is never what a request waits on
+SEND_SLOTS = 32  # an encode rank's send slots; its scheduler begins images first come, first served
 
 
 @dataclass
@@ -231,6 +231,8 @@ class Simulation:
         self._epd: dict[str, EpdRequest] = {}
         self._epd_of: dict[Replica, dict[str, EpdRequest]] = {}
         self._send_free: dict[SimRank, list[int]] = {}
+        self._to_begin: dict[SimRank, deque[tuple[int, int]]] = {}  # images waiting for a send slot, in order
+        self._encode_kills: dict[int, tuple[float, float]] = {}  # deployment -> when a stale name may fail a request
         self._room_slot: dict[tuple[SimRank, int], int] = {}
         self._image_of: dict[int, EpdRequest] = {}
         self._contents: dict[tuple[int, int, int, int], np.ndarray] = {}
@@ -308,6 +310,7 @@ class Simulation:
             r.concluded = concluded  # type: ignore[attr-defined]
             r.register_with(server, {"role": "encode"})
             self._send_free[r] = list(range(SEND_SLOTS))
+            self._to_begin[r] = deque()
             ranks.append(r)
         self.world.after(ROUND * self.world.rng.random(), self._encode_round, index)
         return ranks
@@ -490,7 +493,8 @@ class Simulation:
         now = self.world.now
         req.ended_at[side] = (now, reason)
         other = req.ended_at.get("decode" if side == "prefill" else "prefill")
-        if other is None or not self.lossless or "timeout after" not in reason:
+        told = reason.startswith(("prefill failed the room", "aborted by decode"))  # by a frame, naming the cause
+        if other is None or not self.lossless or "timeout after" not in reason or told:
             return
         if "peer lost" in other[1] or "found dead" in other[1]:
             return  # the other side lost contact (a killed incarnation): there was nobody to tell it
@@ -686,27 +690,27 @@ class Simulation:
     def _encode_begin(self, dep: int, room: int, rows: int) -> None:
         rng = self.world.rng
         for r in self.encode[dep]:
-            if r.killed:
-                continue
-            free = self._send_free[r]
-            if not free:
-                self.world.after(5 * ROUND, self._encode_begin_one, r, room, rows)
-                continue
-            self._encode_begin_one(r, room, rows)
+            if not r.killed:
+                self._to_begin[r].append((room, rows))
+                self._encode_next(r)
         if self.faults.image_fail and rng.random() < self.faults.image_fail:
             self.fault_counts["image_fail"] += 1
             for r in self.encode[dep]:
                 self.world.after(rng.random() * 0.02, self._encode_fail, r, room)
 
+    def _encode_next(self, r: SimRank) -> None:
+        """An encoder takes its images in the order they came, as send slots free up (first come, first
+        served: a scheduler that let a later image take a freed slot could starve an earlier one that
+        prefill already asked for, past the encode rank's begin timeout)."""
+        waiting, free = self._to_begin[r], self._send_free[r]
+        while waiting and free and not r.killed:
+            self._encode_begin_one(r, *waiting.popleft())
+
     def _encode_begin_one(self, r: SimRank, room: int, rows: int) -> None:
         req = self._image_of.get(room)
-        if r.killed or req is None or req.lost or len(req.ends) == len(req.prefill.ranks):
+        if req is None or req.lost or len(req.ends) == len(req.prefill.ranks):
             return  # the router cancels the images of a request that ended before its encoder got to them
-        free = self._send_free[r]
-        if not free:
-            self.world.after(5 * ROUND, self._encode_begin_one, r, room, rows)
-            return
-        slot = free.pop()
+        slot = self._send_free[r].pop()
         self._room_slot[(r, room)] = slot
         buf = r.buffers[0]
         start = slot * SLOT_ROWS * ROW_BYTES
@@ -737,6 +741,7 @@ class Simulation:
                     start = slot * SLOT_ROWS * ROW_BYTES
                     r.buffers[0][start : start + SLOT_ROWS * ROW_BYTES] = 0xA5  # poison: reused at once
                     self._send_free[r].append(slot)
+            self._encode_next(r)
         self.world.after(ROUND, self._encode_round, dep)
 
     def _recv_round(self, replica: Replica, now: float) -> None:
@@ -783,6 +788,8 @@ class Simulation:
                 req.ended_at = self.world.now
                 if kind == "failed" and self.lossless:
                     for room, _nrows, dep in req.images:
+                        if self._restarting_encoders(dep):
+                            continue  # its prefill ranks may have asked the killed incarnation: its timers conclude it
                         self.world.after(TIMERS["dead_after"] + 0.1, self._concluded_by_now, dep, room, rid)
                 self.counts["lifecycles"] += 1
                 self.counts[f"epd_{kind}"] += 1
@@ -829,7 +836,11 @@ class Simulation:
                 for r in ranks:
                     r.kill()
                 self.fault_counts["kill"] += 1
-                self.world.after(rng.choice([0.2, 0.8]), self._restart_encoders, dep, ranks[0].epoch + 1)
+                later = rng.choice([0.2, 0.8])
+                self.world.after(later, self._restart_encoders, dep, ranks[0].epoch + 1)
+                # (checked dead_after + 0.1 after a failure: the window is shifted by as much)
+                self._encode_kills[dep] = (self.world.now, self.world.now + later + 2 * TIMERS["dead_after"] +
+                                           TIMERS["heartbeat"] + 0.1)
             return
         if not choices:
             return
@@ -883,6 +894,13 @@ class Simulation:
         new = self._make_replica(old.role, index, tp, epoch)
         group = self.prefill if old.role == "prefill" else self.decode
         group[group.index(old)] = new
+
+    def _restarting_encoders(self, dep: int) -> bool:
+        """Whether encode deployment ``dep`` was killed recently enough that a prefill rank may still name its
+        killed incarnation (until found dead: ``dead_after`` after its restart at the latest). A failure then
+        reaches the incarnation that was asked; the restarted one concludes such rooms by its own timers."""
+        window = self._encode_kills.get(dep)
+        return window is not None and window[0] <= self.world.now <= window[1]
 
     def _restart_encoders(self, dep: int, epoch: int) -> None:
         self.encode[dep] = self._make_encoders(dep, len(self.encode[dep]), epoch)
