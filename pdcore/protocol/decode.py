@@ -311,26 +311,31 @@ class DecodeEngine(Engine):
         """Pure (configuration only): the driver may call it off the engine's thread."""
         return {key for need in needs for key in self._lookup_keys(info, *need)}
 
+    def _room_ranks(self, deployment: Deployment, request: _Request) -> tuple[list[str], bool]:
+        """The control endpoints of the prefill ranks that hold the request's room (those it pairs with, or
+        every rank of its DP group when the deployments cannot pair), as far as the cache knows, and
+        whether it knows them all (no such group: nobody, all known)."""
+        info = deployment.known()
+        if info is None:
+            return [], False
+        try:
+            keys = self._lookup_keys(info, request.room, request.dp_rank)
+        except PdError:
+            return [], True
+        ranks = [deployment.ranks.get(key) for key in keys]
+        return [rank[0] for rank in ranks if rank is not None], None not in ranks
+
     def _cannot_pair(self, deployment: Deployment, request: _Request, why: str, now: float) -> None:
         """The request cannot pair with its prefill deployment. The prefill ranks of its DP group hold the
         room too: they are told why (an ``Abort`` naming it), so they fail it now instead of at their
         bootstrap timeout; their ranks are looked up first if the cache lacks them."""
-        info = deployment.known()
-        keys: list[tuple[int, int]] = []
-        if info is not None:
-            try:
-                keys = self._lookup_keys(info, request.room, request.dp_rank)
-            except PdError:
-                keys = []  # no such group: nobody there holds the room
-        missing = [key for key in keys if key not in deployment.ranks]
-        if missing and not request.mismatch:
+        endpoints, known = self._room_ranks(deployment, request)
+        if not known and not request.mismatch:
             request.mismatch = why  # once: a second pass tells whom the look-up found
             self._lookups.wait(request.server, request, now)
             return
-        for key in keys:
-            rank = deployment.ranks.get(key)
-            if rank is not None:
-                self._tell(rank[0], wire.Abort(room=request.room, reason=f"decode cannot pair: {why}"[: wire.MAX_REASON]))
+        for endpoint in endpoints:
+            self._tell(endpoint, wire.Abort(room=request.room, reason=f"decode cannot pair: {why}"[: wire.MAX_REASON]))
         request.abort_sent = True  # told already: the settle owes no second abort
         self._fire(request.rid, Trigger.FAIL, now, request.mismatch or why)
 
@@ -443,24 +448,15 @@ class DecodeEngine(Engine):
         the deployment's ranks are known: now if cached, else after one more look-up; whom that
         look-up does not find is not told (best effort, bounded by one look-up)."""
         deployment = self._lookups.get(request.server)
-        info = deployment.known()
-        keys: list[tuple[int, int]] = []
-        if info is not None:
-            try:
-                keys = self._lookup_keys(info, request.room, request.dp_rank)
-            except PdError:
-                request.abort_sent = True  # no such group: nobody there holds the room
-                return
-        if (info is None or any(key not in deployment.ranks for key in keys)) and not request.untold:
+        endpoints, known = self._room_ranks(deployment, request)
+        if not known and not request.untold:
             request.untold = True
             if request not in deployment.waiting:
                 self._lookups.wait(request.server, request, now)
             return
         request.abort_sent, request.untold = True, False
-        for key in keys:
-            rank = deployment.ranks.get(key)
-            if rank is not None:
-                self._tell(rank[0], wire.Abort(room=request.room, reason="failed on the decode replica before it was bootstrapped"))
+        for endpoint in endpoints:
+            self._tell(endpoint, wire.Abort(room=request.room, reason="failed on the decode replica before it was bootstrapped"))
 
     # -- failures from outside -------------------------------------------------------------------
 
