@@ -1,9 +1,10 @@
 """The verbs transport: one-sided RDMA WRITEs over RC queue pairs, through pyverbs.
 
-The only module of the package that imports pyverbs. ``transport.create("verbs")``
-imports it; where pyverbs or an RDMA device is missing, building the transport
-raises ``StartError`` saying what to install or load. See ``transport/base.py``
-for the contract; this module adds the verbs resources, a small connection
+``transport.create("verbs")`` imports it, and with it pyverbs (through
+``transport/verbs_device.py``, which also chooses the device, port and GID);
+where pyverbs or an RDMA device is missing, building the transport raises
+``StartError`` saying what to install or load. See ``transport/base.py`` for
+the contract; this module adds the verbs resources, a small connection
 handshake and two threads.
 
 Resources
@@ -17,11 +18,6 @@ completion queue (so one peer's flushes can never overrun
 another's CQ); the sink side owns one RC QP per connected source, all on one
 small CQ (a sink posts only the binds and invalidations of memory windows, and
 reaps their completions itself, see "Grants and revoke").
-
-Device, port and GID: ``device`` by name (default: the first device with an
-active port), ``ib_port`` (default: its first active port), ``gid_index``
-(default: on Ethernet ports the RoCE v2 GID, preferring an IPv4-mapped one, then
-a global one, then a link-local one; on InfiniBand ports index 0).
 
 Endpoint and handshake
 ----------------------
@@ -246,6 +242,17 @@ from .base import (
 )
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .verbs_device import (
+    DEVICE_HINT,
+    INSTALL_HINT,
+    describe_device,
+    gid_str,
+    missing_pyverbs,
+    open_device,
+    pv,
+    rdma_errno,
+    unavailable_reason,
+)
 from .windows import (
     FRAME_REVOKED,
     FRAME_STOPPED,
@@ -260,75 +267,9 @@ from .windows import (
     window_spans,
 )
 
-__all__ = ["INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
+__all__ = ["DEVICE_HINT", "INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
 
 log = logging.getLogger("transport.verbs")
-
-INSTALL_HINT = (
-    "install rdma-core's Python bindings and a verbs provider: on Debian/Ubuntu "
-    "`apt-get install python3-pyverbs rdma-core ibverbs-providers` (Python 3.11 on bookworm; "
-    "`bash ci/link-pyverbs.sh` exposes it to a virtualenv)"
-)
-DEVICE_HINT = (
-    "load an RDMA driver or create a soft-RoCE device, e.g. "
-    "`rdma link add rxe0 type rxe netdev eth0` (module rdma_rxe), or use transport 'tcp'"
-)
-
-
-def _import_pyverbs() -> Any:
-    """Import pyverbs without letting its ``logging.basicConfig`` reconfigure the application's root logger."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        import pyverbs.enums as enums
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.cq import CQ, cqe_status_to_str
-        from pyverbs.device import Context, get_device_list
-        from pyverbs.mr import MR, MW, MWBindInfo
-        from pyverbs.pd import PD
-        from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-        from pyverbs.wr import SGE, SendWR
-    finally:
-        for h in root.handlers[:]:
-            if h not in handlers:
-                root.removeHandler(h)
-        root.setLevel(level)
-    return type(
-        "_Pyverbs",
-        (),
-        {
-            "e": enums,
-            "GID": GID,
-            "AHAttr": AHAttr,
-            "GlobalRoute": GlobalRoute,
-            "CQ": CQ,
-            "status_str": staticmethod(cqe_status_to_str),
-            "Context": Context,
-            "get_device_list": staticmethod(get_device_list),
-            "MR": MR,
-            "MW": MW,
-            "MWBindInfo": MWBindInfo,
-            "PD": PD,
-            "Error": PyverbsError,
-            "RDMAError": PyverbsRDMAError,
-            "QP": QP,
-            "QPAttr": QPAttr,
-            "QPCap": QPCap,
-            "QPInitAttr": QPInitAttr,
-            "SGE": SGE,
-            "SendWR": SendWR,
-        },
-    )
-
-
-try:
-    _pv: Any = _import_pyverbs()
-    _IMPORT_ERROR: ImportError | None = None
-except ImportError as _e:  # pragma: no cover - depends on the machine
-    _pv = None
-    _IMPORT_ERROR = _e
-
 
 _MAGIC = b"PDTV"
 _MAGIC_AUTH = b"PDVA"  # the hello of a source with a secret (no QP information until both are authenticated)
@@ -359,7 +300,6 @@ _REVOKED = FRAME_REVOKED  # sink → source on the liveness socket: "revoke kill
 _SINK_WR = 64  # send WRs of a sink QP: binds and invalidations of windows, posted and reaped in turn
 _SEND_TIMEOUT = 1.0  # seconds a frame may wait for room in a liveness socket before the connection is cut
 _U64_MAX = (1 << 64) - 1
-_IPV4_MAPPED = bytes(10) + b"\xff\xff"
 _HOP_LIMIT = 64
 _IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
 _SHALLOW = 4  # batches in flight up to which every batch end is signalled (lowest latency)
@@ -367,10 +307,10 @@ _BATCHES_PER_SIGNAL = 8  # beyond that, one signalled batch end in this many
 
 
 def _wc_status_names() -> dict[int, str]:
-    if _pv is None:
+    if pv is None:
         return {}
-    names = {getattr(_pv.e, n): n for n in dir(_pv.e) if n.startswith("IBV_WC_") and n.endswith("_ERR")}
-    names[_pv.e.IBV_WC_SUCCESS] = "IBV_WC_SUCCESS"
+    names = {getattr(pv.e, n): n for n in dir(pv.e) if n.startswith("IBV_WC_") and n.endswith("_ERR")}
+    names[pv.e.IBV_WC_SUCCESS] = "IBV_WC_SUCCESS"
     return names
 
 
@@ -380,11 +320,11 @@ _WC_NAMES = _wc_status_names()
 def wc_status_name(status: int) -> str:
     """``"IBV_WC_REM_ACCESS_ERR (remote access error)"`` for a work-completion status."""
     name = _WC_NAMES.get(status, f"IBV_WC status {status}")
-    return f"{name} ({_pv.status_str(status)})" if _pv is not None else name
+    return f"{name} ({pv.status_str(status)})" if pv is not None else name
 
 
 def _wc_errno(status: int) -> int:
-    e = _pv.e
+    e = pv.e
     return {
         e.IBV_WC_REM_ACCESS_ERR: errno_mod.EFAULT,
         e.IBV_WC_LOC_PROT_ERR: errno_mod.EFAULT,
@@ -394,137 +334,6 @@ def _wc_errno(status: int) -> int:
         e.IBV_WC_RNR_RETRY_EXC_ERR: errno_mod.ETIMEDOUT,
         e.IBV_WC_WR_FLUSH_ERR: errno_mod.ECANCELED,
     }.get(status, errno_mod.EIO)
-
-
-def _gid_str(raw: bytes) -> str:
-    return ":".join(raw[i : i + 2].hex() for i in range(0, 16, 2))
-
-
-def _gid_bytes(gid: Any) -> bytes:
-    return bytes.fromhex(str(gid.gid).replace(":", ""))
-
-
-def _rdma_errno(e: BaseException) -> int | None:
-    err = getattr(e, "error_code", None)
-    return int(err) if isinstance(err, int) and err > 0 else None
-
-
-@dataclass(frozen=True, slots=True)
-class _Device:
-    name: str
-    port: int
-    gid_index: int
-    gid: bytes
-    lid: int
-    mtu: int
-    link_layer: int
-    max_qp_wr: int
-    max_cqe: int
-    max_msg: int  # the port's largest message: a longer write is posted as several WRs
-
-
-def _pick_gid(ctx: Any, port: int, gid_tbl_len: int, ethernet: bool) -> int | None:
-    """The GID index to use on ``port``: RoCE v2 (IPv4-mapped > global > link-local) on Ethernet, else 0."""
-    e = _pv.e
-    entries: list[tuple[int, bytes, int]] = []  # (index, gid, type)
-    try:
-        for g in ctx.query_gid_table(max(1, gid_tbl_len)):
-            if g.port_num != port:
-                continue
-            raw = bytes.fromhex(g.gid_str().replace(":", ""))
-            entries.append((g.gid_index, raw, g.gid_type))
-        v2 = e.IBV_GID_TYPE_ROCE_V2
-    except (_pv.Error, AttributeError):  # older kernels: no gid table ioctl; walk the table
-        entries = []
-        for i in range(gid_tbl_len):
-            try:
-                raw = _gid_bytes(ctx.query_gid(port, i))
-                kind = ctx.query_gid_type(port, i)
-            except _pv.Error:
-                continue
-            entries.append((i, raw, kind))
-        v2 = e.IBV_GID_TYPE_SYSFS_ROCE_V2
-    entries = [x for x in entries if any(x[1])]
-    if not ethernet:
-        return entries[0][0] if entries else None
-    ranked = sorted(
-        (x for x in entries if x[2] == v2),
-        key=lambda x: (not x[1].startswith(_IPV4_MAPPED), x[1].startswith(b"\xfe\x80"), x[0]),
-    )
-    return ranked[0][0] if ranked else None
-
-
-def _open_device(name: str | None, ib_port: int | None, gid_index: int | None) -> tuple[Any, _Device]:
-    """Open the device and choose port and GID; ``StartError`` says what is missing."""
-    e = _pv.e
-    try:
-        devices = [d.name.decode() for d in _pv.get_device_list()]
-    except _pv.Error as ex:
-        devices = []
-        why = str(ex)
-    else:
-        why = "the device list is empty"
-    if not devices:
-        raise StartError(f"verbs transport: no RDMA device ({why}); {DEVICE_HINT}")
-    if name is not None and name not in devices:
-        raise StartError(f"verbs transport: no RDMA device named {name!r}; devices here: {', '.join(devices)}")
-    problems = []
-    for dev in [name] if name is not None else devices:
-        ctx = _pv.Context(name=dev)
-        try:
-            attr = ctx.query_device()
-            ports = [ib_port] if ib_port is not None else list(range(1, attr.phys_port_cnt + 1))
-            for port in ports:
-                try:
-                    pa = ctx.query_port(port)
-                except _pv.Error as ex:
-                    problems.append(f"{dev} port {port}: {ex}")
-                    continue
-                if pa.state != e.IBV_PORT_ACTIVE:
-                    problems.append(f"{dev} port {port} is not active (state {pa.state})")
-                    continue
-                ethernet = pa.link_layer == e.IBV_LINK_LAYER_ETHERNET
-                idx = gid_index if gid_index is not None else _pick_gid(ctx, port, pa.gid_tbl_len, ethernet)
-                if idx is None:
-                    problems.append(f"{dev} port {port} has no usable {'RoCE v2 ' if ethernet else ''}GID")
-                    continue
-                try:
-                    gid = _gid_bytes(ctx.query_gid(port, idx))
-                except _pv.Error as ex:
-                    problems.append(f"{dev} port {port} GID index {idx}: {ex}")
-                    continue
-                if not any(gid):
-                    problems.append(f"{dev} port {port} GID index {idx} is empty")
-                    continue
-                info = _Device(dev, port, idx, gid, pa.lid, pa.active_mtu, pa.link_layer, attr.max_qp_wr, attr.max_cqe,
-                               min(pa.max_msg_sz or 1 << 31, 1 << 31))
-                return ctx, info
-        except BaseException:
-            ctx.close()
-            raise
-        ctx.close()
-    raise StartError(f"verbs transport: no usable port: {'; '.join(problems)}; {DEVICE_HINT}")
-
-
-def describe_device(device: str | None = None, ib_port: int | None = None, gid_index: int | None = None) -> tuple[str, int, int]:
-    """``(device, port, gid_index)`` that ``create("verbs", ...)`` with these options would use; ``StartError`` if none."""
-    if _pv is None:
-        raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
-    ctx, info = _open_device(device, ib_port, gid_index)
-    ctx.close()
-    return info.name, info.port, info.gid_index
-
-
-def unavailable_reason(device: str | None = None) -> str | None:
-    """Why ``create("verbs", device=device)`` cannot work here, or None if it can (for test skips)."""
-    if _pv is None:
-        return f"pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}"
-    try:
-        ctx, _ = _open_device(device, None, None)
-    except StartError as ex:
-        return str(ex)
-    ctx.close()
-    return None
 
 
 # ---------------------------------------------------------------------- per-peer state
@@ -553,16 +362,16 @@ class _WrPool:
     A WR may be refilled once ``post_send`` returned (the provider copied it).
     """
 
-    __slots__ = ("_pv", "_links", "tail")
+    __slots__ = ("pv", "_links", "tail")
 
     def __init__(self, pv: Any) -> None:
-        self._pv = pv
+        self.pv = pv
         self._links: list[tuple[Any, Any]] = []
         self.tail = self._make()
 
     def _make(self) -> tuple[Any, Any]:
-        sge = self._pv.SGE(0, 0, 0)
-        wr = self._pv.SendWR(opcode=self._pv.e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge], send_flags=0)
+        sge = self.pv.SGE(0, 0, 0)
+        wr = self.pv.SendWR(opcode=self.pv.e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge], send_flags=0)
         wr.close()
         wr.sg_list = sge
         return wr, sge
@@ -624,7 +433,7 @@ class VerbsTransport(Transport):
     """RDMA WRITEs over RC QPs (pyverbs). Options:
 
     ``device`` (default: the first device with an active port), ``ib_port``, ``gid_index``
-    (default: chosen as the module docstring says); ``host``/``port``/``advertise_host`` of the
+    (default: chosen as ``transport/verbs_device.py`` says); ``host``/``port``/``advertise_host`` of the
     handshake listener (default 127.0.0.1, any port, ``host``); ``max_inflight`` (64 batches per
     peer); ``peer_timeout`` (10 s without a completion while batches are in flight = dead peer);
     ``max_send_wr`` (1024 outstanding WRs per QP, capped by the device); ``qp_timeout`` (the ack
@@ -664,8 +473,9 @@ class VerbsTransport(Transport):
         self._key = derive_key(secret, _KEY_LABEL) if secret is not None else None
         del secret  # only the derived key is kept
         self._auth = AuthFailures("verbs transport", log)
-        if _pv is None:
-            raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
+        why = missing_pyverbs()
+        if why is not None:
+            raise StartError(f"verbs transport: {why}")
         if max_inflight < 1 or peer_timeout <= 0 or max_send_wr < 2 or not 0 <= retry_cnt <= 7:
             raise StartError(
                 f"verbs transport: max_inflight ({max_inflight}) and peer_timeout ({peer_timeout}) must be "
@@ -716,18 +526,18 @@ class VerbsTransport(Transport):
         self._stop = threading.Event()
         self._closed = False
         self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
-        e = _pv.e
+        e = pv.e
         self._access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
 
         with contextlib.ExitStack() as stack:
             try:
-                self._ctx, self._dev = _open_device(device, ib_port, gid_index)
+                self._ctx, self._dev = open_device(device, ib_port, gid_index)
                 stack.callback(self._ctx.close)
-                self._pd = _pv.PD(self._ctx)
+                self._pd = pv.PD(self._ctx)
                 stack.callback(self._pd.close)
-                self._sink_cq = _pv.CQ(self._ctx, _SINK_WR + 16)
+                self._sink_cq = pv.CQ(self._ctx, _SINK_WR + 16)
                 stack.callback(self._sink_cq.close)
-            except _pv.Error as ex:
+            except pv.Error as ex:
                 raise StartError(f"verbs transport: cannot open the device: {ex}") from ex
             self._windows, why = self._probe_windows(memory_windows)
             if not self._windows:
@@ -818,18 +628,18 @@ class VerbsTransport(Transport):
         """Whether this device binds type 2 memory windows (one is allocated and freed to be sure), and why not."""
         if want is False:
             return False, "memory windows are off (memory_windows=False)"
-        e = _pv.e
+        e = pv.e
         try:
             attr = self._ctx.query_device()
-        except _pv.Error as ex:
+        except pv.Error as ex:
             return False, f"query_device failed: {ex}"
         flags = attr.device_cap_flags
         type_2 = getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2B", 0) | getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2A", 0)
         if not attr.max_mw or not flags & e.IBV_DEVICE_MEM_WINDOW or not flags & type_2:
             return False, f"the device has no type 2 memory windows (max_mw {attr.max_mw})"
         try:
-            _pv.MW(self._pd, e.IBV_MW_TYPE_2).close()
-        except _pv.Error as ex:
+            pv.MW(self._pd, e.IBV_MW_TYPE_2).close()
+        except pv.Error as ex:
             return False, f"allocating a type 2 memory window failed: {ex}"
         return True, ""
 
@@ -846,11 +656,11 @@ class VerbsTransport(Transport):
         if self._regions.find(addr, 1) is not None or self._regions.find(addr + length - 1, 1) is not None:
             raise ValueError(f"[{addr:#x}, +{length}) overlaps a registered region")
         guarded = require_grant and self._windows
-        access = self._mr_access | (0 if guarded else _pv.e.IBV_ACCESS_REMOTE_WRITE)
+        access = self._mr_access | (0 if guarded else pv.e.IBV_ACCESS_REMOTE_WRITE)
         try:
-            mr = _pv.MR(self._pd, length, access, address=addr)
-        except _pv.Error as ex:
-            raise TransportError(f"registering [{addr:#x}, +{length}) failed: {ex}", op="register", errno=_rdma_errno(ex)) from ex
+            mr = pv.MR(self._pd, length, access, address=addr)
+        except pv.Error as ex:
+            raise TransportError(f"registering [{addr:#x}, +{length}) failed: {ex}", op="register", errno=rdma_errno(ex)) from ex
         # a region's key names its MR here: the rkey, or for a guarded MR (no remote access, so no
         # rkey: rxe gives them all 0) its lkey; a device's keys name one MR each
         key = mr.lkey if guarded else mr.rkey
@@ -875,8 +685,8 @@ class VerbsTransport(Transport):
         if mr is not None:
             try:
                 mr.close()
-            except _pv.Error as ex:
-                raise TransportError(f"deregistering {region} failed: {ex}", op="deregister", errno=_rdma_errno(ex)) from ex
+            except pv.Error as ex:
+                raise TransportError(f"deregistering {region} failed: {ex}", op="deregister", errno=rdma_errno(ex)) from ex
 
     def regions(self) -> tuple[Region, ...]:
         return self._regions.snapshot()
@@ -1038,14 +848,14 @@ class VerbsTransport(Transport):
         """Move a sink QP to the error state, free its windows, destroy it; '' if the QP stopped."""
         errors = []
         try:
-            c.qp.modify(_pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR), _pv.e.IBV_QP_STATE)
-        except _pv.Error as ex:
+            c.qp.modify(pv.QPAttr(qp_state=pv.e.IBV_QPS_ERR), pv.e.IBV_QP_STATE)
+        except pv.Error as ex:
             errors.append(f"to error: {ex}")
         self._free_windows([w for ws in c.windows.values() for w in ws])
         c.windows.clear()
         try:
             c.qp.close()
-        except _pv.Error as ex:
+        except pv.Error as ex:
             errors.append(f"destroy: {ex}")
         return "; ".join(errors) if len(errors) == 2 else ""
 
@@ -1058,7 +868,7 @@ class VerbsTransport(Transport):
     def _open_windows(self, c: _SinkConn, key: int, spans: list[tuple[int, int]], *, send: bool) -> bool:
         """Bind one type 2 window per span on ``c``'s QP (and with ``send`` tell the source: ``W``);
         False if that failed (the caller cuts the connection)."""
-        e = _pv.e
+        e = pv.e
         access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         made: list[tuple[Any, int, int, int]] = []
         wrs = []
@@ -1068,15 +878,15 @@ class VerbsTransport(Transport):
                 mr = self._mrs.get(region.key) if region is not None else None
                 if mr is None:
                     raise _BindFailed(f"[{a:#x}, +{n}) is no longer registered")
-                mw = _pv.MW(self._pd, e.IBV_MW_TYPE_2)
-                wr = _pv.SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
-                wr.set_bind_wr(mw, _pv.MWBindInfo(mr, a, n, access))
+                mw = pv.MW(self._pd, e.IBV_MW_TYPE_2)
+                wr = pv.SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
+                wr.set_bind_wr(mw, pv.MWBindInfo(mr, a, n, access))
                 made.append((mw, a, n, wr.rkey))
                 wrs.append(wr)
             why = self._sink_wrs(c.qp, wrs)
             if why:
                 raise _BindFailed(why)
-        except (_pv.Error, _BindFailed) as ex:
+        except (pv.Error, _BindFailed) as ex:
             log.warning("verbs transport: binding %d memory window(s) of grant %d failed: %s", len(spans), key, ex)
             self._free_windows(made)
             return False
@@ -1088,15 +898,15 @@ class VerbsTransport(Transport):
         made = c.windows.pop(key, None)
         if not made:
             return False
-        e = _pv.e
+        e = pv.e
         wrs = []
         for _mw, _a, _n, rkey in made:
-            wr = _pv.SendWR(opcode=e.IBV_WR_LOCAL_INV, send_flags=e.IBV_SEND_SIGNALED)
+            wr = pv.SendWR(opcode=e.IBV_WR_LOCAL_INV, send_flags=e.IBV_SEND_SIGNALED)
             wr.imm_data = rkey  # pyverbs 44 carries invalidate_rkey in imm_data's place (one union)
             wrs.append(wr)
         try:
             why = self._sink_wrs(c.qp, wrs)
-        except _pv.Error as ex:
+        except pv.Error as ex:
             why = str(ex)
         self._free_windows(made)
         if why:
@@ -1106,7 +916,7 @@ class VerbsTransport(Transport):
     @staticmethod
     def _free_windows(made: list[tuple[Any, int, int, int]]) -> None:
         for mw, *_ in made:
-            with contextlib.suppress(_pv.Error):
+            with contextlib.suppress(pv.Error):
                 mw.close()  # ibv_dealloc_mw: invalidates a window still bound
 
     def _sink_wrs(self, qp: Any, wrs: list[Any]) -> str:
@@ -1130,7 +940,7 @@ class VerbsTransport(Transport):
                     if wc.wr_id < first:
                         continue  # of an earlier call that gave up waiting
                     left -= 1
-                    if wc.status != _pv.e.IBV_WC_SUCCESS and not why:
+                    if wc.status != pv.e.IBV_WC_SUCCESS and not why:
                         why = f"work completion {wc_status_name(wc.status)}"
                 if not wcs:
                     if deadline.expired():
@@ -1149,12 +959,12 @@ class VerbsTransport(Transport):
     # ------------------------------------------------------------------ QPs
 
     def _make_qp(self, cq: Any, send_wr: int) -> Any:
-        cap = _pv.QPCap(max_send_wr=send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = _pv.QPInitAttr(qp_type=_pv.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
-        return _pv.QP(self._pd, init)
+        cap = pv.QPCap(max_send_wr=send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = pv.QPInitAttr(qp_type=pv.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+        return pv.QP(self._pd, init)
 
     def _to_rts(self, qp: Any, *, rqpn: int, rpsn: int, lpsn: int, gid: bytes, lid: int, mtu: int) -> None:
-        attr = _pv.QPAttr(port_num=self._dev.port, path_mtu=mtu)
+        attr = pv.QPAttr(port_num=self._dev.port, path_mtu=mtu)
         attr.qp_access_flags = self._access
         attr.pkey_index = 0
         attr.dest_qp_num = rqpn
@@ -1166,15 +976,15 @@ class VerbsTransport(Transport):
         attr.timeout = self._qp_timeout
         attr.retry_cnt = self._retry_cnt
         attr.rnr_retry = min(self._retry_cnt, 6)
-        gr = _pv.GlobalRoute(dgid=_pv.GID(_gid_str(gid)), sgid_index=self._dev.gid_index, hop_limit=_HOP_LIMIT)
-        attr.ah_attr = _pv.AHAttr(port_num=self._dev.port, is_global=1, dlid=lid, gr=gr)
+        gr = pv.GlobalRoute(dgid=pv.GID(gid_str(gid)), sgid_index=self._dev.gid_index, hop_limit=_HOP_LIMIT)
+        attr.ah_attr = pv.AHAttr(port_num=self._dev.port, is_global=1, dlid=lid, gr=gr)
         qp.to_rts(attr)
 
     @staticmethod
     def _qp_to_error(qp: Any) -> None:
-        attr = _pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR)
-        with contextlib.suppress(_pv.Error):
-            qp.modify(attr, _pv.e.IBV_QP_STATE)
+        attr = pv.QPAttr(qp_state=pv.e.IBV_QPS_ERR)
+        with contextlib.suppress(pv.Error):
+            qp.modify(attr, pv.e.IBV_QP_STATE)
 
     # ------------------------------------------------------------------ source side
 
@@ -1196,12 +1006,12 @@ class VerbsTransport(Transport):
         psn = int.from_bytes(os.urandom(3), "little")
         with contextlib.ExitStack() as stack:
             try:
-                cq = _pv.CQ(self._ctx, self._max_send_wr + 16)
+                cq = pv.CQ(self._ctx, self._max_send_wr + 16)
                 stack.callback(cq.close)
                 qp = self._make_qp(cq, self._max_send_wr)
                 stack.callback(qp.close)
-            except _pv.Error as ex:
-                raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
+            except pv.Error as ex:
+                raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
             try:
                 sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
             except OSError as ex:
@@ -1250,10 +1060,10 @@ class VerbsTransport(Transport):
                 raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
             try:
                 self._to_rts(qp, rqpn=rqpn, rpsn=rpsn, lpsn=psn, gid=gid, lid=lid, mtu=min(path_mtu, self._dev.mtu))
-            except _pv.Error as ex:
-                raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
+            except pv.Error as ex:
+                raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
             sock.setblocking(False)
-            wrs = _WrPool(_pv)
+            wrs = _WrPool(pv)
             stack.callback(wrs.close)
             peer = _VerbsPeer(
                 next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, wrs=wrs, sock=sock,
@@ -1420,7 +1230,7 @@ class VerbsTransport(Transport):
         room = self._max_send_wr - (p.next_wr - 1 - p.retired)
         if room <= 0 or not (p.unposted or flush):
             return None
-        signalled = _pv.e.IBV_SEND_SIGNALED
+        signalled = pv.e.IBV_SEND_SIGNALED
         posts: list[tuple[int, int, int, int, int, int, int]] = []  # (wr_id, flags, la, lkey, ra, rkey, n)
         deep = len(p.inflight) > _SHALLOW
         if flush and not p.unposted:
@@ -1466,8 +1276,8 @@ class VerbsTransport(Transport):
             prev = wr
         try:
             p.qp.post_send(pool.tail[0] if end == 0 else pool.link(0)[0])
-        except _pv.Error as ex:
-            return TransportError(f"ibv_post_send failed: {ex}", op="write", errno=_rdma_errno(ex))
+        except pv.Error as ex:
+            return TransportError(f"ibv_post_send failed: {ex}", op="write", errno=rdma_errno(ex))
         return None
 
     # ------------------------------------------------------------------ completions
@@ -1514,7 +1324,7 @@ class VerbsTransport(Transport):
 
     def _reap(self, p: _VerbsPeer) -> bool:
         """Poll one peer's CQ; complete, fail and post as the completions say. True if it found any."""
-        e = _pv.e
+        e = pv.e
         done: list[_Batch] = []
         answers: list[int] = []  # grants being revoked whose last batch just completed: tell the sink
         failure: TransportError | None = None
@@ -1524,9 +1334,9 @@ class VerbsTransport(Transport):
                     return False
                 try:
                     _n, wcs = p.cq.poll(64)
-                except _pv.Error as ex:
+                except pv.Error as ex:
                     wcs = []
-                    failure = TransportError(f"polling the CQ failed: {ex}", op="write", errno=_rdma_errno(ex))
+                    failure = TransportError(f"polling the CQ failed: {ex}", op="write", errno=rdma_errno(ex))
                 for wc in wcs:
                     if wc.status == e.IBV_WC_SUCCESS:
                         p.retired = max(p.retired, wc.wr_id)
@@ -1595,10 +1405,10 @@ class VerbsTransport(Transport):
                     wrs.close()
                 if qp is not None:
                     self._qp_to_error(qp)
-                    with contextlib.suppress(_pv.Error):
+                    with contextlib.suppress(pv.Error):
                         qp.close()
                 if cq is not None:
-                    with contextlib.suppress(_pv.Error):
+                    with contextlib.suppress(pv.Error):
                         cq.close()
                 p.lock.notify_all()
             if sock is not None:
@@ -1783,10 +1593,10 @@ class VerbsTransport(Transport):
             try:
                 qp = self._make_qp(self._sink_cq, _SINK_WR)  # a sink QP posts only window binds and invalidations
                 self._to_rts(qp, rqpn=qpn, rpsn=psn, lpsn=mypsn, gid=gid, lid=lid, mtu=path_mtu)
-            except _pv.Error as ex:
+            except pv.Error as ex:
                 if qp is not None:
                     qp.close()
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _QP_FAILED, 0, 0, 0, _rdma_errno(ex) or errno_mod.EIO))
+                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _QP_FAILED, 0, 0, 0, rdma_errno(ex) or errno_mod.EIO))
                 conn.close()
                 return
             # revocable before the source can use it: in _sinks before the reply with our QPN leaves
@@ -1856,7 +1666,7 @@ class VerbsTransport(Transport):
         for sink in sinks:
             try:
                 sink.qp.close()
-            except _pv.Error as ex:
+            except pv.Error as ex:
                 errors.append(ex)
             sink.sock.close()
         for sock, _what in pending:
@@ -1867,14 +1677,14 @@ class VerbsTransport(Transport):
             if mr is not None:
                 try:
                     mr.close()
-                except _pv.Error as ex:
+                except pv.Error as ex:
                     errors.append(ex)
         try:
             self._owned.close()  # selector, wake pair, listener, sink CQ, PD, context (reverse order)
-        except _pv.Error as ex:
+        except pv.Error as ex:
             errors.append(ex)
         if errors:
-            raise TransportError(f"close: freeing verbs resources failed: {errors[0]}", op="close", errno=_rdma_errno(errors[0]))
+            raise TransportError(f"close: freeing verbs resources failed: {errors[0]}", op="close", errno=rdma_errno(errors[0]))
 
     def _stop_threads(self) -> None:
         self._stop.set()
