@@ -42,27 +42,10 @@ break and treated as a close).
 Writes and completions
 ----------------------
 ``write`` validates every write against the local regions and the peer's last
-endpoint, then posts the batch as a chain of RDMA WRITE work requests (one SGE
-each; a write longer than the port's ``max_msg_sz``, 8 MiB on rxe, as several:
-one longer message fails the queue pair at the sink) with ``ibv_post_send``. Selective signalling: a WR is signalled if it
-ends its batch, ends a post (the send queue is full), or is every
-``max_send_wr // 4``-th; never more than ``max_send_wr`` WRs are outstanding on
-the QP, and the rest of a long batch is posted as completions retire earlier
-WRs. An empty batch posts one zero-length RDMA WRITE: the RC queue completes it
-after every earlier WR, which makes it the fence the contract asks for.
-
-The completion thread polls the CQs of the peers with work in flight
-(pyverbs 44 exposes neither the completion channel's fd nor a GIL-free wait,
-so it polls with a short back-off and sleeps on a condition when nothing is in
-flight), retires WRs, completes batches in order and posts what waits. A
-work completion with an error status fails the batch that holds that WR with
-``TransportError`` naming the status (``IBV_WC_REM_ACCESS_ERR`` for a target
-the sink no longer has registered, ``IBV_WC_RETRY_EXC_ERR`` for a peer that
-stopped answering, ...); the QP is then in the error state, so every later
-batch in flight fails too, the peer is torn down and ``write`` to it raises at
-once until the caller ``connect``\\ s again. A peer with batches in flight and
-no completion for ``peer_timeout`` seconds is failed the same way (``ETIMEDOUT``);
-the QP's own ack timeout and retry count are set to give up well before that.
+endpoint and posts it on the peer's queue pair; the completion thread reaps the
+completions and fails a peer whose queue pair failed or went quiet. What is
+posted when, what is signalled and what a work completion's status means is
+``transport/verbs_qp.py``.
 
 Deregistering a sink region revokes its rkey at once: a write still in flight
 into it fails with ``IBV_WC_REM_ACCESS_ERR`` (the sink's hardware checks it,
@@ -246,13 +229,13 @@ from .verbs_device import (
     DEVICE_HINT,
     INSTALL_HINT,
     describe_device,
-    gid_str,
     missing_pyverbs,
     open_device,
     pv,
     rdma_errno,
     unavailable_reason,
 )
+from .verbs_qp import SendQueue, Wr, WrBatch, make_qp, qp_to_error, to_rts, wc_status_name
 from .windows import (
     FRAME_REVOKED,
     FRAME_STOPPED,
@@ -300,110 +283,21 @@ _REVOKED = FRAME_REVOKED  # sink → source on the liveness socket: "revoke kill
 _SINK_WR = 64  # send WRs of a sink QP: binds and invalidations of windows, posted and reaped in turn
 _SEND_TIMEOUT = 1.0  # seconds a frame may wait for room in a liveness socket before the connection is cut
 _U64_MAX = (1 << 64) - 1
-_HOP_LIMIT = 64
 _IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
-_SHALLOW = 4  # batches in flight up to which every batch end is signalled (lowest latency)
-_BATCHES_PER_SIGNAL = 8  # beyond that, one signalled batch end in this many
-
-
-def _wc_status_names() -> dict[int, str]:
-    if pv is None:
-        return {}
-    names = {getattr(pv.e, n): n for n in dir(pv.e) if n.startswith("IBV_WC_") and n.endswith("_ERR")}
-    names[pv.e.IBV_WC_SUCCESS] = "IBV_WC_SUCCESS"
-    return names
-
-
-_WC_NAMES = _wc_status_names()
-
-
-def wc_status_name(status: int) -> str:
-    """``"IBV_WC_REM_ACCESS_ERR (remote access error)"`` for a work-completion status."""
-    name = _WC_NAMES.get(status, f"IBV_WC status {status}")
-    return f"{name} ({pv.status_str(status)})" if pv is not None else name
-
-
-def _wc_errno(status: int) -> int:
-    e = pv.e
-    return {
-        e.IBV_WC_REM_ACCESS_ERR: errno_mod.EFAULT,
-        e.IBV_WC_LOC_PROT_ERR: errno_mod.EFAULT,
-        e.IBV_WC_LOC_ACCESS_ERR: errno_mod.EFAULT,
-        e.IBV_WC_RETRY_EXC_ERR: errno_mod.ETIMEDOUT,
-        e.IBV_WC_RESP_TIMEOUT_ERR: errno_mod.ETIMEDOUT,
-        e.IBV_WC_RNR_RETRY_EXC_ERR: errno_mod.ETIMEDOUT,
-        e.IBV_WC_WR_FLUSH_ERR: errno_mod.ECANCELED,
-    }.get(status, errno_mod.EIO)
 
 
 # ---------------------------------------------------------------------- per-peer state
 
 
-@dataclass(slots=True, eq=False)
-class _Batch:
-    batch_id: int
-    wrs: list[tuple[int, int, int, int, int]]  # (local addr, lkey, remote addr, rkey, length); [] = fence
-    on_done: OnDone | None
-    posted: int = 0  # WRs of this batch posted so far
-    last_wr: int = 0  # wr_id of its last WR, once all are posted
-    grant: int = 0  # the grant key it writes through, counted in SourceWindows.busy (windows only)
-    error: TransportError | None = None  # refused before posting: a fence WR keeps its place in the order
-
-
-class _WrPool:
-    """Send WRs made once per peer and refilled in place for every post.
-
-    Creating pyverbs objects per write is most of a single-write batch's CPU
-    (each costs a logger lookup and two mallocs). Each pooled WR reads its own
-    SGE: pyverbs 44 can only point ``SendWR.sg_list`` at an SGE, so the copy
-    the WR was built with is freed (``close()``) and the pointer then set; at
-    the end only the SGEs are closed, never the WRs again. pyverbs cannot clear
-    a ``next_wr`` either, so ``tail`` is never given one: it ends every chain.
-    A WR may be refilled once ``post_send`` returned (the provider copied it).
-    """
-
-    __slots__ = ("pv", "_links", "tail")
-
-    def __init__(self, pv: Any) -> None:
-        self.pv = pv
-        self._links: list[tuple[Any, Any]] = []
-        self.tail = self._make()
-
-    def _make(self) -> tuple[Any, Any]:
-        sge = self.pv.SGE(0, 0, 0)
-        wr = self.pv.SendWR(opcode=self.pv.e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge], send_flags=0)
-        wr.close()
-        wr.sg_list = sge
-        return wr, sge
-
-    def link(self, i: int) -> tuple[Any, Any]:
-        """The ``i``-th WR of a chain, not its last (made on first use; at most ``max_send_wr - 1``)."""
-        while len(self._links) <= i:
-            self._links.append(self._make())
-        return self._links[i]
-
-    def close(self) -> None:
-        for _wr, sge in (*self._links, self.tail):
-            sge.close()
-        self._links = []
-
-
 @dataclass(eq=False, slots=True)
 class _VerbsPeer(PeerHandle):
-    qp: Any = None
-    cq: Any = None
-    wrs: _WrPool | None = None  # the send WRs, refilled for every post; guarded by ``lock``
+    """A sink as its source sees it: the queue pair's send side, the liveness socket, what the sink granted."""
+
+    sq: SendQueue | None = None  # the QP's send side; guarded by ``lock``, None once the peer failed
     sock: socket.socket | None = None
     lock: threading.Condition = field(default_factory=threading.Condition)
     deliver: threading.RLock = field(default_factory=threading.RLock)
-    unposted: deque[_Batch] = field(default_factory=deque)  # not every WR posted yet (head may be partly posted)
-    inflight: deque[_Batch] = field(default_factory=deque)  # every batch not completed, in order
     slots: int = 0  # batches holding an in-flight slot
-    next_wr: int = 1
-    retired: int = 0  # every wr_id <= retired has completed
-    since_signal: int = 0
-    unsignalled_batches: int = 0
-    last_signalled: int = 0  # wr_id of the last signalled WR posted
     error: TransportError | None = None
     last_progress: float = 0.0
     grant_floor: int = 0  # grant keys <= this that are not in grant_live were dead when we connected
@@ -527,7 +421,6 @@ class VerbsTransport(Transport):
         self._closed = False
         self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
         e = pv.e
-        self._access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
 
         with contextlib.ExitStack() as stack:
             try:
@@ -548,7 +441,6 @@ class VerbsTransport(Transport):
                                 "state instead (revoke_method)", self._dev.name, why)
             self._mr_access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_MW_BIND if self._windows else 0)
             self._max_send_wr = max(2, min(max_send_wr, self._dev.max_qp_wr, self._dev.max_cqe - 1))
-            self._signal_every = max(1, self._max_send_wr // 4)
             try:
                 self._listener = socket.create_server((host, port), backlog=128)
             except OSError as ex:
@@ -958,33 +850,11 @@ class VerbsTransport(Transport):
 
     # ------------------------------------------------------------------ QPs
 
-    def _make_qp(self, cq: Any, send_wr: int) -> Any:
-        cap = pv.QPCap(max_send_wr=send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = pv.QPInitAttr(qp_type=pv.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
-        return pv.QP(self._pd, init)
-
     def _to_rts(self, qp: Any, *, rqpn: int, rpsn: int, lpsn: int, gid: bytes, lid: int, mtu: int) -> None:
-        attr = pv.QPAttr(port_num=self._dev.port, path_mtu=mtu)
-        attr.qp_access_flags = self._access
-        attr.pkey_index = 0
-        attr.dest_qp_num = rqpn
-        attr.rq_psn = rpsn
-        attr.sq_psn = lpsn
-        attr.max_dest_rd_atomic = 1
-        attr.max_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        attr.timeout = self._qp_timeout
-        attr.retry_cnt = self._retry_cnt
-        attr.rnr_retry = min(self._retry_cnt, 6)
-        gr = pv.GlobalRoute(dgid=pv.GID(gid_str(gid)), sgid_index=self._dev.gid_index, hop_limit=_HOP_LIMIT)
-        attr.ah_attr = pv.AHAttr(port_num=self._dev.port, is_global=1, dlid=lid, gr=gr)
-        qp.to_rts(attr)
+        to_rts(qp, self._dev, rqpn=rqpn, rpsn=rpsn, lpsn=lpsn, gid=gid, lid=lid, mtu=mtu,
+               timeout=self._qp_timeout, retry_cnt=self._retry_cnt)
 
-    @staticmethod
-    def _qp_to_error(qp: Any) -> None:
-        attr = pv.QPAttr(qp_state=pv.e.IBV_QPS_ERR)
-        with contextlib.suppress(pv.Error):
-            qp.modify(attr, pv.e.IBV_QP_STATE)
+    _qp_to_error = staticmethod(qp_to_error)  # tests/rdma break a sink QP through it
 
     # ------------------------------------------------------------------ source side
 
@@ -1006,18 +876,16 @@ class VerbsTransport(Transport):
         psn = int.from_bytes(os.urandom(3), "little")
         with contextlib.ExitStack() as stack:
             try:
-                cq = pv.CQ(self._ctx, self._max_send_wr + 16)
-                stack.callback(cq.close)
-                qp = self._make_qp(cq, self._max_send_wr)
-                stack.callback(qp.close)
+                sq = SendQueue(self._ctx, self._pd, self._max_send_wr)
             except pv.Error as ex:
                 raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
+            stack.callback(sq.close)
             try:
                 sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
             except OSError as ex:
                 raise TransportError(f"cannot reach the peer's handshake listener {host}:{port}: {ex}", op="connect", errno=ex.errno) from ex
             stack.callback(sock.close)
-            info = _QP_INFO.pack(qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
+            info = _QP_INFO.pack(sq.qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
             try:
                 magic, version, status, rqpn, rpsn, path_mtu, err = self._hello(sock, f"{host}:{port}", remote.instance, info, deadline)
             except OSError as ex:
@@ -1059,14 +927,12 @@ class VerbsTransport(Transport):
             except OSError as ex:
                 raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
             try:
-                self._to_rts(qp, rqpn=rqpn, rpsn=rpsn, lpsn=psn, gid=gid, lid=lid, mtu=min(path_mtu, self._dev.mtu))
+                self._to_rts(sq.qp, rqpn=rqpn, rpsn=rpsn, lpsn=psn, gid=gid, lid=lid, mtu=min(path_mtu, self._dev.mtu))
             except pv.Error as ex:
                 raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
             sock.setblocking(False)
-            wrs = _WrPool(pv)
-            stack.callback(wrs.close)
             peer = _VerbsPeer(
-                next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, wrs=wrs, sock=sock,
+                next(self._peer_ids), remote, RegionTable(remote.regions), sq=sq, sock=sock,
                 grant_floor=floor, grant_live=live, win=win,
             )
             peer.last_progress = time.monotonic()
@@ -1142,7 +1008,7 @@ class VerbsTransport(Transport):
                 op="write",
                 errno=errno_mod.EACCES,
             )
-        wrs: list[tuple[int, int, int, int, int]] = []
+        wrs: list[Wr] = []
         remote = p.regions
         local = self._regions
         for la, ra, n in _rows(batch):
@@ -1164,16 +1030,18 @@ class VerbsTransport(Transport):
             if p.win is not None:
                 wrs, refused = self._through_windows(p, key, wrs, deadline)
             take_slot(p, self._max_inflight, deadline, self._check_usable)
+            sq = p.sq
+            assert sq is not None  # set until the peer fails, and _check_usable saw it had not
             batch_id = next(self._batch_ids)
-            b = _Batch(batch_id, wrs, on_done, error=refused)
+            b = WrBatch(batch_id, wrs, on_done, error=refused)
             if key and p.win is not None and refused is None:
                 b.grant = key
                 p.win.began(key)
-            if not p.inflight:
+            if not sq.inflight:
                 p.last_progress = time.monotonic()
-            p.inflight.append(b)
-            p.unposted.append(b)
-            failure = self._post_locked(p)
+            sq.inflight.append(b)
+            sq.unposted.append(b)
+            failure = sq.post()
         if failure is not None:
             self._fail_peer(p, failure)
         else:
@@ -1183,8 +1051,8 @@ class VerbsTransport(Transport):
         return batch_id
 
     def _through_windows(
-        self, p: _VerbsPeer, key: int, wrs: list[tuple[int, int, int, int, int]], deadline: Deadline | None
-    ) -> tuple[list[tuple[int, int, int, int, int]], TransportError | None]:
+        self, p: _VerbsPeer, key: int, wrs: list[Wr], deadline: Deadline | None
+    ) -> tuple[list[Wr], TransportError | None]:
         """``wrs`` with each remote rkey replaced by its window's (holding ``p.lock``), or why the batch fails."""
         win = p.win
         assert win is not None
@@ -1216,70 +1084,6 @@ class VerbsTransport(Transport):
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
         return self._queue.get(max_items, deadline)
 
-    def _post_locked(self, p: _VerbsPeer, *, flush: bool = False) -> TransportError | None:
-        """Post waiting WRs while the send queue has room (holding ``p.lock``); an error means: fail the peer.
-
-        Signalling: a WR is signalled if the send queue is full after it, every ``max_send_wr // 4``-th
-        WR, and at a batch end while few batches are in flight (or every ``_BATCHES_PER_SIGNAL``-th
-        batch end when many are). A batch whose end is unsignalled completes when a later signalled
-        WR does (an RC queue completes in order); if nothing later is signalled, the completion
-        thread posts a signalled zero-length WRITE (``flush=True``) once the CQ has caught up.
-        """
-        if p.qp is None or p.error is not None:
-            return None
-        room = self._max_send_wr - (p.next_wr - 1 - p.retired)
-        if room <= 0 or not (p.unposted or flush):
-            return None
-        signalled = pv.e.IBV_SEND_SIGNALED
-        posts: list[tuple[int, int, int, int, int, int, int]] = []  # (wr_id, flags, la, lkey, ra, rkey, n)
-        deep = len(p.inflight) > _SHALLOW
-        if flush and not p.unposted:
-            p.unposted.append(_Batch(0, [], None))  # a bare fence WR, owned by no batch
-        while p.unposted and room > 0:
-            b = p.unposted[0]
-            items = b.wrs or [(0, 0, 0, 0, 0)]  # the fence: one zero-length WRITE
-            while b.posted < len(items) and room > 0:
-                la, lkey, ra, rkey, n = items[b.posted]
-                b.posted += 1
-                room -= 1
-                wr_id = p.next_wr
-                p.next_wr += 1
-                p.since_signal += 1
-                last = b.posted == len(items)
-                if last:
-                    p.unsignalled_batches += 1
-                signal = (
-                    room == 0
-                    or p.since_signal >= self._signal_every
-                    or (last and (not deep or n == 0 or p.unsignalled_batches >= _BATCHES_PER_SIGNAL))
-                )
-                if signal:
-                    p.since_signal = 0
-                    p.unsignalled_batches = 0
-                    p.last_signalled = wr_id
-                posts.append((wr_id, signalled if signal else 0, la, lkey, ra, rkey, n))
-                if last:
-                    b.last_wr = wr_id
-            if b.posted == len(items):
-                p.unposted.popleft()
-        pool = p.wrs
-        assert pool is not None  # set with qp, cleared with it
-        end = len(posts) - 1
-        prev = None
-        for i, (wr_id, flags, la, lkey, ra, rkey, n) in enumerate(posts):
-            wr, sge = pool.tail if i == end else pool.link(i)
-            wr.wr_id, wr.send_flags, wr.num_sge = wr_id, flags, 1 if n else 0
-            wr.set_wr_rdma(rkey, ra)
-            sge.addr, sge.length, sge.lkey = la, n, lkey
-            if prev is not None:
-                prev.next_wr = wr
-            prev = wr
-        try:
-            p.qp.post_send(pool.tail[0] if end == 0 else pool.link(0)[0])
-        except pv.Error as ex:
-            return TransportError(f"ibv_post_send failed: {ex}", op="write", errno=rdma_errno(ex))
-        return None
-
     # ------------------------------------------------------------------ completions
 
     def _cq_loop(self) -> None:
@@ -1288,7 +1092,7 @@ class VerbsTransport(Transport):
         while not self._stop.is_set():
             with self._work:  # write() appends, then notifies under this lock: no lost wake-up
                 with self._lock:
-                    active = [p for p in self._peers.values() if p.inflight and p.cq is not None]
+                    active = [p for p in self._peers.values() if (sq := p.sq) is not None and sq.inflight]
                 if not active:
                     if not self._stop.is_set():
                         self._work.wait(_IDLE_WAIT)
@@ -1302,7 +1106,9 @@ class VerbsTransport(Transport):
             if now >= next_watchdog:
                 next_watchdog = now + min(0.05, self._peer_timeout / 10)
                 for p in active:
-                    if p.inflight and p.error is None and now - p.last_progress > self._peer_timeout:
+                    sq = p.sq
+                    busy = sq is not None and sq.inflight and p.error is None
+                    if busy and now - p.last_progress > self._peer_timeout:
                         self._fail_peer(
                             p,
                             TransportError(
@@ -1324,46 +1130,24 @@ class VerbsTransport(Transport):
 
     def _reap(self, p: _VerbsPeer) -> bool:
         """Poll one peer's CQ; complete, fail and post as the completions say. True if it found any."""
-        e = pv.e
-        done: list[_Batch] = []
         answers: list[int] = []  # grants being revoked whose last batch just completed: tell the sink
-        failure: TransportError | None = None
         with p.deliver:
             with p.lock:
-                if p.cq is None or p.error is not None:
+                sq = p.sq
+                if sq is None or p.error is not None:
                     return False
-                try:
-                    _n, wcs = p.cq.poll(64)
-                except pv.Error as ex:
-                    wcs = []
-                    failure = TransportError(f"polling the CQ failed: {ex}", op="write", errno=rdma_errno(ex))
-                for wc in wcs:
-                    if wc.status == e.IBV_WC_SUCCESS:
-                        p.retired = max(p.retired, wc.wr_id)
-                        continue
-                    if wc.status != e.IBV_WC_WR_FLUSH_ERR:
-                        # RC completes in order: every WR before the failing one has landed
-                        p.retired = max(p.retired, wc.wr_id - 1)
-                    failure = self._wc_failure(p, wc.wr_id, wc.status, wc.vendor_err)
-                    break
-                if wcs:
+                found, done, failure = sq.reap()
+                if found:
                     p.last_progress = time.monotonic()
-                while p.inflight and p.inflight[0].last_wr and p.inflight[0].last_wr <= p.retired:
-                    b = p.inflight.popleft()
-                    done.append(b)
-                    if b.grant and p.win is not None and p.win.ended(b.grant):
-                        answers.append(b.grant)
-                if failure is None and p.unposted:
-                    failure = self._post_locked(p)
-                if failure is None and p.inflight and not p.unposted and p.retired >= p.last_signalled:
-                    failure = self._post_locked(p, flush=True)  # the tail was unsignalled: make it complete
+                if p.win is not None:
+                    answers = [b.grant for b in done if b.grant and p.win.ended(b.grant)]
             for b in done:
                 self._deliver(p, b, b.error)
             for k in answers:
                 self._tell(p, encode_stop(k, answer=True))
             if failure is not None:
                 self._fail_peer(p, failure)
-        return bool(wcs) or failure is not None
+        return found or failure is not None
 
     @staticmethod
     def _tell(p: _VerbsPeer, frame: bytes) -> None:
@@ -1373,16 +1157,7 @@ class VerbsTransport(Transport):
             if sock is not None:
                 _send_frame(sock, frame)
 
-    def _wc_failure(self, p: _VerbsPeer, wr_id: int, status: int, vendor_err: int) -> TransportError:
-        which = next((b.batch_id for b in p.inflight if b.last_wr == 0 or b.last_wr >= wr_id), None)
-        return TransportError(
-            f"RDMA WRITE failed: work completion {wc_status_name(status)} (vendor error {vendor_err:#x}) "
-            f"on QP {p.qp.qp_num if p.qp is not None else '?'}, batch {which}",
-            op="write",
-            errno=_wc_errno(status),
-        )
-
-    def _deliver(self, p: _VerbsPeer, b: _Batch, error: TransportError | None) -> None:
+    def _deliver(self, p: _VerbsPeer, b: WrBatch, error: TransportError | None) -> None:
         deliver(self._queue, p, b.batch_id, b.on_done, error)
 
     def _fail_peer(self, p: _VerbsPeer, error: TransportError) -> None:
@@ -1396,20 +1171,12 @@ class VerbsTransport(Transport):
                 if first:
                     p.error = error
                 p.closed = True
-                items = list(p.inflight)
-                p.inflight.clear()
-                p.unposted.clear()
-                qp, cq, wrs, sock = p.qp, p.cq, p.wrs, p.sock
-                p.qp = p.cq = p.wrs = p.sock = None
-                if wrs is not None:
-                    wrs.close()
-                if qp is not None:
-                    self._qp_to_error(qp)
-                    with contextlib.suppress(pv.Error):
-                        qp.close()
-                if cq is not None:
-                    with contextlib.suppress(pv.Error):
-                        cq.close()
+                sq, sock = p.sq, p.sock
+                p.sq = p.sock = None
+                items: list[WrBatch] = []
+                if sq is not None:
+                    items = list(sq.inflight)
+                    sq.close()
                 p.lock.notify_all()
             if sock is not None:
                 self._unwatch(sock)
@@ -1591,7 +1358,7 @@ class VerbsTransport(Transport):
             path_mtu = min(mtu, self._dev.mtu)
             qp = None
             try:
-                qp = self._make_qp(self._sink_cq, _SINK_WR)  # a sink QP posts only window binds and invalidations
+                qp = make_qp(self._pd, self._sink_cq, _SINK_WR)  # a sink QP posts only window binds and invalidations
                 self._to_rts(qp, rqpn=qpn, rpsn=psn, lpsn=mypsn, gid=gid, lid=lid, mtu=path_mtu)
             except pv.Error as ex:
                 if qp is not None:
@@ -1659,7 +1426,7 @@ class VerbsTransport(Transport):
             pending = list(self._cm_pending)
             self._cm_pending.clear()
         for sink in sinks:
-            self._qp_to_error(sink.qp)
+            qp_to_error(sink.qp)
             self._free_windows([w for ws in sink.windows.values() for w in ws])  # a bound window holds its QP
             sink.windows.clear()
         errors = []
