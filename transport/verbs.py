@@ -10,9 +10,8 @@ handshake and two threads.
 Resources
 ---------
 One device context and one protection domain per transport. ``register`` makes
-one memory region (MR) with local-write and remote-write access (with memory
-windows, see "Grants and revoke", a region that requires grants gets no remote
-access); a region's ``key`` is the MR's rkey (for such a region, its lkey).
+one memory region (see ``transport/verbs_regions.py``; with memory windows, a
+region that requires grants gets no remote access).
 Each connected peer (source side) owns one RC queue pair and its own
 completion queue (so one peer's flushes can never overrun
 another's CQ); the sink side owns one RC QP per connected source, all on one
@@ -47,11 +46,6 @@ completions and fails a peer whose queue pair failed or went quiet. What is
 posted when, what is signalled and what a work completion's status means is
 ``transport/verbs_qp.py``.
 
-Deregistering a sink region revokes its rkey at once: a write still in flight
-into it fails with ``IBV_WC_REM_ACCESS_ERR`` (the sink's hardware checks it,
-not the sink's CPU). Don't deregister a *source* region while a batch reads
-from it (that batch fails with a local protection error).
-
 Grants and revoke
 -----------------
 ``grant(source, ranges)`` checks that every range lies in a registered region
@@ -60,21 +54,17 @@ enforces it depends on the device, chosen at start (``memory_windows``,
 ``revoke_method``; a device without type 2 windows is logged once):
 
 **Memory windows** (``revoke_method == "memory window"``; rxe has them). A
-region registered with ``require_grant=True`` gets local write and
-``IBV_ACCESS_MW_BIND`` but no remote write, and ``endpoint()`` carries it with
-key 0: its own rkey opens nothing and never leaves the sink. A grant is one
-type 2 window per contiguous range (ranges that touch inside one region are
-one window; never a span over bytes the grant does not hold; at most
-``max_windows`` per grant), bound with ``IBV_WR_BIND_MW`` on the sink QP of
-each connection of the grant's source, so only that source's QP can write
-through it. Their rkeys reach the source over the connection's liveness
-socket (``transport/windows.py`` has the frames): in the handshake's reply for
-the grants live then, and as a ``W`` frame sent before ``grant`` returns for
-later ones, so they are on the way before the announcement that names the
-key; a ``write`` naming a key whose windows have not arrived waits for them
-(at most its deadline or 1 s). Each WRITE carries its window's rkey; a write
-outside the grant's windows fails its batch before anything is posted; a key
-that is not this connection's (revoked, another source's) raises ``EACCES``.
+region registered with ``require_grant=True`` is opened only by a grant's
+windows, one type 2 window per contiguous range, bound on the sink QP of each
+connection of the grant's source (``transport/verbs_regions.py``). Their rkeys
+reach the source over the connection's liveness socket (``transport/windows.py``
+has the frames): in the handshake's reply for the grants live then, and as a
+``W`` frame sent before ``grant`` returns for later ones, so they are on the way
+before the announcement that names the key; a ``write`` naming a key whose
+windows have not arrived waits for them (at most its deadline or 1 s). Each
+WRITE carries its window's rkey; a write outside the grant's windows fails its
+batch before anything is posted; a key that is not this connection's (revoked,
+another source's) raises ``EACCES``.
 
 ``revoke(grant)`` costs only that grant: the sink sends ``S`` key; the source
 stops posting through it and answers ``s`` key once none of its batches
@@ -85,22 +75,9 @@ that does not answer by the revoke's deadline (default 1 s: paused, deaf, or
 not running this code) has the windows invalidated and its queue pair cut (to
 the error state, destroyed), as the fallback below does, so nothing of it
 lands once ``revoke`` returns. ``revoke(..., settled=True)`` invalidates
-without asking (every write through the grant completed at the source).
-
-What invalidation promises on rxe (Debian 6.1 kernel), measured by
-tests/rdma/test_windows_verbs.py: the responder checks the rkey of every
-packet of a WRITE, not only the first, so a multi-packet WRITE under way when
-the invalidation completes lands nothing more, and its source sees
-``IBV_WC_REM_ACCESS_ERR``. A WRITE with a region's own rkey, an invented rkey
-or a revoked window's lands nothing and fails the same way, which moves that
-queue pair to the error state (an RC access error is fatal to the QP on both
-sides): only a source that bypasses this code's checks loses its connection.
-The one window the device cannot close is a packet already being copied when
-the invalidation completes; the answer ``s`` (nothing in flight) is what
-rules that out for a source running this code, and the cut for any other.
-rkeys are 24-bit window indices and an 8-bit key; rxe allocates indices
-cyclically, so a revoked window's rkey names no live window until about
-``max_mw`` windows later.
+without asking (every write through the grant completed at the source). What
+the device then promises is "What invalidation promises on rxe" in
+``transport/verbs_regions.py``.
 
 **Queue pair to error** (the fallback, ``revoke_method == "queue pair to
 error"``). The RDMA WRITE carries the region's rkey, and the sink's device
@@ -212,7 +189,6 @@ from .base import (
     RegionTable,
     Transport,
     as_batch,
-    buffer_span,
     check_secret,
     decode_endpoint,
     deliver,
@@ -236,6 +212,7 @@ from .verbs_device import (
     unavailable_reason,
 )
 from .verbs_qp import SendQueue, Wr, WrBatch, make_qp, qp_to_error, to_rts, wc_status_name
+from .verbs_regions import SINK_WR, MemoryRegions, Window, WindowOps, free_windows, probe_windows, windows_frame
 from .windows import (
     FRAME_REVOKED,
     FRAME_STOPPED,
@@ -246,7 +223,6 @@ from .windows import (
     FrameReader,
     SourceWindows,
     encode_stop,
-    encode_windows,
     window_spans,
 )
 
@@ -280,7 +256,6 @@ _MAX_LIVE_GRANTS = 1 << 20
 _OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
 _AUTH_REQUIRED, _AUTH_UNSUPPORTED, _AUTH_FAILED = 4, 5, 6  # sink has a secret / has none / the proof is wrong
 _REVOKED = FRAME_REVOKED  # sink → source on the liveness socket: "revoke killed your QP", then EOF
-_SINK_WR = 64  # send WRs of a sink QP: binds and invalidations of windows, posted and reaped in turn
 _SEND_TIMEOUT = 1.0  # seconds a frame may wait for room in a liveness socket before the connection is cut
 _U64_MAX = (1 << 64) - 1
 _IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
@@ -318,7 +293,7 @@ class _SinkConn:
     sock: socket.socket
     qp: Any
     src: bytes
-    windows: dict[int, list[tuple[Any, int, int, int]]] = field(default_factory=dict)  # grant -> (MW, addr, len, rkey)
+    windows: dict[int, list[Window]] = field(default_factory=dict)  # grant -> its windows bound on this QP
     reader: FrameReader = field(default_factory=FrameReader)
     stopped: set[int] = field(default_factory=set)  # grants the source answered ``s`` for (under ``_lock``)
 
@@ -394,10 +369,6 @@ class VerbsTransport(Transport):
         self._qp_timeout = qp_timeout
         self._retry_cnt = retry_cnt
         self._instance = new_instance_id()
-        self._regions = RegionTable()
-        self._mrs: dict[int, Any] = {}  # region key (rkey, or lkey of a guarded MR) -> MR
-        self._guarded: set[int] = set()  # rkeys of regions only windows open (require_grant, with windows)
-        self._owners: dict[int, Any] = {}  # region key -> what keeps the memory alive
         self._batch_ids = itertools.count(1)
         self._peer_ids = itertools.count(1)
         self._peers: dict[int, _VerbsPeer] = {}
@@ -412,7 +383,6 @@ class VerbsTransport(Transport):
         self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
         self._unconfirmed: dict[int, Grant] = {}  # revokes that raised, by key; guarded by _grant_lock
         self._mw_lock = threading.Lock()  # orders every bind, invalidation and sink-side frame (see grant)
-        self._sink_wr_next = 1  # wr_id of the next bind or invalidation; under _mw_lock
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)  # a source answered ``s``, or a sink went away
         self._work = threading.Condition()  # wakes the completion thread
@@ -420,7 +390,6 @@ class VerbsTransport(Transport):
         self._stop = threading.Event()
         self._closed = False
         self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
-        e = pv.e
 
         with contextlib.ExitStack() as stack:
             try:
@@ -428,18 +397,20 @@ class VerbsTransport(Transport):
                 stack.callback(self._ctx.close)
                 self._pd = pv.PD(self._ctx)
                 stack.callback(self._pd.close)
-                self._sink_cq = pv.CQ(self._ctx, _SINK_WR + 16)
+                self._sink_cq = pv.CQ(self._ctx, SINK_WR + 16)
                 stack.callback(self._sink_cq.close)
             except pv.Error as ex:
                 raise StartError(f"verbs transport: cannot open the device: {ex}") from ex
-            self._windows, why = self._probe_windows(memory_windows)
+            self._windows, why = probe_windows(self._ctx, self._pd, memory_windows)
             if not self._windows:
                 if memory_windows:
                     raise StartError(f"verbs transport: memory_windows=True, but {why}")
                 if memory_windows is None:
                     log.warning("verbs transport on %s: %s; revoke moves the source's queue pairs to the error "
                                 "state instead (revoke_method)", self._dev.name, why)
-            self._mr_access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_MW_BIND if self._windows else 0)
+            self._mem = MemoryRegions(self._pd, self._windows)
+            self._regions, self._mrs = self._mem.table, self._mem.mrs  # read on every write
+            self._mw = WindowOps(self._pd, self._sink_cq)  # under _mw_lock
             self._max_send_wr = max(2, min(max_send_wr, self._dev.max_qp_wr, self._dev.max_cqe - 1))
             try:
                 self._listener = socket.create_server((host, port), backlog=128)
@@ -516,25 +487,6 @@ class VerbsTransport(Transport):
             with self._lock:
                 return sum(len(w) for s in self._sinks.values() for w in s.windows.values())
 
-    def _probe_windows(self, want: bool | None) -> tuple[bool, str]:
-        """Whether this device binds type 2 memory windows (one is allocated and freed to be sure), and why not."""
-        if want is False:
-            return False, "memory windows are off (memory_windows=False)"
-        e = pv.e
-        try:
-            attr = self._ctx.query_device()
-        except pv.Error as ex:
-            return False, f"query_device failed: {ex}"
-        flags = attr.device_cap_flags
-        type_2 = getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2B", 0) | getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2A", 0)
-        if not attr.max_mw or not flags & e.IBV_DEVICE_MEM_WINDOW or not flags & type_2:
-            return False, f"the device has no type 2 memory windows (max_mw {attr.max_mw})"
-        try:
-            pv.MW(self._pd, e.IBV_MW_TYPE_2).close()
-        except pv.Error as ex:
-            return False, f"allocating a type 2 memory window failed: {ex}"
-        return True, ""
-
     @property
     def max_sinks(self) -> int:
         return self._max_sinks
@@ -544,41 +496,10 @@ class VerbsTransport(Transport):
         grant's windows open it, and the endpoint withholds its rkey (key 0). Without windows the
         device cannot enforce ``require_grant`` (module docstring)."""
         self._check_open("register")
-        addr, length, owner = buffer_span(buf)
-        if self._regions.find(addr, 1) is not None or self._regions.find(addr + length - 1, 1) is not None:
-            raise ValueError(f"[{addr:#x}, +{length}) overlaps a registered region")
-        guarded = require_grant and self._windows
-        access = self._mr_access | (0 if guarded else pv.e.IBV_ACCESS_REMOTE_WRITE)
-        try:
-            mr = pv.MR(self._pd, length, access, address=addr)
-        except pv.Error as ex:
-            raise TransportError(f"registering [{addr:#x}, +{length}) failed: {ex}", op="register", errno=rdma_errno(ex)) from ex
-        # a region's key names its MR here: the rkey, or for a guarded MR (no remote access, so no
-        # rkey: rxe gives them all 0) its lkey; a device's keys name one MR each
-        key = mr.lkey if guarded else mr.rkey
-        region = Region(addr, length, key)
-        try:
-            self._regions.add(region)
-        except ValueError:
-            mr.close()
-            raise
-        self._mrs[key] = mr
-        self._owners[key] = owner
-        if guarded:
-            self._guarded.add(key)
-        return region
+        return self._mem.register(buf, require_grant)
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
-        if not self._regions.remove(region):
-            return
-        mr = self._mrs.pop(region.key, None)
-        self._owners.pop(region.key, None)
-        self._guarded.discard(region.key)
-        if mr is not None:
-            try:
-                mr.close()
-            except pv.Error as ex:
-                raise TransportError(f"deregistering {region} failed: {ex}", op="deregister", errno=rdma_errno(ex)) from ex
+        self._mem.deregister(region)
 
     def regions(self) -> tuple[Region, ...]:
         return self._regions.snapshot()
@@ -625,7 +546,7 @@ class VerbsTransport(Transport):
         for g in live:
             if not self._open_windows(sink, g.key, self._spans_of(g), send=False):
                 raise OSError(errno_mod.EIO, f"binding the memory windows of grant {g.key} failed")
-            frames.append(_windows_frame(g.key, sink.windows[g.key]))
+            frames.append(windows_frame(g.key, sink.windows[g.key]))
         return b"".join(frames)
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
@@ -743,7 +664,7 @@ class VerbsTransport(Transport):
             c.qp.modify(pv.QPAttr(qp_state=pv.e.IBV_QPS_ERR), pv.e.IBV_QP_STATE)
         except pv.Error as ex:
             errors.append(f"to error: {ex}")
-        self._free_windows([w for ws in c.windows.values() for w in ws])
+        free_windows([w for ws in c.windows.values() for w in ws])
         c.windows.clear()
         try:
             c.qp.close()
@@ -758,95 +679,22 @@ class VerbsTransport(Transport):
         return window_spans(g.ranges, [(r.addr, r.end) for r in self._regions.snapshot()])
 
     def _open_windows(self, c: _SinkConn, key: int, spans: list[tuple[int, int]], *, send: bool) -> bool:
-        """Bind one type 2 window per span on ``c``'s QP (and with ``send`` tell the source: ``W``);
-        False if that failed (the caller cuts the connection)."""
-        e = pv.e
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        made: list[tuple[Any, int, int, int]] = []
-        wrs = []
-        try:
-            for a, n in spans:
-                region = self._regions.find(a, n)
-                mr = self._mrs.get(region.key) if region is not None else None
-                if mr is None:
-                    raise _BindFailed(f"[{a:#x}, +{n}) is no longer registered")
-                mw = pv.MW(self._pd, e.IBV_MW_TYPE_2)
-                wr = pv.SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
-                wr.set_bind_wr(mw, pv.MWBindInfo(mr, a, n, access))
-                made.append((mw, a, n, wr.rkey))
-                wrs.append(wr)
-            why = self._sink_wrs(c.qp, wrs)
-            if why:
-                raise _BindFailed(why)
-        except (pv.Error, _BindFailed) as ex:
-            log.warning("verbs transport: binding %d memory window(s) of grant %d failed: %s", len(spans), key, ex)
-            self._free_windows(made)
+        """Bind grant ``key``'s windows (one per span) on ``c``'s QP (and with ``send`` tell the source:
+        ``W``); False if that failed (the caller cuts the connection)."""
+        made = self._mw.bind(c.qp, key, spans, self._mem)
+        if made is None:
             return False
         c.windows[key] = made
-        return not send or _send_frame(c.sock, _windows_frame(key, made))
+        return not send or _send_frame(c.sock, windows_frame(key, made))
 
     def _close_windows(self, c: _SinkConn, key: int) -> bool:
         """Invalidate grant ``key``'s windows on ``c`` and free them; True if that failed (cut ``c``)."""
         made = c.windows.pop(key, None)
-        if not made:
-            return False
-        e = pv.e
-        wrs = []
-        for _mw, _a, _n, rkey in made:
-            wr = pv.SendWR(opcode=e.IBV_WR_LOCAL_INV, send_flags=e.IBV_SEND_SIGNALED)
-            wr.imm_data = rkey  # pyverbs 44 carries invalidate_rkey in imm_data's place (one union)
-            wrs.append(wr)
-        try:
-            why = self._sink_wrs(c.qp, wrs)
-        except pv.Error as ex:
-            why = str(ex)
-        self._free_windows(made)
-        if why:
-            log.warning("verbs transport: invalidating the windows of grant %d failed: %s", key, why)
-        return bool(why)
-
-    @staticmethod
-    def _free_windows(made: list[tuple[Any, int, int, int]]) -> None:
-        for mw, *_ in made:
-            with contextlib.suppress(pv.Error):
-                mw.close()  # ibv_dealloc_mw: invalidates a window still bound
-
-    def _sink_wrs(self, qp: Any, wrs: list[Any]) -> str:
-        """Post ``wrs`` (signalled binds or invalidations) on a sink QP, ``_SINK_WR`` at a time, and
-        reap their completions from the sink CQ; '' if all succeeded, else why not. Under ``_mw_lock``:
-        nothing else posts on sink QPs, so every completion on the sink CQ is one of these."""
-        deadline = Deadline.after(5.0)
-        for at in range(0, len(wrs), _SINK_WR):
-            chunk = wrs[at : at + _SINK_WR]
-            first = self._sink_wr_next
-            self._sink_wr_next += len(chunk)
-            for i, wr in enumerate(chunk):
-                wr.wr_id = first + i
-                qp.post_send(wr)
-            left = len(chunk)
-            why = ""
-            spins = 0
-            while left:
-                _n, wcs = self._sink_cq.poll(_SINK_WR)
-                for wc in wcs:
-                    if wc.wr_id < first:
-                        continue  # of an earlier call that gave up waiting
-                    left -= 1
-                    if wc.status != pv.e.IBV_WC_SUCCESS and not why:
-                        why = f"work completion {wc_status_name(wc.status)}"
-                if not wcs:
-                    if deadline.expired():
-                        return f"{left} window operation(s) not completed within 5 s"
-                    spins += 1
-                    time.sleep(0 if spins < 64 else 1e-4)
-            if why:
-                return why
-        return ""
+        return bool(made) and self._mw.invalidate(c.qp, key, made)
 
     def endpoint(self) -> bytes:
         """With memory windows a region that requires a grant travels with key 0: no source learns its rkey."""
-        regions = tuple(Region(r.addr, r.length, 0) if r.key in self._guarded else r for r in self._regions.snapshot())
-        return encode_endpoint(Endpoint(self.name, self._instance, self._address, regions))
+        return encode_endpoint(Endpoint(self.name, self._instance, self._address, self._mem.advertised()))
 
     # ------------------------------------------------------------------ QPs
 
@@ -1358,7 +1206,7 @@ class VerbsTransport(Transport):
             path_mtu = min(mtu, self._dev.mtu)
             qp = None
             try:
-                qp = make_qp(self._pd, self._sink_cq, _SINK_WR)  # a sink QP posts only window binds and invalidations
+                qp = make_qp(self._pd, self._sink_cq, SINK_WR)  # a sink QP posts only window binds and invalidations
                 self._to_rts(qp, rqpn=qpn, rpsn=psn, lpsn=mypsn, gid=gid, lid=lid, mtu=path_mtu)
             except pv.Error as ex:
                 if qp is not None:
@@ -1427,9 +1275,9 @@ class VerbsTransport(Transport):
             self._cm_pending.clear()
         for sink in sinks:
             qp_to_error(sink.qp)
-            self._free_windows([w for ws in sink.windows.values() for w in ws])  # a bound window holds its QP
+            free_windows([w for ws in sink.windows.values() for w in ws])  # a bound window holds its QP
             sink.windows.clear()
-        errors = []
+        errors: list[Exception] = []
         for sink in sinks:
             try:
                 sink.qp.close()
@@ -1438,14 +1286,7 @@ class VerbsTransport(Transport):
             sink.sock.close()
         for sock, _what in pending:
             sock.close()
-        for region in self._regions.clear():
-            mr = self._mrs.pop(region.key, None)
-            self._owners.pop(region.key, None)
-            if mr is not None:
-                try:
-                    mr.close()
-                except pv.Error as ex:
-                    errors.append(ex)
+        errors += self._mem.close()
         try:
             self._owned.close()  # selector, wake pair, listener, sink CQ, PD, context (reverse order)
         except pv.Error as ex:
@@ -1489,15 +1330,6 @@ class VerbsTransport(Transport):
 
     def __repr__(self) -> str:
         return f"<VerbsTransport {self.device} {self._hostport} regions={len(self._regions)} peers={len(self._peers)}>"
-
-
-def _windows_frame(key: int, made: list[tuple[Any, int, int, int]]) -> bytes:
-    """The ``W`` frame of grant ``key``'s windows bound on one connection (``(MW, addr, length, rkey)``)."""
-    return encode_windows(key, [(a, n, rkey) for _mw, a, n, rkey in made])
-
-
-class _BindFailed(Exception):
-    """Binding a grant's memory windows failed (the message says why)."""
 
 
 def _send_frame(sock: socket.socket, data: bytes) -> bool:
