@@ -1,50 +1,43 @@
 """The verbs transport: one-sided RDMA WRITEs over RC queue pairs, through pyverbs.
 
-``transport.create("verbs")`` imports it, and with it pyverbs (through
-``transport/verbs_device.py``, which also chooses the device, port and GID);
-where pyverbs or an RDMA device is missing, building the transport raises
-``StartError`` saying what to install or load. See ``transport/base.py`` for
-the contract; this module adds the verbs resources, a small connection
-handshake and two threads.
+``transport.create("verbs")`` imports this module, and with it pyverbs; where pyverbs or
+an RDMA device is missing, building the transport raises ``StartError`` saying what to
+install or load. See ``transport/base.py`` for the contract. This module is the transport
+itself: its options and resources, ``connect`` and the sink's side of the handshake, ``write``,
+grants and revoke, and its two threads. Each idea it builds on has a module of its own:
+
+- ``transport/verbs_device.py``: the one checked import of pyverbs, and which device, port and
+  GID to use ("Device, port and GID"; ``describe_device``, ``unavailable_reason``);
+- ``transport/verbs_hello.py``: the handshake's wire, sans-IO: the endpoint address, the hello,
+  the reply, the grants an ``OK`` reply carries ("Authentication");
+- ``transport/verbs_qp.py``: queue pairs, and a source QP's send side from posting to reaping
+  ("Writes and completions");
+- ``transport/verbs_regions.py``: memory regions and the memory windows bound over them ("What
+  invalidation promises on rxe");
+- ``transport/windows.py``: what of the windows needs no device (the ``W``/``S`` frames, the
+  source's table of rkeys).
 
 Resources
 ---------
 One device context and one protection domain per transport. ``register`` makes
 one memory region (see ``transport/verbs_regions.py``; with memory windows, a
-region that requires grants gets no remote access).
-Each connected peer (source side) owns one RC queue pair and its own
-completion queue (so one peer's flushes can never overrun
-another's CQ); the sink side owns one RC QP per connected source, all on one
-small CQ (a sink posts only the binds and invalidations of memory windows, and
-reaps their completions itself, see "Grants and revoke").
+region that requires grants gets no remote access). Each connected peer (source
+side) owns one RC queue pair and its own completion queue (so one peer's flushes
+can never overrun another's CQ); the sink side owns one RC QP per connected source,
+all on one small CQ (a sink posts only the binds and invalidations of memory windows,
+and reaps their completions itself, see "Grants and revoke").
 
-Endpoint and handshake
+Handshake and liveness
 ----------------------
-``endpoint()`` is the common encoding of ``transport.base`` with ``address`` =
-``_ADDR`` (GID, LID, active MTU, link layer) followed by ``host:port`` of the
-transport's handshake listener, and one ``(addr, length, rkey)`` per region.
-A QP is per peer, so its QPN and PSN cannot be known before the peer exists:
-``connect`` creates the source QP, then exchanges QPN, PSN, GID, LID and MTU
-with the sink over one short TCP connection (``_HELLO``/``_REPLY``; with a
-``secret``, after a challenge-response, see "Authentication"); the sink
-creates its QP, moves it to RTS and answers with its own QPN and PSN; the path
-MTU is the smaller active MTU of the two. The TCP connection then stays open
-as a liveness signal: when either side closes it, the other tears its QP down
-(a sink frees the QP of a source that went away; a source fails its batches at
-once instead of waiting for RC retries). The sink's ``_OK`` reply ends with
-``_GRANTS`` and the source's live grant keys (see "Grants and revoke"). After
-the handshake the connection carries one byte at most:
-``_REVOKED``, which a sink's ``revoke`` sends just before it closes the
-connection, so the source's error says why (any other byte is a protocol
-break and treated as a close).
-
-Writes and completions
-----------------------
-``write`` validates every write against the local regions and the peer's last
-endpoint and posts it on the peer's queue pair; the completion thread reaps the
-completions and fails a peer whose queue pair failed or went quiet. What is
-posted when, what is signalled and what a work completion's status means is
-``transport/verbs_qp.py``.
+``connect`` creates the source QP, then exchanges QP information with the sink
+over one short TCP connection to the listener the endpoint names (the bytes are in
+``transport/verbs_hello.py``). That connection then stays open as a liveness
+signal: when either side closes it, the other tears its QP down (a sink frees the
+QP of a source that went away; a source fails its batches at once instead of
+waiting for RC retries). Without memory windows it carries one byte at most:
+``_REVOKED``, which a sink's ``revoke`` sends just before it closes the connection,
+so the source's error says why (any other byte is a protocol break and treated as
+a close); with them it carries the frames of ``transport/windows.py``.
 
 Grants and revoke
 -----------------
@@ -95,7 +88,7 @@ grants stay in the table but are useless until it reconnects; once it has,
 they work again. A reconnected source could still write into a revoked
 grant's ranges (the rkey covers the whole region). So that a source that was
 merely paused or slow (it runs this code, unmodified) cannot do that by naming
-the old key, the handshake's ``_OK`` reply carries the last grant key the sink
+the old key, the handshake's ``OK`` reply carries the last grant key the sink
 issued and the keys of that source's live grants; on that connection
 ``write`` raises ``TransportError(op="write", errno=EACCES)``, posting
 nothing, for a key at or below that floor that was not live (revoked, settled
@@ -104,43 +97,6 @@ QP is revocable, so a revoke racing the handshake either kills the new QP or
 is in the snapshot. A source that does not run this code, or writes with
 ``grant=0``, is not held back. ``revoke(..., settled=True)`` only forgets the
 grant and keeps the QPs.
-
-Authentication
---------------
-With ``secret`` (see ``transport/base.py``) the handshake starts with a mutual
-challenge-response before any queue-pair information or grant key moves:
-the source sends ``_HELLO_AUTH`` (the two instance ids and its nonce, no QP
-information); the sink answers ``_REPLY`` with ``_OK`` and ``_CHALLENGE`` (its
-nonce and ``MAC("verbs/3 sink", sink instance, source instance, source nonce,
-sink nonce)``, HMAC-SHA256 with ``derive_key(secret, "verbs-hello")``); the
-source checks it (else ``connect`` raises "authentication failed: host:port:
-...", ``errno=EACCES``, and sends nothing more) and sends ``_PROOF``:
-``MAC("verbs/3 source", the same fields, its QP information)`` and that QP
-information (QPN, PSN, GID, LID, MTU); only when the proof verifies does the
-sink create a QP, apply the source's QP information and answer as without a
-secret (``_REPLY`` with its QPN and PSN, then ``_GRANTS``). A mismatch is
-refused with ``_AUTH_REQUIRED``, ``_AUTH_UNSUPPORTED`` or ``_AUTH_FAILED``,
-counted in ``auth_failures`` and logged (at most once per host per 10 s). The
-whole handshake has ``min(peer_timeout, 5 s)``.
-
-What a party without the secret can do now: reach the handshake listener,
-learn what the endpoint already says (instance id, GID, the regions and their
-rkeys, which travel over the control channel), and occupy the ``pdcore-verbs-cm``
-thread, which serves handshakes one at a time, for at most ``min(peer_timeout,
-5 s)`` per connection (delaying other handshakes: a denial of service, not a
-write). What it cannot: make the sink create a QP or move one to RTS (so no
-RC queue pair of the sink is connected to it, and the sink's device drops its
-RDMA WRITEs whatever rkey they carry), learn the sink's QPN or PSN, or learn the
-grant floor and live grant keys. An authenticated source gets rkeys only for
-its grants' windows (without windows: for each whole region, so a grant limits
-it only as "Grants and revoke" says); and the handshake does not authenticate RoCE
-packets: an attacker on the network path who can forge a live connection's
-QPN and PSN is out of reach of this check.
-
-``max_sinks`` (default 1024) caps the sink QPs a transport accepts; a
-handshake beyond it is answered with status ``_TOO_MANY`` (and the cap in the
-QPN field) and the source's ``connect`` raises ``TransportError(op="connect")``
-naming the cap.
 
 Threads: ``pdcore-verbs-cq`` (completions, posting, watchdog) and
 ``pdcore-verbs-cm`` (listener, handshakes, liveness sockets). ``close()``
@@ -168,13 +124,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from .base import (
     AcceptBackoff,
     auth_failed,
     HELLO_TIMEOUT,
-    MAC_BYTES,
     NONCE_BYTES,
     AuthFailures,
     Batch,
@@ -194,11 +150,10 @@ from .base import (
     deliver,
     derive_key,
     encode_endpoint,
-    hello_mac,
     new_instance_id,
-    same_mac,
     take_slot,
 )
+from . import verbs_hello as hello
 from .deadline import Deadline
 from .errors import StartError, TransportError
 from .verbs_device import (
@@ -217,44 +172,27 @@ from .windows import (
     FRAME_REVOKED,
     FRAME_STOPPED,
     FRAME_WINDOWS,
-    MAX_FRAME_WINDOWS,
-    WINDOWS_HEAD,
-    WINDOWS_ROW,
     FrameReader,
     SourceWindows,
     encode_stop,
     window_spans,
 )
 
-__all__ = ["DEVICE_HINT", "INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
+__all__ = [
+    "DEVICE_HINT",
+    "INSTALL_HINT",
+    "VerbsTransport",
+    "describe_device",
+    "unavailable_reason",
+    "wc_status_name",
+]
 
 log = logging.getLogger("transport.verbs")
 
-_MAGIC = b"PDTV"
-_MAGIC_AUTH = b"PDVA"  # the hello of a source with a secret (no QP information until both are authenticated)
-_VERSION = 4  # v2: the OK reply carries the grant floor and live grants; v3: authenticated; v4: memory windows
-#: endpoint ``address``: GID, LID, active MTU (ibv_mtu), link layer; then ``host:port`` (ASCII)
-_ADDR = struct.Struct("<16sHBB")
-#: source → sink: magic, version, sink instance, source instance, QPN, PSN, GID, LID, MTU
-_HELLO = struct.Struct("<4sB16s16sII16sHB")
-#: source → sink with a secret: magic, version, sink instance, source instance, source nonce
-_HELLO_AUTH = struct.Struct(f"<4sB16s16s{NONCE_BYTES}s")
-#: sink → source: magic, version, status, QPN, PSN, path MTU, errno (with ``_TOO_MANY``, QPN = the sink's cap)
-_REPLY = struct.Struct("<4sBBIIBi")
-#: after an ``_OK`` reply to ``_HELLO_AUTH``: the sink's nonce and MAC
-_CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")
-#: the source's QP information: QPN, PSN, GID, LID, MTU (``_PROOF`` = the source's MAC, then this)
-_QP_INFO = struct.Struct("<II16sHB")
-_PROOF = struct.Struct(f"<{MAC_BYTES}s{_QP_INFO.size}s")
-_KEY_LABEL = "verbs-hello"
-_SINK_ROLE = b"verbs/3 sink"
-_SOURCE_ROLE = b"verbs/3 source"
-#: after an ``_OK`` reply: the sink's last issued grant key, the count of this source's live grants, and
-#: whether the sink binds memory windows; then per live grant its key (u64), or with windows its ``W`` frame
-_GRANTS = struct.Struct("<QIB")
-_MAX_LIVE_GRANTS = 1 << 20
-_OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
-_AUTH_REQUIRED, _AUTH_UNSUPPORTED, _AUTH_FAILED = 4, 5, 6  # sink has a secret / has none / the proof is wrong
+# the handshake's wire names under which tests/rdma/test_auth_verbs.py reads them from this module
+_ADDR, _HELLO, _MAGIC, _VERSION, _REPLY, _AUTH_REQUIRED = (
+    hello.ADDR, hello.HELLO, hello.MAGIC, hello.VERSION, hello.REPLY, hello.AUTH_REQUIRED
+)
 _REVOKED = FRAME_REVOKED  # sink → source on the liveness socket: "revoke killed your QP", then EOF
 _SEND_TIMEOUT = 1.0  # seconds a frame may wait for room in a liveness socket before the connection is cut
 _U64_MAX = (1 << 64) - 1
@@ -284,7 +222,7 @@ class _VerbsPeer(PeerHandle):
 
 @dataclass(eq=False, slots=True)
 class _SinkConn:
-    """An accepted source: its liveness socket, the sink QP, the source instance its ``_HELLO`` named.
+    """An accepted source: its liveness socket, the sink QP, the source instance its hello named.
 
     Whoever removes it from ``VerbsTransport._sinks`` (under ``_lock``) owns its teardown.
     """
@@ -310,8 +248,8 @@ class VerbsTransport(Transport):
     (6; 7 would mean "retry forever" on rxe); ``max_sinks`` (1024 sink QPs, one per connected
     source; a handshake beyond it is refused and that source's ``connect`` raises); ``secret``
     (bytes of 16..4096, default None: the deployment secret; with it every handshake is a mutual
-    challenge-response before any QP information moves, see "Authentication" in the module
-    docstring; refused handshakes are counted in ``auth_failures``); ``memory_windows`` (default
+    challenge-response before any QP information moves, see "Authentication" in
+    ``transport/verbs_hello.py``; refused handshakes are counted in ``auth_failures``); ``memory_windows`` (default
     None: where the device has type 2 windows; False: never, True: ``StartError`` without them) and
     ``max_windows`` (4096 windows per grant, one per contiguous range; a grant needing more raises
     ``ValueError``), see "Grants and revoke".
@@ -339,7 +277,7 @@ class VerbsTransport(Transport):
         max_windows: int = 4096,
     ) -> None:
         secret = check_secret(secret, "verbs transport")
-        self._key = derive_key(secret, _KEY_LABEL) if secret is not None else None
+        self._key = derive_key(secret, hello.KEY_LABEL) if secret is not None else None
         del secret  # only the derived key is kept
         self._auth = AuthFailures("verbs transport", log)
         why = missing_pyverbs()
@@ -419,9 +357,7 @@ class VerbsTransport(Transport):
             stack.callback(self._listener.close)
             self._listener.setblocking(False)
             hostport = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
-            self._address = (
-                _ADDR.pack(self._dev.gid, self._dev.lid, self._dev.mtu, self._dev.link_layer) + hostport.encode()
-            )
+            self._address = hello.encode_address(self._dev.gid, self._dev.lid, self._dev.mtu, self._dev.link_layer, hostport)
             self._hostport = hostport
             self._wake_r, self._wake_w = socket.socketpair()
             stack.callback(self._wake_r.close)
@@ -535,19 +471,19 @@ class VerbsTransport(Transport):
         return g
 
     def _grant_snapshot(self, sink: _SinkConn) -> bytes:
-        """For an ``_OK`` reply: the last key issued and the source's live grants: their keys, or with
+        """For an ``OK`` reply: the last key issued and the source's live grants: their keys, or with
         memory windows the windows bound for them on this connection (``W`` frames). Under ``_mw_lock``."""
         with self._grant_lock:
-            live = sorted(self._grants.of_source(sink.src), key=lambda g: g.key)[:_MAX_LIVE_GRANTS]
+            live = sorted(self._grants.of_source(sink.src), key=lambda g: g.key)[: hello.MAX_LIVE_GRANTS]
             floor = self._last_grant
         if not self._windows:
-            return _GRANTS.pack(floor, len(live), 0) + struct.pack(f"<{len(live)}Q", *(g.key for g in live))
-        frames = [_GRANTS.pack(floor, len(live), 1)]
+            return hello.encode_grant_keys(floor, [g.key for g in live])
+        frames = []
         for g in live:
             if not self._open_windows(sink, g.key, self._spans_of(g), send=False):
                 raise OSError(errno_mod.EIO, f"binding the memory windows of grant {g.key} failed")
             frames.append(windows_frame(g.key, sink.windows[g.key]))
-        return b"".join(frames)
+        return hello.encode_grant_windows(floor, frames)
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
         """Forget ``grant``; unless ``settled``, make sure nothing more lands through it once this returns.
@@ -709,18 +645,12 @@ class VerbsTransport(Transport):
     def connect(self, peer_endpoint: bytes, *, deadline: Deadline) -> PeerHandle:
         self._check_open("connect")
         remote = decode_endpoint(peer_endpoint, expect=self.name)
-        if len(remote.address) <= _ADDR.size:
-            raise TransportError(f"verbs endpoint address of {len(remote.address)} bytes is too short", op="connect")
-        gid, lid, mtu, link_layer = _ADDR.unpack_from(remote.address)
-        host, _, port_s = remote.address[_ADDR.size :].decode("ascii", "replace").rpartition(":")
-        try:
-            port = int(port_s)
-        except ValueError:
-            raise TransportError(f"verbs endpoint address {remote.address!r} has no host:port", op="connect") from None
-        if link_layer != self._dev.link_layer:
+        addr = hello.decode_address(remote.address)
+        if addr.link_layer != self._dev.link_layer:
             raise TransportError(
-                f"peer link layer {link_layer} differs from ours ({self._dev.link_layer}): no route", op="connect"
+                f"peer link layer {addr.link_layer} differs from ours ({self._dev.link_layer}): no route", op="connect"
             )
+        where = f"{addr.host}:{addr.port}"
         psn = int.from_bytes(os.urandom(3), "little")
         with contextlib.ExitStack() as stack:
             try:
@@ -729,53 +659,26 @@ class VerbsTransport(Transport):
                 raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
             stack.callback(sq.close)
             try:
-                sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
+                sock = socket.create_connection((addr.host, addr.port), timeout=max(deadline.remaining(), 1e-3))
             except OSError as ex:
-                raise TransportError(f"cannot reach the peer's handshake listener {host}:{port}: {ex}", op="connect", errno=ex.errno) from ex
+                raise TransportError(f"cannot reach the peer's handshake listener {where}: {ex}", op="connect", errno=ex.errno) from ex
             stack.callback(sock.close)
-            info = _QP_INFO.pack(sq.qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
+            recv = _receiver(sock, deadline)
+            info = hello.QP_INFO.pack(sq.qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
             try:
-                magic, version, status, rqpn, rpsn, path_mtu, err = self._hello(sock, f"{host}:{port}", remote.instance, info, deadline)
+                reply = self._hello(sock, where, hello.Hello(remote.instance, self._instance, info=info), deadline)
             except OSError as ex:
-                raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
-            if magic != _MAGIC or version != _VERSION:
-                raise TransportError(f"{host}:{port} does not speak pdcore verbs v{_VERSION}", op="connect")
-            if status == _AUTH_REQUIRED:
-                raise auth_failed(f"{host}:{port}", "it requires the deployment secret and this transport has none (its secret option is unset)")
-            if status == _AUTH_UNSUPPORTED:
-                raise auth_failed(f"{host}:{port}", "it has no deployment secret and this transport authenticates every connection")
-            if status == _AUTH_FAILED:
-                raise auth_failed(f"{host}:{port}", "it did not accept this transport's proof of the deployment secret")
-            if status == _TOO_MANY:
-                raise TransportError(
-                    f"{host}:{port} refused the connection: the sink already holds its maximum of {rqpn} source "
-                    f"QPs (its max_sinks={rqpn}); disconnect another source there or raise max_sinks",
-                    op="connect",
-                    errno=err or errno_mod.ECONNREFUSED,
-                )
-            if status == _WRONG_INSTANCE:
-                raise TransportError(f"{host}:{port} is another transport instance than the endpoint names (restarted?)", op="connect")
-            if status != _OK:
-                raise TransportError(f"the peer could not set up its QP (errno {err})", op="connect", errno=err or None)
+                raise TransportError(f"handshake with {where} failed: {ex}", op="connect", errno=ex.errno) from ex
+            refused = hello.refusal(reply, where)
+            if refused is not None:
+                raise refused
             try:
-                sock.settimeout(max(deadline.remaining(), 1e-3))
-                floor, count, windowed = _GRANTS.unpack(_recv_exact(sock, _GRANTS.size))
-                if count > _MAX_LIVE_GRANTS:
-                    raise TransportError(f"{host}:{port} sent {count} live grants (at most {_MAX_LIVE_GRANTS})", op="connect")
-                win = SourceWindows(floor=floor) if windowed else None
-                live: frozenset[int] = frozenset()
-                if win is None:
-                    live = frozenset(struct.unpack(f"<{count}Q", _recv_exact(sock, 8 * count)))
-                for _ in range(count if win is not None else 0):
-                    kind, key, n = WINDOWS_HEAD.unpack(_recv_exact(sock, WINDOWS_HEAD.size))
-                    if kind != FRAME_WINDOWS or n > MAX_FRAME_WINDOWS:
-                        raise TransportError(f"{host}:{port} sent a malformed grant in its handshake", op="connect")
-                    body = _recv_exact(sock, n * WINDOWS_ROW.size)
-                    win.add(key, [WINDOWS_ROW.unpack_from(body, i * WINDOWS_ROW.size) for i in range(n)])
+                floor, live, win = hello.read_grants(recv, where)
             except OSError as ex:
-                raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
+                raise TransportError(f"handshake with {where} failed: {ex}", op="connect", errno=ex.errno) from ex
             try:
-                self._to_rts(sq.qp, rqpn=rqpn, rpsn=rpsn, lpsn=psn, gid=gid, lid=lid, mtu=min(path_mtu, self._dev.mtu))
+                self._to_rts(sq.qp, rqpn=reply.qpn, rpsn=reply.psn, lpsn=psn, gid=addr.gid, lid=addr.lid,
+                             mtu=min(reply.mtu, self._dev.mtu))
             except pv.Error as ex:
                 raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
             sock.setblocking(False)
@@ -792,30 +695,25 @@ class VerbsTransport(Transport):
         self._watch(sock, peer)
         return peer
 
-    def _hello(self, sock: socket.socket, where: str, sink: bytes, info: bytes, deadline: Deadline) -> tuple[Any, ...]:
-        """Send the hello (and, with a secret, check the sink's challenge and send our proof with ``info``,
-        our QP information); return the sink's last ``_REPLY``, unpacked."""
-
-        def recv(n: int) -> bytes:
-            sock.settimeout(max(deadline.remaining(), 1e-3))
-            return _recv_exact(sock, n)
-
+    def _hello(self, sock: socket.socket, where: str, h: hello.Hello, deadline: Deadline) -> hello.Reply:
+        """Send the hello ``h`` (with a secret: without its QP information, then check the sink's challenge
+        and send our proof, which carries it); return the sink's last reply."""
+        recv = _receiver(sock, deadline)
         key = self._key
         sock.settimeout(max(deadline.remaining(), 1e-3))
         if key is None:
-            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, sink, self._instance, *_QP_INFO.unpack(info)))
-            return _REPLY.unpack(recv(_REPLY.size))
-        nonce = os.urandom(NONCE_BYTES)
-        sock.sendall(_HELLO_AUTH.pack(_MAGIC_AUTH, _VERSION, sink, self._instance, nonce))
-        reply = _REPLY.unpack(recv(_REPLY.size))
-        if reply[0] != _MAGIC or reply[1] != _VERSION or reply[2] != _OK:
+            sock.sendall(hello.encode_hello(h))
+            return hello.decode_reply(recv(hello.REPLY.size))
+        h = hello.Hello(h.sink, h.source, os.urandom(NONCE_BYTES), h.info)
+        sock.sendall(hello.encode_hello(h))
+        reply = hello.decode_reply(recv(hello.REPLY.size))
+        if reply.magic != hello.MAGIC or reply.version != hello.VERSION or reply.status != hello.OK:
             return reply
-        sink_nonce, mac = _CHALLENGE.unpack(recv(_CHALLENGE.size))
-        if not same_mac(mac, hello_mac(key, _SINK_ROLE, sink, self._instance, nonce, sink_nonce)):
-            host, _, port = where.rpartition(":")
-            raise auth_failed(f"{host}:{port}", "it could not prove that it holds the deployment secret (different secrets?)")
-        sock.sendall(_PROOF.pack(hello_mac(key, _SOURCE_ROLE, sink, self._instance, nonce, sink_nonce, info), info))
-        return _REPLY.unpack(recv(_REPLY.size))
+        proof = hello.prove(key, h, recv(hello.CHALLENGE.size))
+        if proof is None:
+            raise auth_failed(where, "it could not prove that it holds the deployment secret (different secrets?)")
+        sock.sendall(proof)
+        return hello.decode_reply(recv(hello.REPLY.size))
 
     def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
         remote = decode_endpoint(peer_endpoint, expect=self.name)
@@ -1147,60 +1045,56 @@ class VerbsTransport(Transport):
         self._backoff.succeeded()
         sink: _SinkConn | None = None
         deadline = Deadline.after(min(HELLO_TIMEOUT, self._peer_timeout))  # the whole handshake
+        recv = _receiver(conn, deadline)
 
-        def recv(n: int) -> bytes:
-            conn.settimeout(max(deadline.remaining(), 1e-3))
-            return _recv_exact(conn, n)
+        def answer(reply: bytes) -> None:
+            conn.sendall(reply)
+            conn.close()
 
         def refuse(status: int) -> None:
-            conn.sendall(_REPLY.pack(_MAGIC, _VERSION, status, 0, 0, 0, errno_mod.EACCES))
-            conn.close()
+            answer(hello.encode_reply(status, err=errno_mod.EACCES))
 
         try:
             prefix = recv(5)
-            if prefix[4] != _VERSION or prefix[:4] not in (_MAGIC, _MAGIC_AUTH):
+            size = hello.hello_size(prefix)
+            if size is None:
                 conn.close()
                 return
-            nonce = b""
-            if prefix[:4] == _MAGIC:
-                _m, _v, want, src, qpn, psn, gid, lid, mtu = _HELLO.unpack(prefix + recv(_HELLO.size - 5))
-            else:
-                _m, _v, want, src, nonce = _HELLO_AUTH.unpack(prefix + recv(_HELLO_AUTH.size - 5))
-            if want != self._instance:
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _WRONG_INSTANCE, 0, 0, 0, 0))
-                conn.close()
+            h = hello.decode_hello(prefix + recv(size - 5))
+            if h.sink != self._instance:
+                answer(hello.encode_reply(hello.WRONG_INSTANCE))
                 return
             key = self._key
-            if key is None and nonce:
+            if key is None and h.nonce:
                 self._auth.failed(addr, "the source authenticates and this sink has no secret")
-                refuse(_AUTH_UNSUPPORTED)
+                refuse(hello.AUTH_UNSUPPORTED)
                 return
-            if key is not None and not nonce:
+            if key is not None and not h.nonce:
                 self._auth.failed(addr, "the source sent no proof of the deployment secret (it has none)")
-                refuse(_AUTH_REQUIRED)
+                refuse(hello.AUTH_REQUIRED)
                 return
+            info = h.info
             if key is not None:  # no QP, no QPN, no grant key before the source proved it holds the secret
                 mine = os.urandom(NONCE_BYTES)
-                mac = hello_mac(key, _SINK_ROLE, want, src, nonce, mine)
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, 0, 0, 0, 0) + _CHALLENGE.pack(mine, mac))
+                conn.sendall(hello.challenge(key, h, mine))
                 try:
-                    proof, info = _PROOF.unpack(recv(_PROOF.size))
+                    proof = recv(hello.PROOF.size)
                 except OSError as ex:
                     self._auth.failed(addr, f"challenged, it sent no proof of the deployment secret ({ex})")
                     conn.close()
                     return
-                if not same_mac(proof, hello_mac(key, _SOURCE_ROLE, want, src, nonce, mine, info)):
+                checked = hello.check_proof(key, h, mine, proof)
+                if checked is None:
                     self._auth.failed(addr, "its proof of the deployment secret is wrong")
-                    refuse(_AUTH_FAILED)
+                    refuse(hello.AUTH_FAILED)
                     return
-                qpn, psn, gid, lid, mtu = _QP_INFO.unpack(info)
+                info = checked
+            qpn, psn, gid, lid, mtu = hello.QP_INFO.unpack(info)
             with self._lock:
                 full = len(self._sinks) >= self._max_sinks  # only this thread adds sinks: the count holds
             if full:
                 self.refused_connections += 1
-                cap = min(self._max_sinks, 0xFFFFFFFF)
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _TOO_MANY, cap, 0, 0, errno_mod.ECONNREFUSED))
-                conn.close()
+                answer(hello.encode_reply(hello.TOO_MANY, qpn=min(self._max_sinks, 0xFFFFFFFF), err=errno_mod.ECONNREFUSED))
                 return
             mypsn = int.from_bytes(os.urandom(3), "little")
             path_mtu = min(mtu, self._dev.mtu)
@@ -1211,11 +1105,10 @@ class VerbsTransport(Transport):
             except pv.Error as ex:
                 if qp is not None:
                     qp.close()
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _QP_FAILED, 0, 0, 0, rdma_errno(ex) or errno_mod.EIO))
-                conn.close()
+                answer(hello.encode_reply(hello.QP_FAILED, err=rdma_errno(ex) or errno_mod.EIO))
                 return
             # revocable before the source can use it: in _sinks before the reply with our QPN leaves
-            sink = _SinkConn(next(self._sink_ids), conn, qp, src)
+            sink = _SinkConn(next(self._sink_ids), conn, qp, h.source)
             with self._mw_lock:  # no grant binds, and no revoke invalidates, between the snapshot and the reply
                 with self._lock:
                     if self._closed:
@@ -1225,7 +1118,7 @@ class VerbsTransport(Transport):
                     self._sinks[sink.key] = sink
                 # snapshot after the QP is revocable: a revoke either finds this QP or misses the snapshot
                 grants = self._grant_snapshot(sink)
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0) + grants)
+                conn.sendall(hello.encode_reply(hello.OK, qp.qp_num, mypsn, path_mtu) + grants)
             conn.setblocking(False)
         except (OSError, struct.error):
             if sink is not None:
@@ -1363,6 +1256,16 @@ def _rows(batch: Batch) -> list[tuple[int, int, int]] | list[list[int]]:
     return as_batch(batch).tolist()  # type: ignore[no-any-return]
 
 
+def _receiver(sock: socket.socket, deadline: Deadline) -> Callable[[int], bytes]:
+    """``recv(n)``: exactly ``n`` bytes of a handshake from ``sock``, each wait bounded by what is left of ``deadline``."""
+
+    def recv(n: int) -> bytes:
+        sock.settimeout(max(deadline.remaining(), 1e-3))
+        return _recv_exact(sock, n)
+
+    return recv
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     """Read exactly ``n`` bytes (the socket's timeout bounds each wait); EOF raises ``ConnectionResetError``."""
     buf = bytearray(n)
@@ -1374,8 +1277,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionResetError(errno_mod.ECONNRESET, "peer closed the connection during the handshake")
         got += k
     return bytes(buf)
-
-
 
 
 def _hangup(sock: Any) -> bytes | None:
