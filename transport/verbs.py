@@ -1257,7 +1257,8 @@ def _rows(batch: Batch) -> list[tuple[int, int, int]] | list[list[int]]:
 
 
 def _receiver(sock: socket.socket, deadline: Deadline) -> Callable[[int], bytes]:
-    """``recv(n)``: exactly ``n`` bytes of a handshake from ``sock``, each wait bounded by what is left of ``deadline``."""
+    """``recv(n)``: exactly ``n`` bytes of a handshake from ``sock``, each wait bounded by what is left
+    of ``deadline``."""
 
     def recv(n: int) -> bytes:
         sock.settimeout(max(deadline.remaining(), 1e-3))

@@ -206,17 +206,21 @@ def _source_mac(key: bytes, hello: Hello, sink_nonce: bytes, info: bytes) -> byt
     return hello_mac(key, SOURCE_ROLE, hello.sink, hello.source, hello.nonce, sink_nonce, info)
 
 
+#: why the sink refused to authenticate, as ``connect``'s error says it
+_AUTH_REFUSED = {
+    AUTH_REQUIRED: "it requires the deployment secret and this transport has none (its secret option is unset)",
+    AUTH_UNSUPPORTED: "it has no deployment secret and this transport authenticates every connection",
+    AUTH_FAILED: "it did not accept this transport's proof of the deployment secret",
+}
+
+
 def refusal(reply: Reply, where: str) -> TransportError | None:
     """What ``connect`` raises for the sink's ``reply`` (``where``: its host:port), or None for ``OK``."""
     if reply.magic != MAGIC or reply.version != VERSION:
         return TransportError(f"{where} does not speak pdcore verbs v{VERSION}", op="connect")
     status = reply.status
-    if status == AUTH_REQUIRED:
-        return auth_failed(where, "it requires the deployment secret and this transport has none (its secret option is unset)")
-    if status == AUTH_UNSUPPORTED:
-        return auth_failed(where, "it has no deployment secret and this transport authenticates every connection")
-    if status == AUTH_FAILED:
-        return auth_failed(where, "it did not accept this transport's proof of the deployment secret")
+    if status in _AUTH_REFUSED:
+        return auth_failed(where, _AUTH_REFUSED[status])
     if status == TOO_MANY:
         return TransportError(
             f"{where} refused the connection: the sink already holds its maximum of {reply.qpn} source "
