@@ -1,77 +1,43 @@
 """The verbs transport: one-sided RDMA WRITEs over RC queue pairs, through pyverbs.
 
-The only module of the package that imports pyverbs. ``transport.create("verbs")``
-imports it; where pyverbs or an RDMA device is missing, building the transport
-raises ``StartError`` saying what to install or load. See ``transport/base.py``
-for the contract; this module adds the verbs resources, a small connection
-handshake and two threads.
+``transport.create("verbs")`` imports this module, and with it pyverbs; where pyverbs or
+an RDMA device is missing, building the transport raises ``StartError`` saying what to
+install or load. See ``transport/base.py`` for the contract. This module is the transport
+itself: its options and resources, ``connect`` and the sink's side of the handshake, ``write``,
+grants and revoke, and its two threads. Each idea it builds on has a module of its own:
+
+- ``transport/verbs_device.py``: the one checked import of pyverbs, and which device, port and
+  GID to use ("Device, port and GID"; ``describe_device``, ``unavailable_reason``);
+- ``transport/verbs_hello.py``: the handshake's wire, sans-IO: the endpoint address, the hello,
+  the reply, the grants an ``OK`` reply carries ("Authentication");
+- ``transport/verbs_qp.py``: queue pairs, and a source QP's send side from posting to reaping
+  ("Writes and completions");
+- ``transport/verbs_regions.py``: memory regions and the memory windows bound over them ("What
+  invalidation promises on rxe");
+- ``transport/windows.py``: what of the windows needs no device (the ``W``/``S`` frames, the
+  source's table of rkeys).
 
 Resources
 ---------
 One device context and one protection domain per transport. ``register`` makes
-one memory region (MR) with local-write and remote-write access (with memory
-windows, see "Grants and revoke", a region that requires grants gets no remote
-access); a region's ``key`` is the MR's rkey (for such a region, its lkey).
-Each connected peer (source side) owns one RC queue pair and its own
-completion queue (so one peer's flushes can never overrun
-another's CQ); the sink side owns one RC QP per connected source, all on one
-small CQ (a sink posts only the binds and invalidations of memory windows, and
-reaps their completions itself, see "Grants and revoke").
+one memory region (see ``transport/verbs_regions.py``; with memory windows, a
+region that requires grants gets no remote access). Each connected peer (source
+side) owns one RC queue pair and its own completion queue (so one peer's flushes
+can never overrun another's CQ); the sink side owns one RC QP per connected source,
+all on one small CQ (a sink posts only the binds and invalidations of memory windows,
+and reaps their completions itself, see "Grants and revoke").
 
-Device, port and GID: ``device`` by name (default: the first device with an
-active port), ``ib_port`` (default: its first active port), ``gid_index``
-(default: on Ethernet ports the RoCE v2 GID, preferring an IPv4-mapped one, then
-a global one, then a link-local one; on InfiniBand ports index 0).
-
-Endpoint and handshake
+Handshake and liveness
 ----------------------
-``endpoint()`` is the common encoding of ``transport.base`` with ``address`` =
-``_ADDR`` (GID, LID, active MTU, link layer) followed by ``host:port`` of the
-transport's handshake listener, and one ``(addr, length, rkey)`` per region.
-A QP is per peer, so its QPN and PSN cannot be known before the peer exists:
-``connect`` creates the source QP, then exchanges QPN, PSN, GID, LID and MTU
-with the sink over one short TCP connection (``_HELLO``/``_REPLY``; with a
-``secret``, after a challenge-response, see "Authentication"); the sink
-creates its QP, moves it to RTS and answers with its own QPN and PSN; the path
-MTU is the smaller active MTU of the two. The TCP connection then stays open
-as a liveness signal: when either side closes it, the other tears its QP down
-(a sink frees the QP of a source that went away; a source fails its batches at
-once instead of waiting for RC retries). The sink's ``_OK`` reply ends with
-``_GRANTS`` and the source's live grant keys (see "Grants and revoke"). After
-the handshake the connection carries one byte at most:
-``_REVOKED``, which a sink's ``revoke`` sends just before it closes the
-connection, so the source's error says why (any other byte is a protocol
-break and treated as a close).
-
-Writes and completions
-----------------------
-``write`` validates every write against the local regions and the peer's last
-endpoint, then posts the batch as a chain of RDMA WRITE work requests (one SGE
-each; a write longer than the port's ``max_msg_sz``, 8 MiB on rxe, as several:
-one longer message fails the queue pair at the sink) with ``ibv_post_send``. Selective signalling: a WR is signalled if it
-ends its batch, ends a post (the send queue is full), or is every
-``max_send_wr // 4``-th; never more than ``max_send_wr`` WRs are outstanding on
-the QP, and the rest of a long batch is posted as completions retire earlier
-WRs. An empty batch posts one zero-length RDMA WRITE: the RC queue completes it
-after every earlier WR, which makes it the fence the contract asks for.
-
-The completion thread polls the CQs of the peers with work in flight
-(pyverbs 44 exposes neither the completion channel's fd nor a GIL-free wait,
-so it polls with a short back-off and sleeps on a condition when nothing is in
-flight), retires WRs, completes batches in order and posts what waits. A
-work completion with an error status fails the batch that holds that WR with
-``TransportError`` naming the status (``IBV_WC_REM_ACCESS_ERR`` for a target
-the sink no longer has registered, ``IBV_WC_RETRY_EXC_ERR`` for a peer that
-stopped answering, ...); the QP is then in the error state, so every later
-batch in flight fails too, the peer is torn down and ``write`` to it raises at
-once until the caller ``connect``\\ s again. A peer with batches in flight and
-no completion for ``peer_timeout`` seconds is failed the same way (``ETIMEDOUT``);
-the QP's own ack timeout and retry count are set to give up well before that.
-
-Deregistering a sink region revokes its rkey at once: a write still in flight
-into it fails with ``IBV_WC_REM_ACCESS_ERR`` (the sink's hardware checks it,
-not the sink's CPU). Don't deregister a *source* region while a batch reads
-from it (that batch fails with a local protection error).
+``connect`` creates the source QP, then exchanges QP information with the sink
+over one short TCP connection to the listener the endpoint names (the bytes are in
+``transport/verbs_hello.py``). That connection then stays open as a liveness
+signal: when either side closes it, the other tears its QP down (a sink frees the
+QP of a source that went away; a source fails its batches at once instead of
+waiting for RC retries). Without memory windows it carries one byte at most:
+``_REVOKED``, which a sink's ``revoke`` sends just before it closes the connection,
+so the source's error says why (any other byte is a protocol break and treated as
+a close); with them it carries the frames of ``transport/windows.py``.
 
 Grants and revoke
 -----------------
@@ -81,21 +47,17 @@ enforces it depends on the device, chosen at start (``memory_windows``,
 ``revoke_method``; a device without type 2 windows is logged once):
 
 **Memory windows** (``revoke_method == "memory window"``; rxe has them). A
-region registered with ``require_grant=True`` gets local write and
-``IBV_ACCESS_MW_BIND`` but no remote write, and ``endpoint()`` carries it with
-key 0: its own rkey opens nothing and never leaves the sink. A grant is one
-type 2 window per contiguous range (ranges that touch inside one region are
-one window; never a span over bytes the grant does not hold; at most
-``max_windows`` per grant), bound with ``IBV_WR_BIND_MW`` on the sink QP of
-each connection of the grant's source, so only that source's QP can write
-through it. Their rkeys reach the source over the connection's liveness
-socket (``transport/windows.py`` has the frames): in the handshake's reply for
-the grants live then, and as a ``W`` frame sent before ``grant`` returns for
-later ones, so they are on the way before the announcement that names the
-key; a ``write`` naming a key whose windows have not arrived waits for them
-(at most its deadline or 1 s). Each WRITE carries its window's rkey; a write
-outside the grant's windows fails its batch before anything is posted; a key
-that is not this connection's (revoked, another source's) raises ``EACCES``.
+region registered with ``require_grant=True`` is opened only by a grant's
+windows, one type 2 window per contiguous range, bound on the sink QP of each
+connection of the grant's source (``transport/verbs_regions.py``). Their rkeys
+reach the source over the connection's liveness socket (``transport/windows.py``
+has the frames): in the handshake's reply for the grants live then, and as a
+``W`` frame sent before ``grant`` returns for later ones, so they are on the way
+before the announcement that names the key; a ``write`` naming a key whose
+windows have not arrived waits for them (at most its deadline or 1 s). Each
+WRITE carries its window's rkey; a write outside the grant's windows fails its
+batch before anything is posted; a key that is not this connection's (revoked,
+another source's) raises ``EACCES``.
 
 ``revoke(grant)`` costs only that grant: the sink sends ``S`` key; the source
 stops posting through it and answers ``s`` key once none of its batches
@@ -106,22 +68,9 @@ that does not answer by the revoke's deadline (default 1 s: paused, deaf, or
 not running this code) has the windows invalidated and its queue pair cut (to
 the error state, destroyed), as the fallback below does, so nothing of it
 lands once ``revoke`` returns. ``revoke(..., settled=True)`` invalidates
-without asking (every write through the grant completed at the source).
-
-What invalidation promises on rxe (Debian 6.1 kernel), measured by
-tests/rdma/test_windows_verbs.py: the responder checks the rkey of every
-packet of a WRITE, not only the first, so a multi-packet WRITE under way when
-the invalidation completes lands nothing more, and its source sees
-``IBV_WC_REM_ACCESS_ERR``. A WRITE with a region's own rkey, an invented rkey
-or a revoked window's lands nothing and fails the same way, which moves that
-queue pair to the error state (an RC access error is fatal to the QP on both
-sides): only a source that bypasses this code's checks loses its connection.
-The one window the device cannot close is a packet already being copied when
-the invalidation completes; the answer ``s`` (nothing in flight) is what
-rules that out for a source running this code, and the cut for any other.
-rkeys are 24-bit window indices and an 8-bit key; rxe allocates indices
-cyclically, so a revoked window's rkey names no live window until about
-``max_mw`` windows later.
+without asking (every write through the grant completed at the source). What
+the device then promises is "What invalidation promises on rxe" in
+``transport/verbs_regions.py``.
 
 **Queue pair to error** (the fallback, ``revoke_method == "queue pair to
 error"``). The RDMA WRITE carries the region's rkey, and the sink's device
@@ -139,7 +88,7 @@ grants stay in the table but are useless until it reconnects; once it has,
 they work again. A reconnected source could still write into a revoked
 grant's ranges (the rkey covers the whole region). So that a source that was
 merely paused or slow (it runs this code, unmodified) cannot do that by naming
-the old key, the handshake's ``_OK`` reply carries the last grant key the sink
+the old key, the handshake's ``OK`` reply carries the last grant key the sink
 issued and the keys of that source's live grants; on that connection
 ``write`` raises ``TransportError(op="write", errno=EACCES)``, posting
 nothing, for a key at or below that floor that was not live (revoked, settled
@@ -148,43 +97,6 @@ QP is revocable, so a revoke racing the handshake either kills the new QP or
 is in the snapshot. A source that does not run this code, or writes with
 ``grant=0``, is not held back. ``revoke(..., settled=True)`` only forgets the
 grant and keeps the QPs.
-
-Authentication
---------------
-With ``secret`` (see ``transport/base.py``) the handshake starts with a mutual
-challenge-response before any queue-pair information or grant key moves:
-the source sends ``_HELLO_AUTH`` (the two instance ids and its nonce, no QP
-information); the sink answers ``_REPLY`` with ``_OK`` and ``_CHALLENGE`` (its
-nonce and ``MAC("verbs/3 sink", sink instance, source instance, source nonce,
-sink nonce)``, HMAC-SHA256 with ``derive_key(secret, "verbs-hello")``); the
-source checks it (else ``connect`` raises "authentication failed: host:port:
-...", ``errno=EACCES``, and sends nothing more) and sends ``_PROOF``:
-``MAC("verbs/3 source", the same fields, its QP information)`` and that QP
-information (QPN, PSN, GID, LID, MTU); only when the proof verifies does the
-sink create a QP, apply the source's QP information and answer as without a
-secret (``_REPLY`` with its QPN and PSN, then ``_GRANTS``). A mismatch is
-refused with ``_AUTH_REQUIRED``, ``_AUTH_UNSUPPORTED`` or ``_AUTH_FAILED``,
-counted in ``auth_failures`` and logged (at most once per host per 10 s). The
-whole handshake has ``min(peer_timeout, 5 s)``.
-
-What a party without the secret can do now: reach the handshake listener,
-learn what the endpoint already says (instance id, GID, the regions and their
-rkeys, which travel over the control channel), and occupy the ``pdcore-verbs-cm``
-thread, which serves handshakes one at a time, for at most ``min(peer_timeout,
-5 s)`` per connection (delaying other handshakes: a denial of service, not a
-write). What it cannot: make the sink create a QP or move one to RTS (so no
-RC queue pair of the sink is connected to it, and the sink's device drops its
-RDMA WRITEs whatever rkey they carry), learn the sink's QPN or PSN, or learn the
-grant floor and live grant keys. An authenticated source gets rkeys only for
-its grants' windows (without windows: for each whole region, so a grant limits
-it only as "Grants and revoke" says); and the handshake does not authenticate RoCE
-packets: an attacker on the network path who can forge a live connection's
-QPN and PSN is out of reach of this check.
-
-``max_sinks`` (default 1024) caps the sink QPs a transport accepts; a
-handshake beyond it is answered with status ``_TOO_MANY`` (and the cap in the
-QPN field) and the source's ``connect`` raises ``TransportError(op="connect")``
-naming the cap.
 
 Threads: ``pdcore-verbs-cq`` (completions, posting, watchdog) and
 ``pdcore-verbs-cm`` (listener, handshakes, liveness sockets). ``close()``
@@ -212,13 +124,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from .base import (
     AcceptBackoff,
     auth_failed,
     HELLO_TIMEOUT,
-    MAC_BYTES,
     NONCE_BYTES,
     AuthFailures,
     Batch,
@@ -233,368 +145,72 @@ from .base import (
     RegionTable,
     Transport,
     as_batch,
-    buffer_span,
     check_secret,
     decode_endpoint,
     deliver,
     derive_key,
     encode_endpoint,
-    hello_mac,
     new_instance_id,
-    same_mac,
     take_slot,
 )
+from . import verbs_hello as hello
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .verbs_device import (
+    DEVICE_HINT,
+    INSTALL_HINT,
+    describe_device,
+    missing_pyverbs,
+    open_device,
+    pv,
+    rdma_errno,
+    unavailable_reason,
+)
+from .verbs_qp import SendQueue, Wr, WrBatch, make_qp, qp_to_error, to_rts, wc_status_name
+from .verbs_regions import SINK_WR, MemoryRegions, Window, WindowOps, free_windows, probe_windows, windows_frame
 from .windows import (
     FRAME_REVOKED,
     FRAME_STOPPED,
     FRAME_WINDOWS,
-    MAX_FRAME_WINDOWS,
-    WINDOWS_HEAD,
-    WINDOWS_ROW,
     FrameReader,
     SourceWindows,
     encode_stop,
-    encode_windows,
     window_spans,
 )
 
-__all__ = ["INSTALL_HINT", "VerbsTransport", "describe_device", "unavailable_reason", "wc_status_name"]
+__all__ = [
+    "DEVICE_HINT",
+    "INSTALL_HINT",
+    "VerbsTransport",
+    "describe_device",
+    "unavailable_reason",
+    "wc_status_name",
+]
 
 log = logging.getLogger("transport.verbs")
 
-INSTALL_HINT = (
-    "install rdma-core's Python bindings and a verbs provider: on Debian/Ubuntu "
-    "`apt-get install python3-pyverbs rdma-core ibverbs-providers` (Python 3.11 on bookworm; "
-    "`bash ci/link-pyverbs.sh` exposes it to a virtualenv)"
+# the handshake's wire names under which tests/rdma/test_auth_verbs.py reads them from this module
+_ADDR, _HELLO, _MAGIC, _VERSION, _REPLY, _AUTH_REQUIRED = (
+    hello.ADDR, hello.HELLO, hello.MAGIC, hello.VERSION, hello.REPLY, hello.AUTH_REQUIRED
 )
-DEVICE_HINT = (
-    "load an RDMA driver or create a soft-RoCE device, e.g. "
-    "`rdma link add rxe0 type rxe netdev eth0` (module rdma_rxe), or use transport 'tcp'"
-)
-
-
-def _import_pyverbs() -> Any:
-    """Import pyverbs without letting its ``logging.basicConfig`` reconfigure the application's root logger."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        import pyverbs.enums as enums
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.cq import CQ, cqe_status_to_str
-        from pyverbs.device import Context, get_device_list
-        from pyverbs.mr import MR, MW, MWBindInfo
-        from pyverbs.pd import PD
-        from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-        from pyverbs.wr import SGE, SendWR
-    finally:
-        for h in root.handlers[:]:
-            if h not in handlers:
-                root.removeHandler(h)
-        root.setLevel(level)
-    return type(
-        "_Pyverbs",
-        (),
-        {
-            "e": enums,
-            "GID": GID,
-            "AHAttr": AHAttr,
-            "GlobalRoute": GlobalRoute,
-            "CQ": CQ,
-            "status_str": staticmethod(cqe_status_to_str),
-            "Context": Context,
-            "get_device_list": staticmethod(get_device_list),
-            "MR": MR,
-            "MW": MW,
-            "MWBindInfo": MWBindInfo,
-            "PD": PD,
-            "Error": PyverbsError,
-            "RDMAError": PyverbsRDMAError,
-            "QP": QP,
-            "QPAttr": QPAttr,
-            "QPCap": QPCap,
-            "QPInitAttr": QPInitAttr,
-            "SGE": SGE,
-            "SendWR": SendWR,
-        },
-    )
-
-
-try:
-    _pv: Any = _import_pyverbs()
-    _IMPORT_ERROR: ImportError | None = None
-except ImportError as _e:  # pragma: no cover - depends on the machine
-    _pv = None
-    _IMPORT_ERROR = _e
-
-
-_MAGIC = b"PDTV"
-_MAGIC_AUTH = b"PDVA"  # the hello of a source with a secret (no QP information until both are authenticated)
-_VERSION = 4  # v2: the OK reply carries the grant floor and live grants; v3: authenticated; v4: memory windows
-#: endpoint ``address``: GID, LID, active MTU (ibv_mtu), link layer; then ``host:port`` (ASCII)
-_ADDR = struct.Struct("<16sHBB")
-#: source → sink: magic, version, sink instance, source instance, QPN, PSN, GID, LID, MTU
-_HELLO = struct.Struct("<4sB16s16sII16sHB")
-#: source → sink with a secret: magic, version, sink instance, source instance, source nonce
-_HELLO_AUTH = struct.Struct(f"<4sB16s16s{NONCE_BYTES}s")
-#: sink → source: magic, version, status, QPN, PSN, path MTU, errno (with ``_TOO_MANY``, QPN = the sink's cap)
-_REPLY = struct.Struct("<4sBBIIBi")
-#: after an ``_OK`` reply to ``_HELLO_AUTH``: the sink's nonce and MAC
-_CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")
-#: the source's QP information: QPN, PSN, GID, LID, MTU (``_PROOF`` = the source's MAC, then this)
-_QP_INFO = struct.Struct("<II16sHB")
-_PROOF = struct.Struct(f"<{MAC_BYTES}s{_QP_INFO.size}s")
-_KEY_LABEL = "verbs-hello"
-_SINK_ROLE = b"verbs/3 sink"
-_SOURCE_ROLE = b"verbs/3 source"
-#: after an ``_OK`` reply: the sink's last issued grant key, the count of this source's live grants, and
-#: whether the sink binds memory windows; then per live grant its key (u64), or with windows its ``W`` frame
-_GRANTS = struct.Struct("<QIB")
-_MAX_LIVE_GRANTS = 1 << 20
-_OK, _WRONG_INSTANCE, _QP_FAILED, _TOO_MANY = 0, 1, 2, 3
-_AUTH_REQUIRED, _AUTH_UNSUPPORTED, _AUTH_FAILED = 4, 5, 6  # sink has a secret / has none / the proof is wrong
 _REVOKED = FRAME_REVOKED  # sink → source on the liveness socket: "revoke killed your QP", then EOF
-_SINK_WR = 64  # send WRs of a sink QP: binds and invalidations of windows, posted and reaped in turn
 _SEND_TIMEOUT = 1.0  # seconds a frame may wait for room in a liveness socket before the connection is cut
 _U64_MAX = (1 << 64) - 1
-_IPV4_MAPPED = bytes(10) + b"\xff\xff"
-_HOP_LIMIT = 64
 _IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
-_SHALLOW = 4  # batches in flight up to which every batch end is signalled (lowest latency)
-_BATCHES_PER_SIGNAL = 8  # beyond that, one signalled batch end in this many
-
-
-def _wc_status_names() -> dict[int, str]:
-    if _pv is None:
-        return {}
-    names = {getattr(_pv.e, n): n for n in dir(_pv.e) if n.startswith("IBV_WC_") and n.endswith("_ERR")}
-    names[_pv.e.IBV_WC_SUCCESS] = "IBV_WC_SUCCESS"
-    return names
-
-
-_WC_NAMES = _wc_status_names()
-
-
-def wc_status_name(status: int) -> str:
-    """``"IBV_WC_REM_ACCESS_ERR (remote access error)"`` for a work-completion status."""
-    name = _WC_NAMES.get(status, f"IBV_WC status {status}")
-    return f"{name} ({_pv.status_str(status)})" if _pv is not None else name
-
-
-def _wc_errno(status: int) -> int:
-    e = _pv.e
-    return {
-        e.IBV_WC_REM_ACCESS_ERR: errno_mod.EFAULT,
-        e.IBV_WC_LOC_PROT_ERR: errno_mod.EFAULT,
-        e.IBV_WC_LOC_ACCESS_ERR: errno_mod.EFAULT,
-        e.IBV_WC_RETRY_EXC_ERR: errno_mod.ETIMEDOUT,
-        e.IBV_WC_RESP_TIMEOUT_ERR: errno_mod.ETIMEDOUT,
-        e.IBV_WC_RNR_RETRY_EXC_ERR: errno_mod.ETIMEDOUT,
-        e.IBV_WC_WR_FLUSH_ERR: errno_mod.ECANCELED,
-    }.get(status, errno_mod.EIO)
-
-
-def _gid_str(raw: bytes) -> str:
-    return ":".join(raw[i : i + 2].hex() for i in range(0, 16, 2))
-
-
-def _gid_bytes(gid: Any) -> bytes:
-    return bytes.fromhex(str(gid.gid).replace(":", ""))
-
-
-def _rdma_errno(e: BaseException) -> int | None:
-    err = getattr(e, "error_code", None)
-    return int(err) if isinstance(err, int) and err > 0 else None
-
-
-@dataclass(frozen=True, slots=True)
-class _Device:
-    name: str
-    port: int
-    gid_index: int
-    gid: bytes
-    lid: int
-    mtu: int
-    link_layer: int
-    max_qp_wr: int
-    max_cqe: int
-    max_msg: int  # the port's largest message: a longer write is posted as several WRs
-
-
-def _pick_gid(ctx: Any, port: int, gid_tbl_len: int, ethernet: bool) -> int | None:
-    """The GID index to use on ``port``: RoCE v2 (IPv4-mapped > global > link-local) on Ethernet, else 0."""
-    e = _pv.e
-    entries: list[tuple[int, bytes, int]] = []  # (index, gid, type)
-    try:
-        for g in ctx.query_gid_table(max(1, gid_tbl_len)):
-            if g.port_num != port:
-                continue
-            raw = bytes.fromhex(g.gid_str().replace(":", ""))
-            entries.append((g.gid_index, raw, g.gid_type))
-        v2 = e.IBV_GID_TYPE_ROCE_V2
-    except (_pv.Error, AttributeError):  # older kernels: no gid table ioctl; walk the table
-        entries = []
-        for i in range(gid_tbl_len):
-            try:
-                raw = _gid_bytes(ctx.query_gid(port, i))
-                kind = ctx.query_gid_type(port, i)
-            except _pv.Error:
-                continue
-            entries.append((i, raw, kind))
-        v2 = e.IBV_GID_TYPE_SYSFS_ROCE_V2
-    entries = [x for x in entries if any(x[1])]
-    if not ethernet:
-        return entries[0][0] if entries else None
-    ranked = sorted(
-        (x for x in entries if x[2] == v2),
-        key=lambda x: (not x[1].startswith(_IPV4_MAPPED), x[1].startswith(b"\xfe\x80"), x[0]),
-    )
-    return ranked[0][0] if ranked else None
-
-
-def _open_device(name: str | None, ib_port: int | None, gid_index: int | None) -> tuple[Any, _Device]:
-    """Open the device and choose port and GID; ``StartError`` says what is missing."""
-    e = _pv.e
-    try:
-        devices = [d.name.decode() for d in _pv.get_device_list()]
-    except _pv.Error as ex:
-        devices = []
-        why = str(ex)
-    else:
-        why = "the device list is empty"
-    if not devices:
-        raise StartError(f"verbs transport: no RDMA device ({why}); {DEVICE_HINT}")
-    if name is not None and name not in devices:
-        raise StartError(f"verbs transport: no RDMA device named {name!r}; devices here: {', '.join(devices)}")
-    problems = []
-    for dev in [name] if name is not None else devices:
-        ctx = _pv.Context(name=dev)
-        try:
-            attr = ctx.query_device()
-            ports = [ib_port] if ib_port is not None else list(range(1, attr.phys_port_cnt + 1))
-            for port in ports:
-                try:
-                    pa = ctx.query_port(port)
-                except _pv.Error as ex:
-                    problems.append(f"{dev} port {port}: {ex}")
-                    continue
-                if pa.state != e.IBV_PORT_ACTIVE:
-                    problems.append(f"{dev} port {port} is not active (state {pa.state})")
-                    continue
-                ethernet = pa.link_layer == e.IBV_LINK_LAYER_ETHERNET
-                idx = gid_index if gid_index is not None else _pick_gid(ctx, port, pa.gid_tbl_len, ethernet)
-                if idx is None:
-                    problems.append(f"{dev} port {port} has no usable {'RoCE v2 ' if ethernet else ''}GID")
-                    continue
-                try:
-                    gid = _gid_bytes(ctx.query_gid(port, idx))
-                except _pv.Error as ex:
-                    problems.append(f"{dev} port {port} GID index {idx}: {ex}")
-                    continue
-                if not any(gid):
-                    problems.append(f"{dev} port {port} GID index {idx} is empty")
-                    continue
-                info = _Device(dev, port, idx, gid, pa.lid, pa.active_mtu, pa.link_layer, attr.max_qp_wr, attr.max_cqe,
-                               min(pa.max_msg_sz or 1 << 31, 1 << 31))
-                return ctx, info
-        except BaseException:
-            ctx.close()
-            raise
-        ctx.close()
-    raise StartError(f"verbs transport: no usable port: {'; '.join(problems)}; {DEVICE_HINT}")
-
-
-def describe_device(device: str | None = None, ib_port: int | None = None, gid_index: int | None = None) -> tuple[str, int, int]:
-    """``(device, port, gid_index)`` that ``create("verbs", ...)`` with these options would use; ``StartError`` if none."""
-    if _pv is None:
-        raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
-    ctx, info = _open_device(device, ib_port, gid_index)
-    ctx.close()
-    return info.name, info.port, info.gid_index
-
-
-def unavailable_reason(device: str | None = None) -> str | None:
-    """Why ``create("verbs", device=device)`` cannot work here, or None if it can (for test skips)."""
-    if _pv is None:
-        return f"pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}"
-    try:
-        ctx, _ = _open_device(device, None, None)
-    except StartError as ex:
-        return str(ex)
-    ctx.close()
-    return None
 
 
 # ---------------------------------------------------------------------- per-peer state
 
 
-@dataclass(slots=True, eq=False)
-class _Batch:
-    batch_id: int
-    wrs: list[tuple[int, int, int, int, int]]  # (local addr, lkey, remote addr, rkey, length); [] = fence
-    on_done: OnDone | None
-    posted: int = 0  # WRs of this batch posted so far
-    last_wr: int = 0  # wr_id of its last WR, once all are posted
-    grant: int = 0  # the grant key it writes through, counted in SourceWindows.busy (windows only)
-    error: TransportError | None = None  # refused before posting: a fence WR keeps its place in the order
-
-
-class _WrPool:
-    """Send WRs made once per peer and refilled in place for every post.
-
-    Creating pyverbs objects per write is most of a single-write batch's CPU
-    (each costs a logger lookup and two mallocs). Each pooled WR reads its own
-    SGE: pyverbs 44 can only point ``SendWR.sg_list`` at an SGE, so the copy
-    the WR was built with is freed (``close()``) and the pointer then set; at
-    the end only the SGEs are closed, never the WRs again. pyverbs cannot clear
-    a ``next_wr`` either, so ``tail`` is never given one: it ends every chain.
-    A WR may be refilled once ``post_send`` returned (the provider copied it).
-    """
-
-    __slots__ = ("_pv", "_links", "tail")
-
-    def __init__(self, pv: Any) -> None:
-        self._pv = pv
-        self._links: list[tuple[Any, Any]] = []
-        self.tail = self._make()
-
-    def _make(self) -> tuple[Any, Any]:
-        sge = self._pv.SGE(0, 0, 0)
-        wr = self._pv.SendWR(opcode=self._pv.e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge], send_flags=0)
-        wr.close()
-        wr.sg_list = sge
-        return wr, sge
-
-    def link(self, i: int) -> tuple[Any, Any]:
-        """The ``i``-th WR of a chain, not its last (made on first use; at most ``max_send_wr - 1``)."""
-        while len(self._links) <= i:
-            self._links.append(self._make())
-        return self._links[i]
-
-    def close(self) -> None:
-        for _wr, sge in (*self._links, self.tail):
-            sge.close()
-        self._links = []
-
-
 @dataclass(eq=False, slots=True)
 class _VerbsPeer(PeerHandle):
-    qp: Any = None
-    cq: Any = None
-    wrs: _WrPool | None = None  # the send WRs, refilled for every post; guarded by ``lock``
+    """A sink as its source sees it: the queue pair's send side, the liveness socket, what the sink granted."""
+
+    sq: SendQueue | None = None  # the QP's send side; guarded by ``lock``, None once the peer failed
     sock: socket.socket | None = None
     lock: threading.Condition = field(default_factory=threading.Condition)
     deliver: threading.RLock = field(default_factory=threading.RLock)
-    unposted: deque[_Batch] = field(default_factory=deque)  # not every WR posted yet (head may be partly posted)
-    inflight: deque[_Batch] = field(default_factory=deque)  # every batch not completed, in order
     slots: int = 0  # batches holding an in-flight slot
-    next_wr: int = 1
-    retired: int = 0  # every wr_id <= retired has completed
-    since_signal: int = 0
-    unsignalled_batches: int = 0
-    last_signalled: int = 0  # wr_id of the last signalled WR posted
     error: TransportError | None = None
     last_progress: float = 0.0
     grant_floor: int = 0  # grant keys <= this that are not in grant_live were dead when we connected
@@ -606,7 +222,7 @@ class _VerbsPeer(PeerHandle):
 
 @dataclass(eq=False, slots=True)
 class _SinkConn:
-    """An accepted source: its liveness socket, the sink QP, the source instance its ``_HELLO`` named.
+    """An accepted source: its liveness socket, the sink QP, the source instance its hello named.
 
     Whoever removes it from ``VerbsTransport._sinks`` (under ``_lock``) owns its teardown.
     """
@@ -615,7 +231,7 @@ class _SinkConn:
     sock: socket.socket
     qp: Any
     src: bytes
-    windows: dict[int, list[tuple[Any, int, int, int]]] = field(default_factory=dict)  # grant -> (MW, addr, len, rkey)
+    windows: dict[int, list[Window]] = field(default_factory=dict)  # grant -> its windows bound on this QP
     reader: FrameReader = field(default_factory=FrameReader)
     stopped: set[int] = field(default_factory=set)  # grants the source answered ``s`` for (under ``_lock``)
 
@@ -624,7 +240,7 @@ class VerbsTransport(Transport):
     """RDMA WRITEs over RC QPs (pyverbs). Options:
 
     ``device`` (default: the first device with an active port), ``ib_port``, ``gid_index``
-    (default: chosen as the module docstring says); ``host``/``port``/``advertise_host`` of the
+    (default: chosen as ``transport/verbs_device.py`` says); ``host``/``port``/``advertise_host`` of the
     handshake listener (default 127.0.0.1, any port, ``host``); ``max_inflight`` (64 batches per
     peer); ``peer_timeout`` (10 s without a completion while batches are in flight = dead peer);
     ``max_send_wr`` (1024 outstanding WRs per QP, capped by the device); ``qp_timeout`` (the ack
@@ -632,8 +248,8 @@ class VerbsTransport(Transport):
     (6; 7 would mean "retry forever" on rxe); ``max_sinks`` (1024 sink QPs, one per connected
     source; a handshake beyond it is refused and that source's ``connect`` raises); ``secret``
     (bytes of 16..4096, default None: the deployment secret; with it every handshake is a mutual
-    challenge-response before any QP information moves, see "Authentication" in the module
-    docstring; refused handshakes are counted in ``auth_failures``); ``memory_windows`` (default
+    challenge-response before any QP information moves, see "Authentication" in
+    ``transport/verbs_hello.py``; refused handshakes are counted in ``auth_failures``); ``memory_windows`` (default
     None: where the device has type 2 windows; False: never, True: ``StartError`` without them) and
     ``max_windows`` (4096 windows per grant, one per contiguous range; a grant needing more raises
     ``ValueError``), see "Grants and revoke".
@@ -661,11 +277,12 @@ class VerbsTransport(Transport):
         max_windows: int = 4096,
     ) -> None:
         secret = check_secret(secret, "verbs transport")
-        self._key = derive_key(secret, _KEY_LABEL) if secret is not None else None
+        self._key = derive_key(secret, hello.KEY_LABEL) if secret is not None else None
         del secret  # only the derived key is kept
         self._auth = AuthFailures("verbs transport", log)
-        if _pv is None:
-            raise StartError(f"verbs transport: pyverbs is not importable ({_IMPORT_ERROR}); {INSTALL_HINT}")
+        why = missing_pyverbs()
+        if why is not None:
+            raise StartError(f"verbs transport: {why}")
         if max_inflight < 1 or peer_timeout <= 0 or max_send_wr < 2 or not 0 <= retry_cnt <= 7:
             raise StartError(
                 f"verbs transport: max_inflight ({max_inflight}) and peer_timeout ({peer_timeout}) must be "
@@ -690,10 +307,6 @@ class VerbsTransport(Transport):
         self._qp_timeout = qp_timeout
         self._retry_cnt = retry_cnt
         self._instance = new_instance_id()
-        self._regions = RegionTable()
-        self._mrs: dict[int, Any] = {}  # region key (rkey, or lkey of a guarded MR) -> MR
-        self._guarded: set[int] = set()  # rkeys of regions only windows open (require_grant, with windows)
-        self._owners: dict[int, Any] = {}  # region key -> what keeps the memory alive
         self._batch_ids = itertools.count(1)
         self._peer_ids = itertools.count(1)
         self._peers: dict[int, _VerbsPeer] = {}
@@ -708,7 +321,6 @@ class VerbsTransport(Transport):
         self._last_grant = 0  # the last key grant() issued (keys only grow); guarded by _grant_lock
         self._unconfirmed: dict[int, Grant] = {}  # revokes that raised, by key; guarded by _grant_lock
         self._mw_lock = threading.Lock()  # orders every bind, invalidation and sink-side frame (see grant)
-        self._sink_wr_next = 1  # wr_id of the next bind or invalidation; under _mw_lock
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)  # a source answered ``s``, or a sink went away
         self._work = threading.Condition()  # wakes the completion thread
@@ -716,29 +328,28 @@ class VerbsTransport(Transport):
         self._stop = threading.Event()
         self._closed = False
         self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
-        e = _pv.e
-        self._access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
 
         with contextlib.ExitStack() as stack:
             try:
-                self._ctx, self._dev = _open_device(device, ib_port, gid_index)
+                self._ctx, self._dev = open_device(device, ib_port, gid_index)
                 stack.callback(self._ctx.close)
-                self._pd = _pv.PD(self._ctx)
+                self._pd = pv.PD(self._ctx)
                 stack.callback(self._pd.close)
-                self._sink_cq = _pv.CQ(self._ctx, _SINK_WR + 16)
+                self._sink_cq = pv.CQ(self._ctx, SINK_WR + 16)
                 stack.callback(self._sink_cq.close)
-            except _pv.Error as ex:
+            except pv.Error as ex:
                 raise StartError(f"verbs transport: cannot open the device: {ex}") from ex
-            self._windows, why = self._probe_windows(memory_windows)
+            self._windows, why = probe_windows(self._ctx, self._pd, memory_windows)
             if not self._windows:
                 if memory_windows:
                     raise StartError(f"verbs transport: memory_windows=True, but {why}")
                 if memory_windows is None:
                     log.warning("verbs transport on %s: %s; revoke moves the source's queue pairs to the error "
                                 "state instead (revoke_method)", self._dev.name, why)
-            self._mr_access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_MW_BIND if self._windows else 0)
+            self._mem = MemoryRegions(self._pd, self._windows)
+            self._regions, self._mrs = self._mem.table, self._mem.mrs  # read on every write
+            self._mw = WindowOps(self._pd, self._sink_cq)  # under _mw_lock
             self._max_send_wr = max(2, min(max_send_wr, self._dev.max_qp_wr, self._dev.max_cqe - 1))
-            self._signal_every = max(1, self._max_send_wr // 4)
             try:
                 self._listener = socket.create_server((host, port), backlog=128)
             except OSError as ex:
@@ -746,9 +357,7 @@ class VerbsTransport(Transport):
             stack.callback(self._listener.close)
             self._listener.setblocking(False)
             hostport = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
-            self._address = (
-                _ADDR.pack(self._dev.gid, self._dev.lid, self._dev.mtu, self._dev.link_layer) + hostport.encode()
-            )
+            self._address = hello.encode_address(self._dev.gid, self._dev.lid, self._dev.mtu, self._dev.link_layer, hostport)
             self._hostport = hostport
             self._wake_r, self._wake_w = socket.socketpair()
             stack.callback(self._wake_r.close)
@@ -814,25 +423,6 @@ class VerbsTransport(Transport):
             with self._lock:
                 return sum(len(w) for s in self._sinks.values() for w in s.windows.values())
 
-    def _probe_windows(self, want: bool | None) -> tuple[bool, str]:
-        """Whether this device binds type 2 memory windows (one is allocated and freed to be sure), and why not."""
-        if want is False:
-            return False, "memory windows are off (memory_windows=False)"
-        e = _pv.e
-        try:
-            attr = self._ctx.query_device()
-        except _pv.Error as ex:
-            return False, f"query_device failed: {ex}"
-        flags = attr.device_cap_flags
-        type_2 = getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2B", 0) | getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2A", 0)
-        if not attr.max_mw or not flags & e.IBV_DEVICE_MEM_WINDOW or not flags & type_2:
-            return False, f"the device has no type 2 memory windows (max_mw {attr.max_mw})"
-        try:
-            _pv.MW(self._pd, e.IBV_MW_TYPE_2).close()
-        except _pv.Error as ex:
-            return False, f"allocating a type 2 memory window failed: {ex}"
-        return True, ""
-
     @property
     def max_sinks(self) -> int:
         return self._max_sinks
@@ -842,41 +432,10 @@ class VerbsTransport(Transport):
         grant's windows open it, and the endpoint withholds its rkey (key 0). Without windows the
         device cannot enforce ``require_grant`` (module docstring)."""
         self._check_open("register")
-        addr, length, owner = buffer_span(buf)
-        if self._regions.find(addr, 1) is not None or self._regions.find(addr + length - 1, 1) is not None:
-            raise ValueError(f"[{addr:#x}, +{length}) overlaps a registered region")
-        guarded = require_grant and self._windows
-        access = self._mr_access | (0 if guarded else _pv.e.IBV_ACCESS_REMOTE_WRITE)
-        try:
-            mr = _pv.MR(self._pd, length, access, address=addr)
-        except _pv.Error as ex:
-            raise TransportError(f"registering [{addr:#x}, +{length}) failed: {ex}", op="register", errno=_rdma_errno(ex)) from ex
-        # a region's key names its MR here: the rkey, or for a guarded MR (no remote access, so no
-        # rkey: rxe gives them all 0) its lkey; a device's keys name one MR each
-        key = mr.lkey if guarded else mr.rkey
-        region = Region(addr, length, key)
-        try:
-            self._regions.add(region)
-        except ValueError:
-            mr.close()
-            raise
-        self._mrs[key] = mr
-        self._owners[key] = owner
-        if guarded:
-            self._guarded.add(key)
-        return region
+        return self._mem.register(buf, require_grant)
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
-        if not self._regions.remove(region):
-            return
-        mr = self._mrs.pop(region.key, None)
-        self._owners.pop(region.key, None)
-        self._guarded.discard(region.key)
-        if mr is not None:
-            try:
-                mr.close()
-            except _pv.Error as ex:
-                raise TransportError(f"deregistering {region} failed: {ex}", op="deregister", errno=_rdma_errno(ex)) from ex
+        self._mem.deregister(region)
 
     def regions(self) -> tuple[Region, ...]:
         return self._regions.snapshot()
@@ -912,19 +471,19 @@ class VerbsTransport(Transport):
         return g
 
     def _grant_snapshot(self, sink: _SinkConn) -> bytes:
-        """For an ``_OK`` reply: the last key issued and the source's live grants: their keys, or with
+        """For an ``OK`` reply: the last key issued and the source's live grants: their keys, or with
         memory windows the windows bound for them on this connection (``W`` frames). Under ``_mw_lock``."""
         with self._grant_lock:
-            live = sorted(self._grants.of_source(sink.src), key=lambda g: g.key)[:_MAX_LIVE_GRANTS]
+            live = sorted(self._grants.of_source(sink.src), key=lambda g: g.key)[: hello.MAX_LIVE_GRANTS]
             floor = self._last_grant
         if not self._windows:
-            return _GRANTS.pack(floor, len(live), 0) + struct.pack(f"<{len(live)}Q", *(g.key for g in live))
-        frames = [_GRANTS.pack(floor, len(live), 1)]
+            return hello.encode_grant_keys(floor, [g.key for g in live])
+        frames = []
         for g in live:
             if not self._open_windows(sink, g.key, self._spans_of(g), send=False):
                 raise OSError(errno_mod.EIO, f"binding the memory windows of grant {g.key} failed")
-            frames.append(_windows_frame(g.key, sink.windows[g.key]))
-        return b"".join(frames)
+            frames.append(windows_frame(g.key, sink.windows[g.key]))
+        return hello.encode_grant_windows(floor, frames)
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
         """Forget ``grant``; unless ``settled``, make sure nothing more lands through it once this returns.
@@ -1038,14 +597,14 @@ class VerbsTransport(Transport):
         """Move a sink QP to the error state, free its windows, destroy it; '' if the QP stopped."""
         errors = []
         try:
-            c.qp.modify(_pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR), _pv.e.IBV_QP_STATE)
-        except _pv.Error as ex:
+            c.qp.modify(pv.QPAttr(qp_state=pv.e.IBV_QPS_ERR), pv.e.IBV_QP_STATE)
+        except pv.Error as ex:
             errors.append(f"to error: {ex}")
-        self._free_windows([w for ws in c.windows.values() for w in ws])
+        free_windows([w for ws in c.windows.values() for w in ws])
         c.windows.clear()
         try:
             c.qp.close()
-        except _pv.Error as ex:
+        except pv.Error as ex:
             errors.append(f"destroy: {ex}")
         return "; ".join(errors) if len(errors) == 2 else ""
 
@@ -1056,207 +615,75 @@ class VerbsTransport(Transport):
         return window_spans(g.ranges, [(r.addr, r.end) for r in self._regions.snapshot()])
 
     def _open_windows(self, c: _SinkConn, key: int, spans: list[tuple[int, int]], *, send: bool) -> bool:
-        """Bind one type 2 window per span on ``c``'s QP (and with ``send`` tell the source: ``W``);
-        False if that failed (the caller cuts the connection)."""
-        e = _pv.e
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        made: list[tuple[Any, int, int, int]] = []
-        wrs = []
-        try:
-            for a, n in spans:
-                region = self._regions.find(a, n)
-                mr = self._mrs.get(region.key) if region is not None else None
-                if mr is None:
-                    raise _BindFailed(f"[{a:#x}, +{n}) is no longer registered")
-                mw = _pv.MW(self._pd, e.IBV_MW_TYPE_2)
-                wr = _pv.SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
-                wr.set_bind_wr(mw, _pv.MWBindInfo(mr, a, n, access))
-                made.append((mw, a, n, wr.rkey))
-                wrs.append(wr)
-            why = self._sink_wrs(c.qp, wrs)
-            if why:
-                raise _BindFailed(why)
-        except (_pv.Error, _BindFailed) as ex:
-            log.warning("verbs transport: binding %d memory window(s) of grant %d failed: %s", len(spans), key, ex)
-            self._free_windows(made)
+        """Bind grant ``key``'s windows (one per span) on ``c``'s QP (and with ``send`` tell the source:
+        ``W``); False if that failed (the caller cuts the connection)."""
+        made = self._mw.bind(c.qp, key, spans, self._mem)
+        if made is None:
             return False
         c.windows[key] = made
-        return not send or _send_frame(c.sock, _windows_frame(key, made))
+        return not send or _send_frame(c.sock, windows_frame(key, made))
 
     def _close_windows(self, c: _SinkConn, key: int) -> bool:
         """Invalidate grant ``key``'s windows on ``c`` and free them; True if that failed (cut ``c``)."""
         made = c.windows.pop(key, None)
-        if not made:
-            return False
-        e = _pv.e
-        wrs = []
-        for _mw, _a, _n, rkey in made:
-            wr = _pv.SendWR(opcode=e.IBV_WR_LOCAL_INV, send_flags=e.IBV_SEND_SIGNALED)
-            wr.imm_data = rkey  # pyverbs 44 carries invalidate_rkey in imm_data's place (one union)
-            wrs.append(wr)
-        try:
-            why = self._sink_wrs(c.qp, wrs)
-        except _pv.Error as ex:
-            why = str(ex)
-        self._free_windows(made)
-        if why:
-            log.warning("verbs transport: invalidating the windows of grant %d failed: %s", key, why)
-        return bool(why)
-
-    @staticmethod
-    def _free_windows(made: list[tuple[Any, int, int, int]]) -> None:
-        for mw, *_ in made:
-            with contextlib.suppress(_pv.Error):
-                mw.close()  # ibv_dealloc_mw: invalidates a window still bound
-
-    def _sink_wrs(self, qp: Any, wrs: list[Any]) -> str:
-        """Post ``wrs`` (signalled binds or invalidations) on a sink QP, ``_SINK_WR`` at a time, and
-        reap their completions from the sink CQ; '' if all succeeded, else why not. Under ``_mw_lock``:
-        nothing else posts on sink QPs, so every completion on the sink CQ is one of these."""
-        deadline = Deadline.after(5.0)
-        for at in range(0, len(wrs), _SINK_WR):
-            chunk = wrs[at : at + _SINK_WR]
-            first = self._sink_wr_next
-            self._sink_wr_next += len(chunk)
-            for i, wr in enumerate(chunk):
-                wr.wr_id = first + i
-                qp.post_send(wr)
-            left = len(chunk)
-            why = ""
-            spins = 0
-            while left:
-                _n, wcs = self._sink_cq.poll(_SINK_WR)
-                for wc in wcs:
-                    if wc.wr_id < first:
-                        continue  # of an earlier call that gave up waiting
-                    left -= 1
-                    if wc.status != _pv.e.IBV_WC_SUCCESS and not why:
-                        why = f"work completion {wc_status_name(wc.status)}"
-                if not wcs:
-                    if deadline.expired():
-                        return f"{left} window operation(s) not completed within 5 s"
-                    spins += 1
-                    time.sleep(0 if spins < 64 else 1e-4)
-            if why:
-                return why
-        return ""
+        return bool(made) and self._mw.invalidate(c.qp, key, made)
 
     def endpoint(self) -> bytes:
         """With memory windows a region that requires a grant travels with key 0: no source learns its rkey."""
-        regions = tuple(Region(r.addr, r.length, 0) if r.key in self._guarded else r for r in self._regions.snapshot())
-        return encode_endpoint(Endpoint(self.name, self._instance, self._address, regions))
+        return encode_endpoint(Endpoint(self.name, self._instance, self._address, self._mem.advertised()))
 
     # ------------------------------------------------------------------ QPs
 
-    def _make_qp(self, cq: Any, send_wr: int) -> Any:
-        cap = _pv.QPCap(max_send_wr=send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = _pv.QPInitAttr(qp_type=_pv.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
-        return _pv.QP(self._pd, init)
-
     def _to_rts(self, qp: Any, *, rqpn: int, rpsn: int, lpsn: int, gid: bytes, lid: int, mtu: int) -> None:
-        attr = _pv.QPAttr(port_num=self._dev.port, path_mtu=mtu)
-        attr.qp_access_flags = self._access
-        attr.pkey_index = 0
-        attr.dest_qp_num = rqpn
-        attr.rq_psn = rpsn
-        attr.sq_psn = lpsn
-        attr.max_dest_rd_atomic = 1
-        attr.max_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        attr.timeout = self._qp_timeout
-        attr.retry_cnt = self._retry_cnt
-        attr.rnr_retry = min(self._retry_cnt, 6)
-        gr = _pv.GlobalRoute(dgid=_pv.GID(_gid_str(gid)), sgid_index=self._dev.gid_index, hop_limit=_HOP_LIMIT)
-        attr.ah_attr = _pv.AHAttr(port_num=self._dev.port, is_global=1, dlid=lid, gr=gr)
-        qp.to_rts(attr)
+        to_rts(qp, self._dev, rqpn=rqpn, rpsn=rpsn, lpsn=lpsn, gid=gid, lid=lid, mtu=mtu,
+               timeout=self._qp_timeout, retry_cnt=self._retry_cnt)
 
-    @staticmethod
-    def _qp_to_error(qp: Any) -> None:
-        attr = _pv.QPAttr(qp_state=_pv.e.IBV_QPS_ERR)
-        with contextlib.suppress(_pv.Error):
-            qp.modify(attr, _pv.e.IBV_QP_STATE)
+    _qp_to_error = staticmethod(qp_to_error)  # tests/rdma break a sink QP through it
 
     # ------------------------------------------------------------------ source side
 
     def connect(self, peer_endpoint: bytes, *, deadline: Deadline) -> PeerHandle:
         self._check_open("connect")
         remote = decode_endpoint(peer_endpoint, expect=self.name)
-        if len(remote.address) <= _ADDR.size:
-            raise TransportError(f"verbs endpoint address of {len(remote.address)} bytes is too short", op="connect")
-        gid, lid, mtu, link_layer = _ADDR.unpack_from(remote.address)
-        host, _, port_s = remote.address[_ADDR.size :].decode("ascii", "replace").rpartition(":")
-        try:
-            port = int(port_s)
-        except ValueError:
-            raise TransportError(f"verbs endpoint address {remote.address!r} has no host:port", op="connect") from None
-        if link_layer != self._dev.link_layer:
+        addr = hello.decode_address(remote.address)
+        if addr.link_layer != self._dev.link_layer:
             raise TransportError(
-                f"peer link layer {link_layer} differs from ours ({self._dev.link_layer}): no route", op="connect"
+                f"peer link layer {addr.link_layer} differs from ours ({self._dev.link_layer}): no route", op="connect"
             )
+        where = f"{addr.host}:{addr.port}"
         psn = int.from_bytes(os.urandom(3), "little")
         with contextlib.ExitStack() as stack:
             try:
-                cq = _pv.CQ(self._ctx, self._max_send_wr + 16)
-                stack.callback(cq.close)
-                qp = self._make_qp(cq, self._max_send_wr)
-                stack.callback(qp.close)
-            except _pv.Error as ex:
-                raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
+                sq = SendQueue(self._ctx, self._pd, self._max_send_wr)
+            except pv.Error as ex:
+                raise TransportError(f"creating a QP failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
+            stack.callback(sq.close)
             try:
-                sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
+                sock = socket.create_connection((addr.host, addr.port), timeout=max(deadline.remaining(), 1e-3))
             except OSError as ex:
-                raise TransportError(f"cannot reach the peer's handshake listener {host}:{port}: {ex}", op="connect", errno=ex.errno) from ex
+                raise TransportError(f"cannot reach the peer's handshake listener {where}: {ex}", op="connect", errno=ex.errno) from ex
             stack.callback(sock.close)
-            info = _QP_INFO.pack(qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
+            recv = _receiver(sock, deadline)
+            info = hello.QP_INFO.pack(sq.qp.qp_num, psn, self._dev.gid, self._dev.lid, self._dev.mtu)
             try:
-                magic, version, status, rqpn, rpsn, path_mtu, err = self._hello(sock, f"{host}:{port}", remote.instance, info, deadline)
+                reply = self._hello(sock, where, hello.Hello(remote.instance, self._instance, info=info), deadline)
             except OSError as ex:
-                raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
-            if magic != _MAGIC or version != _VERSION:
-                raise TransportError(f"{host}:{port} does not speak pdcore verbs v{_VERSION}", op="connect")
-            if status == _AUTH_REQUIRED:
-                raise auth_failed(f"{host}:{port}", "it requires the deployment secret and this transport has none (its secret option is unset)")
-            if status == _AUTH_UNSUPPORTED:
-                raise auth_failed(f"{host}:{port}", "it has no deployment secret and this transport authenticates every connection")
-            if status == _AUTH_FAILED:
-                raise auth_failed(f"{host}:{port}", "it did not accept this transport's proof of the deployment secret")
-            if status == _TOO_MANY:
-                raise TransportError(
-                    f"{host}:{port} refused the connection: the sink already holds its maximum of {rqpn} source "
-                    f"QPs (its max_sinks={rqpn}); disconnect another source there or raise max_sinks",
-                    op="connect",
-                    errno=err or errno_mod.ECONNREFUSED,
-                )
-            if status == _WRONG_INSTANCE:
-                raise TransportError(f"{host}:{port} is another transport instance than the endpoint names (restarted?)", op="connect")
-            if status != _OK:
-                raise TransportError(f"the peer could not set up its QP (errno {err})", op="connect", errno=err or None)
+                raise TransportError(f"handshake with {where} failed: {ex}", op="connect", errno=ex.errno) from ex
+            refused = hello.refusal(reply, where)
+            if refused is not None:
+                raise refused
             try:
-                sock.settimeout(max(deadline.remaining(), 1e-3))
-                floor, count, windowed = _GRANTS.unpack(_recv_exact(sock, _GRANTS.size))
-                if count > _MAX_LIVE_GRANTS:
-                    raise TransportError(f"{host}:{port} sent {count} live grants (at most {_MAX_LIVE_GRANTS})", op="connect")
-                win = SourceWindows(floor=floor) if windowed else None
-                live: frozenset[int] = frozenset()
-                if win is None:
-                    live = frozenset(struct.unpack(f"<{count}Q", _recv_exact(sock, 8 * count)))
-                for _ in range(count if win is not None else 0):
-                    kind, key, n = WINDOWS_HEAD.unpack(_recv_exact(sock, WINDOWS_HEAD.size))
-                    if kind != FRAME_WINDOWS or n > MAX_FRAME_WINDOWS:
-                        raise TransportError(f"{host}:{port} sent a malformed grant in its handshake", op="connect")
-                    body = _recv_exact(sock, n * WINDOWS_ROW.size)
-                    win.add(key, [WINDOWS_ROW.unpack_from(body, i * WINDOWS_ROW.size) for i in range(n)])
+                floor, live, win = hello.read_grants(recv, where)
             except OSError as ex:
-                raise TransportError(f"handshake with {host}:{port} failed: {ex}", op="connect", errno=ex.errno) from ex
+                raise TransportError(f"handshake with {where} failed: {ex}", op="connect", errno=ex.errno) from ex
             try:
-                self._to_rts(qp, rqpn=rqpn, rpsn=rpsn, lpsn=psn, gid=gid, lid=lid, mtu=min(path_mtu, self._dev.mtu))
-            except _pv.Error as ex:
-                raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=_rdma_errno(ex)) from ex
+                self._to_rts(sq.qp, rqpn=reply.qpn, rpsn=reply.psn, lpsn=psn, gid=addr.gid, lid=addr.lid,
+                             mtu=min(reply.mtu, self._dev.mtu))
+            except pv.Error as ex:
+                raise TransportError(f"moving the QP to RTS failed: {ex}", op="connect", errno=rdma_errno(ex)) from ex
             sock.setblocking(False)
-            wrs = _WrPool(_pv)
-            stack.callback(wrs.close)
             peer = _VerbsPeer(
-                next(self._peer_ids), remote, RegionTable(remote.regions), qp=qp, cq=cq, wrs=wrs, sock=sock,
+                next(self._peer_ids), remote, RegionTable(remote.regions), sq=sq, sock=sock,
                 grant_floor=floor, grant_live=live, win=win,
             )
             peer.last_progress = time.monotonic()
@@ -1268,30 +695,25 @@ class VerbsTransport(Transport):
         self._watch(sock, peer)
         return peer
 
-    def _hello(self, sock: socket.socket, where: str, sink: bytes, info: bytes, deadline: Deadline) -> tuple[Any, ...]:
-        """Send the hello (and, with a secret, check the sink's challenge and send our proof with ``info``,
-        our QP information); return the sink's last ``_REPLY``, unpacked."""
-
-        def recv(n: int) -> bytes:
-            sock.settimeout(max(deadline.remaining(), 1e-3))
-            return _recv_exact(sock, n)
-
+    def _hello(self, sock: socket.socket, where: str, h: hello.Hello, deadline: Deadline) -> hello.Reply:
+        """Send the hello ``h`` (with a secret: without its QP information, then check the sink's challenge
+        and send our proof, which carries it); return the sink's last reply."""
+        recv = _receiver(sock, deadline)
         key = self._key
         sock.settimeout(max(deadline.remaining(), 1e-3))
         if key is None:
-            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, sink, self._instance, *_QP_INFO.unpack(info)))
-            return _REPLY.unpack(recv(_REPLY.size))
-        nonce = os.urandom(NONCE_BYTES)
-        sock.sendall(_HELLO_AUTH.pack(_MAGIC_AUTH, _VERSION, sink, self._instance, nonce))
-        reply = _REPLY.unpack(recv(_REPLY.size))
-        if reply[0] != _MAGIC or reply[1] != _VERSION or reply[2] != _OK:
+            sock.sendall(hello.encode_hello(h))
+            return hello.decode_reply(recv(hello.REPLY.size))
+        h = hello.Hello(h.sink, h.source, os.urandom(NONCE_BYTES), h.info)
+        sock.sendall(hello.encode_hello(h))
+        reply = hello.decode_reply(recv(hello.REPLY.size))
+        if reply.magic != hello.MAGIC or reply.version != hello.VERSION or reply.status != hello.OK:
             return reply
-        sink_nonce, mac = _CHALLENGE.unpack(recv(_CHALLENGE.size))
-        if not same_mac(mac, hello_mac(key, _SINK_ROLE, sink, self._instance, nonce, sink_nonce)):
-            host, _, port = where.rpartition(":")
-            raise auth_failed(f"{host}:{port}", "it could not prove that it holds the deployment secret (different secrets?)")
-        sock.sendall(_PROOF.pack(hello_mac(key, _SOURCE_ROLE, sink, self._instance, nonce, sink_nonce, info), info))
-        return _REPLY.unpack(recv(_REPLY.size))
+        proof = hello.prove(key, h, recv(hello.CHALLENGE.size))
+        if proof is None:
+            raise auth_failed(where, "it could not prove that it holds the deployment secret (different secrets?)")
+        sock.sendall(proof)
+        return hello.decode_reply(recv(hello.REPLY.size))
 
     def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
         remote = decode_endpoint(peer_endpoint, expect=self.name)
@@ -1332,7 +754,7 @@ class VerbsTransport(Transport):
                 op="write",
                 errno=errno_mod.EACCES,
             )
-        wrs: list[tuple[int, int, int, int, int]] = []
+        wrs: list[Wr] = []
         remote = p.regions
         local = self._regions
         for la, ra, n in _rows(batch):
@@ -1354,16 +776,18 @@ class VerbsTransport(Transport):
             if p.win is not None:
                 wrs, refused = self._through_windows(p, key, wrs, deadline)
             take_slot(p, self._max_inflight, deadline, self._check_usable)
+            sq = p.sq
+            assert sq is not None  # set until the peer fails, and _check_usable saw it had not
             batch_id = next(self._batch_ids)
-            b = _Batch(batch_id, wrs, on_done, error=refused)
+            b = WrBatch(batch_id, wrs, on_done, error=refused)
             if key and p.win is not None and refused is None:
                 b.grant = key
                 p.win.began(key)
-            if not p.inflight:
+            if not sq.inflight:
                 p.last_progress = time.monotonic()
-            p.inflight.append(b)
-            p.unposted.append(b)
-            failure = self._post_locked(p)
+            sq.inflight.append(b)
+            sq.unposted.append(b)
+            failure = sq.post()
         if failure is not None:
             self._fail_peer(p, failure)
         else:
@@ -1373,8 +797,8 @@ class VerbsTransport(Transport):
         return batch_id
 
     def _through_windows(
-        self, p: _VerbsPeer, key: int, wrs: list[tuple[int, int, int, int, int]], deadline: Deadline | None
-    ) -> tuple[list[tuple[int, int, int, int, int]], TransportError | None]:
+        self, p: _VerbsPeer, key: int, wrs: list[Wr], deadline: Deadline | None
+    ) -> tuple[list[Wr], TransportError | None]:
         """``wrs`` with each remote rkey replaced by its window's (holding ``p.lock``), or why the batch fails."""
         win = p.win
         assert win is not None
@@ -1406,70 +830,6 @@ class VerbsTransport(Transport):
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
         return self._queue.get(max_items, deadline)
 
-    def _post_locked(self, p: _VerbsPeer, *, flush: bool = False) -> TransportError | None:
-        """Post waiting WRs while the send queue has room (holding ``p.lock``); an error means: fail the peer.
-
-        Signalling: a WR is signalled if the send queue is full after it, every ``max_send_wr // 4``-th
-        WR, and at a batch end while few batches are in flight (or every ``_BATCHES_PER_SIGNAL``-th
-        batch end when many are). A batch whose end is unsignalled completes when a later signalled
-        WR does (an RC queue completes in order); if nothing later is signalled, the completion
-        thread posts a signalled zero-length WRITE (``flush=True``) once the CQ has caught up.
-        """
-        if p.qp is None or p.error is not None:
-            return None
-        room = self._max_send_wr - (p.next_wr - 1 - p.retired)
-        if room <= 0 or not (p.unposted or flush):
-            return None
-        signalled = _pv.e.IBV_SEND_SIGNALED
-        posts: list[tuple[int, int, int, int, int, int, int]] = []  # (wr_id, flags, la, lkey, ra, rkey, n)
-        deep = len(p.inflight) > _SHALLOW
-        if flush and not p.unposted:
-            p.unposted.append(_Batch(0, [], None))  # a bare fence WR, owned by no batch
-        while p.unposted and room > 0:
-            b = p.unposted[0]
-            items = b.wrs or [(0, 0, 0, 0, 0)]  # the fence: one zero-length WRITE
-            while b.posted < len(items) and room > 0:
-                la, lkey, ra, rkey, n = items[b.posted]
-                b.posted += 1
-                room -= 1
-                wr_id = p.next_wr
-                p.next_wr += 1
-                p.since_signal += 1
-                last = b.posted == len(items)
-                if last:
-                    p.unsignalled_batches += 1
-                signal = (
-                    room == 0
-                    or p.since_signal >= self._signal_every
-                    or (last and (not deep or n == 0 or p.unsignalled_batches >= _BATCHES_PER_SIGNAL))
-                )
-                if signal:
-                    p.since_signal = 0
-                    p.unsignalled_batches = 0
-                    p.last_signalled = wr_id
-                posts.append((wr_id, signalled if signal else 0, la, lkey, ra, rkey, n))
-                if last:
-                    b.last_wr = wr_id
-            if b.posted == len(items):
-                p.unposted.popleft()
-        pool = p.wrs
-        assert pool is not None  # set with qp, cleared with it
-        end = len(posts) - 1
-        prev = None
-        for i, (wr_id, flags, la, lkey, ra, rkey, n) in enumerate(posts):
-            wr, sge = pool.tail if i == end else pool.link(i)
-            wr.wr_id, wr.send_flags, wr.num_sge = wr_id, flags, 1 if n else 0
-            wr.set_wr_rdma(rkey, ra)
-            sge.addr, sge.length, sge.lkey = la, n, lkey
-            if prev is not None:
-                prev.next_wr = wr
-            prev = wr
-        try:
-            p.qp.post_send(pool.tail[0] if end == 0 else pool.link(0)[0])
-        except _pv.Error as ex:
-            return TransportError(f"ibv_post_send failed: {ex}", op="write", errno=_rdma_errno(ex))
-        return None
-
     # ------------------------------------------------------------------ completions
 
     def _cq_loop(self) -> None:
@@ -1478,7 +838,7 @@ class VerbsTransport(Transport):
         while not self._stop.is_set():
             with self._work:  # write() appends, then notifies under this lock: no lost wake-up
                 with self._lock:
-                    active = [p for p in self._peers.values() if p.inflight and p.cq is not None]
+                    active = [p for p in self._peers.values() if (sq := p.sq) is not None and sq.inflight]
                 if not active:
                     if not self._stop.is_set():
                         self._work.wait(_IDLE_WAIT)
@@ -1492,7 +852,9 @@ class VerbsTransport(Transport):
             if now >= next_watchdog:
                 next_watchdog = now + min(0.05, self._peer_timeout / 10)
                 for p in active:
-                    if p.inflight and p.error is None and now - p.last_progress > self._peer_timeout:
+                    sq = p.sq
+                    busy = sq is not None and sq.inflight and p.error is None
+                    if busy and now - p.last_progress > self._peer_timeout:
                         self._fail_peer(
                             p,
                             TransportError(
@@ -1514,46 +876,24 @@ class VerbsTransport(Transport):
 
     def _reap(self, p: _VerbsPeer) -> bool:
         """Poll one peer's CQ; complete, fail and post as the completions say. True if it found any."""
-        e = _pv.e
-        done: list[_Batch] = []
         answers: list[int] = []  # grants being revoked whose last batch just completed: tell the sink
-        failure: TransportError | None = None
         with p.deliver:
             with p.lock:
-                if p.cq is None or p.error is not None:
+                sq = p.sq
+                if sq is None or p.error is not None:
                     return False
-                try:
-                    _n, wcs = p.cq.poll(64)
-                except _pv.Error as ex:
-                    wcs = []
-                    failure = TransportError(f"polling the CQ failed: {ex}", op="write", errno=_rdma_errno(ex))
-                for wc in wcs:
-                    if wc.status == e.IBV_WC_SUCCESS:
-                        p.retired = max(p.retired, wc.wr_id)
-                        continue
-                    if wc.status != e.IBV_WC_WR_FLUSH_ERR:
-                        # RC completes in order: every WR before the failing one has landed
-                        p.retired = max(p.retired, wc.wr_id - 1)
-                    failure = self._wc_failure(p, wc.wr_id, wc.status, wc.vendor_err)
-                    break
-                if wcs:
+                found, done, failure = sq.reap()
+                if found:
                     p.last_progress = time.monotonic()
-                while p.inflight and p.inflight[0].last_wr and p.inflight[0].last_wr <= p.retired:
-                    b = p.inflight.popleft()
-                    done.append(b)
-                    if b.grant and p.win is not None and p.win.ended(b.grant):
-                        answers.append(b.grant)
-                if failure is None and p.unposted:
-                    failure = self._post_locked(p)
-                if failure is None and p.inflight and not p.unposted and p.retired >= p.last_signalled:
-                    failure = self._post_locked(p, flush=True)  # the tail was unsignalled: make it complete
+                if p.win is not None:
+                    answers = [b.grant for b in done if b.grant and p.win.ended(b.grant)]
             for b in done:
                 self._deliver(p, b, b.error)
             for k in answers:
                 self._tell(p, encode_stop(k, answer=True))
             if failure is not None:
                 self._fail_peer(p, failure)
-        return bool(wcs) or failure is not None
+        return found or failure is not None
 
     @staticmethod
     def _tell(p: _VerbsPeer, frame: bytes) -> None:
@@ -1563,16 +903,7 @@ class VerbsTransport(Transport):
             if sock is not None:
                 _send_frame(sock, frame)
 
-    def _wc_failure(self, p: _VerbsPeer, wr_id: int, status: int, vendor_err: int) -> TransportError:
-        which = next((b.batch_id for b in p.inflight if b.last_wr == 0 or b.last_wr >= wr_id), None)
-        return TransportError(
-            f"RDMA WRITE failed: work completion {wc_status_name(status)} (vendor error {vendor_err:#x}) "
-            f"on QP {p.qp.qp_num if p.qp is not None else '?'}, batch {which}",
-            op="write",
-            errno=_wc_errno(status),
-        )
-
-    def _deliver(self, p: _VerbsPeer, b: _Batch, error: TransportError | None) -> None:
+    def _deliver(self, p: _VerbsPeer, b: WrBatch, error: TransportError | None) -> None:
         deliver(self._queue, p, b.batch_id, b.on_done, error)
 
     def _fail_peer(self, p: _VerbsPeer, error: TransportError) -> None:
@@ -1586,20 +917,12 @@ class VerbsTransport(Transport):
                 if first:
                     p.error = error
                 p.closed = True
-                items = list(p.inflight)
-                p.inflight.clear()
-                p.unposted.clear()
-                qp, cq, wrs, sock = p.qp, p.cq, p.wrs, p.sock
-                p.qp = p.cq = p.wrs = p.sock = None
-                if wrs is not None:
-                    wrs.close()
-                if qp is not None:
-                    self._qp_to_error(qp)
-                    with contextlib.suppress(_pv.Error):
-                        qp.close()
-                if cq is not None:
-                    with contextlib.suppress(_pv.Error):
-                        cq.close()
+                sq, sock = p.sq, p.sock
+                p.sq = p.sock = None
+                items: list[WrBatch] = []
+                if sq is not None:
+                    items = list(sq.inflight)
+                    sq.close()
                 p.lock.notify_all()
             if sock is not None:
                 self._unwatch(sock)
@@ -1722,75 +1045,70 @@ class VerbsTransport(Transport):
         self._backoff.succeeded()
         sink: _SinkConn | None = None
         deadline = Deadline.after(min(HELLO_TIMEOUT, self._peer_timeout))  # the whole handshake
+        recv = _receiver(conn, deadline)
 
-        def recv(n: int) -> bytes:
-            conn.settimeout(max(deadline.remaining(), 1e-3))
-            return _recv_exact(conn, n)
+        def answer(reply: bytes) -> None:
+            conn.sendall(reply)
+            conn.close()
 
         def refuse(status: int) -> None:
-            conn.sendall(_REPLY.pack(_MAGIC, _VERSION, status, 0, 0, 0, errno_mod.EACCES))
-            conn.close()
+            answer(hello.encode_reply(status, err=errno_mod.EACCES))
 
         try:
             prefix = recv(5)
-            if prefix[4] != _VERSION or prefix[:4] not in (_MAGIC, _MAGIC_AUTH):
+            size = hello.hello_size(prefix)
+            if size is None:
                 conn.close()
                 return
-            nonce = b""
-            if prefix[:4] == _MAGIC:
-                _m, _v, want, src, qpn, psn, gid, lid, mtu = _HELLO.unpack(prefix + recv(_HELLO.size - 5))
-            else:
-                _m, _v, want, src, nonce = _HELLO_AUTH.unpack(prefix + recv(_HELLO_AUTH.size - 5))
-            if want != self._instance:
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _WRONG_INSTANCE, 0, 0, 0, 0))
-                conn.close()
+            h = hello.decode_hello(prefix + recv(size - 5))
+            if h.sink != self._instance:
+                answer(hello.encode_reply(hello.WRONG_INSTANCE))
                 return
             key = self._key
-            if key is None and nonce:
+            if key is None and h.nonce:
                 self._auth.failed(addr, "the source authenticates and this sink has no secret")
-                refuse(_AUTH_UNSUPPORTED)
+                refuse(hello.AUTH_UNSUPPORTED)
                 return
-            if key is not None and not nonce:
+            if key is not None and not h.nonce:
                 self._auth.failed(addr, "the source sent no proof of the deployment secret (it has none)")
-                refuse(_AUTH_REQUIRED)
+                refuse(hello.AUTH_REQUIRED)
                 return
+            info = h.info
             if key is not None:  # no QP, no QPN, no grant key before the source proved it holds the secret
                 mine = os.urandom(NONCE_BYTES)
-                mac = hello_mac(key, _SINK_ROLE, want, src, nonce, mine)
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, 0, 0, 0, 0) + _CHALLENGE.pack(mine, mac))
+                conn.sendall(hello.challenge(key, h, mine))
                 try:
-                    proof, info = _PROOF.unpack(recv(_PROOF.size))
+                    proof = recv(hello.PROOF.size)
                 except OSError as ex:
                     self._auth.failed(addr, f"challenged, it sent no proof of the deployment secret ({ex})")
                     conn.close()
                     return
-                if not same_mac(proof, hello_mac(key, _SOURCE_ROLE, want, src, nonce, mine, info)):
+                checked = hello.check_proof(key, h, mine, proof)
+                if checked is None:
                     self._auth.failed(addr, "its proof of the deployment secret is wrong")
-                    refuse(_AUTH_FAILED)
+                    refuse(hello.AUTH_FAILED)
                     return
-                qpn, psn, gid, lid, mtu = _QP_INFO.unpack(info)
+                info = checked
+            qpn, psn, gid, lid, mtu = hello.QP_INFO.unpack(info)
             with self._lock:
                 full = len(self._sinks) >= self._max_sinks  # only this thread adds sinks: the count holds
             if full:
                 self.refused_connections += 1
-                cap = min(self._max_sinks, 0xFFFFFFFF)
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _TOO_MANY, cap, 0, 0, errno_mod.ECONNREFUSED))
-                conn.close()
+                answer(hello.encode_reply(hello.TOO_MANY, qpn=min(self._max_sinks, 0xFFFFFFFF), err=errno_mod.ECONNREFUSED))
                 return
             mypsn = int.from_bytes(os.urandom(3), "little")
             path_mtu = min(mtu, self._dev.mtu)
             qp = None
             try:
-                qp = self._make_qp(self._sink_cq, _SINK_WR)  # a sink QP posts only window binds and invalidations
+                qp = make_qp(self._pd, self._sink_cq, SINK_WR)  # a sink QP posts only window binds and invalidations
                 self._to_rts(qp, rqpn=qpn, rpsn=psn, lpsn=mypsn, gid=gid, lid=lid, mtu=path_mtu)
-            except _pv.Error as ex:
+            except pv.Error as ex:
                 if qp is not None:
                     qp.close()
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _QP_FAILED, 0, 0, 0, _rdma_errno(ex) or errno_mod.EIO))
-                conn.close()
+                answer(hello.encode_reply(hello.QP_FAILED, err=rdma_errno(ex) or errno_mod.EIO))
                 return
             # revocable before the source can use it: in _sinks before the reply with our QPN leaves
-            sink = _SinkConn(next(self._sink_ids), conn, qp, src)
+            sink = _SinkConn(next(self._sink_ids), conn, qp, h.source)
             with self._mw_lock:  # no grant binds, and no revoke invalidates, between the snapshot and the reply
                 with self._lock:
                     if self._closed:
@@ -1800,7 +1118,7 @@ class VerbsTransport(Transport):
                     self._sinks[sink.key] = sink
                 # snapshot after the QP is revocable: a revoke either finds this QP or misses the snapshot
                 grants = self._grant_snapshot(sink)
-                conn.sendall(_REPLY.pack(_MAGIC, _VERSION, _OK, qp.qp_num, mypsn, path_mtu, 0) + grants)
+                conn.sendall(hello.encode_reply(hello.OK, qp.qp_num, mypsn, path_mtu) + grants)
             conn.setblocking(False)
         except (OSError, struct.error):
             if sink is not None:
@@ -1849,32 +1167,25 @@ class VerbsTransport(Transport):
             pending = list(self._cm_pending)
             self._cm_pending.clear()
         for sink in sinks:
-            self._qp_to_error(sink.qp)
-            self._free_windows([w for ws in sink.windows.values() for w in ws])  # a bound window holds its QP
+            qp_to_error(sink.qp)
+            free_windows([w for ws in sink.windows.values() for w in ws])  # a bound window holds its QP
             sink.windows.clear()
-        errors = []
+        errors: list[Exception] = []
         for sink in sinks:
             try:
                 sink.qp.close()
-            except _pv.Error as ex:
+            except pv.Error as ex:
                 errors.append(ex)
             sink.sock.close()
         for sock, _what in pending:
             sock.close()
-        for region in self._regions.clear():
-            mr = self._mrs.pop(region.key, None)
-            self._owners.pop(region.key, None)
-            if mr is not None:
-                try:
-                    mr.close()
-                except _pv.Error as ex:
-                    errors.append(ex)
+        errors += self._mem.close()
         try:
             self._owned.close()  # selector, wake pair, listener, sink CQ, PD, context (reverse order)
-        except _pv.Error as ex:
+        except pv.Error as ex:
             errors.append(ex)
         if errors:
-            raise TransportError(f"close: freeing verbs resources failed: {errors[0]}", op="close", errno=_rdma_errno(errors[0]))
+            raise TransportError(f"close: freeing verbs resources failed: {errors[0]}", op="close", errno=rdma_errno(errors[0]))
 
     def _stop_threads(self) -> None:
         self._stop.set()
@@ -1914,15 +1225,6 @@ class VerbsTransport(Transport):
         return f"<VerbsTransport {self.device} {self._hostport} regions={len(self._regions)} peers={len(self._peers)}>"
 
 
-def _windows_frame(key: int, made: list[tuple[Any, int, int, int]]) -> bytes:
-    """The ``W`` frame of grant ``key``'s windows bound on one connection (``(MW, addr, length, rkey)``)."""
-    return encode_windows(key, [(a, n, rkey) for _mw, a, n, rkey in made])
-
-
-class _BindFailed(Exception):
-    """Binding a grant's memory windows failed (the message says why)."""
-
-
 def _send_frame(sock: socket.socket, data: bytes) -> bool:
     """Send a whole frame on a non-blocking liveness socket, waiting at most ``_SEND_TIMEOUT`` for room;
     False if it could not (the peer is gone, or has not read for that long: the caller cuts it)."""
@@ -1954,6 +1256,17 @@ def _rows(batch: Batch) -> list[tuple[int, int, int]] | list[list[int]]:
     return as_batch(batch).tolist()  # type: ignore[no-any-return]
 
 
+def _receiver(sock: socket.socket, deadline: Deadline) -> Callable[[int], bytes]:
+    """``recv(n)``: exactly ``n`` bytes of a handshake from ``sock``, each wait bounded by what is left
+    of ``deadline``."""
+
+    def recv(n: int) -> bytes:
+        sock.settimeout(max(deadline.remaining(), 1e-3))
+        return _recv_exact(sock, n)
+
+    return recv
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     """Read exactly ``n`` bytes (the socket's timeout bounds each wait); EOF raises ``ConnectionResetError``."""
     buf = bytearray(n)
@@ -1965,8 +1278,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionResetError(errno_mod.ECONNRESET, "peer closed the connection during the handshake")
         got += k
     return bytes(buf)
-
-
 
 
 def _hangup(sock: Any) -> bytes | None:

@@ -3,11 +3,12 @@ needs, the frames that carry their rkeys to the source, and the source's table o
 
 A type 2 memory window gives one remote queue pair write access to one contiguous range of a
 registered region, under its own rkey, until the sink invalidates it. ``transport/verbs.py``
-binds one window per contiguous range of a grant, on the sink queue pair of each connection
-of the grant's source, and tells that source the windows' rkeys over the connection's own TCP
-socket (the liveness socket): at announcement time the source may not have connected yet, and
-a type 2 window can only be bound once the queue pair it belongs to exists. This module holds
-what both sides compute and parse; it imports nothing of pyverbs.
+binds one window per contiguous range of a grant (``transport/verbs_regions.py`` posts the
+binds), on the sink queue pair of each connection of the grant's source, and tells that source
+the windows' rkeys over the connection's own TCP socket (the liveness socket): at announcement
+time the source may not have connected yet, and a type 2 window can only be bound once the
+queue pair it belongs to exists. This module holds what both sides compute and parse; it
+imports nothing of pyverbs.
 
 Frames on the liveness socket (after the handshake), little-endian:
 
