@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from pdcore.control import wire
 from pdcore.control.channel import ControlChannel, curve_keys
 from pdcore.core.deadline import Deadline
 
-from test_control import WAIT, Inbox, control_threads
+from test_control import WAIT, Inbox, control_threads, wait_for
 
 SECRET = b"deployment-secret-0123456789abcdef"
 OTHER = b"another-deployment-secret-0000000"
@@ -64,14 +63,6 @@ def raw() -> Iterator[Callable[..., zmq.Socket[bytes]]]:
     for sock in socks:
         sock.close(0)
     ctx.term()
-
-
-def wait_for(predicate: Callable[[], bool], what: str) -> None:
-    deadline = Deadline.after(WAIT)
-    while not predicate():
-        if deadline.expired():
-            raise AssertionError(f"not within {WAIT} s: {what}")
-        time.sleep(0.005)  # polling a counter with a deadline, not synchronising on time
 
 
 FORGERIES = [
@@ -191,14 +182,22 @@ def test_a_secret_that_is_not_bytes_or_too_short_is_refused_at_construction() ->
 
 
 def test_a_paused_process_does_not_declare_its_peers_dead_on_waking(tmp_path: Any) -> None:
-    """SIGSTOP a real process past dead_after, then SIGCONT: it must not blame the peer for its own sleep."""
+    """SIGSTOP a real process past dead_after, then SIGCONT: it must not blame a peer for its own sleep.
+
+    The child talks to two peers: ``quiet`` heartbeats every 30 s, so nothing of it reaches the child
+    during the pause (a frame queued meanwhile would refresh its clock on waking, whatever the child's
+    rule); ``watcher`` heartbeats every 0.1 s and tells us when the child has been silent past
+    dead_after (1 s), so the pause is long enough. On waking, only the pause explains ``quiet``'s
+    silence: a child that blamed it would list it."""
     import signal
     import subprocess
     import sys
 
-    here = Inbox()
-    ch = here.channel("decode-0", secret=SECRET, heartbeat_interval=0.1, dead_after=1.0)
-    ch.start()
+    quiet_in, watcher_in = Inbox(), Inbox()
+    quiet = quiet_in.channel("decode-0", secret=SECRET, heartbeat_interval=30.0, dead_after=60.0)
+    watcher = watcher_in.channel("decode-1", secret=SECRET, heartbeat_interval=0.1, dead_after=1.0)
+    quiet.start()
+    watcher.start()
     code = f"""
 import sys, time
 sys.path[:0] = {sys.path!r}
@@ -208,9 +207,14 @@ dead = []
 ch = ControlChannel(lambda s, m: None, session_id="prefill-9", secret={SECRET!r},
                     heartbeat_interval=0.1, dead_after=1.0, on_peer_dead=dead.append)
 ch.start()
-ch.send({ch.endpoint!r}, wire.Abort(room=5))
-print("ready", flush=True)
-sys.stdin.readline()          # the parent resumed us and saw us again
+for peer in ({quiet.endpoint!r}, {watcher.endpoint!r}):
+    ch.send(peer, wire.Abort(room=5))
+until = time.monotonic() + 10
+while not all(ch._liveness.known(p)[0] for p in ({quiet.endpoint!r}, {watcher.endpoint!r})):
+    assert time.monotonic() < until, "the peers' heartbeats did not come"
+    time.sleep(0.01)          # polling its own state against a deadline
+print("ready", flush=True)    # both peers' first heartbeats are in: nothing more of quiet's comes
+sys.stdin.readline()          # the parent resumed us
 time.sleep(0.5)               # a few ticks after waking (this child's own pace, not a test sync)
 print("dead", [d.endpoint for d in dead], flush=True)
 ch.close()
@@ -219,19 +223,21 @@ ch.close()
         try:
             assert child.stdout is not None and child.stdin is not None
             assert child.stdout.readline().strip() == "ready"
-            _, msg = here.next_message()
-            assert msg == wire.Abort(room=5)
+            for inbox in (quiet_in, watcher_in):
+                assert inbox.next_message()[1] == wire.Abort(room=5)
             os.kill(child.pid, signal.SIGSTOP)
-            gone = here.dead.get(timeout=WAIT)  # we see the stopped child go silent: correct
+            gone = watcher_in.dead.get(timeout=WAIT)  # the stopped child went silent past dead_after: correct
             assert gone.session_id == "prefill-9"
             os.kill(child.pid, signal.SIGCONT)
             child.stdin.write("go\n")
             child.stdin.flush()
             assert child.stdout.readline().strip() == "dead []"  # it did not declare us dead for its own pause
             assert child.wait(WAIT) == 0
+            assert quiet_in.dead.empty()
         finally:
             child.kill()
-            ch.close(Deadline.after(WAIT))
+            quiet.close(Deadline.after(WAIT))
+            watcher.close(Deadline.after(WAIT))
 
 
 def test_curve_keys_are_derived_from_the_secret() -> None:

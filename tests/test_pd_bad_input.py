@@ -55,7 +55,9 @@ def _bad_frames(live_room: int) -> list[tuple[str, list[bytes], tuple[int, ...]]
         ("negative room", [wire.seal(_body(type="abort", room=-1))], ()),
         ("unknown field", [wire.seal(_body(type="abort", room=11, reason="", extra=1))], (11,)),
         ("status state out of range", [wire.seal(_body(type="status", room=12, state=9, rank=0))], (12,)),
-        ("two frames in one message", [good, good], (123456789,)),
+        # a sender's frames of one pass travel as one message: the bad frame fails its room, the good one lands
+        ("one message, a bad frame beside a good one", [wire.seal(_body(type="status", room=13, state=9, rank=0)), good],
+         (13,)),
         # an announcement naming a live room, with a page twice: that room (and only it) fails
         ("announce with a duplicate page", [wire.seal(_body(type="announce", room=live_room, session_id="s", epoch=1,
                                                           page_ids=[1, 1], request_pool_index=0))], (live_room,)),

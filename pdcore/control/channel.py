@@ -107,6 +107,7 @@ declaring them all dead for its own silence.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -134,7 +135,9 @@ __all__ = ["ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness", "MAX_PE
 
 log = logging.getLogger("pdcore.control")
 
-_RECV_BATCH: Final = 256  # frames handled per wake before the send queue gets a turn
+_RECV_BATCH: Final = 256  # messages handled per wake before the send queue gets a turn
+_MAX_PARTS: Final = 64  # frames to one peer in one message (one pass's; more go as further messages)
+_FD_WAIT: Final = 1.0  # seconds frames wait for a descriptor to make their peer's socket before they fail
 _AUTH_LOG_EVERY: Final = 10.0  # seconds between two warnings about failed handshakes of one endpoint
 _ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"  # where libzmq asks a context's authentication handler
 _HANDSHAKE_FAILED: Final = (
@@ -215,7 +218,8 @@ class ChannelStats:
 
     received: int = 0
     delivered: int = 0
-    sent: int = 0
+    sent: int = 0  # frames
+    messages_sent: int = 0  # ZeroMQ messages they went in (the frames one peer is owed in a pass go in one)
     protocol_errors: int = 0
     send_failures: int = 0
     callback_errors: int = 0
@@ -368,6 +372,8 @@ class ControlChannel:
         self._linger_ms = int(linger * 1000)
         self._max_peers = max_peers
         self._outq: queue.Queue[tuple[str, bytes | None, tuple[int, ...]]] = queue.Queue(max_queue)
+        # frames whose peer's socket could not be made for want of descriptors: (first try, frames), tried each pass
+        self._short_of_fds: dict[str, tuple[float, list[tuple[bytes, tuple[int, ...]]]]] = {}
         self.stats = ChannelStats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._router: zmq.Socket[bytes] | None = None
@@ -565,6 +571,8 @@ class ControlChannel:
         next_beat = last_tick = time.monotonic()
         while not self._stopping:
             timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000) + 1)
+            if self._short_of_fds:
+                timeout_ms = min(timeout_ms, 10)  # frames wait for a descriptor: try again soon
             ready = dict(poller.poll(timeout_ms))
             if self._wake_r.fileno() in ready:
                 self._drain_wake()
@@ -600,15 +608,45 @@ class ControlChannel:
             pass
 
     def _flush(self) -> None:
+        """Send what the callers queued, in order: the frames one peer is owed in this pass go as the
+        parts of one message (at most ``_MAX_PARTS``), so a burst costs each side one send and one
+        receive per peer, and a lone frame still goes at once (a pass never waits for more). Frames
+        that waited for a descriptor (see ``_send_gathered``) go first, before what came since."""
+        waited, self._short_of_fds = self._short_of_fds, {}
+        owed: dict[str, list[tuple[bytes, tuple[int, ...]]]] = {e: gathered for e, (_, gathered) in waited.items()}
         while True:
             try:
                 endpoint, frame, rooms = self._outq.get_nowait()
             except queue.Empty:
-                return
-            if frame is None:
+                break
+            if frame is None:  # a drop, after what was queued for that peer before it
+                gathered = owed.pop(endpoint, None)
+                if gathered:
+                    self._send_gathered(endpoint, gathered, waited.get(endpoint, (None,))[0])
                 self._drop_peer(endpoint)
-            else:
-                self._send_now(endpoint, frame, rooms)
+                continue
+            owed.setdefault(endpoint, []).append((frame, rooms))
+        for endpoint, gathered in owed.items():
+            self._send_gathered(endpoint, gathered, waited.get(endpoint, (None,))[0])
+
+    def _send_gathered(self, endpoint: str, gathered: list[tuple[bytes, tuple[int, ...]]], since: float | None) -> None:
+        """Send ``gathered`` to ``endpoint`` in messages of at most ``_MAX_PARTS`` frames. Where the socket to
+        it cannot be made for want of file descriptors (a flood of connections holds them, and cuts free
+        some every moment), the frames wait for a later pass, up to ``_FD_WAIT`` seconds from ``since``
+        (their first try), before they fail: one unlucky instant must not cost a peer its frames."""
+        if endpoint not in self._dealers:
+            try:
+                self._dealer(endpoint)
+            except zmq.ZMQError as e:
+                now = time.monotonic()
+                if e.errno in (errno.EMFILE, errno.ENFILE) and now - (since or now) < _FD_WAIT:
+                    self._short_of_fds[endpoint] = (since or now, gathered)
+                    return
+            except CapacityError:
+                pass  # _send_now names it
+        for start in range(0, len(gathered), _MAX_PARTS):
+            part = gathered[start : start + _MAX_PARTS]
+            self._send_now(endpoint, [frame for frame, _ in part], tuple(r for _, rooms in part for r in rooms))
 
     def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
         sock = self._dealers.get(endpoint)
@@ -819,7 +857,7 @@ class ControlChannel:
             else:
                 failure = _handshake_failure(event)
         if failure is None:
-            if succeeded and self._send_now(endpoint, self._heartbeat(), ()):
+            if succeeded and self._send_now(endpoint, [self._heartbeat()], ()):
                 self.stats.heartbeats_sent += 1
             return
         if self._curve is None and failure == _PEER_CLOSED:
@@ -841,15 +879,21 @@ class ControlChannel:
         if dead:  # the incarnation we knew there (a peer that went away fails its reconnect's handshake too)
             self._peer_dead(DeadPeer(peer, *self._liveness.known(peer), reason), drop=True, quiet=True)
 
-    def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
+    def _send_now(self, endpoint: str, frames: list[bytes], rooms: tuple[int, ...]) -> bool:
+        """``frames`` to ``endpoint`` as one message (a frame a part); a message that cannot leave fails ``rooms``."""
         try:
-            self._dealer(endpoint).send(frame, zmq.DONTWAIT)
+            dealer = self._dealer(endpoint)
+            if len(frames) == 1:
+                dealer.send(frames[0], zmq.DONTWAIT)
+            else:
+                dealer.send_multipart(frames, zmq.DONTWAIT)
         except zmq.Again:
             reason = f"control channel to {endpoint} is full (peer slow or gone)"
         except (zmq.ZMQError, CapacityError) as e:
             reason = f"control channel to {endpoint}: {e}"
         else:
-            self.stats.sent += 1
+            self.stats.sent += len(frames)
+            self.stats.messages_sent += 1
             return True
         self.stats.send_failures += 1
         log.warning("%s", reason)
@@ -866,24 +910,20 @@ class ControlChannel:
                 return
             self.stats.received += 1
             self._heard_on(frames[-1])
-            try:
-                self._handle([frame.bytes for frame in frames])
-            except RemoteProtocolError as e:
-                self._protocol_error(e)
-            except Exception:  # a bug of ours: logged and counted, the channel keeps serving
-                self.stats.internal_errors += 1
-                log.exception("control channel %s: failed to handle a frame", self._endpoint)
-
-    def _handle(self, parts: list[bytes]) -> None:
-        if len(parts) != 2:
-            rooms: tuple[int, ...] = ()
-            if len(parts) > 2:
+            parts = [frame.bytes for frame in frames]
+            if len(parts) < 2:  # a ROUTER always prepends the routing id: a message with no frame at all
+                self._protocol_error(RemoteProtocolError("frame: a message without a frame"))
+                continue
+            for data in parts[1:]:  # a sender's frames of one pass, in order; a bad one costs only itself
                 try:
-                    rooms = wire.rooms_of(wire.decode(parts[-1]))
+                    self._handle(parts[0], data)
                 except RemoteProtocolError as e:
-                    rooms = e.rooms
-            raise RemoteProtocolError(f"frame: expected one frame per message, got {len(parts) - 1}", rooms=rooms)
-        ident, data = parts
+                    self._protocol_error(e)
+                except Exception:  # a bug of ours: logged and counted, the channel keeps serving
+                    self.stats.internal_errors += 1
+                    log.exception("control channel %s: failed to handle a frame", self._endpoint)
+
+    def _handle(self, ident: bytes, data: bytes) -> None:
         msg = wire.decode(data)
         sender = self._senders.get(ident)
         if sender is None and len(ident) == 5 and ident[0] == 0:  # renamed by a hand-over, see the docstring
@@ -1012,7 +1052,7 @@ class ControlChannel:
         self._seq += 1
         beat = self._heartbeat()
         for endpoint in list(self._dealers):
-            if self._send_now(endpoint, beat, ()):
+            if self._send_now(endpoint, [beat], ()):
                 self.stats.heartbeats_sent += 1
         for dead in self._liveness.expire(now):
             self._peer_dead(dead, drop=True)

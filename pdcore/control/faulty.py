@@ -40,13 +40,19 @@ class FaultyChannel(ControlChannel):
         self.faults: Counter[str] = Counter()
         self.samples: list[str] = []
 
-    def _send_now(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> bool:
+    def _send_now(self, endpoint: str, frames: list[bytes], rooms: tuple[int, ...]) -> bool:
+        """Each frame of the message meets its own faults; what is neither lost nor held back goes on as one message."""
+        out = [copy for frame in frames for copy in self._faults(endpoint, frame, rooms)]
+        return super()._send_now(endpoint, out, rooms) if out else True  # all "sent": lost or held on the way
+
+    def _faults(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> list[bytes]:
+        """The copies of ``frame`` that go now (none: dropped, or held back behind the peer's held frames)."""
         drop, delay, max_delay, dup, corrupt = self._rates
         rng = self._rng
         held = self._delayed.get(endpoint)
         if rng.random() < drop:
             self.faults["dropped"] += 1
-            return True  # "sent": lost on the way
+            return []
         if rng.random() < corrupt:
             self.faults["corrupted"] += 1
             data = bytearray(frame)
@@ -73,18 +79,15 @@ class FaultyChannel(ControlChannel):
                 self.faults["delayed"] += 1
             for _ in range(copies):
                 queue.append((due, frame, rooms))
-            return True
-        ok = True
-        for _ in range(copies):
-            ok = super()._send_now(endpoint, frame, rooms) and ok
-        return ok
+            return []
+        return [frame] * copies
 
     def _flush(self) -> None:
         now = time.monotonic()
         for endpoint, queue in list(self._delayed.items()):
             while queue and queue[0][0] <= now:
                 _, frame, rooms = queue.popleft()
-                super()._send_now(endpoint, frame, rooms)
+                super()._send_now(endpoint, [frame], rooms)
             if not queue:
                 del self._delayed[endpoint]
         super()._flush()
