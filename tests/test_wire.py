@@ -170,14 +170,14 @@ def test_malformed_names_field_and_rooms(body: Any, field: str, rooms: tuple[int
         (b"", "frame.magic"),
         (b"pd", "frame.magic"),
         (b"xx\x01\x80", "frame.magic"),
-        (b"pd\x03", "frame.checksum"),
-        (b"pd\x03\x00\x00\x00\x00\x80", "frame.checksum"),
+        (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]), "frame.checksum"),
+        (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\x00\x00\x00\x00\x80", "frame.checksum"),
         (wire.seal(b""), "frame.body"),
         (wire.seal(b"\xc1"), "frame.body"),
         (wire.seal(b"\x81"), "frame.body"),  # truncated map
         (wire.seal(b"\x82\xa4type\xa8register\xa6layout" + b"\x81\xa1a" * 100_000 + b"\xc0"), "nested"),  # bomb
         (wire.seal(b"\x91" * 100_000 + b"\xc0"), "got `array`"),
-        (b"pd\x03" + b"\x00" * (wire.MAX_FRAME_BYTES), "exceeds"),
+        (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\x00" * (wire.MAX_FRAME_BYTES), "exceeds"),
     ],
     ids=["empty", "header-only", "bad-magic", "no-checksum", "bad-checksum", "no-body", "bad-opcode", "truncated", "deep",
          "deep-array", "too-big"],
@@ -189,7 +189,7 @@ def test_garbage(data: bytes, field: str) -> None:
     assert info.value.rooms == ()
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 255])
 def test_wrong_version_fails_the_named_room(version: int) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         wire.decode(frame(STATUS, version=version))

@@ -70,7 +70,8 @@ __all__ = [
     "check_json_object",
 ]
 
-PROTOCOL_VERSION: Final = 3  # 2: a CRC-32 per frame; Announce.grant, Status.register_again. 3: EPD frames
+PROTOCOL_VERSION: Final = 4  # 2: a CRC-32 per frame; Announce.grant, Status.register_again. 3: EPD frames.
+# 4: the frames a channel owes one peer in a pass travel as the parts of one ZeroMQ message
 MAGIC: Final = b"pd"
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 _CRC: Final = struct.Struct("<I")

@@ -219,6 +219,14 @@ class PeerBase:
                 raise StartError(f"{self.ROLE} peer: the bootstrap server refused {what}: {e}") from e
         raise StartError(f"{self.ROLE} peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
 
+    def handoffs(self) -> int:
+        """Thread hand-offs so far, a cost metric the benchmarks divide by requests: inputs the driver's
+        thread took from other threads (the scheduler's calls, control frames, completions, I/O results)
+        plus frames handed to the control plane's thread. The transport's own threads are not counted."""
+        stats = getattr(self._channel, "stats", None)
+        frames = 0 if stats is None else stats.sent - stats.heartbeats_sent
+        return self.stats.get("handoffs", 0) + frames
+
     def connected_peers(self) -> int:
         """Peers whose data connection is up (a metric)."""
         return int(getattr(self._engine, "connected_peers", lambda: 0)())

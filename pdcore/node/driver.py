@@ -63,6 +63,7 @@ class Driver(Performer):
         stats: dict[str, int] | None = None,
     ) -> None:
         super().__init__(name, transport=transport, channel=channel, clock=time.monotonic, stats=stats)
+        self.stats.setdefault("handoffs", 0)  # inputs this thread took from another (a cost metric)
         self._secret = secret
         self._max_inputs = max_inputs
         self._inbox: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], bool] | None] = queue.SimpleQueue()
@@ -145,6 +146,7 @@ class Driver(Performer):
             except queue.Empty:
                 item = None
             if item is not None:
+                self.stats["handoffs"] += 1
                 fn, args, counted = item
                 if counted:
                     with self._count_lock:

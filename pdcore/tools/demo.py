@@ -224,6 +224,7 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
         "tombstones_at_end": at_end,
         "tombstones": engine.tombstones(),
         "maps": engine.held(),
+        "handoffs": peer.handoffs(),
     }
 
 
