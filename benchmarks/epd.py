@@ -31,7 +31,10 @@ the goal is >= 0.8 for items >= 1 MiB. Each figure is the median of
 ``--repeats`` timed runs (5; quick 3), the EPD and floor runs alternating
 (which goes first alternates too) so load from elsewhere hits both alike.
 The first run of each size is an untimed warm-up that also checks the
-landed rows against the source (CRC32). Units: ``gbps`` and ``floor_gbps``
+landed rows against the source (CRC32). ``handoffs_per_item``: the thread
+hand-offs of both ranks during a timed run (``PeerBase.handoffs``: inputs
+their driver threads took from other threads plus frames handed to their
+control channels' threads), per item. Units: ``gbps`` and ``floor_gbps``
 are gigabits per second (1e9 bit/s).
 
 ``round`` rows: the scheduler-thread cost of the receiver's round with
@@ -127,6 +130,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
             n, ahead = len(rooms), 2 * slots
             staged = done = 0
             crc = None
+            handoffs = peer.handoffs()
             t0 = time.perf_counter()
             while done < n:
                 while staged < n and staged - done < ahead:
@@ -144,7 +148,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
                 if not landed:
                     time.sleep(poll_interval)
             seconds = time.perf_counter() - t0
-            conn.send((seconds, crc, dict(recv.stats)))
+            conn.send((seconds, crc, peer.handoffs() - handoffs))
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}"})
         raise
@@ -176,14 +180,16 @@ class Epd:
             raise RuntimeError(f"the prefill process did not start: {hello}")
         self.next_room = 1
 
-    def run(self, item_bytes: int, items: int, check: bool = False) -> float:
-        """Seconds for the prefill rank to receive ``items`` items of ``item_bytes`` (its own clock)."""
+    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int]:
+        """Seconds for the prefill rank to receive ``items`` items of ``item_bytes`` (its own clock), and the
+        thread hand-offs both ranks made meanwhile (``PeerBase.handoffs``)."""
         from pdcore import EmbeddingChunk
 
         rows = item_bytes // ROW_BYTES
         rooms = list(range(self.next_room, self.next_room + items))
         self.next_room += items
         src = int(self.send_buffer.ctypes.data)
+        handoffs = self.peer.handoffs()
         for room in rooms:  # the encode scheduler: every item's rows are ready before the prefill side starts
             if not self.sender.begin(room):
                 raise RuntimeError(f"encode rank refused room {room}")
@@ -192,7 +198,7 @@ class Epd:
         reply = _recv(self.pipe, 600, "the prefill process (run)")
         if isinstance(reply, dict):
             raise RuntimeError(f"the prefill process failed: {reply['error']}")
-        seconds, crc, _stats = reply
+        seconds, crc, prefill_handoffs = reply
         if check and crc != zlib.crc32(self.send_buffer[:item_bytes]):
             raise RuntimeError(f"the rows of a {item_bytes}-byte item landed different from the source")
         concluded: list[int] = []
@@ -203,7 +209,7 @@ class Epd:
                 time.sleep(0.001)
         if sorted(concluded) != rooms:
             raise RuntimeError(f"{len(concluded)} of {items} rooms concluded")
-        return float(seconds)
+        return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs
 
     def close(self) -> None:
         try:
@@ -237,11 +243,13 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
             say(f"throughput: {items} items of {item_bytes // KiB} KiB, {args.repeats} runs each")
             epd.run(item_bytes, min(items, 4 * args.slots), check=True)  # warm-up, and the rows are right
             floor.once()
-            epd_s, floor_s = [], []
+            epd_s, floor_s, handoffs = [], [], []
             for k in range(args.repeats):
                 for who in (("epd", "floor") if k % 2 == 0 else ("floor", "epd")):
                     if who == "epd":
-                        epd_s.append(epd.run(item_bytes, items))
+                        seconds, n = epd.run(item_bytes, items)
+                        epd_s.append(seconds)
+                        handoffs.append(n / items)
                     else:
                         floor_s.append(floor.once()[0])
             bits = items * item_bytes * 8
@@ -251,6 +259,7 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                 "slots": args.slots, "gbps": round(gbps, 3), "floor_gbps": round(floor_gbps, 3),
                 "ratio": round(gbps / floor_gbps, 3), "items_per_s": round(items / statistics.median(epd_s), 1),
                 "floor_items_per_s": round(items / statistics.median(floor_s), 1),
+                "handoffs_per_item": round(statistics.median(handoffs), 1),
                 "seconds_all": [round(s, 4) for s in epd_s], "floor_seconds_all": [round(s, 4) for s in floor_s],
             })
     finally:
@@ -462,10 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     if thr:
         print(f"embedding bytes, encode -> one prefill rank ({args.slots} slots, hidden {HIDDEN} {DTYPE}) vs the TCP "
               f"transport floor on the same writes; medians of {args.repeats} runs")
-        print(f"{'item':>9} {'items':>6} {'MiB':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'items/s':>9} {'floor items/s':>13}")
+        print(f"{'item':>9} {'items':>6} {'MiB':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'items/s':>9} {'floor items/s':>13} {'hand-offs/item':>14}")
         for r in thr:
             print(f"{r['item_bytes'] // KiB:>6} KiB {r['items']:>6} {r['bytes'] / MiB:>6.0f} {r['gbps']:>8.2f} "
-                  f"{r['floor_gbps']:>8.2f} {r['ratio']:>6.2f} {r['items_per_s']:>9.0f} {r['floor_items_per_s']:>13.0f}")
+                  f"{r['floor_gbps']:>8.2f} {r['ratio']:>6.2f} {r['items_per_s']:>9.0f} {r['floor_items_per_s']:>13.0f} "
+                  f"{r['handoffs_per_item']:>14.1f}")
         if big:
             print(f"target: items >= 1 MiB at >= {TARGET_RATIO} x the floor -> "
                   f"{'met' if summary['meets_target'] else 'NOT met'} (min {summary['min_ratio_ge_1MiB']:.2f})")

@@ -45,6 +45,11 @@ run with the floor runs right after it. Every cache, the e2e ranks' and the
 floor's, is written once before timing (``Plan.prefault``), so no side pays
 first-touch page faults inside the timed part.
 
+Thread hand-offs (``handoffs_per_request``): every rank's inputs its driver thread took from
+another thread (the scheduler's calls, control frames, completions, look-up results) plus the
+frames it handed to its control channel's thread, summed over the ranks, per request (the
+transport's internal threads are not counted; ``PeerBase.handoffs``).
+
 CPU (Linux): ``e2e_cpu_s_per_GB`` is the user + system CPU of every rank
 process (sampled from ``/proc`` every 50 ms, interpolated to the first and
 last event, scaled to ``seconds``) per GB moved; ``floor_cpu_s_per_GB`` the
@@ -369,6 +374,8 @@ def e2e_once(
         "bytes": nbytes,
         "requests": len(requests),
         "mixes": [mixes[k] for k in sorted(mixes)],
+        # every rank's thread hand-offs (driver inputs from other threads, frames to the channel's thread)
+        "handoffs": sum(r["handoffs"] for r in list(outcome.decode.values()) + list(outcome.prefill.values())),
     }
 
 
@@ -377,7 +384,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
     for name, prefill, decode in CONFIGS:
         if name not in args.configs:
             continue
-        e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_ = [], [], [], [], [], [], [], [], []
+        e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_, handoffs = [], [], [], [], [], [], [], [], [], []
         nbytes = nwrites = 0
         for k in range(args.repeats):
             say(f"{name}: e2e run {k + 1}/{args.repeats} ({args.requests} requests)")
@@ -390,6 +397,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             cpu.append(r["cpu"])
             tails.append(r["tail"])
             runs.append(r["run_seconds"])
+            handoffs.append(r["handoffs"] / r["requests"])
             for _ in range(args.floor_repeats):
                 seconds, used = floor.once()
                 floors.append(seconds)
@@ -437,6 +445,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "cpu_ratio_floor_vs_e2e": round(statistics.median(floor_cpu) / statistics.median(cpu), 3),
             "e2e_cpu_cores": round(statistics.median(c / s for c, s in zip(cpu, e2e)), 2),
             "floor_cpu_cores": round(statistics.median(c / s for c, s in zip(floor_cpu, floors)), 2),
+            "handoffs_per_request": round(statistics.median(handoffs), 1),
             "e2e_seconds_all": [round(s, 4) for s in e2e],
             "floor_seconds_all": [round(s, 4) for s in floors],
         })
@@ -669,14 +678,14 @@ def main(argv: list[str] | None = None) -> int:
               f"pages, 1..{args.max_pages} pages/request, window {args.window}) vs the TCP transport on the same batches")
         print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
               f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
-              f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11}")
+              f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13}")
         for r in e2e:
             print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
                   f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
                   f"{r['ratio_e2e_vs_floor']:>6.2f} {min(r['ratio_per_run']):>5.2f}-{max(r['ratio_per_run']):<5.2f} {r['e2e_cpu_s_per_GB']:>8.2f} {r['floor_cpu_s_per_GB']:>6.2f} {r['cpu_ratio_floor_vs_e2e']:>9.2f} "
                   f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
                   f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
-                  f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f}")
+                  f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f}")
         print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
               f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
               f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "
