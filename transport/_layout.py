@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from .errors import TransportBaseError
+from .regions import U64_MAX
 
 __all__ = ["Layout", "PlanError", "validate"]
 
-_U64_MAX = (1 << 64) - 1
 MAX_PAGE_ID = (1 << 63) - 1  # page ids are int64 in both twins
 
 
@@ -94,7 +94,7 @@ def _check_extent(layout: Layout) -> None:
     """Every page address and run length of a plan then fits in u64: the twins' arithmetic cannot wrap."""
     n = layout.num_pages
     for i, (b, pb) in enumerate(zip(layout.bases, layout.page_bytes)):
-        if b < 0 or b + pb * n > _U64_MAX:
+        if b < 0 or b + pb * n > U64_MAX:
             raise PlanError(
                 f"bases[{i}] = {b:#x} + page_bytes[{i}] = {pb} x num_pages = {n} "
                 "does not fit in 64-bit addresses"

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-_U64_MAX = (1 << 64) - 1
+U64_MAX = (1 << 64) - 1  # the largest address, length or key: one definition for transport/ and pdcore/
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +28,9 @@ class Region:
     key: int = 0
 
     def __post_init__(self) -> None:
-        if not (0 < self.addr <= _U64_MAX and 0 < self.length and self.addr + self.length <= _U64_MAX + 1):
+        if not (0 < self.addr <= U64_MAX and 0 < self.length and self.addr + self.length <= U64_MAX + 1):
             raise ValueError(f"a region needs a non-null address and a positive length, got {self!r}")
-        if not 0 <= self.key <= _U64_MAX:
+        if not 0 <= self.key <= U64_MAX:
             raise ValueError(f"a region key is an unsigned 64-bit value, got {self.key!r}")
 
     @property
@@ -66,7 +66,7 @@ def grant_ranges(ranges: Any) -> tuple[tuple[int, int], ...]:
         rows = [(int(a), int(n)) for a, n in rows]
     end = 1
     for addr, length in rows:
-        if addr < end or length <= 0 or addr + length > _U64_MAX + 1:
+        if addr < end or length <= 0 or addr + length > U64_MAX + 1:
             what = "overlap" if addr < end and addr > 0 and length > 0 else "need a non-null address and a positive length"
             raise ValueError(f"grant ranges {what}: ({addr:#x}, {length})")
         end = addr + length
@@ -78,7 +78,7 @@ class GrantTable:
 
     def __init__(self) -> None:
         self._grants: dict[int, tuple[Grant, list[int]]] = {}
-        self._keys = iter(range(1, _U64_MAX))
+        self._keys = iter(range(1, U64_MAX))
 
     def add(self, source: bytes, ranges: Any) -> Grant:
         if len(source) != 16:

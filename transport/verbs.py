@@ -156,6 +156,7 @@ from .base import (
 from . import verbs_hello as hello
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .regions import U64_MAX
 from .verbs_device import (
     DEVICE_HINT,
     INSTALL_HINT,
@@ -195,7 +196,6 @@ _ADDR, _HELLO, _MAGIC, _VERSION, _REPLY, _AUTH_REQUIRED = (
 )
 _REVOKED = FRAME_REVOKED  # sink → source on the liveness socket: "revoke killed your QP", then EOF
 _SEND_TIMEOUT = 1.0  # seconds a frame may wait for room in a liveness socket before the connection is cut
-_U64_MAX = (1 << 64) - 1
 _IDLE_WAIT = 0.1  # completion thread, nothing in flight: re-check the stop flag this often
 
 
@@ -746,7 +746,7 @@ class VerbsTransport(Transport):
             key = operator.index(grant)
         except TypeError:
             raise TransportError(f"a grant key is an unsigned 64-bit int, got {grant!r}", op="write") from None
-        if not 0 <= key <= _U64_MAX:
+        if not 0 <= key <= U64_MAX:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
         if p.win is None and key and key <= p.grant_floor and key not in p.grant_live:
             raise TransportError(

@@ -38,6 +38,8 @@ from typing import Annotated, Any, Final, Union
 import msgspec
 from msgspec import Meta
 
+from transport.regions import U64_MAX
+
 from ..core.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
@@ -90,7 +92,6 @@ MAX_JSON_DEPTH: Final = 32
 MAX_CONTROL_ENDPOINT: Final = 255  # a ZMQ routing id is at most 255 bytes
 MAX_DTYPE: Final = 32
 
-_U64 = (1 << 64) - 1
 _I31 = (1 << 31) - 1
 MAX_TOKEN_ID: Final = _I31  # a first token or drafter candidate: a non-negative int32
 MAX_COUNT: Final = _I31  # cached tokens, a request pool index
@@ -253,7 +254,7 @@ def rooms_of(msg: object) -> tuple[int, ...]:
 
 
 def _is_room(value: object) -> bool:
-    return type(value) is int and 0 <= value <= _U64
+    return type(value) is int and 0 <= value <= U64_MAX
 
 
 def _peek(body: bytes | memoryview) -> tuple[str, tuple[int, ...]]:
@@ -328,7 +329,7 @@ def _check(msg: Message) -> None:
         if kind is Register:
             assert isinstance(msg, Register)
             for i, r in enumerate(msg.regions):
-                if r.addr + r.length - 1 > _U64:
+                if r.addr + r.length - 1 > U64_MAX:
                     raise LocalProtocolError(f"register.regions[{i}]: addr + length overflows 64 bits")
             check_json_object(msg.layout, "register.layout")
     elif kind is EmbedAsk:

@@ -12,6 +12,8 @@ import threading
 
 import numpy as np
 
+from transport.regions import U64_MAX
+
 from . import _spec
 from ._spec import CODE_FAILING, FREE, Fence, State, Timer, Trigger, code_of, state_of_code
 from .errors import CapacityError, CollectiveError, LocalProtocolError
@@ -20,7 +22,6 @@ from .twin_common import FINGERPRINT_BYTES, check_config, mismatch_message, rid_
 
 __all__ = ["StateTable"]
 
-_M64 = (1 << 64) - 1
 
 
 class StateTable:
@@ -95,7 +96,7 @@ class StateTable:
             self._refresh(slot)
             self._deadline[slot] = now + self._timeouts[Timer.BOOTSTRAP]
             self._hash[slot] = rid_hash(rid, slot)
-            self._fp_sum = (self._fp_sum + self._hash[slot]) & _M64
+            self._fp_sum = (self._fp_sum + self._hash[slot]) & U64_MAX
             return slot
 
     def remove(self, rid: str) -> None:
@@ -119,7 +120,7 @@ class StateTable:
         self._code[slot] = FREE
         self._agreed[slot] = FREE
         self._deadline[slot] = math.inf
-        self._fp_sum = (self._fp_sum - self._hash[slot]) & _M64
+        self._fp_sum = (self._fp_sum - self._hash[slot]) & U64_MAX
         self._hash[slot] = 0
         self._reasons.pop(slot, None)
         self._free.append(slot)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from transport.regions import U64_MAX
+
 from ..twins import load
 
 if TYPE_CHECKING:
@@ -33,7 +35,6 @@ __all__ = [
     "FAILED_ELSEWHERE",
 ]
 
-_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class BootstrapInfo:
             raise ValueError("BootstrapInfo.host is empty")
         if not 0 < self.port < 65536:
             raise ValueError(f"BootstrapInfo.port {self.port!r} is not a TCP port")
-        if not 0 <= self.room <= _U64:
+        if not 0 <= self.room <= U64_MAX:
             raise ValueError(f"BootstrapInfo.room {self.room!r} is not an unsigned 64-bit integer")
         if self.dp_rank is not None and (isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int)
                                          or not 0 <= self.dp_rank < 1024):

@@ -6,13 +6,14 @@ configuration, the fingerprint they put in the agreement, or the words of a mism
 
 from __future__ import annotations
 
+from transport.regions import U64_MAX
+
 __all__ = ["FINGERPRINT_BYTES", "MAX_CAPACITY", "check_config", "mismatch_message", "rid_hash"]
 
 #: Bytes of the (count, hash) fingerprint; the buffer carries them twice (h, 255-h).
 FINGERPRINT_BYTES = 12
 MAX_CAPACITY = 1 << 20
 
-_M64 = (1 << 64) - 1
 
 
 def check_config(capacity: int, bootstrap_timeout: float, waiting_timeout: float) -> None:
@@ -31,10 +32,10 @@ def rid_hash(rid: str, slot: int) -> int:
     """
     h = 0xCBF29CE484222325
     for byte in rid.encode("utf-8"):
-        h = ((h ^ byte) * 0x100000001B3) & _M64
-    h = (h ^ (slot * 0x9E3779B97F4A7C15)) & _M64
-    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
+        h = ((h ^ byte) * 0x100000001B3) & U64_MAX
+    h = (h ^ (slot * 0x9E3779B97F4A7C15)) & U64_MAX
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & U64_MAX
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & U64_MAX
     return h ^ (h >> 31)
 
 

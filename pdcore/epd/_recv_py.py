@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from transport.regions import U64_MAX
+
 from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
@@ -36,7 +38,6 @@ MAX_REQUESTS = 1 << 20
 MAX_ITEMS = 1 << 10
 #: max_requests * max_items: the item records are preallocated, so their product is bounded.
 MAX_RECORDS = 1 << 24
-_M64 = (1 << 64) - 1
 
 
 class Ask(NamedTuple):
@@ -344,7 +345,7 @@ class ReceiveTable:
             self._deadline[rec] = now + self._timeout
             self._hash[rec] = rid_hash(rid, self._seq)
             self._seq += 1
-            self._fp_sum = (self._fp_sum + self._hash[rec]) & _M64
+            self._fp_sum = (self._fp_sum + self._hash[rec]) & U64_MAX
             self._n_items[rec] = len(items)
             self._n_landed[rec] = 0
             base = rec * self._max_items
@@ -610,7 +611,7 @@ class ReceiveTable:
         self._rid_of[rec] = None
         self._state[rec] = PAD
         self._deadline[rec] = math.inf
-        self._fp_sum = (self._fp_sum - self._hash[rec]) & _M64
+        self._fp_sum = (self._fp_sum - self._hash[rec]) & U64_MAX
         self._hash[rec] = 0
         self._reasons.pop(rec, None)
         base = rec * self._max_items

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import cython
 
-_U64 = (1 << 64) - 1
+from transport.regions import U64_MAX
+
 _I64 = (1 << 63) - 1
 
 #: Bytes per element of the dtypes an embedding may travel in, by ``str(torch.dtype)``.
@@ -81,7 +82,7 @@ class EmbeddingItem:
         _int("EmbeddingItem", "index", self.index, 0, _I64, "a position (>= 0)")
         _text("EmbeddingItem", "host", self.host)
         _int("EmbeddingItem", "port", self.port, 1, 65535, "a TCP port")
-        _int("EmbeddingItem", "room", self.room, 0, _U64, "an unsigned 64-bit integer")
+        _int("EmbeddingItem", "room", self.room, 0, U64_MAX, "an unsigned 64-bit integer")
         _int("EmbeddingItem", "rows", self.rows, 1, _I64, "a positive number of rows")
 
 
@@ -183,26 +184,26 @@ class EmbeddingChunk:
 
     def __post_init__(self) -> None:
         owner = "EmbeddingChunk"
-        _int(owner, "room", self.room, 0, _U64, "an unsigned 64-bit integer")
-        _int(owner, "source", self.source, 1, _U64, "a non-null 64-bit address")
+        _int(owner, "room", self.room, 0, U64_MAX, "an unsigned 64-bit integer")
+        _int(owner, "source", self.source, 1, U64_MAX, "a non-null 64-bit address")
         _int(owner, "rows", self.rows, 1, _I64, "a positive number of rows")
         _int(owner, "hidden", self.hidden, 1, _I64, "a positive number of elements per row")
         _text(owner, "dtype", self.dtype)
         itemsize = DTYPE_ITEMSIZE.get(self.dtype)
         if itemsize is None:
             raise ValueError(f"{owner}.dtype {self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
-        _int(owner, "nbytes", self.nbytes, 1, _U64, "a positive byte count")
+        _int(owner, "nbytes", self.nbytes, 1, U64_MAX, "a positive byte count")
         expect = self.rows * self.hidden * itemsize
         if self.nbytes != expect:
             raise ValueError(
                 f"{owner}.nbytes {self.nbytes} != rows {self.rows} x hidden {self.hidden} x {itemsize} "
                 f"({self.dtype}) = {expect}"
             )
-        if self.source + self.nbytes - 1 > _U64:
+        if self.source + self.nbytes - 1 > U64_MAX:
             raise ValueError(f"{owner}.source {self.source:#x} + nbytes {self.nbytes} runs past the address space")
-        _int(owner, "deepstack_source", self.deepstack_source, 0, _U64, "a 64-bit address (0 without deepstack)")
+        _int(owner, "deepstack_source", self.deepstack_source, 0, U64_MAX, "a 64-bit address (0 without deepstack)")
         _int(owner, "deepstack_width", self.deepstack_width, 0, _I64, "an element count (0 without deepstack)")
-        _int(owner, "deepstack_nbytes", self.deepstack_nbytes, 0, _U64, "a byte count (0 without deepstack)")
+        _int(owner, "deepstack_nbytes", self.deepstack_nbytes, 0, U64_MAX, "a byte count (0 without deepstack)")
         present = (self.deepstack_source != 0, self.deepstack_width != 0, self.deepstack_nbytes != 0)
         if any(present) and not all(present):
             raise ValueError(
@@ -216,7 +217,7 @@ class EmbeddingChunk:
                     f"{owner}.deepstack_nbytes {self.deepstack_nbytes} != rows {self.rows} x deepstack_width "
                     f"{self.deepstack_width} x {itemsize} ({self.dtype}) = {expect}"
                 )
-            if self.deepstack_source + self.deepstack_nbytes - 1 > _U64:
+            if self.deepstack_source + self.deepstack_nbytes - 1 > U64_MAX:
                 raise ValueError(
                     f"{owner}.deepstack_source {self.deepstack_source:#x} + deepstack_nbytes "
                     f"{self.deepstack_nbytes} runs past the address space"
