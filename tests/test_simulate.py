@@ -27,6 +27,7 @@ FOUND = {  # seeds (of `python -m pdcore simulate`) that found a defect, replaye
     1474247: "decode's scheduler aborts before the look-up answered: prefill was never told",
     5000841: "the same, with EPD and slow look-ups",
     7001663: "decode told by prefill's frame, its reason quoting prefill's timer, taken for decode's own timer",
+    11000613: "a room that landed on decode failed there on prefill's late word (prefill lost decode during a pause)",
 }
 
 

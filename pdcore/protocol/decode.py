@@ -382,6 +382,8 @@ class DecodeEngine(Engine):
         if kind is wire.Status and msg.register_again:  # type: ignore[union-attr]
             self._registered.discard(sender)  # the next request registers again
         if kind is wire.Abort or msg.state == State.FAILED:  # type: ignore[union-attr]
+            if self._state(request.rid) == State.SUCCESS:
+                return  # landed already (every source's bytes and status are here): prefill's late word changes nothing
             self._fire(request.rid, Trigger.FAIL, now, f"prefill failed the room: {msg.reason}")  # type: ignore[union-attr]
         elif msg.state == State.SUCCESS:  # type: ignore[union-attr]
             link = next((l for l in request.links if l.endpoint == sender), None)
@@ -465,7 +467,8 @@ class DecodeEngine(Engine):
 
         A room that already landed here (SUCCESS: every source's writes and status arrived) owes
         that rank nothing more: it stays landed and settles as such, however late the scheduler's
-        next round comes (a prefill replica may finish its requests and exit before then). The
+        next round comes (a prefill replica may finish its requests and exit before then; a prefill
+        rank that lost us meanwhile may say it failed the room: ``message`` ignores that too). The
         verdict holds against later requests until the rank registers again or is heard from."""
         why = f"prefill peer lost: {reason}"
         self._registered.discard(endpoint)
