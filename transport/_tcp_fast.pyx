@@ -3,16 +3,24 @@
 signatures, results and errors; ``transport.tcp`` chooses, like ``transport.plan``).
 
 ``frame`` (source) checks a batch against the local and remote regions and builds its frame head
-and payload views in one pass; ``check_frame`` (sink) checks every write of a frame against the
-sink's regions and the grant before a byte lands; ``parse_acks`` (source) reads every whole ack in
-a buffer. The loops run in C over the batch array and the descriptor bytes; Python objects are
-made only for what the caller keeps (the head, the views, the acks). See the twin for the contract.
+and payload views in one pass; ``parse_acks`` (source) reads every whole ack in a buffer. The loops
+run in C over the batch array; Python objects are made only for what the caller keeps (the head,
+the views, the acks). ``Sink`` and ``SinkConn`` (sink): the table of regions and live grants every
+frame is checked against, in C behind a pthread mutex, and each connection's loop, which reads a
+frame, checks it, receives its payload into place and acks, all without the GIL. See the twin for
+the contract.
 """
 
 cimport numpy as cnp
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.errno cimport EAGAIN, EINTR, ENOMEM, ETIMEDOUT, errno
 from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memmove, memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.types cimport time_t
+from posix.uio cimport iovec
 
 cnp.import_array()
 
@@ -29,7 +37,13 @@ __all__ = [
     "LAND_OK",
     "LAND_OUTSIDE_GRANT",
     "LAND_OUTSIDE_REGIONS",
-    "check_frame",
+    "SERVE_BROKEN",
+    "SERVE_CLOSED",
+    "SERVE_REFUSED",
+    "SERVE_STALLED",
+    "SERVE_STOPPED",
+    "Sink",
+    "SinkConn",
     "frame",
     "parse_acks",
 ]
@@ -42,12 +56,20 @@ FRAME_ZERO_LENGTH = 1
 FRAME_LOCAL_OUTSIDE = 2
 FRAME_REMOTE_OUTSIDE = 3
 
-LAND_OK = 0
-LAND_OUTSIDE_REGIONS = 1
-LAND_NEEDS_GRANT = 2
-LAND_GRANT_NOT_LIVE = 3
-LAND_GRANT_OTHER_SOURCE = 4
-LAND_OUTSIDE_GRANT = 5
+cdef enum:  # the sink's refusals (the Python names below are these)
+    _LAND_OK = 0
+    _LAND_OUTSIDE_REGIONS = 1
+    _LAND_NEEDS_GRANT = 2
+    _LAND_GRANT_NOT_LIVE = 3
+    _LAND_GRANT_OTHER_SOURCE = 4
+    _LAND_OUTSIDE_GRANT = 5
+
+LAND_OK = _LAND_OK
+LAND_OUTSIDE_REGIONS = _LAND_OUTSIDE_REGIONS
+LAND_NEEDS_GRANT = _LAND_NEEDS_GRANT
+LAND_GRANT_NOT_LIVE = _LAND_GRANT_NOT_LIVE
+LAND_GRANT_OTHER_SOURCE = _LAND_GRANT_OTHER_SOURCE
+LAND_OUTSIDE_GRANT = _LAND_OUTSIDE_GRANT
 
 cdef enum:
     _HEAD = 24  # seq u64, count u32, 0 u32, grant u64
@@ -80,6 +102,12 @@ cdef inline uint32_t _get32(const unsigned char* p) noexcept nogil:
 cdef inline void _put64(unsigned char* p, uint64_t v) noexcept nogil:
     cdef int k
     for k in range(8):
+        p[k] = <unsigned char>(v >> (8 * k))
+
+
+cdef inline void _put32(unsigned char* p, uint32_t v) noexcept nogil:
+    cdef int k
+    for k in range(4):
         p[k] = <unsigned char>(v >> (8 * k))
 
 
@@ -147,58 +175,6 @@ def frame(cnp.ndarray batch not None, uint64_t grant, cnp.ndarray loc_starts not
     return FRAME_OK, 0, bufs
 
 
-def check_frame(bytes desc not None, cnp.ndarray starts not None, cnp.ndarray lengths not None,
-                cnp.ndarray guarded not None, list keys not None, list views not None,
-                uint64_t grant, int grant_state, cnp.ndarray grant_starts not None, cnp.ndarray grant_lengths not None):
-    """Check every write of a frame before any lands: ``(0, 0, total, views, keys)`` or
-    ``(LAND_* code, index of the first failing write, 0, None, None)``."""
-    cdef const uint64_t* rs = NULL
-    cdef const uint64_t* rl = NULL
-    cdef const unsigned char* flags = NULL
-    cdef const uint64_t* gs = NULL
-    cdef const uint64_t* gl = NULL
-    cdef Py_ssize_t nreg = 0, nreg2 = 0, nflags = 0, ng = 0, ng2 = 0, i, j, last = -1, off
-    cdef Py_ssize_t count = len(desc) // _PAIR
-    cdef const unsigned char* d = <const unsigned char*>desc
-    cdef uint64_t addr, length, total = 0
-    cdef bint overflow = False
-    _array(starts, cnp.NPY_UINT64, 1, <const void**>&rs, &nreg)
-    _array(lengths, cnp.NPY_UINT64, 1, <const void**>&rl, &nreg2)
-    _array(guarded, cnp.NPY_UINT8, 1, <const void**>&flags, &nflags)
-    _array(grant_starts, cnp.NPY_UINT64, 1, <const void**>&gs, &ng)
-    _array(grant_lengths, cnp.NPY_UINT64, 1, <const void**>&gl, &ng2)
-    if nreg2 != nreg or nflags != nreg or len(keys) != nreg or len(views) != nreg or ng2 != ng:
-        raise ValueError("region starts, lengths, flags, keys and views differ in length")
-    out = []
-    used = []
-    for i in range(count):
-        addr = _get64(d + _PAIR * i)
-        length = _get64(d + _PAIR * i + 8)
-        j = _find(rs, rl, nreg, addr, length) if length else -1
-        if j < 0:
-            return LAND_OUTSIDE_REGIONS, i, 0, None, None
-        if j != last:
-            if not grant and flags[j]:
-                return LAND_NEEDS_GRANT, i, 0, None, None
-            key = keys[j]
-            if key not in used:
-                used.append(key)
-            last = j
-        if grant:
-            if grant_state:
-                return grant_state, i, 0, None, None
-            if _find(gs, gl, ng, addr, length) < 0:
-                return LAND_OUTSIDE_GRANT, i, 0, None, None
-        off = <Py_ssize_t>(addr - rs[j])
-        out.append(views[j][off : off + <Py_ssize_t>length])
-        if total + length < total:
-            overflow = True
-        total += length
-    if overflow:  # more than 2**64 bytes in one frame: only possible by writing one region many times over
-        return LAND_OK, 0, sum([len(v) for v in out]), out, used
-    return LAND_OK, 0, total, out, used
-
-
 def parse_acks(bytearray buf not None, Py_ssize_t start, Py_ssize_t end, Py_ssize_t max_msg):
     """Every whole ack in ``buf[start:end]`` (a ``bytearray``): ``(acks, new start, bad)``, each ack
     ``(seq, status, errno, message bytes)``; ``bad`` is the length of a too-long message (parsing
@@ -222,3 +198,852 @@ def parse_acks(bytearray buf not None, Py_ssize_t start, Py_ssize_t end, Py_ssiz
         out.append((seq, status, err, PyBytes_FromStringAndSize(<const char*>(b + start + _ACK), n)))
         start += _ACK + n
     return out, start, 0
+
+
+# ---------------------------------------------------------------------------------------- the sink
+
+
+cdef extern from "<sys/socket.h>" nogil:
+    cdef struct msghdr:
+        void* msg_name
+        unsigned int msg_namelen
+        iovec* msg_iov
+        size_t msg_iovlen
+        void* msg_control
+        size_t msg_controllen
+        int msg_flags
+    ssize_t recv(int fd, void* buf, size_t n, int flags)
+    ssize_t send(int fd, const void* buf, size_t n, int flags)
+    ssize_t recvmsg(int fd, msghdr* msg, int flags)
+    ssize_t sendmsg(int fd, const msghdr* msg, int flags)
+    int shutdown(int fd, int how)
+    int MSG_DONTWAIT
+    int MSG_NOSIGNAL
+    int SHUT_RDWR
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t* m, const void* attr)
+    int pthread_mutex_destroy(pthread_mutex_t* m)
+    int pthread_mutex_lock(pthread_mutex_t* m)
+    int pthread_mutex_trylock(pthread_mutex_t* m)
+    int pthread_mutex_unlock(pthread_mutex_t* m)
+    int pthread_condattr_init(pthread_condattr_t* a)
+    int pthread_condattr_setclock(pthread_condattr_t* a, int clock)
+    int pthread_condattr_destroy(pthread_condattr_t* a)
+    int pthread_cond_init(pthread_cond_t* c, const pthread_condattr_t* a)
+    int pthread_cond_destroy(pthread_cond_t* c)
+    int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
+
+
+cdef inline double _now() noexcept nogil:
+    """``time.monotonic()``, without the GIL (the same clock)."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+
+cdef inline void _lock(pthread_mutex_t* m) noexcept:
+    """Take ``m`` from a thread holding the GIL: at once when free, else without the GIL (its holder
+    never needs the GIL, and Python threads go on meanwhile)."""
+    if pthread_mutex_trylock(m) != 0:
+        with nogil:
+            pthread_mutex_lock(m)
+
+
+cdef struct _Grant:
+    uint64_t key
+    unsigned char source[16]
+    Py_ssize_t n
+    uint64_t* starts  # n starts, then n lengths, in one allocation
+    uint64_t* lengths
+
+
+cdef struct _Conn:
+    int fd
+    int landing  # a frame is landing: checked, its payload not all received yet
+    uint64_t grant  # ... through this grant (0: none)
+    uint64_t* used  # ... into the regions of these keys
+    Py_ssize_t nused
+    Py_ssize_t capused
+    _Conn* prev
+    _Conn* next
+
+
+cdef int _use(_Conn* c, uint64_t key) noexcept nogil:
+    """Note that the landing frame writes into region ``key`` (each key once); -1 out of memory."""
+    cdef Py_ssize_t k
+    cdef uint64_t* grown
+    for k in range(c.nused):
+        if c.used[k] == key:
+            return 0
+    if c.nused == c.capused:
+        grown = <uint64_t*>realloc(c.used, <size_t>(2 * c.capused + 4) * sizeof(uint64_t))
+        if grown == NULL:
+            return -1
+        c.used = grown
+        c.capused = 2 * c.capused + 4
+    c.used[c.nused] = key
+    c.nused += 1
+    return 0
+
+
+cdef inline void _deadline_at(timespec* ts, double at) noexcept nogil:
+    ts.tv_sec = <time_t>at
+    ts.tv_nsec = <long>((at - <double>ts.tv_sec) * 1e9)
+    if ts.tv_nsec >= 1000000000:
+        ts.tv_sec += 1
+        ts.tv_nsec -= 1000000000
+
+
+cdef class Sink:
+    """The sink's landing table: the regions and live grants every frame is checked against, and the
+    mark of each connection landing a frame, in C behind one mutex that the connections' loops
+    (``SinkConn.serve``, without the GIL) and the Python side (``set_regions``, ``add_grant``,
+    ``remove_grant``, ``wait_grant``, ``cut_grant``, ``wait_region``, ``stop``) both take."""
+
+    cdef pthread_mutex_t mu
+    cdef pthread_cond_t cleared  # broadcast when a landing mark is cleared and someone waits for it
+    cdef int waiters
+    cdef int stopped
+    cdef uint64_t* r_start
+    cdef uint64_t* r_len
+    cdef uint64_t* r_key
+    cdef unsigned char* r_guard
+    cdef Py_ssize_t nreg
+    cdef _Grant** grants  # sorted by key
+    cdef Py_ssize_t ngrants
+    cdef Py_ssize_t capgrants
+    cdef _Conn* conns
+    cdef object views
+
+    def __cinit__(self):
+        cdef pthread_condattr_t attr
+        pthread_mutex_init(&self.mu, NULL)
+        pthread_condattr_init(&attr)
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.cleared, &attr)
+        pthread_condattr_destroy(&attr)
+        self.views = []
+
+    def __dealloc__(self):
+        cdef Py_ssize_t k
+        for k in range(self.ngrants):
+            free(self.grants[k].starts)
+            free(self.grants[k])
+        free(self.grants)
+        free(self.r_start)
+        free(self.r_len)
+        free(self.r_key)
+        free(self.r_guard)
+        pthread_cond_destroy(&self.cleared)
+        pthread_mutex_destroy(&self.mu)
+
+    def set_regions(self, cnp.ndarray starts not None, cnp.ndarray lengths not None, cnp.ndarray guarded not None,
+                    cnp.ndarray keys not None, list views not None):
+        """Replace the regions frames are checked against (sorted by start, not overlapping): a frame
+        checked after this sees only these."""
+        cdef const uint64_t* s = NULL
+        cdef const uint64_t* l = NULL
+        cdef const uint64_t* k = NULL
+        cdef const unsigned char* g = NULL
+        cdef Py_ssize_t n = 0, n2 = 0, n3 = 0, n4 = 0
+        _array(starts, cnp.NPY_UINT64, 1, <const void**>&s, &n)
+        _array(lengths, cnp.NPY_UINT64, 1, <const void**>&l, &n2)
+        _array(guarded, cnp.NPY_UINT8, 1, <const void**>&g, &n3)
+        _array(keys, cnp.NPY_UINT64, 1, <const void**>&k, &n4)
+        if n2 != n or n3 != n or n4 != n or len(views) != n:
+            raise ValueError("region starts, lengths, flags, keys and views differ in length")
+        cdef size_t size = <size_t>(n if n else 1) * sizeof(uint64_t)
+        cdef uint64_t* ns = <uint64_t*>malloc(size)
+        cdef uint64_t* nl = <uint64_t*>malloc(size)
+        cdef uint64_t* nk = <uint64_t*>malloc(size)
+        cdef unsigned char* ng = <unsigned char*>malloc(<size_t>(n if n else 1))
+        if ns == NULL or nl == NULL or nk == NULL or ng == NULL:
+            free(ns)
+            free(nl)
+            free(nk)
+            free(ng)
+            raise MemoryError()
+        memcpy(ns, s, <size_t>n * sizeof(uint64_t))
+        memcpy(nl, l, <size_t>n * sizeof(uint64_t))
+        memcpy(nk, k, <size_t>n * sizeof(uint64_t))
+        memcpy(ng, g, <size_t>n)
+        _lock(&self.mu)
+        ns, self.r_start = self.r_start, ns
+        nl, self.r_len = self.r_len, nl
+        nk, self.r_key = self.r_key, nk
+        ng, self.r_guard = self.r_guard, ng
+        self.nreg = n
+        pthread_mutex_unlock(&self.mu)
+        free(ns)
+        free(nl)
+        free(nk)
+        free(ng)
+        self.views = views
+
+    def add_grant(self, uint64_t key, bytes source not None, cnp.ndarray starts not None, cnp.ndarray lengths not None):
+        """Make grant ``key`` live: ``source`` (16 bytes) may write inside its ranges (sorted, not
+        overlapping). A key already live is replaced."""
+        cdef const uint64_t* s = NULL
+        cdef const uint64_t* l = NULL
+        cdef Py_ssize_t n = 0, n2 = 0, lo, hi, mid
+        _array(starts, cnp.NPY_UINT64, 1, <const void**>&s, &n)
+        _array(lengths, cnp.NPY_UINT64, 1, <const void**>&l, &n2)
+        if n2 != n:
+            raise ValueError("grant starts and lengths differ in length")
+        if len(source) != 16:
+            raise ValueError(f"a grant names a source of 16 bytes, got {len(source)}")
+        cdef _Grant* g = <_Grant*>malloc(sizeof(_Grant))
+        if g == NULL:
+            raise MemoryError()
+        g.starts = <uint64_t*>malloc(<size_t>(2 * n if n else 1) * sizeof(uint64_t))
+        if g.starts == NULL:
+            free(g)
+            raise MemoryError()
+        g.key, g.n, g.lengths = key, n, g.starts + n
+        memcpy(g.source, <const char*>source, 16)
+        memcpy(g.starts, s, <size_t>n * sizeof(uint64_t))
+        memcpy(g.lengths, l, <size_t>n * sizeof(uint64_t))
+        cdef _Grant* old = NULL
+        cdef _Grant** grown
+        _lock(&self.mu)
+        lo, hi = 0, self.ngrants
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if self.grants[mid].key < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < self.ngrants and self.grants[lo].key == key:
+            old, self.grants[lo] = self.grants[lo], g
+        else:
+            if self.ngrants == self.capgrants:
+                grown = <_Grant**>realloc(self.grants, <size_t>(2 * self.capgrants + 16) * sizeof(_Grant*))
+                if grown == NULL:
+                    pthread_mutex_unlock(&self.mu)
+                    free(g.starts)
+                    free(g)
+                    raise MemoryError()
+                self.grants, self.capgrants = grown, 2 * self.capgrants + 16
+            memmove(self.grants + lo + 1, self.grants + lo, <size_t>(self.ngrants - lo) * sizeof(_Grant*))
+            self.grants[lo] = g
+            self.ngrants += 1
+        pthread_mutex_unlock(&self.mu)
+        if old != NULL:
+            free(old.starts)
+            free(old)
+
+    def remove_grant(self, uint64_t key):
+        """Take grant ``key`` out: no frame checked from now on lands through it. True if it was live."""
+        cdef _Grant* g = NULL
+        _lock(&self.mu)
+        cdef Py_ssize_t i = _grant_index(self, key)
+        if i >= 0:
+            g = self.grants[i]
+            memmove(self.grants + i, self.grants + i + 1, <size_t>(self.ngrants - i - 1) * sizeof(_Grant*))
+            self.ngrants -= 1
+        pthread_mutex_unlock(&self.mu)
+        if g == NULL:
+            return False
+        free(g.starts)
+        free(g)
+        return True
+
+    def wait_grant(self, uint64_t key, double seconds):
+        """Wait up to ``seconds`` until no connection is landing a frame through grant ``key``; True if none is."""
+        cdef bint idle
+        with nogil:
+            idle = _wait(self, key, 0, seconds)
+        return idle
+
+    def wait_region(self, uint64_t key, double seconds):
+        """Wait up to ``seconds`` until no connection is landing a frame into region ``key``; True if none is."""
+        cdef bint idle
+        with nogil:
+            idle = _wait(self, key, 1, seconds)
+        return idle
+
+    def cut_grant(self, uint64_t key):
+        """Shut down (both ways) every connection landing a frame through grant ``key`` now: its loop
+        stops receiving, clears its mark and ends. Returns how many. Under the mutex, so a connection
+        cut is one still marked, whose socket its owner has not closed."""
+        cdef _Conn* c
+        cdef int n = 0
+        _lock(&self.mu)
+        c = self.conns
+        while c != NULL:
+            if c.landing and c.grant == key:
+                shutdown(c.fd, SHUT_RDWR)
+                n += 1
+            c = c.next
+        pthread_mutex_unlock(&self.mu)
+        return n
+
+    def check(self, bytes desc not None, uint64_t grant, bytes source not None):
+        """What a frame of these descriptor pairs naming ``grant`` from ``source`` would get now:
+        ``(code, index of the first failing write, total payload bytes)`` (``LAND_OK``, 0, total)."""
+        cdef Py_ssize_t index = 0
+        cdef uint64_t total = 0
+        cdef int code
+        if len(source) != 16:
+            raise ValueError(f"a source is 16 bytes, got {len(source)}")
+        _lock(&self.mu)
+        code = _check(self, <const unsigned char*>desc, len(desc) // _PAIR, grant, <const unsigned char*>source, &index, NULL)
+        pthread_mutex_unlock(&self.mu)
+        if code:
+            return code, index, 0
+        return _LAND_OK, 0, _total(<const unsigned char*>desc, len(desc) // _PAIR)
+
+    def stop(self):
+        """The transport is closing: every loop ends at its next tick."""
+        _lock(&self.mu)
+        self.stopped = 1
+        pthread_mutex_unlock(&self.mu)
+
+    def connection(self, sock not None, bytes source not None, uint64_t max_writes, double stall):
+        """A connection past its handshake, from ``source``: see ``SinkConn``."""
+        return SinkConn(self, sock, source, max_writes, stall)
+
+
+cdef Py_ssize_t _grant_index(Sink s, uint64_t key) noexcept nogil:
+    cdef Py_ssize_t lo = 0, hi = s.ngrants, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if s.grants[mid].key < key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < s.ngrants and s.grants[lo].key == key else -1
+
+
+cdef bint _busy(Sink s, uint64_t key, int region) noexcept nogil:
+    """Is a connection landing a frame through grant ``key`` (``region`` 0) or into region ``key``? Holds the mutex."""
+    cdef _Conn* c = s.conns
+    cdef Py_ssize_t k
+    while c != NULL:
+        if c.landing:
+            if not region and c.grant == key:
+                return True
+            if region:
+                for k in range(c.nused):
+                    if c.used[k] == key:
+                        return True
+        c = c.next
+    return False
+
+
+cdef bint _wait(Sink s, uint64_t key, int region, double seconds) noexcept nogil:
+    cdef timespec at
+    cdef bint busy
+    _deadline_at(&at, _now() + (seconds if seconds > 0 else 0))
+    pthread_mutex_lock(&s.mu)
+    s.waiters += 1
+    while _busy(s, key, region):
+        if pthread_cond_timedwait(&s.cleared, &s.mu, &at) == ETIMEDOUT:
+            break
+    busy = _busy(s, key, region)
+    s.waiters -= 1
+    pthread_mutex_unlock(&s.mu)
+    return not busy
+
+
+cdef uint64_t _total(const unsigned char* d, Py_ssize_t count) noexcept nogil:
+    """The payload bytes of a frame: the sum of its lengths, saturated at 2**64 - 1."""
+    cdef uint64_t total = 0, length
+    cdef Py_ssize_t i
+    for i in range(count):
+        length = _get64(d + _PAIR * i + 8)
+        if total + length < total:
+            return <uint64_t>-1
+        total += length
+    return total
+
+
+cdef int _check(Sink s, const unsigned char* d, Py_ssize_t count, uint64_t grant, const unsigned char* source,
+                Py_ssize_t* index, _Conn* mark) noexcept nogil:
+    """Check every write of a frame before any lands (holds the mutex): ``LAND_OK`` or the ``LAND_*``
+    refusal of the first failing write (its index in ``index``). A write must lie inside one region;
+    with grant 0 that region must not require grants; with a grant, the grant must be live, given to
+    ``source``, and hold the write inside one of its ranges (``GrantTable.check``'s rules; the grant
+    is looked up once, at the first write that needs it). With ``mark``, the regions written are noted
+    in it (-1: out of memory)."""
+    cdef Py_ssize_t i, j, last = -1
+    cdef uint64_t addr, length
+    cdef int state = -1
+    cdef _Grant* g = NULL
+    cdef Py_ssize_t gi
+    for i in range(count):
+        addr = _get64(d + _PAIR * i)
+        length = _get64(d + _PAIR * i + 8)
+        j = _find(s.r_start, s.r_len, s.nreg, addr, length) if length else -1
+        if j < 0:
+            index[0] = i
+            return _LAND_OUTSIDE_REGIONS
+        if j != last:
+            if not grant and s.r_guard[j]:
+                index[0] = i
+                return _LAND_NEEDS_GRANT
+            if mark != NULL and _use(mark, s.r_key[j]) < 0:
+                index[0] = i
+                return -1
+            last = j
+        if grant:
+            if state < 0:
+                gi = _grant_index(s, grant)
+                if gi < 0:
+                    state = _LAND_GRANT_NOT_LIVE
+                else:
+                    g = s.grants[gi]
+                    state = _LAND_GRANT_OTHER_SOURCE if memcmp(g.source, source, 16) else _LAND_OK
+            if state:
+                index[0] = i
+                return state
+            if _find(g.starts, g.lengths, g.n, addr, length) < 0:
+                index[0] = i
+                return _LAND_OUTSIDE_GRANT
+    return _LAND_OK
+
+
+# serve()'s results: a refused frame (the caller words the ack and calls refuse()), or how the connection ended
+cdef enum:
+    _SERVE_REFUSED = 0
+    _SERVE_CLOSED = 1  # the peer closed the connection, or it broke (errno in the result)
+    _SERVE_BROKEN = 2  # a frame broke the wire format: the stream cannot be trusted past it
+    _SERVE_STALLED = 3  # the peer sent nothing for ``stall`` seconds mid-frame (or took no ack for that long)
+    _SERVE_STOPPED = 4  # the transport is closing
+
+SERVE_REFUSED = _SERVE_REFUSED
+SERVE_CLOSED = _SERVE_CLOSED
+SERVE_BROKEN = _SERVE_BROKEN
+SERVE_STALLED = _SERVE_STALLED
+SERVE_STOPPED = _SERVE_STOPPED
+
+cdef enum:
+    _IOV_CHUNK = 512  # iovecs per recvmsg: below IOV_MAX (1024 on Linux)
+    _AHEAD = 40  # bytes a sink may read past a payload: the next frame's header and first descriptor
+    _ACK_GATHER = 16  # acks gathered at most under load
+    _DISCARD = 65536
+    _TICKED = -1  # a blocking call waited one kernel timeout (not a SERVE_* result)
+cdef uint64_t _ACK_GATHER_BYTES = 1 << 20
+
+
+cdef class SinkConn:
+    """One connection past its handshake: ``serve()`` runs its loop without the GIL until a frame is
+    refused (the caller words the ack: ``refuse()``, then ``serve()`` again) or the connection ends.
+
+    Per frame: read its header and descriptors; check every write (``Sink`` mutex held; on success the
+    connection is marked landing through the frame's grant, into its regions); receive the payload
+    straight into place (the mutex not held), with up to 40 bytes more, the next frame's header and
+    first descriptor when they are already there; clear the mark (waking a revoke or deregister that
+    waits for it). Acks are gathered: sent when no further frame is already waiting, or after 16
+    frames or 1 MiB. Reads and sends wait in ticks of the socket's kernel timeouts; mid-frame, or
+    with acks the peer does not take, ``stall`` seconds without a byte end the connection."""
+
+    cdef Sink sink
+    cdef object sock
+    cdef _Conn c
+    cdef unsigned char source[16]
+    cdef uint64_t max_writes
+    cdef double stall
+    cdef unsigned char* hb  # the current frame's header and descriptors, as read so far
+    cdef size_t hcap
+    cdef size_t hlen
+    cdef unsigned char tail[_AHEAD]
+    cdef unsigned char* acks
+    cdef size_t acap
+    cdef size_t alen
+    cdef int nacks
+    cdef uint64_t acked_bytes
+    cdef uint64_t discard  # payload bytes of a refused frame still to read and drop
+    cdef unsigned char* scratch
+    cdef iovec iov[_IOV_CHUNK + 1]
+    cdef bint attached
+    # what serve() reports
+    cdef int err
+    cdef uint64_t r_seq
+    cdef uint64_t r_grant
+    cdef uint64_t r_total
+    cdef int r_code
+    cdef Py_ssize_t r_index
+    cdef Py_ssize_t r_count
+
+    def __cinit__(self, Sink sink not None, sock not None, bytes source not None, uint64_t max_writes, double stall):
+        if len(source) != 16:
+            raise ValueError(f"a source is 16 bytes, got {len(source)}")
+        self.sink, self.sock = sink, sock
+        self.c.fd = sock.fileno()
+        memcpy(self.source, <const char*>source, 16)
+        self.max_writes, self.stall = max_writes, stall
+        self.hcap = 4096
+        self.hb = <unsigned char*>malloc(self.hcap)
+        self.acap = 4096
+        self.acks = <unsigned char*>malloc(self.acap)
+        if self.hb == NULL or self.acks == NULL:
+            raise MemoryError()
+        _lock(&sink.mu)
+        self.c.next = sink.conns
+        if sink.conns != NULL:
+            sink.conns.prev = &self.c
+        sink.conns = &self.c
+        self.attached = True
+        pthread_mutex_unlock(&sink.mu)
+
+    def __dealloc__(self):
+        self._detach()
+        free(self.hb)
+        free(self.acks)
+        free(self.scratch)
+        free(self.c.used)
+
+    cdef void _detach(self) noexcept:
+        if not self.attached:
+            return
+        _lock(&self.sink.mu)
+        if self.c.prev != NULL:
+            self.c.prev.next = self.c.next
+        else:
+            self.sink.conns = self.c.next
+        if self.c.next != NULL:
+            self.c.next.prev = self.c.prev
+        self.c.prev = self.c.next = NULL
+        self.attached = False
+        if self.c.landing:
+            self.c.landing = 0
+            pthread_cond_broadcast(&self.sink.cleared)
+        pthread_mutex_unlock(&self.sink.mu)
+
+    def close(self):
+        """Leave the table (call before closing the socket: a revoke cuts only attached connections)."""
+        self._detach()
+
+    def serve(self):
+        """Land frames until one is refused or the connection ends. Returns ``(SERVE_REFUSED, seq, code,
+        index, count, addr, length, grant, total)`` for a refused frame (its header and descriptors
+        read, its payload not yet: ``refuse()`` drops it), else ``(SERVE_*, errno)``."""
+        cdef int r
+        cdef const unsigned char* d
+        if not self.attached:
+            raise ValueError("serve() on a closed connection")
+        with nogil:
+            r = _serve(self)
+        if r != _SERVE_REFUSED:
+            return r, self.err
+        d = self.hb + _HEAD + _PAIR * self.r_index
+        return (_SERVE_REFUSED, self.r_seq, self.r_code, self.r_index, self.r_count, _get64(d), _get64(d + 8),
+                self.r_grant, self.r_total)
+
+    def refuse(self, uint64_t seq, int32_t err, bytes message not None, uint64_t nbytes):
+        """Queue the error ack of a refused frame and drop its ``nbytes`` of payload (on the next ``serve()``)."""
+        cdef size_t n = <size_t>len(message)
+        if n > 0xFFFFFFFF:
+            raise ValueError("an ack message is shorter than 4 GiB")
+        if _ack(self, seq, 1, err, <const unsigned char*>message, n) < 0:
+            raise MemoryError()
+        self.discard = nbytes
+        self.acked_bytes += nbytes  # counted as landed bytes are: the gather bound
+
+
+cdef int _ack(SinkConn s, uint64_t seq, uint32_t status, int32_t err, const unsigned char* msg, size_t n) noexcept nogil:
+    cdef size_t need = s.alen + _ACK + n
+    cdef unsigned char* grown
+    if need > s.acap:
+        grown = <unsigned char*>realloc(s.acks, need * 2)
+        if grown == NULL:
+            return -1
+        s.acks, s.acap = grown, need * 2
+    _put64(s.acks + s.alen, seq)
+    _put32(s.acks + s.alen + 8, status)
+    _put32(s.acks + s.alen + 12, <uint32_t>err)
+    _put32(s.acks + s.alen + 16, <uint32_t>n)
+    if n:
+        memcpy(s.acks + s.alen + _ACK, msg, n)
+    s.alen = need
+    s.nacks += 1
+    return 0
+
+
+cdef int _tick(SinkConn s, double last, bint idle) noexcept nogil:
+    """A read or send waited one kernel timeout: 0 to go on, else how the connection ends."""
+    cdef int stopped
+    pthread_mutex_lock(&s.sink.mu)
+    stopped = s.sink.stopped
+    pthread_mutex_unlock(&s.sink.mu)
+    if stopped:
+        return _SERVE_STOPPED
+    if not idle and _now() - last >= s.stall:
+        return _SERVE_STALLED
+    return 0
+
+
+cdef int _failed(SinkConn s, ssize_t k) noexcept nogil:
+    """After a recv or send that returned ``k`` <= 0: 0 to retry now (EINTR), ``_TICKED`` on a tick
+    (EAGAIN), else ``_SERVE_CLOSED`` (errno kept)."""
+    if k == 0:
+        s.err = 0
+        return _SERVE_CLOSED
+    if errno == EINTR:
+        return 0
+    if errno == EAGAIN:
+        return _TICKED
+    s.err = errno
+    return _SERVE_CLOSED
+
+
+cdef int _read(SinkConn s, unsigned char* into, size_t n, bint idle) noexcept nogil:
+    """Receive exactly ``n`` bytes; ``idle``: none of the frame has come yet (no stall rule)."""
+    cdef size_t got = 0
+    cdef ssize_t k
+    cdef int r
+    cdef double last = _now()
+    while got < n:
+        k = recv(s.c.fd, into + got, n - got, 0)
+        if k <= 0:
+            r = _failed(s, k)
+            if r == _TICKED:
+                r = _tick(s, last, idle and got == 0)
+            if r:
+                return r
+            continue
+        got += <size_t>k
+        last = _now()
+    return 0
+
+
+cdef int _flush(SinkConn s) noexcept nogil:
+    """Send the gathered acks."""
+    cdef size_t sent = 0
+    cdef ssize_t k
+    cdef int r
+    cdef double last = _now()
+    while sent < s.alen:
+        k = send(s.c.fd, s.acks + sent, s.alen - sent, MSG_NOSIGNAL)
+        if k < 0:
+            r = _failed(s, k)
+            if r == _TICKED:
+                r = _tick(s, last, False)
+            if r:
+                return r
+            continue
+        sent += <size_t>k
+        last = _now()
+    s.alen = 0
+    s.nacks = 0
+    s.acked_bytes = 0
+    return 0
+
+
+cdef int _drop(SinkConn s) noexcept nogil:
+    """Receive and drop the payload of a refused frame (the stream keeps its place)."""
+    cdef ssize_t k
+    cdef int r
+    cdef double last = _now()
+    if s.scratch == NULL:
+        s.scratch = <unsigned char*>malloc(_DISCARD)
+        if s.scratch == NULL:
+            s.err = ENOMEM
+            return _SERVE_CLOSED
+    while s.discard:
+        k = recv(s.c.fd, s.scratch, <size_t>(s.discard if s.discard < _DISCARD else _DISCARD), 0)
+        if k <= 0:
+            r = _failed(s, k)
+            if r == _TICKED:
+                r = _tick(s, last, False)
+            if r:
+                return r
+            continue
+        s.discard -= <uint64_t>k
+        last = _now()
+    return 0
+
+
+cdef void _landed(SinkConn s) noexcept nogil:
+    """Clear the landing mark; wake a revoke or deregister waiting for it."""
+    pthread_mutex_lock(&s.sink.mu)
+    s.c.landing = 0
+    s.c.nused = 0
+    s.c.grant = 0
+    if s.sink.waiters:
+        pthread_cond_broadcast(&s.sink.cleared)
+    pthread_mutex_unlock(&s.sink.mu)
+
+
+cdef int _payload(SinkConn s, const unsigned char* d, Py_ssize_t count) noexcept nogil:
+    """Receive the payload of a checked frame into place, with up to ``_AHEAD`` bytes after it into
+    ``hb`` (``hlen`` set to how many)."""
+    cdef Py_ssize_t i = 0, k, n
+    cdef uint64_t off = 0, length, rem
+    cdef size_t got
+    cdef ssize_t r
+    cdef int why
+    cdef bint tail
+    cdef msghdr msg
+    cdef double last = _now()
+    memset(&msg, 0, sizeof(msg))
+    msg.msg_iov = s.iov
+    s.hlen = 0
+    while i < count:
+        n = 0
+        k = i
+        while k < count and n < _IOV_CHUNK:
+            length = _get64(d + _PAIR * k + 8)
+            s.iov[n].iov_base = <void*><size_t>(_get64(d + _PAIR * k) + (off if k == i else 0))
+            s.iov[n].iov_len = <size_t>(length - (off if k == i else 0))
+            n += 1
+            k += 1
+        tail = k == count
+        if tail:
+            s.iov[n].iov_base = s.tail
+            s.iov[n].iov_len = _AHEAD
+            n += 1
+        msg.msg_iovlen = <size_t>n
+        r = recvmsg(s.c.fd, &msg, 0)
+        if r <= 0:
+            why = _failed(s, r)
+            if why == _TICKED:
+                why = _tick(s, last, False)
+            if why:
+                return why
+            continue
+        last = _now()
+        got = <size_t>r
+        while got and i < count:
+            rem = _get64(d + _PAIR * i + 8) - off
+            if got >= rem:
+                got -= <size_t>rem
+                i += 1
+                off = 0
+            else:
+                off += got
+                got = 0
+        if got:  # past the payload: the next frame's first bytes
+            memcpy(s.hb, s.tail, got)
+            s.hlen = got
+    return 0
+
+
+cdef int _grow(SinkConn s, size_t need) noexcept nogil:
+    cdef unsigned char* grown
+    if need <= s.hcap:
+        return 0
+    grown = <unsigned char*>realloc(s.hb, need)
+    if grown == NULL:
+        s.err = ENOMEM
+        return _SERVE_CLOSED
+    s.hb, s.hcap = grown, need
+    return 0
+
+
+cdef int _serve(SinkConn s) noexcept nogil:
+    cdef ssize_t k
+    cdef int r, code
+    cdef uint64_t seq, grant, total
+    cdef Py_ssize_t count, index = 0
+    cdef size_t need
+    cdef const unsigned char* d
+    s.err = 0
+    while True:
+        if s.discard:
+            r = _drop(s)
+            if r:
+                return r
+            if s.nacks >= _ACK_GATHER or s.acked_bytes >= _ACK_GATHER_BYTES:
+                r = _flush(s)
+                if r:
+                    return r
+        if s.nacks and s.hlen < _HEAD:  # more frames already here? then land them first, ack together
+            if s.hlen == 0:
+                k = recv(s.c.fd, s.hb, _AHEAD, MSG_DONTWAIT)
+                if k > 0:
+                    s.hlen = <size_t>k
+                elif k == 0:
+                    return _SERVE_CLOSED
+                elif errno != EAGAIN and errno != EINTR:
+                    s.err = errno
+                    return _SERVE_CLOSED
+            if s.hlen == 0:
+                r = _flush(s)
+                if r:
+                    return r
+        if s.hlen < _HEAD:
+            # a frame's first 40 bytes are never payload: its header and first descriptor, or (a frame
+            # without writes) its header and the next frame's first bytes
+            r = _read_some(s, _HEAD)
+            if r:
+                return r
+        seq = _get64(s.hb)
+        count = <Py_ssize_t>_get32(s.hb + 8)
+        grant = _get64(s.hb + 16)
+        if <uint64_t>count > s.max_writes:
+            return _SERVE_BROKEN
+        need = _HEAD + _PAIR * <size_t>count
+        if s.hlen < need:
+            r = _grow(s, need + _AHEAD)
+            if r:
+                return r
+            r = _read(s, s.hb + s.hlen, need - s.hlen, False)
+            if r:
+                return r
+            s.hlen = need
+        d = s.hb + _HEAD
+        pthread_mutex_lock(&s.sink.mu)
+        code = _check(s.sink, d, count, grant, s.source, &index, &s.c)
+        if code == _LAND_OK:
+            s.c.landing = 1
+            s.c.grant = grant
+        else:
+            s.c.nused = 0
+        pthread_mutex_unlock(&s.sink.mu)
+        if code < 0:
+            s.err = ENOMEM
+            return _SERVE_CLOSED
+        if code:
+            s.r_seq, s.r_code, s.r_index, s.r_count, s.r_grant = seq, code, index, count, grant
+            s.r_total = _total(d, count)
+            s.hlen = 0  # a frame with writes: its descriptors end what was read ahead
+            return _SERVE_REFUSED
+        if count:
+            total = _total(d, count)
+            r = _payload(s, d, count)
+            _landed(s)
+            if r:
+                return r
+        else:
+            _landed(s)
+            total = 0
+            s.hlen -= _HEAD  # what came after the header is the next frame's
+            memmove(s.hb, s.hb + _HEAD, s.hlen)
+        if _ack(s, seq, 0, 0, NULL, 0) < 0:
+            s.err = ENOMEM
+            return _SERVE_CLOSED
+        s.acked_bytes += total
+        if s.nacks >= _ACK_GATHER or s.acked_bytes >= _ACK_GATHER_BYTES:
+            r = _flush(s)
+            if r:
+                return r
+
+
+cdef int _read_some(SinkConn s, size_t want) noexcept nogil:
+    """Read until ``hlen`` >= ``want`` (``want`` <= ``_AHEAD``), taking up to ``_AHEAD`` bytes; with
+    nothing of the frame here yet, wait without the stall rule."""
+    cdef ssize_t k
+    cdef int r
+    cdef double last = _now()
+    while s.hlen < want:
+        k = recv(s.c.fd, s.hb + s.hlen, _AHEAD - s.hlen, 0)
+        if k <= 0:
+            r = _failed(s, k)
+            if r == _TICKED:
+                r = _tick(s, last, s.hlen == 0)
+            if r:
+                return r
+            continue
+        s.hlen += <size_t>k
+        last = _now()
+    return 0

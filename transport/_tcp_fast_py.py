@@ -1,26 +1,38 @@
 """Per-batch work of the TCP transport, pure-Python twin of ``transport._tcp_fast`` (same names,
 signatures, results and errors; ``transport.tcp`` chooses, like ``transport.plan``).
 
-Three pure functions, no I/O and no locks (the caller holds what it needs):
+Two pure functions, no I/O and no locks (the caller holds what it needs):
 
 - ``frame`` (source): check a batch against the local and the remote regions and build its frame
   head (header with seq 0, then the descriptor pairs) and the payload views, in one pass.
-- ``check_frame`` (sink): check every write of a received frame against the sink's regions and
-  the grant it names, before a byte lands; on success, the views to receive the payload into.
 - ``parse_acks`` (source): every whole ack in a buffer.
 
+and the sink's side, with its I/O and its lock:
+
+- ``Sink``: the regions and live grants every received frame is checked against (``GrantTable.check``'s
+  rules, ``check`` says what a frame would get), and which connection is landing a frame through which
+  grant and into which regions: what ``revoke`` (``wait_grant``, ``cut_grant``) and ``deregister``
+  (``wait_region``) wait on.
+- ``SinkConn``: one connection's loop (``serve``): read a frame, check it, receive its payload into
+  place, ack; it returns to the caller only to have a refused frame's ack worded (``refuse``), or
+  when the connection ends. The compiled twin runs it without the GIL.
+
 Regions are given as a snapshot: ``starts`` and ``lengths`` (``uint64`` arrays sorted by start,
-not overlapping), and per region its view (a writable ``memoryview`` of all of it), its key and
-whether it requires a grant (``guarded``, ``uint8``). Every array is a C-contiguous, aligned,
-native-order numpy array (``ValueError`` otherwise; ``TypeError`` for what is not an array, or not
-the ``bytes``/``bytearray``/``list`` asked for). Result codes, not messages: ``transport.tcp``
-words the errors, so both twins give the same ones.
+not overlapping), and per region its view (a writable ``memoryview`` of all of it; the compiled twin
+writes by address and only keeps it referenced), its key and whether it requires a grant
+(``guarded``, ``uint8``). Every array is a C-contiguous, aligned, native-order numpy array
+(``ValueError`` otherwise; ``TypeError`` for what is not an array, or not the
+``bytes``/``bytearray``/``list`` asked for). Result codes, not messages: ``transport.tcp`` words the
+errors, so both twins give the same ones.
 """
 
 from __future__ import annotations
 
 import bisect
+import socket
 import struct
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -38,7 +50,13 @@ __all__ = [
     "LAND_OK",
     "LAND_OUTSIDE_GRANT",
     "LAND_OUTSIDE_REGIONS",
-    "check_frame",
+    "SERVE_BROKEN",
+    "SERVE_CLOSED",
+    "SERVE_REFUSED",
+    "SERVE_STALLED",
+    "SERVE_STOPPED",
+    "Sink",
+    "SinkConn",
     "frame",
     "parse_acks",
 ]
@@ -131,64 +149,6 @@ def frame(
     return FRAME_OK, 0, bufs
 
 
-def check_frame(
-    desc: bytes,
-    starts: np.ndarray,
-    lengths: np.ndarray,
-    guarded: np.ndarray,
-    keys: list[int],
-    views: list[memoryview],
-    grant: int,
-    grant_state: int,
-    grant_starts: np.ndarray,
-    grant_lengths: np.ndarray,
-) -> tuple[int, int, int, list[memoryview] | None, list[int] | None]:
-    """Check every write of a frame (``desc``: its ``(addr u64, length u64)`` pairs) before any lands.
-
-    A write must lie inside one region; with ``grant`` 0 that region must not be guarded; with a
-    grant, ``grant_state`` must be ``LAND_OK`` (else it is the code to fail with: the caller looked
-    the grant up) and the write must lie inside one of the grant's ranges (``grant_starts``,
-    ``grant_lengths``: sorted, not overlapping). Returns ``(code, index, total, views, keys)``:
-    ``LAND_OK``, 0, the payload size, one view per write to receive into, and the keys of the
-    regions written (each once, in order of first use); or a ``LAND_*`` code, the index of the
-    first write that fails it, 0, None, None.
-    """
-    _of(desc, bytes, "desc")
-    for a in (starts, lengths, grant_starts, grant_lengths):
-        _array(a, np.uint64, 1)
-    _array(guarded, np.uint8, 1)
-    _of(keys, list, "keys")
-    _of(views, list, "views")
-    n = len(starts)
-    if len(lengths) != n or len(guarded) != n or len(keys) != n or len(views) != n or len(grant_lengths) != len(grant_starts):
-        raise ValueError("region starts, lengths, flags, keys and views differ in length")
-    rs, rl = starts.tolist(), lengths.tolist()
-    gs, gl = grant_starts.tolist(), grant_lengths.tolist()
-    out: list[memoryview] = []
-    used: list[int] = []
-    total = 0
-    last = -1
-    for i in range(len(desc) // _PAIR.size):  # a trailing partial pair is ignored, as by the compiled twin
-        addr, length = _PAIR.unpack_from(desc, _PAIR.size * i)
-        if last < 0 or not length or not (rs[last] <= addr and addr + length <= rs[last] + rl[last]):
-            last = _find(rs, rl, addr, length) if length else -1
-            if last < 0:
-                return LAND_OUTSIDE_REGIONS, i, 0, None, None
-            if not grant and guarded[last]:
-                return LAND_NEEDS_GRANT, i, 0, None, None
-            if keys[last] not in used:
-                used.append(keys[last])
-        if grant:
-            if grant_state:
-                return grant_state, i, 0, None, None
-            if _find(gs, gl, addr, length) < 0:
-                return LAND_OUTSIDE_GRANT, i, 0, None, None
-        off = addr - rs[last]
-        out.append(views[last][off : off + length])
-        total += length
-    return LAND_OK, 0, total, out, used
-
-
 def parse_acks(buf: Any, start: int, end: int, max_msg: int) -> tuple[list[tuple[int, int, int, bytes]], int, int]:
     """Every whole ack in ``buf[start:end]``: ``(acks, new start, bad)``; each ack is ``(seq, status,
     errno, message bytes)``. ``bad`` is the message length of an ack whose message is longer than
@@ -206,3 +166,440 @@ def parse_acks(buf: Any, start: int, end: int, max_msg: int) -> tuple[list[tuple
         out.append((seq, status, err, bytes(buf[start + ACK_SIZE : start + ACK_SIZE + n])))
         start += ACK_SIZE + n
     return out, start, 0
+
+
+# ---------------------------------------------------------------------------------------- the sink
+
+SERVE_REFUSED = 0
+SERVE_CLOSED = 1  # the peer closed the connection, or it broke (errno in the result)
+SERVE_BROKEN = 2  # a frame broke the wire format: the stream cannot be trusted past it
+SERVE_STALLED = 3  # the peer sent nothing for ``stall`` seconds mid-frame (or took no ack for that long)
+SERVE_STOPPED = 4  # the transport is closing
+
+_IOV_CHUNK = 512  # views per recvmsg_into: below IOV_MAX (1024 on Linux)
+_AHEAD = 40  # bytes a sink may read past a payload: the next frame's header and first descriptor
+_ACK_GATHER = 16  # acks gathered at most under load
+_ACK_GATHER_BYTES = 1 << 20
+_DISCARD = 65536
+_U64_TOP = 1 << 64
+_TICK = (BlockingIOError, TimeoutError)  # a read or send that waited one kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO)
+
+
+def _u64(value: Any, what: str) -> int:
+    """What the compiled twin's ``uint64_t`` argument takes: ``TypeError`` for a non-integer,
+    ``OverflowError`` outside [0, 2**64)."""
+    if not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__}")
+    if not 0 <= value < _U64_TOP:
+        raise OverflowError(f"{what} {value} is not an unsigned 64-bit value")
+    return value
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"seconds must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+class Sink:
+    """The sink's landing table: the regions and live grants every frame is checked against, and the
+    mark of each connection landing a frame, behind one lock (a ``threading.Condition``) that the
+    connections' loops (``SinkConn.serve``) and the transport's calls (``set_regions``, ``add_grant``,
+    ``remove_grant``, ``wait_grant``, ``cut_grant``, ``wait_region``, ``stop``) both take."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._regions: tuple[list[int], list[int], list[int], list[int], list[Any]] = ([], [], [], [], [])
+        self._grants: dict[int, tuple[bytes, list[int], list[int]]] = {}
+        self._conns: set[SinkConn] = set()
+        self._stopped = False
+
+    def set_regions(self, starts: np.ndarray, lengths: np.ndarray, guarded: np.ndarray, keys: np.ndarray, views: list[Any]) -> None:
+        """Replace the regions frames are checked against (sorted by start, not overlapping): a frame
+        checked after this sees only these."""
+        for a in (starts, lengths, keys):
+            _array(a, np.uint64, 1)
+        _array(guarded, np.uint8, 1)
+        _of(views, list, "views")
+        n = len(starts)
+        if len(lengths) != n or len(guarded) != n or len(keys) != n or len(views) != n:
+            raise ValueError("region starts, lengths, flags, keys and views differ in length")
+        regions = (starts.tolist(), lengths.tolist(), guarded.tolist(), keys.tolist(), list(views))
+        with self._cond:
+            self._regions = regions
+
+    def add_grant(self, key: int, source: bytes, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Make grant ``key`` live: ``source`` (16 bytes) may write inside its ranges (sorted, not
+        overlapping). A key already live is replaced."""
+        key = _u64(key, "key")
+        _of(source, bytes, "source")
+        _array(starts, np.uint64, 1)
+        _array(lengths, np.uint64, 1)
+        if len(lengths) != len(starts):
+            raise ValueError("grant starts and lengths differ in length")
+        if len(source) != 16:
+            raise ValueError(f"a grant names a source of 16 bytes, got {len(source)}")
+        with self._cond:
+            self._grants[key] = (source, starts.tolist(), lengths.tolist())
+
+    def remove_grant(self, key: int) -> bool:
+        """Take grant ``key`` out: no frame checked from now on lands through it. True if it was live."""
+        key = _u64(key, "key")
+        with self._cond:
+            return self._grants.pop(key, None) is not None
+
+    def wait_grant(self, key: int, seconds: float) -> bool:
+        """Wait up to ``seconds`` until no connection is landing a frame through grant ``key``; True if none is."""
+        return self._wait(_u64(key, "key"), False, _seconds(seconds))
+
+    def wait_region(self, key: int, seconds: float) -> bool:
+        """Wait up to ``seconds`` until no connection is landing a frame into region ``key``; True if none is."""
+        return self._wait(_u64(key, "key"), True, _seconds(seconds))
+
+    def _wait(self, key: int, region: bool, seconds: float) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy(key, region), timeout=max(seconds, 0.0))
+            return not self._busy(key, region)
+
+    def _busy(self, key: int, region: bool) -> bool:
+        """Is a connection landing a frame through grant ``key`` (or into region ``key``)? Holds the lock."""
+        return any(c._landing and (key in c._used if region else c._grant == key) for c in self._conns)
+
+    def cut_grant(self, key: int) -> int:
+        """Shut down (both ways) every connection landing a frame through grant ``key`` now: its loop
+        stops receiving, clears its mark and ends. Returns how many. Under the lock, so a connection
+        cut is one still marked, whose socket its owner has not closed."""
+        key = _u64(key, "key")
+        n = 0
+        with self._cond:
+            for c in self._conns:
+                if c._landing and c._grant == key:
+                    try:
+                        c._sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    n += 1
+        return n
+
+    def check(self, desc: bytes, grant: int, source: bytes) -> tuple[int, int, int]:
+        """What a frame of these descriptor pairs naming ``grant`` from ``source`` would get now:
+        ``(code, index of the first failing write, total payload bytes)`` (``LAND_OK``, 0, total)."""
+        _of(desc, bytes, "desc")
+        grant = _u64(grant, "grant")
+        _of(source, bytes, "source")
+        if len(source) != 16:
+            raise ValueError(f"a source is 16 bytes, got {len(source)}")
+        with self._cond:
+            code, index, _views = self._check(desc, grant, source, None)
+        if code:
+            return code, index, 0
+        return LAND_OK, 0, _total(desc)
+
+    def _check(self, desc: bytes, grant: int, source: bytes, used: list[int] | None) -> tuple[int, int, list[Any] | None]:
+        """Check every write of a frame before any lands (holds the lock): ``(LAND_OK, 0, views to receive
+        into, with ``used``)`` or the ``LAND_*`` refusal of the first failing write, its index, None. A write must lie
+        inside one region; with grant 0 that region must not require grants; with a grant, the grant
+        must be live, given to ``source``, and hold the write inside one of its ranges
+        (``GrantTable.check``'s rules; the grant is looked up once, at the first write that needs it).
+        With ``used``, the keys of the regions written are appended to it (each once)."""
+        rs, rl, guarded, keys, views = self._regions
+        out: list[Any] = []
+        state = -1
+        gs: list[int] = []
+        gl: list[int] = []
+        last = -1
+        for i in range(len(desc) // _PAIR.size):  # a trailing partial pair is ignored, as by the compiled twin
+            addr, length = _PAIR.unpack_from(desc, _PAIR.size * i)
+            j = _find(rs, rl, addr, length) if length else -1
+            if j < 0:
+                return LAND_OUTSIDE_REGIONS, i, None
+            if j != last:
+                if not grant and guarded[j]:
+                    return LAND_NEEDS_GRANT, i, None
+                if used is not None and keys[j] not in used:
+                    used.append(keys[j])
+                last = j
+            if grant:
+                if state < 0:
+                    g = self._grants.get(grant)
+                    state = LAND_GRANT_NOT_LIVE if g is None else LAND_GRANT_OTHER_SOURCE if g[0] != source else LAND_OK
+                    if g is not None:
+                        gs, gl = g[1], g[2]
+                if state:
+                    return state, i, None
+                if _find(gs, gl, addr, length) < 0:
+                    return LAND_OUTSIDE_GRANT, i, None
+            if used is not None:
+                off = addr - rs[j]
+                out.append(views[j][off : off + length])
+        return LAND_OK, 0, out
+
+    def stop(self) -> None:
+        """The transport is closing: every loop ends at its next tick."""
+        with self._cond:
+            self._stopped = True
+
+    def connection(self, sock: Any, source: bytes, max_writes: int, stall: float) -> SinkConn:
+        """A connection past its handshake, from ``source``: see ``SinkConn``."""
+        return SinkConn(self, sock, source, max_writes, stall)
+
+
+def _total(desc: bytes) -> int:
+    """The payload bytes of a frame: the sum of its lengths, saturated at 2**64 - 1."""
+    return min(sum(n for _a, n in _PAIR.iter_unpack(desc[: len(desc) // _PAIR.size * _PAIR.size])), _U64_TOP - 1)
+
+
+class _End(Exception):
+    """How a connection's loop ended: ``(SERVE_*, errno)``."""
+
+    def __init__(self, code: int, err: int = 0) -> None:
+        super().__init__(code, err)
+        self.result = (code, err)
+
+
+class SinkConn:
+    """One connection past its handshake: ``serve()`` runs its loop until a frame is refused (the caller
+    words the ack: ``refuse()``, then ``serve()`` again) or the connection ends.
+
+    Per frame: read its header and descriptors; check every write (``Sink`` lock held; on success the
+    connection is marked landing through the frame's grant, into its regions); receive the payload
+    straight into place (the lock not held), with up to 40 bytes more, the next frame's header and
+    first descriptor when they are already there; clear the mark (waking a revoke or deregister that
+    waits for it). Acks are gathered: sent when no further frame is already waiting, or after 16
+    frames or 1 MiB. Reads and sends wait in ticks of the socket's kernel timeouts; mid-frame, or
+    with acks the peer does not take, ``stall`` seconds without a byte end the connection."""
+
+    def __init__(self, sink: Sink, sock: Any, source: bytes, max_writes: int, stall: float) -> None:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"sink must be a Sink, got {type(sink).__name__}")
+        if sock is None:
+            raise TypeError("sock must be a socket, got None")
+        _of(source, bytes, "source")
+        if len(source) != 16:
+            raise ValueError(f"a source is 16 bytes, got {len(source)}")
+        self._sink, self._sock, self._source = sink, sock, source
+        self._fd = sock.fileno()
+        self._max_writes = _u64(max_writes, "max_writes")
+        self._stall = _seconds(stall)
+        self._hb = bytearray()  # the current frame's header and descriptors, as read so far
+        self._acks: list[bytes] = []
+        self._acked_bytes = 0
+        self._discard = 0  # payload bytes of a refused frame still to read and drop
+        self._landing = False
+        self._grant = 0
+        self._used: list[int] = []
+        with sink._cond:
+            sink._conns.add(self)
+        self._attached = True
+
+    def close(self) -> None:
+        """Leave the table (call before closing the socket: a revoke cuts only attached connections)."""
+        if not self._attached:
+            return
+        with self._sink._cond:
+            self._sink._conns.discard(self)
+            self._attached = False
+            if self._landing:
+                self._landing = False
+                self._sink._cond.notify_all()
+
+    def refuse(self, seq: int, err: int, message: bytes, nbytes: int) -> None:
+        """Queue the error ack of a refused frame and drop its ``nbytes`` of payload (on the next ``serve()``)."""
+        seq = _u64(seq, "seq")
+        if not isinstance(err, int):
+            raise TypeError(f"err must be an integer, got {type(err).__name__}")
+        if not -(1 << 31) <= err < 1 << 31:
+            raise OverflowError(f"err {err} is not a 32-bit value")
+        _of(message, bytes, "message")
+        nbytes = _u64(nbytes, "nbytes")
+        if len(message) > 0xFFFFFFFF:
+            raise ValueError("an ack message is shorter than 4 GiB")
+        self._acks.append(_ACK.pack(seq, 1, err, len(message)) + message)
+        self._discard = nbytes
+        self._acked_bytes += nbytes  # counted as landed bytes are: the gather bound
+
+    def serve(self) -> tuple[int, ...]:
+        """Land frames until one is refused or the connection ends. Returns ``(SERVE_REFUSED, seq, code,
+        index, count, addr, length, grant, total)`` for a refused frame (its header and descriptors
+        read, its payload not yet: ``refuse()`` drops it), else ``(SERVE_*, errno)``."""
+        if not self._attached:
+            raise ValueError("serve() on a closed connection")
+        try:
+            return self._serve()
+        except _End as e:
+            return e.result
+
+    def _serve(self) -> tuple[int, ...]:
+        sock, hb = self._sock, self._hb
+        while True:
+            if self._discard:
+                self._drop()
+                if len(self._acks) >= _ACK_GATHER or self._acked_bytes >= _ACK_GATHER_BYTES:
+                    self._flush()
+            if self._acks and len(hb) < FRAME_SIZE:  # more frames already here? then land them first, ack together
+                if not hb:
+                    try:
+                        more = sock.recv(_AHEAD, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        more = None
+                    except OSError as e:
+                        raise _End(SERVE_CLOSED, e.errno or 0) from None
+                    if more == b"":
+                        raise _End(SERVE_CLOSED)
+                    if more:
+                        hb += more
+                if not hb:
+                    self._flush()
+            if len(hb) < FRAME_SIZE:
+                # a frame's first 40 bytes are never payload: its header and first descriptor, or (a frame
+                # without writes) its header and the next frame's first bytes
+                self._read_some(FRAME_SIZE)
+            seq, count, _, grant = _HEAD.unpack_from(hb)
+            if count > self._max_writes:
+                raise _End(SERVE_BROKEN)
+            need = FRAME_SIZE + _PAIR.size * count
+            if len(hb) < need:
+                hb += self._read(need - len(hb))
+            desc = bytes(hb[FRAME_SIZE:need])
+            used: list[int] = []
+            with self._sink._cond:
+                code, index, views = self._sink._check(desc, grant, self._source, used)
+                if code == LAND_OK:
+                    self._landing, self._grant, self._used = True, grant, used
+            if code:
+                hb.clear()  # a frame with writes: its descriptors end what was read ahead
+                addr, length = _PAIR.unpack_from(desc, _PAIR.size * index)
+                return SERVE_REFUSED, seq, code, index, count, addr, length, grant, _total(desc)
+            total = 0
+            if count:
+                hb.clear()
+                try:
+                    total = self._payload(views)  # type: ignore[arg-type]  # views is set when code is LAND_OK
+                finally:
+                    self._landed()
+            else:
+                self._landed()
+                del hb[:FRAME_SIZE]  # what came after the header is the next frame's
+            self._acks.append(_ACK.pack(seq, 0, 0, 0))
+            self._acked_bytes += total
+            if len(self._acks) >= _ACK_GATHER or self._acked_bytes >= _ACK_GATHER_BYTES:
+                self._flush()
+
+    def _tick(self, last: float, idle: bool) -> None:
+        """A read or send waited one kernel timeout: go on, or end the connection."""
+        with self._sink._cond:
+            stopped = self._sink._stopped
+        if stopped:
+            raise _End(SERVE_STOPPED)
+        if not idle and time.monotonic() - last >= self._stall:
+            raise _End(SERVE_STALLED)
+
+    def _read_some(self, want: int) -> None:
+        """Read until ``hb`` holds ``want`` (<= ``_AHEAD``) bytes, taking up to ``_AHEAD``; with nothing
+        of the frame here yet, wait without the stall rule."""
+        hb = self._hb
+        last = time.monotonic()
+        while len(hb) < want:
+            try:
+                more = self._sock.recv(_AHEAD - len(hb))
+            except _TICK:
+                self._tick(last, not hb)
+                continue
+            except OSError as e:
+                raise _End(SERVE_CLOSED, e.errno or 0) from None
+            if not more:
+                raise _End(SERVE_CLOSED)
+            hb += more
+            last = time.monotonic()
+
+    def _read(self, n: int) -> bytes:
+        """Receive exactly ``n`` bytes (mid-frame: the stall rule applies)."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        last = time.monotonic()
+        while got < n:
+            try:
+                k = self._sock.recv_into(view[got:])
+            except _TICK:
+                self._tick(last, False)
+                continue
+            except OSError as e:
+                raise _End(SERVE_CLOSED, e.errno or 0) from None
+            if not k:
+                raise _End(SERVE_CLOSED)
+            got += k
+            last = time.monotonic()
+        return bytes(buf)
+
+    def _flush(self) -> None:
+        """Send the gathered acks."""
+        data = memoryview(b"".join(self._acks))
+        last = time.monotonic()
+        while data:
+            try:
+                k = self._sock.send(data, socket.MSG_NOSIGNAL)
+            except _TICK:
+                self._tick(last, False)
+                continue
+            except OSError as e:
+                raise _End(SERVE_CLOSED, e.errno or 0) from None
+            data = data[k:]
+            last = time.monotonic()
+        self._acks.clear()
+        self._acked_bytes = 0
+
+    def _drop(self) -> None:
+        """Receive and drop the payload of a refused frame (the stream keeps its place)."""
+        scratch = memoryview(bytearray(min(self._discard, _DISCARD)))
+        last = time.monotonic()
+        while self._discard:
+            try:
+                k = self._sock.recv_into(scratch[: min(self._discard, _DISCARD)])
+            except _TICK:
+                self._tick(last, False)
+                continue
+            except OSError as e:
+                raise _End(SERVE_CLOSED, e.errno or 0) from None
+            if not k:
+                raise _End(SERVE_CLOSED)
+            self._discard -= k
+            last = time.monotonic()
+
+    def _landed(self) -> None:
+        """Clear the landing mark; wake a revoke or deregister waiting for it."""
+        with self._sink._cond:
+            self._landing, self._grant, self._used = False, 0, []
+            self._sink._cond.notify_all()
+
+    def _payload(self, views: list[Any]) -> int:
+        """Receive the payload of a checked frame into place (``views``, one per write), with up to
+        ``_AHEAD`` bytes after it into ``hb``. Returns the payload size."""
+        total = sum(len(v) for v in views)
+        i, n = 0, len(views)
+        tail = memoryview(bytearray(_AHEAD))
+        last = time.monotonic()
+        while i < n:
+            chunk = views[i : i + _IOV_CHUNK]
+            ends = i + len(chunk) == n
+            try:
+                got = self._sock.recvmsg_into([*chunk, tail] if ends else chunk)[0]
+            except _TICK:
+                self._tick(last, False)
+                continue
+            except OSError as e:
+                raise _End(SERVE_CLOSED, e.errno or 0) from None
+            if not got:
+                raise _End(SERVE_CLOSED)
+            last = time.monotonic()
+            while got and i < n:
+                v = views[i]
+                if got >= len(v):
+                    got -= len(v)
+                    i += 1
+                else:
+                    views[i] = v[got:]
+                    got = 0
+            if got:  # past the payload: the next frame's first bytes
+                self._hb += tail[:got]
+        return total

@@ -64,22 +64,29 @@ Per-batch costs, the limit for small batches (a Python thread hop costs tens
 of microseconds on a busy machine), are kept down these ways: a writer that
 finds nobody sending sends its batch itself with ``MSG_DONTWAIT`` and hands
 only a remainder to the sender thread; the sender gathers every queued batch
-into one ``sendmsg``; a sink that finds the next frame already waiting lands it
-before acking, and sends the gathered acks together (at most
-``_ACK_GATHER`` batches or ``_ACK_GATHER_BYTES``, and always before it would
-block), which the source's ack reader reads in one ``recv`` and delivers under
-one lock; the sink receives each payload together with the next frame's header
-and first descriptor when they are already there (one ``recvmsg`` per pipelined
-frame); a completion wakes only writers waiting for a slot, never the sender.
+into one ``sendmsg``; a completion wakes only writers waiting for a slot, never
+the sender. The sink's loop is compiled and runs without the GIL
+(``_fast.SinkConn.serve``): it reads a frame's header and descriptors, checks
+every write against the regions and the live grant it names (``_fast.Sink``,
+in C behind a mutex that register/deregister/grant/revoke take too), marks the
+connection landing through that grant, receives the payload straight into
+place together with the next frame's header and first descriptor when they are
+already there (one ``recvmsg`` per pipelined frame), clears the mark and acks;
+a sink that finds the next frame already waiting lands it before acking, and
+sends the gathered acks together (at most 16 batches or 1 MiB, and always
+before it would block), which the source's ack reader reads in one ``recv``
+and delivers under one lock. It comes back to Python only to have a refused
+frame's ack worded (``_refusal``) and at the end. ``revoke`` takes the grant
+out of that table (no frame through it is checked in from then on) and waits
+for the mark of a frame already landing through it; at its deadline it shuts
+down the connections still marked (under the mutex, so the socket is still
+theirs), and returns once their loops stopped receiving and cleared the mark.
 The per-batch loops are compiled (``transport._tcp_fast``, its pure twin
 ``_tcp_fast_py`` under ``PDCORE_PURE_PYTHON=1``; ``IMPLEMENTATION`` names the
 one in use): ``frame`` checks a batch's local and remote ranges and builds its
-head (header and descriptors) and payload views in one pass; ``check_frame``
-checks every write of a frame against the sink's regions and the grant, over
-the descriptor bytes, before a byte lands (the grant looked up once per frame,
-by ``_grant_state``, with ``GrantTable.check``'s rules); ``parse_acks`` reads
-every whole ack in the reader's buffer. The error messages are worded here,
-from their result codes, so both twins give the same ones.
+head (header and descriptors) and payload views in one pass; ``parse_acks``
+reads every whole ack in the reader's buffer. The error messages are worded
+here, from their result codes, so both twins give the same ones.
 """
 
 from __future__ import annotations
@@ -94,7 +101,7 @@ import socket
 import struct
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -190,12 +197,6 @@ _DIRECT_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 _MAX_MSG = 4096
 _IOV_CHUNK = 512  # below IOV_MAX (1024 on Linux)
 _SEND_GATHER = 4 * _IOV_CHUNK
-# A sink acks right away when no further frame is waiting; under load it acks at most this
-# many batches (or bytes) together, so acks cost fewer syscalls and wake-ups on both sides.
-_ACK_GATHER = 16
-_ACK_GATHER_BYTES = 1 << 20  # buffers of queued batches the sender sends in one go
-_DISCARD_CHUNK = 1 << 20
-_AHEAD = 24 + 16  # bytes a sink reads past a payload: the next frame's header and first descriptor
 
 
 # Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO = one poll interval): a call
@@ -273,39 +274,8 @@ def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Ev
     return _recv_exact(sock, n, stop=stop, stall=math.inf, deadline=deadline)
 
 
-def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: threading.Event, stall: float) -> None:
-    """Fill each view in order from the stream (scatter reads, no copies). Mutates ``views``."""
-    i, n = 0, len(views)
-    last = time.monotonic()
-    while i < n:
-        try:
-            got = sock.recvmsg_into(views[i : i + _IOV_CHUNK])[0]
-        except _TICK:
-            if stop.is_set():
-                raise _PeerGone("transport closing", None) from None
-            if time.monotonic() - last >= stall:
-                raise _PeerGone(f"peer stalled mid-batch for {stall:g} s", errno_mod.ETIMEDOUT) from None
-            continue
-        except OSError as e:
-            raise _PeerGone(f"connection broke mid-batch: {e}", e.errno) from e
-        if got == 0:
-            raise _PeerGone("peer closed the connection mid-batch", errno_mod.ECONNRESET)
-        last = time.monotonic()
-        i = _advance(views, i, got)
 
 
-def _skip(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes (already received) from ``views``, in place."""
-    i = 0
-    while n and i < len(views):
-        v = views[i]
-        if n >= len(v):
-            n -= len(v)
-            i += 1
-        else:
-            views[i] = v[n:]
-            n = 0
-    del views[:i]
 
 
 def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], bool]) -> None:
@@ -448,15 +418,16 @@ class TcpTransport(Transport):
         self._keys = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._peer_ids = itertools.count(1)
-        self._landing: Counter[int] = Counter()  # region key -> sink threads landing into it now
-        self._grants = GrantTable()  # guarded by _landing_cond
+        self._grants = GrantTable()  # the API's record of live grants, guarded by _table_lock
         self._guarded: set[int] = set()  # keys of regions registered with require_grant
-        self._grant_landing: dict[int, set[socket.socket]] = {}  # grant key -> connections landing through it
-        self._landing_cond = threading.Condition()
-        # The registered regions as the fast path reads them (both sides): starts, lengths,
-        # guarded flags, keys, views. Replaced whole, under _landing_cond, by register/deregister.
+        # What every frame is checked against (regions, live grants) and which connections are landing
+        # one, in C behind the mutex the sink loops take without the GIL (see _fast.Sink).
+        self._table = _fast.Sink()
+        self._table_lock = threading.Lock()  # one register/deregister/grant/revoke changes the table at a time
+        self._stuck: list[Any] = []  # owners of regions deregistered while a frame still landed into them
+        # The registered regions as the source's fast path reads them: starts, lengths, guarded
+        # flags, keys, views. Replaced whole, under _table_lock, by register/deregister.
         self._snap: tuple[Any, ...] = _NO_REGIONS
-        self._grant_ranges: dict[int, tuple[Grant, np.ndarray, np.ndarray]] = {}  # key -> its ranges as arrays
         self._peers: dict[int, _TcpPeer] = {}
         self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}  # every accepted connection
         self._live: set[int] = set()  # the sids among them past their handshake: what max_sinks bounds
@@ -507,60 +478,64 @@ class TcpTransport(Transport):
         if require_grant:
             self._guarded.add(region.key)
         self._regions.add(region)
-        with self._landing_cond:
+        with self._table_lock:
             self._resnap()
         return region
 
     def _resnap(self) -> None:
-        """Rebuild ``_snap`` from the region table. Holds ``_landing_cond``: a sink checks a frame
-        under it, so a deregistered region takes no frame that starts landing after this."""
+        """Rebuild ``_snap`` and the sink table's regions from the region table (holds ``_table_lock``):
+        a deregistered region takes no frame checked after this."""
         regions = [(r, self._locals.get(r.key)) for r in self._regions.snapshot()]
         regions = [(r, local) for r, local in regions if local is not None]
         starts, lengths = _ranges(tuple(r for r, _ in regions))
         guarded = np.array([r.key in self._guarded for r, _ in regions], np.uint8)
-        self._snap = (starts, lengths, guarded, [r.key for r, _ in regions], [local.view for _, local in regions])
+        keys = [r.key for r, _ in regions]
+        views = [local.view for _, local in regions]
+        self._table.set_regions(starts, lengths, guarded, np.array(keys, np.uint64), views)
+        self._snap = (starts, lengths, guarded, keys, views)
 
     def grant(self, source: bytes, ranges: Any) -> Grant:
         self._check_open("grant")
-        with self._landing_cond:
+        with self._table_lock:
             g = self._grants.add(source, ranges)
             bad = self._regions.outside(g.ranges)
             if bad is not None:
                 self._grants.pop(g.key)
                 raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
+            starts, lengths = np.array(g.ranges, np.uint64).reshape(-1, 2).T
+            self._table.add_grant(g.key, g.source, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
         return g
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
         deadline = deadline or Deadline.after(1.0)
         key = grant.key
-        with self._landing_cond:
+        with self._table_lock:
             if self._grants.get(key) not in (None, grant):
                 return  # another sink's grant: keys are per sink
-            self._grants.pop(key)  # no frame through it starts landing from now on (a second revoke still waits)
-            self._grant_ranges.pop(key, None)
-            self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=deadline.remaining())
-            cut = list(self._grant_landing.get(key, ()))
-        for conn in cut:  # a frame still landing (a paused or stalled source): stop it
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if cut:
-            with self._landing_cond:
-                if not self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=self._poll * 4 + 1.0):
-                    raise TransportError(f"revoke: a write through grant {key} is still landing", op="revoke")
+            self._grants.pop(key)
+            # No frame through it is checked in from now on; one checked before is marked landing (a
+            # second revoke still waits for it).
+            self._table.remove_grant(key)
+        if self._table.wait_grant(key, deadline.remaining()):
+            return
+        # A frame still landing at the deadline (a paused or stalled source): cut its connection; its
+        # loop stops receiving and clears the mark, after which it writes nothing more.
+        self._table.cut_grant(key)
+        if not self._table.wait_grant(key, self._poll * 4 + 1.0):
+            raise TransportError(f"revoke: a write through grant {key} is still landing", op="revoke")
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
         if not self._regions.remove(region):
             return
         deadline = deadline or Deadline.after(self._peer_timeout)
-        with self._landing_cond:
+        with self._table_lock:
             self._resnap()
-            self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
-            self._guarded.discard(region.key)
-            busy = self._landing.pop(region.key, 0)
-        self._locals.pop(region.key, None)
-        if busy:
+        idle = self._table.wait_region(region.key, deadline.remaining())
+        self._guarded.discard(region.key)
+        local = self._locals.pop(region.key, None)
+        if not idle:
+            # The sink loop writes by address: the memory stays referenced while a frame may still land.
+            self._stuck.append(local)
             raise TransportError(
                 f"deregister: {region} still has writes landing after the deadline", op="deregister"
             )
@@ -957,81 +932,28 @@ class TcpTransport(Transport):
         return None if full else hello.source
 
     def _sink_loop(self, sid: int, conn: socket.socket, addr: Any) -> None:
+        """One accepted connection: the handshake, then ``_fast.SinkConn.serve`` lands its frames
+        without the GIL, returning here only to have a refused frame's ack worded, or at the end."""
+        served = None
         try:
             _kernel_timeouts(conn, self._poll)
             _tune(conn, self._peer_timeout)
             source = self._sink_hello(sid, conn, addr)
             if source is None:
                 return
-            stall = self._peer_timeout
-            acks: list[bytes] = []  # acks not sent yet: flushed before the sink would wait for data
-            acked_bytes = 0
-            # Stream bytes read ahead: a payload is received together with up to _AHEAD bytes after
-            # it (the next frame's header and first descriptor, when already here), one call per
-            # frame where three would do. Never payload bytes: a frame with writes has a descriptor
-            # after its header, and one without has no payload.
-            carry = bytearray()
-            while not self._stop.is_set():
-                if acks and len(carry) < _FRAME.size:  # more frames already here? then land them first, ack together
-                    if not carry:
-                        try:
-                            more = conn.recv(_FRAME.size, socket.MSG_DONTWAIT)
-                        except BlockingIOError:
-                            more = None
-                        if more == b"":
-                            return
-                        if more:
-                            carry += more
-                    if not carry:
-                        conn.sendall(b"".join(acks), _SEND_FLAGS)
-                        acks.clear()
-                        acked_bytes = 0
-                if not carry:
-                    try:  # the common case, one call; the helper handles ticks and short reads
-                        head = conn.recv(_FRAME.size)
-                    except _TICK:
-                        head = None
-                    if head == b"":
-                        return
-                    if head:
-                        carry += head
-                if len(carry) < _FRAME.size:
-                    idle = None if carry else _no_op
-                    carry += _recv_exact(conn, _FRAME.size - len(carry), stop=self._stop, stall=stall, idle=idle)
-                seq, count, _, grant = _FRAME.unpack_from(carry)
-                del carry[: _FRAME.size]
-                if count > self._max_batch_writes:
-                    return  # the stream cannot be trusted past a frame this broken
-                desc = b""
-                if count:
-                    want = count * _DESC_PAIR.size
-                    if len(carry) < want:
-                        try:  # the descriptors mostly came with the header: one call
-                            more = conn.recv(want - len(carry))
-                        except _TICK:
-                            more = None
-                        if more == b"":
-                            return
-                        if more:
-                            carry += more
-                        if len(carry) < want:
-                            carry += _recv_exact(conn, want - len(carry), stop=self._stop, stall=stall)
-                    desc = bytes(carry)
-                    carry.clear()  # a frame with writes: its descriptors end what was read ahead
-                status, err, msg, nbytes = self._land(conn, desc, grant, source, None if carry else carry)
-                if status:
-                    body = msg.encode()[:_MAX_MSG]
-                    acks.append(_ACK.pack(seq, status, err, len(body)) + body)
-                else:
-                    acks.append(_ACK.pack(seq, 0, 0, 0))
-                acked_bytes += nbytes
-                if len(acks) >= _ACK_GATHER or acked_bytes >= _ACK_GATHER_BYTES:
-                    conn.sendall(b"".join(acks), socket.MSG_NOSIGNAL)
-                    acks.clear()
-                    acked_bytes = 0
+            served = self._table.connection(conn, source, self._max_batch_writes, self._peer_timeout)
+            while True:
+                result = served.serve()
+                if result[0] != _fast.SERVE_REFUSED:
+                    return  # the source lost its connection (or broke the wire): it fails its own batches
+                _, seq, code, index, count, target, length, grant, total = result
+                err, message = _refusal(code, index, count, target, length, grant)
+                served.refuse(seq, err, message.encode()[:_MAX_MSG], total)
         except (_PeerGone, OSError):
             pass  # the source lost its connection: it fails its own batches
         finally:
+            if served is not None:
+                served.close()  # before the socket closes: a revoke cuts only attached connections
             conn.close()
             with self._lock:
                 self._sinks.pop(sid, None)
@@ -1039,97 +961,6 @@ class TcpTransport(Transport):
                 self._hellos.pop(sid, None)
                 self._evicting.discard(sid)
             self._freed.set()  # an acceptor backing off for want of descriptors may try again
-
-    def _land(
-        self, conn: socket.socket, desc: bytes, grant: int, source: bytes, ahead: bytearray | None = None
-    ) -> tuple[int, int, str, int]:
-        """Validate every write of a frame, then receive its payload into place (or discard it).
-
-        With ``ahead`` (empty), the bytes that came right after the payload in the same call, up
-        to ``_AHEAD``, are appended to it (the sink loop's read-ahead).
-
-        A write must lie inside one registered region and, with ``grant``, inside
-        that live grant of ``source``; with grant 0 its region must not require
-        grants. Returns the ack's status, errno and message, and the payload size.
-        The checks run in ``_fast.check_frame`` over the descriptor bytes, under
-        ``_landing_cond`` (what revoke and deregister wait on)."""
-        with self._landing_cond:
-            state, g_starts, g_lengths = self._grant_state(grant, source) if grant else (0, _NO_RANGES, _NO_RANGES)
-            starts, lengths, guarded, keys, regions = self._snap
-            code, i, total, views, used = _fast.check_frame(
-                desc, starts, lengths, guarded, keys, regions, grant, state, g_starts, g_lengths
-            )
-            if views is not None:
-                for k in used:
-                    self._landing[k] += 1
-                if grant:
-                    self._grant_landing.setdefault(grant, set()).add(conn)
-        if views is None:
-            count = len(desc) // _DESC_PAIR.size
-            addr, length = _DESC_PAIR.unpack_from(desc, i * _DESC_PAIR.size)
-            err = errno_mod.EACCES  # EFAULT for a target outside every region, EACCES for a grant refusal
-            if code == _fast.LAND_OUTSIDE_REGIONS:
-                refused = f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
-                err = errno_mod.EFAULT
-            elif code == _fast.LAND_NEEDS_GRANT:
-                refused = f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
-            elif code == _fast.LAND_GRANT_NOT_LIVE:
-                refused = f"write {i} of {count}: grant {grant} is not live at the sink (revoked, or never granted)"
-            elif code == _fast.LAND_GRANT_OTHER_SOURCE:
-                refused = f"write {i} of {count}: grant {grant} was given to another source"
-            else:
-                refused = f"write {i} of {count}: [{addr:#x}, +{length}) is outside grant {grant}"
-            total = sum(n for _a, n in _DESC_PAIR.iter_unpack(desc))
-            self._discard(conn, total)
-            return 1, err, refused, total
-        try:
-            got = 0
-            if views and len(views) < _IOV_CHUNK:  # the common case, one call; and what follows, if here
-                tail = memoryview(bytearray(_AHEAD)) if ahead is not None else None
-                got = conn.recvmsg_into(views if tail is None else [*views, tail])[0]
-                if got > total:
-                    ahead += tail[: got - total]  # type: ignore[index, operator]  # tail is set when ahead is
-                    got = total
-            if got != total:
-                _skip(views, got)
-                _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)
-        except _TICK:
-            _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)
-        except OSError as e:
-            raise _PeerGone(f"connection broke mid-batch: {e}", e.errno) from e
-        finally:
-            with self._landing_cond:
-                for k in used:
-                    self._landing[k] -= 1
-                if grant:
-                    conns = self._grant_landing.get(grant)
-                    if conns is not None:
-                        conns.discard(conn)
-                        if not conns:
-                            del self._grant_landing[grant]
-                self._landing_cond.notify_all()
-        return 0, 0, "", total
-
-    def _grant_state(self, key: int, source: bytes) -> tuple[int, np.ndarray, np.ndarray]:
-        """``(0, starts, lengths)`` of grant ``key`` if it is live and ``source``'s, else ``(the
-        LAND_* refusal, empty, empty)``: ``GrantTable.check``'s rules, looked up once per frame.
-        Holds ``_landing_cond``."""
-        g = self._grants.get(key)
-        if g is None:
-            return _fast.LAND_GRANT_NOT_LIVE, _NO_RANGES, _NO_RANGES
-        if g.source != source:
-            return _fast.LAND_GRANT_OTHER_SOURCE, _NO_RANGES, _NO_RANGES
-        cached = self._grant_ranges.get(key)
-        if cached is None or cached[0] is not g:
-            starts, lengths = np.array(g.ranges, np.uint64).reshape(-1, 2).T
-            cached = self._grant_ranges[key] = (g, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
-        return 0, cached[1], cached[2]
-
-    def _discard(self, conn: socket.socket, nbytes: int) -> None:
-        scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK) or 1))
-        while nbytes:
-            _recv_into_views(conn, [scratch[: min(nbytes, len(scratch))]], stop=self._stop, stall=self._peer_timeout)
-            nbytes -= min(nbytes, len(scratch))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1142,6 +973,7 @@ class TcpTransport(Transport):
             self._peers.clear()
         if first:
             self._stop.set()
+            self._table.stop()
             self._freed.set()
             try:
                 self._wake_w.send(b"x")
@@ -1166,12 +998,14 @@ class TcpTransport(Transport):
                 for s in (p.sock, p.ack_sock):
                     if s is not None:
                         s.close()
+        alive = [t.name for t in threads if t.is_alive()]
         for region in self._regions.clear():
-            self._locals.pop(region.key, None)
-        with self._landing_cond:
+            local = self._locals.pop(region.key, None)
+            if alive:  # a sink thread may still be landing by address: keep the memory referenced
+                self._stuck.append(local)
+        with self._table_lock:
             self._resnap()
         # completions nobody will take still hold slots; they are dropped with the transport
-        alive = [t.name for t in threads if t.is_alive()]
         if alive:
             raise TransportError(f"close: threads still running at the deadline: {alive}", op="close")
 
@@ -1196,6 +1030,21 @@ class TcpTransport(Transport):
 
     def __repr__(self) -> str:
         return f"<TcpTransport {self._address.decode()} regions={len(self._regions)} peers={len(self._peers)}>"
+
+
+def _refusal(code: int, i: int, count: int, addr: int, length: int, grant: int) -> tuple[int, str]:
+    """The errno and message of the ack of a frame the sink refused (``_fast.LAND_*`` ``code``, at write
+    ``i`` of ``count``, ``[addr, +length)``): EFAULT for a target outside every region, EACCES for a
+    grant refusal. Worded here, so both twins give the same."""
+    if code == _fast.LAND_OUTSIDE_REGIONS:
+        return errno_mod.EFAULT, f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
+    if code == _fast.LAND_NEEDS_GRANT:
+        return errno_mod.EACCES, f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
+    if code == _fast.LAND_GRANT_NOT_LIVE:
+        return errno_mod.EACCES, f"write {i} of {count}: grant {grant} is not live at the sink (revoked, or never granted)"
+    if code == _fast.LAND_GRANT_OTHER_SOURCE:
+        return errno_mod.EACCES, f"write {i} of {count}: grant {grant} was given to another source"
+    return errno_mod.EACCES, f"write {i} of {count}: [{addr:#x}, +{length}) is outside grant {grant}"
 
 
 def _take(p: _TcpPeer) -> list[Any]:
@@ -1261,8 +1110,5 @@ class _Reader:
             self._end += k
             return
 
-
-def _no_op() -> None:
-    pass
 
 

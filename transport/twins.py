@@ -24,7 +24,9 @@ TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
     "transport._plan": ("transport._plan_py", ("count_runs", "naive_plan", "plan")),
     "transport._tcp_fast": ("transport._tcp_fast_py", ("FRAME_SIZE", "ACK_SIZE", "FRAME_ZERO_LENGTH", "FRAME_LOCAL_OUTSIDE",
                                                     "LAND_OUTSIDE_REGIONS", "LAND_NEEDS_GRANT", "LAND_GRANT_NOT_LIVE",
-                                                    "LAND_GRANT_OTHER_SOURCE", "frame", "check_frame", "parse_acks")),
+                                                    "LAND_GRANT_OTHER_SOURCE", "SERVE_REFUSED", "SERVE_CLOSED",
+                                                    "SERVE_BROKEN", "SERVE_STALLED", "SERVE_STOPPED", "frame",
+                                                    "parse_acks", "Sink", "SinkConn")),
 }
 
 
