@@ -44,6 +44,18 @@ __all__ = [
     "SERVE_STOPPED",
     "Sink",
     "SinkConn",
+    "ACKS_BAD",
+    "ACKS_CLOSED",
+    "ACKS_GOT",
+    "ACKS_ORDER",
+    "ACKS_TICK",
+    "Completions",
+    "MAX_MSG",
+    "POST_FAILED",
+    "POST_FULL",
+    "POST_SENT",
+    "POST_WAKE",
+    "Source",
     "frame",
     "parse_acks",
 ]
@@ -51,10 +63,16 @@ __all__ = [
 FRAME_SIZE = 24
 ACK_SIZE = 20
 
-FRAME_OK = 0
-FRAME_ZERO_LENGTH = 1
-FRAME_LOCAL_OUTSIDE = 2
-FRAME_REMOTE_OUTSIDE = 3
+cdef enum:  # a batch's checks at the source (the Python names below are these)
+    _FRAME_OK = 0
+    _FRAME_ZERO_LENGTH = 1
+    _FRAME_LOCAL_OUTSIDE = 2
+    _FRAME_REMOTE_OUTSIDE = 3
+
+FRAME_OK = _FRAME_OK
+FRAME_ZERO_LENGTH = _FRAME_ZERO_LENGTH
+FRAME_LOCAL_OUTSIDE = _FRAME_LOCAL_OUTSIDE
+FRAME_REMOTE_OUTSIDE = _FRAME_REMOTE_OUTSIDE
 
 cdef enum:  # the sink's refusals (the Python names below are these)
     _LAND_OK = 0
@@ -131,18 +149,38 @@ cdef inline Py_ssize_t _find(const uint64_t* starts, const uint64_t* lengths, Py
     return lo - 1
 
 
+cdef int _check_batch(const uint64_t* w, Py_ssize_t n, const uint64_t* ls, const uint64_t* ll, Py_ssize_t nl,
+                      const uint64_t* rs, const uint64_t* rl, Py_ssize_t nr, Py_ssize_t* index) noexcept nogil:
+    """``FRAME_OK``, or the ``FRAME_*`` code of the first failing write (its index in ``index``): a zero
+    length anywhere first; then, write by write, the local range, then the remote one."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if w[3 * i + 2] == 0:
+            index[0] = i
+            return _FRAME_ZERO_LENGTH
+    for i in range(n):
+        if _find(ls, ll, nl, w[3 * i], w[3 * i + 2]) < 0:
+            index[0] = i
+            return _FRAME_LOCAL_OUTSIDE
+        if _find(rs, rl, nr, w[3 * i + 1], w[3 * i + 2]) < 0:
+            index[0] = i
+            return _FRAME_REMOTE_OUTSIDE
+    return _FRAME_OK
+
+
 def frame(cnp.ndarray batch not None, uint64_t grant, cnp.ndarray loc_starts not None,
           cnp.ndarray loc_lengths not None, list loc_views not None,
           cnp.ndarray rem_starts not None, cnp.ndarray rem_lengths not None):
     """Check a batch (a C-contiguous ``(n, 3)`` ``uint64`` array) and build what goes on the wire:
-    ``(0, 0, [head, view, ...])`` or ``(FRAME_* code, index of the first failing write, None)``."""
+    ``(0, 0, [head, view, ...])`` or ``(FRAME_* code, index of the first failing write, None)``.
+    ``Source.post`` runs the same checks and builds the same head."""
     cdef const uint64_t* w = NULL
     cdef const uint64_t* ls = NULL
     cdef const uint64_t* ll = NULL
     cdef const uint64_t* rs = NULL
     cdef const uint64_t* rl = NULL
-    cdef Py_ssize_t n = 0, nl = 0, nl2 = 0, nr = 0, nr2 = 0, i, j, off
-    cdef uint64_t la, ra, length
+    cdef Py_ssize_t n = 0, nl = 0, nl2 = 0, nr = 0, nr2 = 0, i, j, off, index = 0
+    cdef int code
     _array(batch, cnp.NPY_UINT64, 2, <const void**>&w, &n)
     _array(loc_starts, cnp.NPY_UINT64, 1, <const void**>&ls, &nl)
     _array(loc_lengths, cnp.NPY_UINT64, 1, <const void**>&ll, &nl2)
@@ -150,9 +188,9 @@ def frame(cnp.ndarray batch not None, uint64_t grant, cnp.ndarray loc_starts not
     _array(rem_lengths, cnp.NPY_UINT64, 1, <const void**>&rl, &nr2)
     if nl2 != nl or nr2 != nr or len(loc_views) != nl:
         raise ValueError("region starts, lengths and views differ in length")
-    for i in range(n):
-        if w[3 * i + 2] == 0:
-            return FRAME_ZERO_LENGTH, i, None
+    code = _check_batch(w, n, ls, ll, nl, rs, rl, nr, &index)
+    if code:
+        return code, index, None
     head = PyByteArray_FromStringAndSize(NULL, _HEAD + _PAIR * n)
     cdef unsigned char* h = <unsigned char*>PyByteArray_AS_STRING(head)
     _put64(h, 0)
@@ -160,18 +198,11 @@ def frame(cnp.ndarray batch not None, uint64_t grant, cnp.ndarray loc_starts not
     _put64(h + 16, grant)
     bufs = [memoryview(head)]
     for i in range(n):
-        la = w[3 * i]
-        ra = w[3 * i + 1]
-        length = w[3 * i + 2]
-        j = _find(ls, ll, nl, la, length)
-        if j < 0:
-            return FRAME_LOCAL_OUTSIDE, i, None
-        if _find(rs, rl, nr, ra, length) < 0:
-            return FRAME_REMOTE_OUTSIDE, i, None
-        _put64(h + _HEAD + _PAIR * i, ra)
-        _put64(h + _HEAD + _PAIR * i + 8, length)
-        off = <Py_ssize_t>(la - ls[j])
-        bufs.append(loc_views[j][off : off + <Py_ssize_t>length])
+        _put64(h + _HEAD + _PAIR * i, w[3 * i + 1])
+        _put64(h + _HEAD + _PAIR * i + 8, w[3 * i + 2])
+        j = _find(ls, ll, nl, w[3 * i], w[3 * i + 2])
+        off = <Py_ssize_t>(w[3 * i] - ls[j])
+        bufs.append(loc_views[j][off : off + <Py_ssize_t>w[3 * i + 2]])
     return FRAME_OK, 0, bufs
 
 
@@ -631,6 +662,7 @@ cdef enum:
     _ACK_GATHER = 16  # acks gathered at most under load
     _DISCARD = 65536
     _TICKED = -1  # a blocking call waited one kernel timeout (not a SERVE_* result)
+    _GONE = -3  # the peer failed while a send was under way
 cdef uint64_t _ACK_GATHER_BYTES = 1 << 20
 
 
@@ -1047,3 +1079,483 @@ cdef int _read_some(SinkConn s, size_t want) noexcept nogil:
         s.hlen += <size_t>k
         last = _now()
     return 0
+
+
+# -------------------------------------------------------------------------------------- the source
+
+cdef enum:
+    _POST_SENT = 0  # posted: on the wire, or queued behind a send in progress that will take it
+    _POST_WAKE = 4  # posted: the sender thread must send the rest (the socket was full)
+    _POST_FULL = 5  # not posted: max_inflight batches in flight
+    _POST_FAILED = 6  # not posted: the peer failed or was disconnected
+    _ACKS_GOT = 0
+    _ACKS_TICK = 1  # the read waited one kernel timeout
+    _ACKS_CLOSED = 2  # the peer closed the connection, or it broke (errno in ``err``)
+    _ACKS_BAD = 3  # an ack's message is longer than the bound (its length in the result)
+    _ACKS_ORDER = 4  # an ack for another batch than the oldest in flight (its seq in the result)
+    _SEND_GATHER = 2048  # iovecs of queued frames taken for one send at most (sent _IOV_CHUNK at a time)
+    _ACK_BUF = 65536
+    _MAX_MSG = 4096
+
+POST_SENT = _POST_SENT
+POST_WAKE = _POST_WAKE
+POST_FULL = _POST_FULL
+POST_FAILED = _POST_FAILED
+ACKS_GOT = _ACKS_GOT
+ACKS_TICK = _ACKS_TICK
+ACKS_CLOSED = _ACKS_CLOSED
+ACKS_BAD = _ACKS_BAD
+ACKS_ORDER = _ACKS_ORDER
+MAX_MSG = _MAX_MSG
+
+
+cdef class _Frame:
+    """One posted batch: its head and payload as iovecs (``iov[0]`` the header and descriptors, then
+    each write's local range), its place in line, and how it completes."""
+
+    cdef _Frame next
+    cdef uint64_t seq
+    cdef object batch_id
+    cdef object on_done
+    cdef object keep  # the local regions' views: the memory the iovecs point into stays alive
+    cdef iovec* iov
+    cdef Py_ssize_t niov
+    cdef size_t nbytes
+
+    def __dealloc__(self):
+        free(self.iov)
+
+
+cdef class Completions:
+    """The completions of batches written without ``on_done``, oldest first, across a transport's
+    peers. A batch keeps its in-flight slot until ``take`` hands its completion out (the queue stays
+    bounded by the slots). ``make(batch_id, error)`` builds what ``take`` returns."""
+
+    cdef object items
+    cdef object sources
+    cdef object make
+    cdef public int waiters  # threads waiting in the transport's completions(): notify them on a push
+
+    def __cinit__(self, make not None):
+        from collections import deque
+        self.items = deque()
+        self.sources = deque()
+        self.make = make
+
+    def __len__(self):
+        return len(self.items)
+
+    cdef void _push(self, batch_id, error, Source src) except *:
+        self.items.append(self.make(batch_id, error))
+        self.sources.append(src)
+
+    def take(self, Py_ssize_t max_items):
+        """Up to ``max_items`` completions, oldest first; their slots go back to their peers (whose
+        ``on_slot`` runs when a writer waits for one)."""
+        cdef list out = []
+        cdef Source src
+        cdef Source woken = None
+        items, sources = self.items, self.sources
+        while items and len(out) < max_items:
+            out.append(items.popleft())
+            src = <Source>sources.popleft()
+            src.slots -= 1
+            if src.waiters and src is not woken:
+                if woken is not None:
+                    woken.on_slot()
+                woken = src
+        if woken is not None:
+            woken.on_slot()
+        return out
+
+
+cdef class Source:
+    """One connected peer's batches, from ``post`` to their completion: their seq, the in-flight
+    slots, the frames not yet sent and those awaiting acks, and the ack stream. State changes with
+    the GIL held (each method is atomic to other Python threads); the syscalls (``sendmsg`` of
+    heads and payloads straight from registered memory, ``recv`` of acks) run without it, on
+    buffers only the caller owns while it does: the frames a send is using stay referenced by it.
+
+    Threads: any writer (``post``; the first that finds nobody sending sends its frame itself,
+    without waiting, and any queued behind it), one sender thread (``send_blocking``: what a full
+    socket left over) and one ack reader (``read_acks``, ``complete``)."""
+
+    cdef object sock
+    cdef object ack_sock
+    cdef int fd
+    cdef int ack_fd
+    cdef int max_inflight
+    cdef public int slots  # batches posted and not yet completed (queue mode: not yet taken)
+    cdef public int waiters  # writers waiting for a slot: notify them (on_slot) when one frees
+    cdef public object on_slot
+    cdef public Py_ssize_t index  # the failing write of the last post refused with a FRAME_* code
+    cdef public int err  # errno of the last ACKS_CLOSED
+    cdef uint64_t seq
+    cdef _Frame unsent  # posted, not yet taken by a send: oldest first
+    cdef _Frame unsent_last
+    cdef _Frame flight  # taken by a send (sent, or being sent): oldest first, acked in this order
+    cdef _Frame flight_last
+    cdef bint sending  # a thread is sending (a writer, or the sender thread)
+    cdef list out  # the frames of the send in progress (or its remainder), from out_i, out_off bytes in
+    cdef Py_ssize_t out_i
+    cdef size_t out_off
+    cdef bint failed
+    cdef bint closing
+    cdef public double last_progress  # time.monotonic() of the last byte sent or ack taken
+    cdef double last_byte  # ... of the last ack byte received
+    cdef iovec siov[_IOV_CHUNK]
+    cdef unsigned char* abuf
+    cdef size_t astart
+    cdef size_t aend
+    cdef object refused
+
+    def __cinit__(self, sock not None, ack_sock not None, int max_inflight, refused not None):
+        self.sock, self.ack_sock = sock, ack_sock
+        self.fd, self.ack_fd = sock.fileno(), ack_sock.fileno()
+        self.max_inflight = max_inflight
+        self.refused = refused
+        self.on_slot = None
+        self.abuf = <unsigned char*>malloc(_ACK_BUF)
+        if self.abuf == NULL:
+            raise MemoryError()
+        self.last_progress = self.last_byte = _now()
+
+    def __dealloc__(self):
+        free(self.abuf)
+
+    @property
+    def in_flight(self):
+        """Batches posted and not completed (queued, being sent, or awaiting their ack)."""
+        cdef int n = 0
+        cdef _Frame f = self.flight
+        while f is not None:
+            n += 1
+            f = f.next
+        f = self.unsent
+        while f is not None:
+            n += 1
+            f = f.next
+        return n
+
+    @property
+    def failed(self):
+        return self.failed
+
+    def has_work(self):
+        """The sender thread's cue: nobody is sending, and something is left to send."""
+        return not self.sending and (self.out is not None or self.unsent is not None)
+
+    def post(self, cnp.ndarray batch not None, uint64_t grant, on_done, batch_id,
+             cnp.ndarray loc_starts not None, cnp.ndarray loc_lengths not None, list loc_views not None,
+             cnp.ndarray rem_starts not None, cnp.ndarray rem_lengths not None):
+        """Check a batch (``frame``'s checks and codes; the failing write's index in ``index``), take a
+        slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread),
+        ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends
+        it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``, without the GIL."""
+        cdef const uint64_t* w = NULL
+        cdef const uint64_t* ls = NULL
+        cdef const uint64_t* ll = NULL
+        cdef const uint64_t* rs = NULL
+        cdef const uint64_t* rl = NULL
+        cdef Py_ssize_t n = 0, nl = 0, nl2 = 0, nr = 0, nr2 = 0, i, index = 0
+        cdef int code
+        _array(batch, cnp.NPY_UINT64, 2, <const void**>&w, &n)
+        _array(loc_starts, cnp.NPY_UINT64, 1, <const void**>&ls, &nl)
+        _array(loc_lengths, cnp.NPY_UINT64, 1, <const void**>&ll, &nl2)
+        _array(rem_starts, cnp.NPY_UINT64, 1, <const void**>&rs, &nr)
+        _array(rem_lengths, cnp.NPY_UINT64, 1, <const void**>&rl, &nr2)
+        if nl2 != nl or nr2 != nr or len(loc_views) != nl:
+            raise ValueError("region starts, lengths and views differ in length")
+        code = _check_batch(w, n, ls, ll, nl, rs, rl, nr, &index)
+        if code:
+            self.index = index
+            return code
+        if self.failed:
+            return _POST_FAILED
+        if self.slots >= self.max_inflight:
+            return _POST_FULL
+        cdef _Frame f = _Frame.__new__(_Frame)
+        cdef size_t heads = _HEAD + _PAIR * <size_t>n
+        f.iov = <iovec*>malloc(<size_t>(n + 1) * sizeof(iovec) + heads)
+        if f.iov == NULL:
+            raise MemoryError()
+        cdef unsigned char* h = <unsigned char*>(f.iov + n + 1)
+        self.seq += 1
+        _put64(h, self.seq)
+        _put64(h + 8, <uint64_t>n)  # count u32, then the 0 u32
+        _put64(h + 16, grant)
+        f.iov[0].iov_base = h
+        f.iov[0].iov_len = heads
+        f.nbytes = heads
+        for i in range(n):
+            _put64(h + _HEAD + _PAIR * i, w[3 * i + 1])
+            _put64(h + _HEAD + _PAIR * i + 8, w[3 * i + 2])
+            f.iov[i + 1].iov_base = <void*><size_t>w[3 * i]
+            f.iov[i + 1].iov_len = <size_t>w[3 * i + 2]
+            f.nbytes += <size_t>w[3 * i + 2]
+        f.niov = n + 1
+        f.seq = self.seq
+        f.batch_id = batch_id
+        f.on_done = on_done
+        f.keep = loc_views
+        self.slots += 1
+        if self.flight is None and self.unsent is None:
+            self.last_progress = _now()
+        if self.unsent_last is None:
+            self.unsent = f
+        else:
+            self.unsent_last.next = f
+        self.unsent_last = f
+        if self.sending or self.out is not None:
+            return _POST_SENT  # the thread sending takes it next (the sender thread is awake for a remainder)
+        self.sending = True
+        code = self._pump(MSG_DONTWAIT | MSG_NOSIGNAL)
+        self._sent()
+        if code == 0 or self.failed:
+            return _POST_SENT  # (a batch of a peer that failed meanwhile completed with the failure)
+        return _POST_WAKE  # the socket is full (or broke: the sender thread meets the error too)
+
+    cdef void _sent(self) noexcept:
+        """A send returned: ``sending`` off; a failure or a close that came meanwhile takes effect now."""
+        self.sending = False
+        if self.failed:
+            self.out = None
+        if self.closing:
+            self._close()
+
+    cdef void _close(self) noexcept:
+        try:
+            self.sock.close()
+            self.ack_sock.close()
+        except BaseException:
+            pass
+        self.fd = self.ack_fd = -1
+
+    def close(self):
+        """Fail the peer (see ``fail``; call that first to complete its batches) and close its sockets, at
+        once or, if a writer is sending, as its send returns: a descriptor is never closed (and maybe
+        reused) under a send. Call after the sender and ack threads ended."""
+        self.failed = True
+        self.closing = True
+        if not self.sending:
+            self._close()
+
+    cdef int _take(self) except -1:
+        """Move queued frames (up to ``_SEND_GATHER`` iovecs) in line for acks, as the next send's ``out``."""
+        cdef list out = []
+        cdef Py_ssize_t niov = 0
+        cdef _Frame f
+        while self.unsent is not None and (not out or niov + self.unsent.niov <= _SEND_GATHER):
+            f = self.unsent
+            self.unsent = f.next
+            if self.unsent is None:
+                self.unsent_last = None
+            f.next = None
+            if self.flight_last is None:
+                self.flight = f
+            else:
+                self.flight_last.next = f
+            self.flight_last = f
+            out.append(f)
+            niov += f.niov
+        self.out, self.out_i, self.out_off = out, 0, 0
+        return 0
+
+    cdef int _pump(self, int flags) except -2:
+        """Send ``out`` and then every queued frame: 0 once all went out, ``_TICKED`` when the socket
+        took no more (``MSG_DONTWAIT``, or a kernel timeout), ``_GONE`` if the peer failed meanwhile,
+        else the errno. Holds ``sending``."""
+        cdef Py_ssize_t n, i
+        cdef size_t off, rest
+        cdef ssize_t k
+        cdef _Frame f
+        cdef msghdr msg
+        cdef int e
+        cdef bint whole
+        memset(&msg, 0, sizeof(msg))
+        msg.msg_iov = self.siov
+        while True:
+            if self.failed:
+                return _GONE
+            if self.out is None:
+                if self.unsent is None:
+                    return 0
+                self._take()
+            # the iovecs from out_i, out_off bytes in: up to _IOV_CHUNK of them
+            n = 0
+            i = self.out_i
+            off = self.out_off
+            while i < len(self.out) and n < _IOV_CHUNK:
+                n += _fill(self.siov + n, _IOV_CHUNK - n, <_Frame>self.out[i], off, &whole)
+                if not whole:
+                    break
+                i += 1
+                off = 0
+            msg.msg_iovlen = <size_t>n
+            with nogil:
+                k = sendmsg(self.fd, &msg, flags)
+                e = errno
+            if k < 0:
+                if e == EINTR:
+                    continue
+                if e == EAGAIN:
+                    return _TICKED
+                return e
+            if k > 0:
+                self.last_progress = _now()
+            rest = <size_t>k
+            while rest and self.out is not None:
+                f = <_Frame>self.out[self.out_i]
+                if rest >= f.nbytes - self.out_off:
+                    rest -= f.nbytes - self.out_off
+                    self.out_i += 1
+                    self.out_off = 0
+                    if self.out_i == len(self.out):
+                        self.out = None
+                else:
+                    self.out_off += rest
+                    rest = 0
+
+    def send_blocking(self):
+        """The sender thread's turn: send the remainder and every queued frame, blocking in ticks of the
+        socket's kernel timeout. 0 once all went out, -1 if the peer failed meanwhile, else the errno of
+        a send that broke. ``has_work()`` said so first: nobody else is sending."""
+        cdef int r
+        if self.sending:
+            raise RuntimeError("send_blocking() while another thread sends")
+        self.sending = True
+        try:
+            while True:
+                r = self._pump(MSG_NOSIGNAL)
+                if r != _TICKED:
+                    break
+        finally:
+            self._sent()
+        return -1 if r == _GONE else r
+
+    def read_acks(self):
+        """Receive ack bytes (blocking, without the GIL, up to one kernel timeout): ``ACKS_GOT``,
+        ``ACKS_TICK``, or ``ACKS_CLOSED`` (errno in ``err``, 0 for an orderly close)."""
+        cdef ssize_t k
+        cdef int e
+        cdef size_t rest
+        if self.astart == self.aend:
+            self.astart = self.aend = 0
+        elif _ACK_BUF - self.aend < _ACK + _MAX_MSG:
+            rest = self.aend - self.astart
+            memmove(self.abuf, self.abuf + self.astart, rest)
+            self.astart, self.aend = 0, rest
+        while True:
+            with nogil:
+                k = recv(self.ack_fd, self.abuf + self.aend, _ACK_BUF - self.aend, 0)
+                e = errno
+            if k > 0:
+                self.aend += <size_t>k
+                self.last_byte = _now()
+                return _ACKS_GOT
+            if k == 0:
+                self.err = 0
+                return _ACKS_CLOSED
+            if e == EINTR:
+                continue
+            if e == EAGAIN:
+                return _ACKS_TICK
+            self.err = e
+            return _ACKS_CLOSED
+
+    def idle(self, double stall):
+        """On a tick of the ack reader: 0, or 1 if part of an ack came and nothing more for ``stall``
+        seconds, or 2 if batches are in flight and nothing progressed for ``stall`` seconds."""
+        cdef double now = _now()
+        if self.astart != self.aend:
+            return 1 if now - self.last_byte >= stall else 0
+        if (self.flight is not None or self.unsent is not None) and now - self.last_progress > stall:
+            return 2
+        return 0
+
+    def complete(self, Completions queue not None):
+        """Match every whole ack received against the frames in flight, oldest first, and complete
+        them: a batch without ``on_done`` goes to ``queue`` (keeping its slot), one with it gives its
+        slot back and is returned for the caller to call. Returns ``(ACKS_GOT, callbacks, 0)`` with
+        ``callbacks`` a list of ``(on_done, batch_id, error)`` (None if none), or ``ACKS_BAD`` /
+        ``ACKS_ORDER`` and the message length / seq of the ack that broke the stream (the acks before
+        it completed)."""
+        cdef uint64_t seq
+        cdef uint32_t status, n
+        cdef int32_t err
+        cdef const unsigned char* b = self.abuf
+        cdef _Frame f
+        cdef list callbacks = None
+        while self.aend - self.astart >= _ACK and not self.failed:
+            seq = _get64(b + self.astart)
+            status = _get32(b + self.astart + 8)
+            err = <int32_t>_get32(b + self.astart + 12)
+            n = _get32(b + self.astart + 16)
+            if n > _MAX_MSG:
+                return _ACKS_BAD, callbacks, n
+            if self.aend - self.astart < _ACK + n:
+                break
+            f = self.flight
+            if f is None or f.seq != seq:
+                return _ACKS_ORDER, callbacks, seq
+            # out of line before any Python runs (a thread switch there sees it completed)
+            self.flight = f.next
+            if self.flight is None:
+                self.flight_last = None
+            f.next = None
+            message = PyBytes_FromStringAndSize(<const char*>(b + self.astart + _ACK), n) if status else None
+            self.astart += _ACK + n
+            self.last_progress = _now()
+            error = None if not status else self.refused(status, err, message)
+            if f.on_done is None:
+                queue._push(f.batch_id, error, self)
+            else:
+                self.slots -= 1
+                if callbacks is None:
+                    callbacks = []
+                callbacks.append((f.on_done, f.batch_id, error))
+        return _ACKS_GOT, callbacks, 0
+
+    def fail(self, Completions queue not None, error):
+        """The peer failed: no more posts; every batch in flight completes with ``error``, oldest
+        first (as ``complete`` does: queued, or returned for the caller to call). Idempotent: a second
+        call finds nothing left."""
+        cdef list callbacks = []
+        cdef _Frame f, nxt
+        cdef _Frame chain = self.flight
+        self.failed = True
+        if not self.sending:
+            self.out = None  # a sender holds it until its send returns
+        # detached before any Python runs (a thread switch there finds nothing in flight)
+        if chain is None:
+            chain = self.unsent
+        elif self.unsent is not None:
+            self.flight_last.next = self.unsent
+        self.flight = self.flight_last = self.unsent = self.unsent_last = None
+        f = chain
+        while f is not None:
+            nxt, f.next = f.next, None
+            if f.on_done is None:
+                queue._push(f.batch_id, error, self)
+            else:
+                self.slots -= 1
+                callbacks.append((f.on_done, f.batch_id, error))
+            f = nxt
+        return callbacks
+
+
+cdef Py_ssize_t _fill(iovec* iov, Py_ssize_t room, _Frame f, size_t off, bint* whole) noexcept:
+    """Copy ``f``'s iovecs from byte ``off`` on into ``iov`` (at most ``room``): how many; ``whole``:
+    all of the rest of ``f``."""
+    cdef Py_ssize_t k = 0, n = 0
+    while k < f.niov and off >= f.iov[k].iov_len:
+        off -= f.iov[k].iov_len
+        k += 1
+    while k < f.niov and n < room:
+        iov[n].iov_base = <unsigned char*>f.iov[k].iov_base + off
+        iov[n].iov_len = f.iov[k].iov_len - off
+        off = 0
+        n += 1
+        k += 1
+    whole[0] = k == f.niov
+    return n

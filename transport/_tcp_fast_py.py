@@ -33,6 +33,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,18 @@ __all__ = [
     "SERVE_STOPPED",
     "Sink",
     "SinkConn",
+    "ACKS_BAD",
+    "ACKS_CLOSED",
+    "ACKS_GOT",
+    "ACKS_ORDER",
+    "ACKS_TICK",
+    "Completions",
+    "MAX_MSG",
+    "POST_FAILED",
+    "POST_FULL",
+    "POST_SENT",
+    "POST_WAKE",
+    "Source",
     "frame",
     "parse_acks",
 ]
@@ -603,3 +616,376 @@ class SinkConn:
             if got:  # past the payload: the next frame's first bytes
                 self._hb += tail[:got]
         return total
+
+
+# -------------------------------------------------------------------------------------- the source
+
+POST_SENT = 0  # posted: on the wire, or queued behind a send in progress that will take it
+POST_WAKE = 4  # posted: the sender thread must send the rest (the socket was full)
+POST_FULL = 5  # not posted: max_inflight batches in flight
+POST_FAILED = 6  # not posted: the peer failed or was disconnected
+ACKS_GOT = 0
+ACKS_TICK = 1  # the read waited one kernel timeout
+ACKS_CLOSED = 2  # the peer closed the connection, or it broke (errno in ``err``)
+ACKS_BAD = 3  # an ack's message is longer than the bound (its length in the result)
+ACKS_ORDER = 4  # an ack for another batch than the oldest in flight (its seq in the result)
+MAX_MSG = 4096  # the longest ack message a source accepts
+
+_SEND_GATHER = 2048  # buffers of queued frames taken for one send at most (sent _IOV_CHUNK at a time)
+_ACK_BUF = 65536
+_TICKED = -1  # a send waited one kernel timeout (or would block)
+_GONE = -3  # the peer failed while a send was under way
+
+
+class _Frame:
+    """One posted batch: its head and payload as buffers (the header and descriptors, then each
+    write's local range), its place in line, and how it completes."""
+
+    __slots__ = ("next", "seq", "batch_id", "on_done", "bufs", "nbytes")
+
+    def __init__(self, seq: int, batch_id: Any, on_done: Any, bufs: list[Any]) -> None:
+        self.next: _Frame | None = None
+        self.seq, self.batch_id, self.on_done, self.bufs = seq, batch_id, on_done, bufs
+        self.nbytes = sum(len(b) for b in bufs)
+
+
+class Completions:
+    """The completions of batches written without ``on_done``, oldest first, across a transport's
+    peers. A batch keeps its in-flight slot until ``take`` hands its completion out (the queue stays
+    bounded by the slots). ``make(batch_id, error)`` builds what ``take`` returns."""
+
+    def __init__(self, make: Any) -> None:
+        if make is None:
+            raise TypeError("make must be a callable, got None")
+        self._items: deque[Any] = deque()
+        self._sources: deque[Source] = deque()
+        self._make = make
+        self.waiters = 0  # threads waiting in the transport's completions(): notify them on a push
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _push(self, batch_id: Any, error: Any, src: Source) -> None:
+        self._items.append(self._make(batch_id, error))
+        self._sources.append(src)
+
+    def take(self, max_items: int) -> list[Any]:
+        """Up to ``max_items`` completions, oldest first; their slots go back to their peers (whose
+        ``on_slot`` runs when a writer waits for one)."""
+        if not isinstance(max_items, int):
+            raise TypeError(f"max_items must be an integer, got {type(max_items).__name__}")
+        out: list[Any] = []
+        woken: Source | None = None
+        while self._items and len(out) < max_items:
+            out.append(self._items.popleft())
+            src = self._sources.popleft()
+            src.slots -= 1
+            if src.waiters and src is not woken:
+                if woken is not None:
+                    woken.on_slot()
+                woken = src
+        if woken is not None:
+            woken.on_slot()
+        return out
+
+
+class Source:
+    """One connected peer's batches, from ``post`` to their completion: their seq, the in-flight
+    slots, the frames not yet sent and those awaiting acks, and the ack stream. State changes with
+    the GIL held (each method is atomic to other Python threads where the compiled twin's is: no
+    state is left half-changed when it calls out); the syscalls (``sendmsg`` of heads and payloads
+    straight from registered memory, ``recv`` of acks) work on buffers only the caller owns while it
+    does: the frames a send is using stay referenced by it.
+
+    Threads: any writer (``post``; the first that finds nobody sending sends its frame itself,
+    without waiting, and any queued behind it), one sender thread (``send_blocking``: what a full
+    socket left over) and one ack reader (``read_acks``, ``complete``)."""
+
+    def __init__(self, sock: Any, ack_sock: Any, max_inflight: int, refused: Any) -> None:
+        if sock is None or ack_sock is None or refused is None:
+            raise TypeError("sock, ack_sock and refused must not be None")
+        if not isinstance(max_inflight, int):
+            raise TypeError(f"max_inflight must be an integer, got {type(max_inflight).__name__}")
+        self._sock, self._ack_sock = sock, ack_sock
+        sock.fileno(), ack_sock.fileno()
+        self._max_inflight = max_inflight
+        self._refused = refused
+        self.slots = 0  # batches posted and not yet completed (queue mode: not yet taken)
+        self.waiters = 0  # writers waiting for a slot: notify them (on_slot) when one frees
+        self.on_slot: Any = None
+        self.index = 0  # the failing write of the last post refused with a FRAME_* code
+        self.err = 0  # errno of the last ACKS_CLOSED
+        self._seq = 0
+        self._unsent: _Frame | None = None  # posted, not yet taken by a send: oldest first
+        self._unsent_last: _Frame | None = None
+        self._flight: _Frame | None = None  # taken by a send (sent, or being sent): oldest first, acked in this order
+        self._flight_last: _Frame | None = None
+        self._sending = False  # a thread is sending (a writer, or the sender thread)
+        self._out: list[_Frame] | None = None  # the frames of the send in progress (or its remainder)
+        self._out_i = 0
+        self._out_off = 0
+        self._failed = False
+        self._closing = False
+        self.last_progress = time.monotonic()  # the last byte sent or ack taken
+        self._last_byte = self.last_progress  # the last ack byte received
+        self._abuf = bytearray(_ACK_BUF)
+        self._aview = memoryview(self._abuf)
+        self._astart = self._aend = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Batches posted and not completed (queued, being sent, or awaiting their ack)."""
+        n = 0
+        for f in (self._flight, self._unsent):
+            while f is not None:
+                n += 1
+                f = f.next
+        return n
+
+    @property
+    def failed(self) -> bool:
+        return self._failed
+
+    def has_work(self) -> bool:
+        """The sender thread's cue: nobody is sending, and something is left to send."""
+        return not self._sending and (self._out is not None or self._unsent is not None)
+
+    def post(self, batch: np.ndarray, grant: int, on_done: Any, batch_id: Any, loc_starts: np.ndarray,
+             loc_lengths: np.ndarray, loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray) -> int:
+        """Check a batch (``frame``'s checks and codes; the failing write's index in ``index``), take a
+        slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread),
+        ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends
+        it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``."""
+        code, index, bufs = frame(batch, _u64(grant, "grant"), loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths)
+        if bufs is None:
+            self.index = index
+            return code
+        if self._failed:
+            return POST_FAILED
+        if self.slots >= self._max_inflight:
+            return POST_FULL
+        self._seq += 1
+        _HEAD.pack_into(bufs[0], 0, self._seq, len(bufs) - 1, 0, grant)
+        f = _Frame(self._seq, batch_id, on_done, bufs)
+        self.slots += 1
+        if self._flight is None and self._unsent is None:
+            self.last_progress = time.monotonic()
+        if self._unsent_last is None:
+            self._unsent = f
+        else:
+            self._unsent_last.next = f
+        self._unsent_last = f
+        if self._sending or self._out is not None:
+            return POST_SENT  # the thread sending takes it next (the sender thread is awake for a remainder)
+        self._sending = True
+        code = self._pump(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        self._sent()
+        if code == 0 or self._failed:
+            return POST_SENT  # (a batch of a peer that failed meanwhile completed with the failure)
+        return POST_WAKE  # the socket is full (or broke: the sender thread meets the error too)
+
+    def _sent(self) -> None:
+        """A send returned: ``sending`` off; a failure or a close that came meanwhile takes effect now."""
+        self._sending = False
+        if self._failed:
+            self._out = None
+        if self._closing:
+            self._close()
+
+    def _close(self) -> None:
+        for s in (self._sock, self._ack_sock):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Fail the peer (see ``fail``; call that first to complete its batches) and close its sockets, at
+        once or, if a writer is sending, as its send returns: a descriptor is never closed (and maybe
+        reused) under a send. Call after the sender and ack threads ended."""
+        self._failed = True
+        self._closing = True
+        if not self._sending:
+            self._close()
+
+    def _take(self) -> None:
+        """Move queued frames (up to ``_SEND_GATHER`` buffers) in line for acks, as the next send's ``out``."""
+        out: list[_Frame] = []
+        nbufs = 0
+        while self._unsent is not None and (not out or nbufs + len(self._unsent.bufs) <= _SEND_GATHER):
+            f = self._unsent
+            self._unsent = f.next
+            if self._unsent is None:
+                self._unsent_last = None
+            f.next = None
+            if self._flight_last is None:
+                self._flight = f
+            else:
+                self._flight_last.next = f
+            self._flight_last = f
+            out.append(f)
+            nbufs += len(f.bufs)
+        self._out, self._out_i, self._out_off = out, 0, 0
+
+    def _pump(self, flags: int) -> int:
+        """Send ``out`` and then every queued frame: 0 once all went out, ``_TICKED`` when the socket
+        took no more (``MSG_DONTWAIT``, or a kernel timeout), ``_GONE`` if the peer failed meanwhile,
+        else the errno. Holds ``sending``."""
+        while True:
+            if self._failed:
+                return _GONE
+            if self._out is None:
+                if self._unsent is None:
+                    return 0
+                self._take()
+            out = self._out
+            assert out is not None
+            views: list[Any] = []
+            off = self._out_off
+            for f in out[self._out_i :]:
+                for b in f.bufs:
+                    if off >= len(b):
+                        off -= len(b)
+                        continue
+                    views.append(b[off:] if off else b)
+                    off = 0
+                    if len(views) == _IOV_CHUNK:
+                        break
+                if len(views) == _IOV_CHUNK:
+                    break
+            try:
+                k = self._sock.sendmsg(views, [], flags)
+            except _TICK:
+                return _TICKED
+            except OSError as e:
+                return e.errno or 0
+            if k > 0:
+                self.last_progress = time.monotonic()
+            while k and self._out is not None:
+                f = self._out[self._out_i]
+                if k >= f.nbytes - self._out_off:
+                    k -= f.nbytes - self._out_off
+                    self._out_i += 1
+                    self._out_off = 0
+                    if self._out_i == len(self._out):
+                        self._out = None
+                else:
+                    self._out_off += k
+                    k = 0
+
+    def send_blocking(self) -> int:
+        """The sender thread's turn: send the remainder and every queued frame, blocking in ticks of the
+        socket's kernel timeout. 0 once all went out, -1 if the peer failed meanwhile, else the errno of
+        a send that broke. ``has_work()`` said so first: nobody else is sending."""
+        if self._sending:
+            raise RuntimeError("send_blocking() while another thread sends")
+        self._sending = True
+        try:
+            while True:
+                r = self._pump(socket.MSG_NOSIGNAL)
+                if r != _TICKED:
+                    break
+        finally:
+            self._sent()
+        return -1 if r == _GONE else r
+
+    def read_acks(self) -> int:
+        """Receive ack bytes (blocking, up to one kernel timeout): ``ACKS_GOT``, ``ACKS_TICK``, or
+        ``ACKS_CLOSED`` (errno in ``err``, 0 for an orderly close)."""
+        if self._astart == self._aend:
+            self._astart = self._aend = 0
+        elif _ACK_BUF - self._aend < ACK_SIZE + MAX_MSG:
+            rest = self._aend - self._astart
+            self._abuf[:rest] = self._abuf[self._astart : self._aend]
+            self._astart, self._aend = 0, rest
+        try:
+            k = self._ack_sock.recv_into(self._aview[self._aend :])
+        except _TICK:
+            return ACKS_TICK
+        except OSError as e:
+            self.err = e.errno or 0
+            return ACKS_CLOSED
+        if k == 0:
+            self.err = 0
+            return ACKS_CLOSED
+        self._aend += k
+        self._last_byte = time.monotonic()
+        return ACKS_GOT
+
+    def idle(self, stall: float) -> int:
+        """On a tick of the ack reader: 0, or 1 if part of an ack came and nothing more for ``stall``
+        seconds, or 2 if batches are in flight and nothing progressed for ``stall`` seconds."""
+        stall = _seconds(stall)
+        now = time.monotonic()
+        if self._astart != self._aend:
+            return 1 if now - self._last_byte >= stall else 0
+        if (self._flight is not None or self._unsent is not None) and now - self.last_progress > stall:
+            return 2
+        return 0
+
+    def complete(self, queue: Completions) -> tuple[int, list[Any] | None, int]:
+        """Match every whole ack received against the frames in flight, oldest first, and complete
+        them: a batch without ``on_done`` goes to ``queue`` (keeping its slot), one with it gives its
+        slot back and is returned for the caller to call. Returns ``(ACKS_GOT, callbacks, 0)`` with
+        ``callbacks`` a list of ``(on_done, batch_id, error)`` (None if none), or ``ACKS_BAD`` /
+        ``ACKS_ORDER`` and the message length / seq of the ack that broke the stream (the acks before
+        it completed)."""
+        if not isinstance(queue, Completions):
+            raise TypeError(f"queue must be a Completions, got {type(queue).__name__}")
+        callbacks: list[Any] | None = None
+        while self._aend - self._astart >= ACK_SIZE and not self._failed:
+            seq, status, err, n = _ACK.unpack_from(self._abuf, self._astart)
+            if n > MAX_MSG:
+                return ACKS_BAD, callbacks, n
+            if self._aend - self._astart < ACK_SIZE + n:
+                break
+            f = self._flight
+            if f is None or f.seq != seq:
+                return ACKS_ORDER, callbacks, seq
+            # out of line before any other code runs (a thread switch there sees it completed)
+            self._flight = f.next
+            if self._flight is None:
+                self._flight_last = None
+            f.next = None
+            start = self._astart + ACK_SIZE
+            message = bytes(self._abuf[start : start + n]) if status else None
+            self._astart += ACK_SIZE + n
+            self.last_progress = time.monotonic()
+            error = None if not status else self._refused(status, err, message)
+            if f.on_done is None:
+                queue._push(f.batch_id, error, self)
+            else:
+                self.slots -= 1
+                if callbacks is None:
+                    callbacks = []
+                callbacks.append((f.on_done, f.batch_id, error))
+        return ACKS_GOT, callbacks, 0
+
+    def fail(self, queue: Completions, error: Any) -> list[Any]:
+        """The peer failed: no more posts; every batch in flight completes with ``error``, oldest
+        first (as ``complete`` does: queued, or returned for the caller to call). Idempotent: a second
+        call finds nothing left."""
+        if not isinstance(queue, Completions):
+            raise TypeError(f"queue must be a Completions, got {type(queue).__name__}")
+        callbacks: list[Any] = []
+        self._failed = True
+        if not self._sending:
+            self._out = None  # a sender holds it until its send returns
+        # detached before any other code runs (a thread switch there finds nothing in flight)
+        chain = self._flight
+        if chain is None:
+            chain = self._unsent
+        elif self._unsent is not None:
+            assert self._flight_last is not None
+            self._flight_last.next = self._unsent
+        self._flight = self._flight_last = self._unsent = self._unsent_last = None
+        f = chain
+        while f is not None:
+            nxt, f.next = f.next, None
+            if f.on_done is None:
+                queue._push(f.batch_id, error, self)
+            else:
+                self.slots -= 1
+                callbacks.append((f.on_done, f.batch_id, error))
+            f = nxt
+        return callbacks

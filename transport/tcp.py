@@ -113,7 +113,6 @@ from .base import (
     auth_failed,
     Batch,
     Completion,
-    CompletionQueue,
     Endpoint,
     Grant,
     HELLO_TIMEOUT,
@@ -131,14 +130,13 @@ from .base import (
     byte_view,
     check_secret,
     decode_endpoint,
-    deliver,
+    call_on_done,
     derive_key,
     encode_endpoint,
     new_instance_id,
-    take_slot,
 )
 from .deadline import Deadline
-from .errors import StartError, TransportError
+from .errors import CapacityError, StartError, TransportError
 from .tcp_hello import (
     AT_CAP,
     AUTH_FAILED,
@@ -185,18 +183,14 @@ log = logging.getLogger("transport.tcp")
 
 _MAX_HELLOS = 64
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
-_SEQ = struct.Struct("<Q")  # a frame's first field: written once the batch has its place in line
-_DESC_PAIR = struct.Struct("<QQ")
 _ACK = struct.Struct("<QIiI")
 assert _FRAME.size == _fast.FRAME_SIZE and _ACK.size == _fast.ACK_SIZE
 _U64 = np.dtype(np.uint64)
 _NO_RANGES = np.zeros(0, np.uint64)
 _NO_REGIONS: tuple[Any, ...] = (_NO_RANGES, _NO_RANGES, np.zeros(0, np.uint8), [], [])
-_SEND_FLAGS = int(socket.MSG_NOSIGNAL)  # plain ints: or-ing the enum members costs a microsecond a call
-_DIRECT_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-_MAX_MSG = 4096
-_IOV_CHUNK = 512  # below IOV_MAX (1024 on Linux)
-_SEND_GATHER = 4 * _IOV_CHUNK
+_MAX_MSG = _fast.MAX_MSG
+# Source.post's results, as plain module ints: write() compares one per batch
+_POSTED, _POSTED_WAKE, _FULL, _FAILED = _fast.POST_SENT, _fast.POST_WAKE, _fast.POST_FULL, _fast.POST_FAILED
 
 
 # Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO = one poll interval): a call
@@ -278,39 +272,8 @@ def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Ev
 
 
 
-def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], bool]) -> None:
-    """Send every buffer in order (gather writes, no copies). Mutates ``bufs``.
-
-    After each send or tick ``on_progress(sent)`` returns False to give up.
-    """
-    i, n = 0, len(bufs)
-    while i < n:
-        try:
-            sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], _SEND_FLAGS)
-        except _TICK:
-            sent = 0
-        if not on_progress(sent):
-            raise _PeerGone("gave up sending", None)
-        i = _advance(bufs, i, sent)
 
 
-def _advance(bufs: list[Any], i: int, sent: int) -> int:
-    """The index of the first view not wholly sent once ``sent`` more bytes left; trims that view in place.
-
-    Empty views are stepped over: ``sendmsg`` of only empty views sends 0 bytes,
-    so a sender waiting for them to go would spin forever (an empty batch's
-    descriptor list is one).
-    """
-    n = len(bufs)
-    while i < n and (sent or not len(bufs[i])):
-        v = bufs[i]
-        if sent >= len(v):
-            sent -= len(v)
-            i += 1
-        else:
-            bufs[i] = v[sent:]
-            sent = 0
-    return i
 
 
 def _tune(sock: socket.socket, peer_timeout: float) -> None:
@@ -333,39 +296,32 @@ class _Local:
     owner: Any
 
 
-@dataclass(slots=True)
-class _Pending:
-    batch_id: int
-    seq: int
-    bufs: list[Any]
-    on_done: OnDone | None
-
-
 @dataclass(eq=False, slots=True)
 class _TcpPeer(PeerHandle):
     sock: socket.socket | None = None
     ack_sock: socket.socket | None = None
-    # Two conditions on one mutex: ``lock`` wakes writers waiting for a slot (every completion
-    # notifies it), ``wake`` only the sender thread (work for it, or an error), so completions
-    # do not wake the sender for nothing: a thread hop per batch is what small batches cannot afford.
+    # Its batches from post to completion (seq, slots, frames to send and awaiting acks, the ack
+    # stream): _fast.Source, whose methods are each atomic to Python threads and send and receive
+    # without the GIL.
+    src: Any = None
+    # One mutex, two conditions: ``lock`` wakes writers waiting for a slot (notified only when one
+    # waits), ``wake`` only the sender thread (a full socket left it a remainder, or an error).
     mutex: threading.RLock = field(default_factory=threading.RLock)
     lock: threading.Condition = field(init=False)
     wake: threading.Condition = field(init=False)
-    deliver: threading.RLock = field(default_factory=threading.RLock)
-    unsent: deque[_Pending] = field(default_factory=deque)
-    unacked: deque[_Pending] = field(default_factory=deque)
-    slots: int = 0
-    seq: int = 0
-    sending: bool = False  # a thread is sending (the sender, or a writer on the fast path)
-    outbuf: list[Any] | None = None  # the unsent rest of a fast-path send
+    deliver: threading.RLock = field(default_factory=threading.RLock)  # one peer's completions, in order
     error: TransportError | None = None
-    last_progress: float = 0.0
     threads: list[threading.Thread] = field(default_factory=list)
     remote_ranges: tuple[np.ndarray, np.ndarray] = (_NO_RANGES, _NO_RANGES)  # the endpoint's regions: starts, lengths
 
     def __post_init__(self) -> None:
         self.lock = threading.Condition(self.mutex)
         self.wake = threading.Condition(self.mutex)
+
+    def slot_freed(self) -> None:
+        """A slot came back and a writer waits for one (``Source.on_slot``)."""
+        with self.lock:
+            self.lock.notify_all()
 
 
 def _ranges(regions: tuple[Region, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -438,7 +394,8 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
-        self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
+        self._done = _fast.Completions(Completion)  # bounded by the in-flight slots, which it holds
+        self._done_cond = threading.Condition()  # completions() waits on it (notified only when one waits)
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as e:
@@ -573,7 +530,8 @@ class TcpTransport(Transport):
             raise
         peer = _TcpPeer(next(self._peer_ids), remote, RegionTable(remote.regions), sock=sock, ack_sock=ack_sock)
         peer.remote_ranges = _ranges(remote.regions)
-        peer.last_progress = time.monotonic()
+        peer.src = _fast.Source(sock, ack_sock, self._max_inflight, _refused)
+        peer.src.on_slot = peer.slot_freed
         with self._lock:
             if self._closed:
                 sock.close()
@@ -645,9 +603,7 @@ class TcpTransport(Transport):
             owned = self._peers.pop(p.id, None) is p
         if owned:
             self._join(p.threads, deadline or Deadline.after(5.0))
-            for s in (p.sock, p.ack_sock):
-                if s is not None:
-                    s.close()
+            p.src.close()  # its sockets, once no writer is sending on them
 
     def write(
         self,
@@ -670,141 +626,132 @@ class TcpTransport(Transport):
             raise TransportError(f"a batch holds at most {self._max_batch_writes} writes, got {len(arr)}", op="write")
         snap = self._snap
         rem_starts, rem_lengths = p.remote_ranges
-        # one pass: every local and remote range checked, the head (header, descriptors) and the views built
-        code, i, bufs = _fast.frame(arr, grant, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
-        if bufs is None:
-            la, ra, n = (int(x) for x in arr[i])
+        batch_id = next(self._batch_ids)
+        src = p.src
+        while True:
+            # one pass: every local and remote range checked, a slot taken, the head (header with its
+            # seq, descriptors) built, and the frame sent from this thread if nobody is sending
+            code = src.post(arr, grant, on_done, batch_id, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
+            if code == _POSTED:
+                return batch_id
+            if code == _POSTED_WAKE:  # the socket is full: the sender thread sends the rest when it drains
+                with p.mutex:
+                    p.wake.notify()
+                return batch_id
+            if code == _FULL:
+                self._wait_slot(p, deadline)
+                continue
+            if code == _FAILED:
+                raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
+            la, ra, n = (int(x) for x in arr[src.index])
             if code == _fast.FRAME_ZERO_LENGTH:
                 raise TransportError("a write in the batch has length 0", op="write")
             if code == _fast.FRAME_LOCAL_OUTSIDE:
                 raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
             raise TransportError(f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write")
-        with p.lock:
-            if p.error is not None or p.closed:
-                raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
-            take_slot(p, self._max_inflight, deadline, _usable)
-            p.seq += 1
-            batch_id = next(self._batch_ids)
-            _SEQ.pack_into(bufs[0], 0, p.seq)
-            if not p.unsent and not p.unacked:
-                p.last_progress = time.monotonic()
-            p.unsent.append(_Pending(batch_id, p.seq, bufs, on_done))
-            direct = not p.sending and p.outbuf is None
-            if direct:  # nobody is sending: send from this thread, without waiting, what fits now
-                p.sending = True
-                out = _take(p)
-            else:
-                p.wake.notify()
-        if direct:
-            self._send_direct(p, out)
-        return batch_id
 
-    def _send_direct(self, p: _TcpPeer, bufs: list[Any]) -> None:
-        """The fast path: a non-blocking send from the caller's thread; the sender thread gets the rest."""
-        sock = p.sock
-        assert sock is not None
-        i, n = 0, len(bufs)
-        try:
-            while i < n:
-                sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], _DIRECT_FLAGS)
-                p.last_progress = time.monotonic()
-                i = _advance(bufs, i, sent)
-        except OSError:
-            pass  # EAGAIN: the sender thread waits for room; anything else: it meets the error too
+    def _wait_slot(self, p: _TcpPeer, deadline: Deadline | None) -> None:
+        """``p`` is at ``max_inflight``: without a deadline that is a ``CapacityError`` at once; with one,
+        wait for a slot (every completion that frees one while a writer waits notifies ``p.lock``)."""
+        limit, src = self._max_inflight, p.src
+        if deadline is None:
+            raise CapacityError(
+                f"{limit} batches already in flight to this peer "
+                "(queue-mode batches hold their slot until completions() takes them)"
+            )
         with p.lock:
-            p.outbuf = bufs[i:] if i < n else None
-            p.sending = False
-            if p.outbuf is not None or p.unsent:
-                p.wake.notify()
+            src.waiters += 1
+            try:
+                p.lock.wait_for(lambda: src.slots < limit or src.failed, timeout=deadline.remaining())
+            finally:
+                src.waiters -= 1
+        _usable(p)
+        if src.slots >= limit:
+            raise CapacityError(f"{limit} batches still in flight to this peer at the deadline")
 
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
-        return self._queue.get(max_items, deadline)
+        done = self._done
+        out = done.take(max_items)
+        if out or deadline is None:
+            return out
+        with self._done_cond:
+            done.waiters += 1
+            try:
+                self._done_cond.wait_for(done.__len__, timeout=deadline.remaining())
+            finally:
+                done.waiters -= 1
+        return done.take(max_items)
+
+    def _completed(self) -> None:
+        """Completions were queued: wake the threads waiting in ``completions()``, if any."""
+        if self._done.waiters:
+            with self._done_cond:
+                self._done_cond.notify_all()
 
     def _send_loop(self, p: _TcpPeer) -> None:
-        sock = p.sock
-        assert sock is not None
-
-        def progress(sent: int) -> bool:
-            if sent:
-                p.last_progress = time.monotonic()
-            return p.error is None
-
+        """What a full socket left over: the writer that met it handed the rest here (``wake``)."""
+        src = p.src
         while True:
-            with p.lock:
-                p.wake.wait_for(lambda: p.error is not None or (not p.sending and (p.outbuf is not None or p.unsent)))
+            with p.mutex:
+                p.wake.wait_for(lambda: p.error is not None or src.has_work())
                 if p.error is not None:
                     return
-                p.sending = True
-                if p.outbuf is not None:  # the rest of a send the fast path started
-                    bufs, p.outbuf = p.outbuf, None
-                else:
-                    bufs = _take(p)
-            try:
-                _send_views(sock, bufs, progress)
-            except _PeerGone:
-                return  # failed elsewhere (ack reader, disconnect, close)
-            except OSError as e:
-                self._fail_peer(p, TransportError(f"sending to peer failed: {e}", op="write", errno=e.errno))
+            err = src.send_blocking()  # without the GIL, in ticks of the socket's kernel timeout
+            if err > 0:
+                self._fail_peer(p, TransportError(f"sending to peer failed: {_oserror(err)}", op="write", errno=err))
                 return
-            finally:
-                with p.lock:
-                    p.sending = False
+            if err < 0:
+                return  # failed elsewhere (ack reader, disconnect, close)
 
     def _ack_loop(self, p: _TcpPeer) -> None:
-        sock = p.ack_sock
-        assert sock is not None
-        reader = _Reader(sock, self._stop, self._peer_timeout)
-
-        def idle() -> None:
-            with p.lock:
-                stalled = (p.unsent or p.unacked) and time.monotonic() - p.last_progress > self._peer_timeout
-            if p.error is not None:
-                raise _PeerGone("peer already failed", None)
-            if stalled:
-                raise _PeerGone(f"no progress for {self._peer_timeout:g} s", errno_mod.ETIMEDOUT)
-
+        """Every ack the sink sends, read without the GIL: the batches they complete, oldest first; the
+        peer's liveness on every tick of the socket's kernel timeout."""
+        src, done = p.src, self._done
         while True:
-            try:
-                acks = reader.acks(idle)  # every whole ack that came in: the sink sends them gathered
-            except _PeerGone as e:
-                self._fail_peer(p, TransportError(f"peer lost: {e}", op="write", errno=e.errno))
+            got = src.read_acks()
+            if got == _fast.ACKS_TICK:
+                if p.error is not None:
+                    return
+                if self._stop.is_set():
+                    self._fail_peer(p, TransportError("peer lost: transport closing", op="write"))
+                    return
+                why = src.idle(self._peer_timeout)
+                if why:
+                    what = "peer sent nothing" if why == 1 else "no progress"
+                    error = TransportError(f"peer lost: {what} for {self._peer_timeout:g} s", op="write", errno=errno_mod.ETIMEDOUT)
+                    self._fail_peer(p, error)
+                    return
+                continue
+            if got == _fast.ACKS_CLOSED:
+                err = src.err
+                what = f"connection broke: {_oserror(err)}" if err else "peer closed the connection"
+                self._fail_peer(p, TransportError(f"peer lost: {what}", op="write", errno=err or errno_mod.ECONNRESET))
                 return
             with p.deliver:
-                items = []
-                with p.lock:
-                    if p.error is not None:
-                        return
-                    for ack in acks:
-                        item = p.unacked.popleft() if p.unacked and p.unacked[0].seq == ack[0] else None
-                        if item is None:
-                            break
-                        items.append(item)
-                    if items:
-                        p.last_progress = time.monotonic()
-                for item, (_seq, status, err, msg) in zip(items, acks):
-                    error = None
-                    if status:
-                        text = msg.decode("utf-8", "replace")
-                        error = TransportError(f"peer refused the batch: {text}", op="write", errno=err or None)
-                    self._deliver(p, item, error)
-                if len(items) < len(acks):
-                    seq = acks[len(items)][0]
-                    self._fail_peer(p, TransportError(f"peer acked batch {seq} out of order", op="write", errno=errno_mod.EPROTO))
+                if p.error is not None:
                     return
-
-    def _deliver(self, p: _TcpPeer, item: _Pending, error: TransportError | None) -> None:
-        deliver(self._queue, p, item.batch_id, item.on_done, error)
+                code, callbacks, detail = src.complete(done)  # queue-mode ones are queued already
+                self._completed()
+                if callbacks:
+                    if src.waiters:
+                        p.slot_freed()
+                    for on_done, batch_id, error in callbacks:
+                        call_on_done(on_done, batch_id, error)
+            if code == _fast.ACKS_BAD:
+                self._fail_peer(p, TransportError(f"peer lost: ack message of {detail} bytes", op="write", errno=errno_mod.EPROTO))
+                return
+            if code == _fast.ACKS_ORDER:
+                self._fail_peer(p, TransportError(f"peer acked batch {detail} out of order", op="write", errno=errno_mod.EPROTO))
+                return
 
     def _fail_peer(self, p: _TcpPeer, error: TransportError) -> None:
         """Fail every batch in flight to ``p`` (in order) and shut its socket. Idempotent."""
         with p.deliver:
-            with p.lock:
+            with p.mutex:
                 if p.error is None:
                     p.error = error
                 p.closed = True
-                items = list(p.unacked) + list(p.unsent)
-                p.unacked.clear()
-                p.unsent.clear()
+                callbacks = p.src.fail(self._done, p.error)
                 p.lock.notify_all()
                 p.wake.notify_all()
             for s in (p.sock, p.ack_sock):
@@ -813,9 +760,9 @@ class TcpTransport(Transport):
                         s.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
-            for item in items:
-                item.bufs = []
-                self._deliver(p, item, error)
+            self._completed()
+            for on_done, batch_id, err in callbacks:
+                call_on_done(on_done, batch_id, err)
 
     # ------------------------------------------------------------------ sink side
 
@@ -995,9 +942,7 @@ class TcpTransport(Transport):
             self._wake_r.close()
             self._wake_w.close()
             for p in peers:
-                for s in (p.sock, p.ack_sock):
-                    if s is not None:
-                        s.close()
+                p.src.close()  # its sockets, once no writer is sending on them
         alive = [t.name for t in threads if t.is_alive()]
         for region in self._regions.clear():
             local = self._locals.pop(region.key, None)
@@ -1047,68 +992,11 @@ def _refusal(code: int, i: int, count: int, addr: int, length: int, grant: int) 
     return errno_mod.EACCES, f"write {i} of {count}: [{addr:#x}, +{length}) is outside grant {grant}"
 
 
-def _take(p: _TcpPeer) -> list[Any]:
-    """Move queued batches (up to a bound) to unacked; return their buffers for one gather send. Holds ``p.lock``."""
-    items: list[_Pending] = []
-    nbufs = 0
-    while p.unsent and (not items or nbufs + len(p.unsent[0].bufs) <= _SEND_GATHER):
-        item = p.unsent.popleft()
-        items.append(item)
-        p.unacked.append(item)
-        nbufs += len(item.bufs)
-    return [b for item in items for b in item.bufs]
+def _refused(status: int, err: int, message: bytes) -> TransportError:
+    """The error of a batch the sink refused (its ack's status, errno and message)."""
+    return TransportError(f"peer refused the batch: {message.decode('utf-8', 'replace')}", op="write", errno=err or None)
 
 
-class _Reader:
-    """Buffered reads of small messages (acks): one recv can bring many of them."""
-
-    def __init__(self, sock: socket.socket, stop: threading.Event, stall: float) -> None:
-        self._sock, self._stop, self._stall = sock, stop, stall
-        self._buf = bytearray(64 * 1024)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
-
-    def acks(self, idle: Callable[[], None]) -> list[tuple[int, int, int, bytes]]:
-        """Every whole ack buffered, reading until there is one: ``(seq, status, errno, message)``.
-
-        On a tick with nothing buffered ``idle`` runs (raises to give up); with part of an ack
-        buffered, the stall rules apply. An ack whose message is over ``_MAX_MSG`` raises
-        ``_PeerGone`` once the acks before it were returned."""
-        while True:
-            out, self._start, bad = _fast.parse_acks(self._buf, self._start, self._end, _MAX_MSG)
-            if out:
-                return out
-            if bad:
-                raise _PeerGone(f"ack message of {bad} bytes", errno_mod.EPROTO)
-            self._fill(idle if self._end == self._start else None)
-
-    def _fill(self, idle: Callable[[], None] | None) -> None:
-        """Receive at least one more byte (making room first)."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif len(self._buf) - self._end < _ACK.size + _MAX_MSG:
-            rest = self._end - self._start
-            self._buf[:rest] = self._buf[self._start : self._end]
-            self._start, self._end = 0, rest
-        last = time.monotonic()
-        while True:
-            try:
-                k = self._sock.recv_into(self._view[self._end :])
-            except _TICK:
-                if self._stop.is_set():
-                    raise _PeerGone("transport closing", None) from None
-                if idle is not None:
-                    idle()
-                    last = time.monotonic()
-                elif time.monotonic() - last >= self._stall:
-                    raise _PeerGone(f"peer sent nothing for {self._stall:g} s", errno_mod.ETIMEDOUT) from None
-                continue
-            except OSError as e:
-                raise _PeerGone(f"connection broke: {e}", e.errno) from e
-            if k == 0:
-                raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
-            self._end += k
-            return
-
-
-
+def _oserror(err: int) -> str:
+    """An errno as ``str(OSError)`` words it."""
+    return f"[Errno {err}] {os.strerror(err)}"

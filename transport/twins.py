@@ -25,8 +25,10 @@ TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
     "transport._tcp_fast": ("transport._tcp_fast_py", ("FRAME_SIZE", "ACK_SIZE", "FRAME_ZERO_LENGTH", "FRAME_LOCAL_OUTSIDE",
                                                     "LAND_OUTSIDE_REGIONS", "LAND_NEEDS_GRANT", "LAND_GRANT_NOT_LIVE",
                                                     "LAND_GRANT_OTHER_SOURCE", "SERVE_REFUSED", "SERVE_CLOSED",
-                                                    "SERVE_BROKEN", "SERVE_STALLED", "SERVE_STOPPED", "frame",
-                                                    "parse_acks", "Sink", "SinkConn")),
+                                                    "SERVE_BROKEN", "SERVE_STALLED", "SERVE_STOPPED", "POST_SENT",
+                                                    "POST_WAKE", "POST_FULL", "POST_FAILED", "ACKS_GOT", "ACKS_TICK",
+                                                    "ACKS_CLOSED", "ACKS_BAD", "ACKS_ORDER", "MAX_MSG", "frame",
+                                                    "parse_acks", "Sink", "SinkConn", "Source", "Completions")),
 }
 
 
