@@ -51,8 +51,10 @@ __all__ = [
     "ACKS_TICK",
     "Completions",
     "MAX_MSG",
+    "POST_ARRAY",
     "POST_FAILED",
     "POST_FULL",
+    "POST_TOO_MANY",
     "POST_SENT",
     "POST_WAKE",
     "Source",
@@ -697,6 +699,7 @@ cdef class SinkConn:
     cdef unsigned char* scratch
     cdef iovec iov[_IOV_CHUNK + 1]
     cdef bint attached
+    cdef bint drained  # the last payload read found nothing after it: the socket was empty then
     # what serve() reports
     cdef int err
     cdef uint64_t r_seq
@@ -957,6 +960,9 @@ cdef int _payload(SinkConn s, const unsigned char* d, Py_ssize_t count) noexcept
         if got:  # past the payload: the next frame's first bytes
             memcpy(s.hb, s.tail, got)
             s.hlen = got
+    # A read returns what is there up to what it asks: no byte past the payload means none was
+    # there (with bytes to spare it would have filled the tail).
+    s.drained = s.hlen == 0
     return 0
 
 
@@ -990,7 +996,7 @@ cdef int _serve(SinkConn s) noexcept nogil:
                 if r:
                     return r
         if s.nacks and s.hlen < _HEAD:  # more frames already here? then land them first, ack together
-            if s.hlen == 0:
+            if s.hlen == 0 and not s.drained:
                 k = recv(s.c.fd, s.hb, _AHEAD, MSG_DONTWAIT)
                 if k > 0:
                     s.hlen = <size_t>k
@@ -1024,6 +1030,7 @@ cdef int _serve(SinkConn s) noexcept nogil:
                 return r
             s.hlen = need
         d = s.hb + _HEAD
+        s.drained = False
         pthread_mutex_lock(&s.sink.mu)
         code = _check(s.sink, d, count, grant, s.source, &index, &s.c)
         if code == _LAND_OK:
@@ -1088,6 +1095,8 @@ cdef enum:
     _POST_WAKE = 4  # posted: the sender thread must send the rest (the socket was full)
     _POST_FULL = 5  # not posted: max_inflight batches in flight
     _POST_FAILED = 6  # not posted: the peer failed or was disconnected
+    _POST_ARRAY = 7  # not posted: the batch is not a C-contiguous (n, 3) uint64 numpy array (as_batch makes one)
+    _POST_TOO_MANY = 8  # not posted: more writes than max_writes
     _ACKS_GOT = 0
     _ACKS_TICK = 1  # the read waited one kernel timeout
     _ACKS_CLOSED = 2  # the peer closed the connection, or it broke (errno in ``err``)
@@ -1101,6 +1110,8 @@ POST_SENT = _POST_SENT
 POST_WAKE = _POST_WAKE
 POST_FULL = _POST_FULL
 POST_FAILED = _POST_FAILED
+POST_ARRAY = _POST_ARRAY
+POST_TOO_MANY = _POST_TOO_MANY
 ACKS_GOT = _ACKS_GOT
 ACKS_TICK = _ACKS_TICK
 ACKS_CLOSED = _ACKS_CLOSED
@@ -1185,6 +1196,7 @@ cdef class Source:
     cdef int fd
     cdef int ack_fd
     cdef int max_inflight
+    cdef Py_ssize_t max_writes
     cdef public int slots  # batches posted and not yet completed (queue mode: not yet taken)
     cdef public int waiters  # writers waiting for a slot: notify them (on_slot) when one frees
     cdef public object on_slot
@@ -1209,10 +1221,11 @@ cdef class Source:
     cdef size_t aend
     cdef object refused
 
-    def __cinit__(self, sock not None, ack_sock not None, int max_inflight, refused not None):
+    def __cinit__(self, sock not None, ack_sock not None, int max_inflight, Py_ssize_t max_writes, refused not None):
         self.sock, self.ack_sock = sock, ack_sock
         self.fd, self.ack_fd = sock.fileno(), ack_sock.fileno()
         self.max_inflight = max_inflight
+        self.max_writes = max_writes
         self.refused = refused
         self.on_slot = None
         self.abuf = <unsigned char*>malloc(_ACK_BUF)
@@ -1245,13 +1258,15 @@ cdef class Source:
         """The sender thread's cue: nobody is sending, and something is left to send."""
         return not self.sending and (self.out is not None or self.unsent is not None)
 
-    def post(self, cnp.ndarray batch not None, uint64_t grant, on_done, batch_id,
+    def post(self, batch, uint64_t grant, on_done, batch_id,
              cnp.ndarray loc_starts not None, cnp.ndarray loc_lengths not None, list loc_views not None,
              cnp.ndarray rem_starts not None, cnp.ndarray rem_lengths not None):
-        """Check a batch (``frame``'s checks and codes; the failing write's index in ``index``), take a
-        slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread),
-        ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends
-        it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``, without the GIL."""
+        """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array,
+        ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
+        index in ``index``), take a slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE``
+        (wake the sender thread), ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that
+        finds nobody sending sends it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``,
+        without the GIL."""
         cdef const uint64_t* w = NULL
         cdef const uint64_t* ls = NULL
         cdef const uint64_t* ll = NULL
@@ -1259,7 +1274,17 @@ cdef class Source:
         cdef const uint64_t* rl = NULL
         cdef Py_ssize_t n = 0, nl = 0, nl2 = 0, nr = 0, nr2 = 0, i, index = 0
         cdef int code
-        _array(batch, cnp.NPY_UINT64, 2, <const void**>&w, &n)
+        cdef cnp.ndarray arr
+        if type(batch) is not cnp.ndarray:
+            return _POST_ARRAY
+        arr = <cnp.ndarray>batch
+        if (cnp.PyArray_TYPE(arr) != cnp.NPY_UINT64 or cnp.PyArray_NDIM(arr) != 2 or not cnp.PyArray_ISCARRAY_RO(arr)
+                or cnp.PyArray_DIM(arr, 1) != 3):
+            return _POST_ARRAY
+        w = <const uint64_t*>cnp.PyArray_DATA(arr)
+        n = cnp.PyArray_DIM(arr, 0)
+        if n > self.max_writes:
+            return _POST_TOO_MANY
         _array(loc_starts, cnp.NPY_UINT64, 1, <const void**>&ls, &nl)
         _array(loc_lengths, cnp.NPY_UINT64, 1, <const void**>&ll, &nl2)
         _array(rem_starts, cnp.NPY_UINT64, 1, <const void**>&rs, &nr)

@@ -65,8 +65,10 @@ __all__ = [
     "ACKS_TICK",
     "Completions",
     "MAX_MSG",
+    "POST_ARRAY",
     "POST_FAILED",
     "POST_FULL",
+    "POST_TOO_MANY",
     "POST_SENT",
     "POST_WAKE",
     "Source",
@@ -401,6 +403,7 @@ class SinkConn:
         self._landing = False
         self._grant = 0
         self._used: list[int] = []
+        self._drained = False  # the last payload read found nothing after it: the socket was empty then
         with sink._cond:
             sink._conns.add(self)
         self._attached = True
@@ -450,7 +453,7 @@ class SinkConn:
                 if len(self._acks) >= _ACK_GATHER or self._acked_bytes >= _ACK_GATHER_BYTES:
                     self._flush()
             if self._acks and len(hb) < FRAME_SIZE:  # more frames already here? then land them first, ack together
-                if not hb:
+                if not hb and not self._drained:
                     try:
                         more = sock.recv(_AHEAD, socket.MSG_DONTWAIT)
                     except BlockingIOError:
@@ -474,6 +477,7 @@ class SinkConn:
             if len(hb) < need:
                 hb += self._read(need - len(hb))
             desc = bytes(hb[FRAME_SIZE:need])
+            self._drained = False
             used: list[int] = []
             with self._sink._cond:
                 code, index, views = self._sink._check(desc, grant, self._source, used)
@@ -615,6 +619,9 @@ class SinkConn:
                     got = 0
             if got:  # past the payload: the next frame's first bytes
                 self._hb += tail[:got]
+        # A read returns what is there up to what it asks: no byte past the payload means none was
+        # there (with bytes to spare it would have filled the tail).
+        self._drained = not self._hb
         return total
 
 
@@ -624,6 +631,8 @@ POST_SENT = 0  # posted: on the wire, or queued behind a send in progress that w
 POST_WAKE = 4  # posted: the sender thread must send the rest (the socket was full)
 POST_FULL = 5  # not posted: max_inflight batches in flight
 POST_FAILED = 6  # not posted: the peer failed or was disconnected
+POST_ARRAY = 7  # not posted: the batch is not a C-contiguous (n, 3) uint64 numpy array (as_batch makes one)
+POST_TOO_MANY = 8  # not posted: more writes than max_writes
 ACKS_GOT = 0
 ACKS_TICK = 1  # the read waited one kernel timeout
 ACKS_CLOSED = 2  # the peer closed the connection, or it broke (errno in ``err``)
@@ -701,14 +710,15 @@ class Source:
     without waiting, and any queued behind it), one sender thread (``send_blocking``: what a full
     socket left over) and one ack reader (``read_acks``, ``complete``)."""
 
-    def __init__(self, sock: Any, ack_sock: Any, max_inflight: int, refused: Any) -> None:
+    def __init__(self, sock: Any, ack_sock: Any, max_inflight: int, max_writes: int, refused: Any) -> None:
         if sock is None or ack_sock is None or refused is None:
             raise TypeError("sock, ack_sock and refused must not be None")
-        if not isinstance(max_inflight, int):
-            raise TypeError(f"max_inflight must be an integer, got {type(max_inflight).__name__}")
+        if not isinstance(max_inflight, int) or not isinstance(max_writes, int):
+            raise TypeError("max_inflight and max_writes must be integers")
         self._sock, self._ack_sock = sock, ack_sock
         sock.fileno(), ack_sock.fileno()
         self._max_inflight = max_inflight
+        self._max_writes = max_writes
         self._refused = refused
         self.slots = 0  # batches posted and not yet completed (queue mode: not yet taken)
         self.waiters = 0  # writers waiting for a slot: notify them (on_slot) when one frees
@@ -750,12 +760,18 @@ class Source:
         """The sender thread's cue: nobody is sending, and something is left to send."""
         return not self._sending and (self._out is not None or self._unsent is not None)
 
-    def post(self, batch: np.ndarray, grant: int, on_done: Any, batch_id: Any, loc_starts: np.ndarray,
+    def post(self, batch: Any, grant: int, on_done: Any, batch_id: Any, loc_starts: np.ndarray,
              loc_lengths: np.ndarray, loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray) -> int:
-        """Check a batch (``frame``'s checks and codes; the failing write's index in ``index``), take a
-        slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread),
-        ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends
-        it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``."""
+        """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array,
+        ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
+        index in ``index``), take a slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE``
+        (wake the sender thread), ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that
+        finds nobody sending sends it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``."""
+        if (type(batch) is not np.ndarray or batch.dtype != np.uint64 or batch.ndim != 2 or batch.shape[1] != 3
+                or not (batch.flags.c_contiguous and batch.flags.aligned)):
+            return POST_ARRAY
+        if len(batch) > self._max_writes:
+            return POST_TOO_MANY
         code, index, bufs = frame(batch, _u64(grant, "grant"), loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths)
         if bufs is None:
             self.index = index

@@ -185,12 +185,12 @@ _MAX_HELLOS = 64
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
 _ACK = struct.Struct("<QIiI")
 assert _FRAME.size == _fast.FRAME_SIZE and _ACK.size == _fast.ACK_SIZE
-_U64 = np.dtype(np.uint64)
 _NO_RANGES = np.zeros(0, np.uint64)
 _NO_REGIONS: tuple[Any, ...] = (_NO_RANGES, _NO_RANGES, np.zeros(0, np.uint8), [], [])
 _MAX_MSG = _fast.MAX_MSG
 # Source.post's results, as plain module ints: write() compares one per batch
 _POSTED, _POSTED_WAKE, _FULL, _FAILED = _fast.POST_SENT, _fast.POST_WAKE, _fast.POST_FULL, _fast.POST_FAILED
+_ARRAY, _TOO_MANY = _fast.POST_ARRAY, _fast.POST_TOO_MANY
 
 
 # Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO = one poll interval): a call
@@ -530,7 +530,7 @@ class TcpTransport(Transport):
             raise
         peer = _TcpPeer(next(self._peer_ids), remote, RegionTable(remote.regions), sock=sock, ack_sock=ack_sock)
         peer.remote_ranges = _ranges(remote.regions)
-        peer.src = _fast.Source(sock, ack_sock, self._max_inflight, _refused)
+        peer.src = _fast.Source(sock, ack_sock, self._max_inflight, self._max_batch_writes, _refused)
         peer.src.on_slot = peer.slot_freed
         with self._lock:
             if self._closed:
@@ -617,13 +617,6 @@ class TcpTransport(Transport):
         p = self._own(peer)
         if not 0 <= grant < 1 << 64:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
-        if type(batch) is np.ndarray and batch.dtype is _U64 and batch.ndim == 2 and batch.shape[1] == 3 and batch.flags.c_contiguous:
-            arr = batch  # the plan's output as it is: as_batch would only check for a zero length, as frame() does
-        else:
-            arr = as_batch(batch)
-        if len(arr) > self._max_batch_writes:
-            as_batch(arr)  # a zero length is reported first, as for any batch
-            raise TransportError(f"a batch holds at most {self._max_batch_writes} writes, got {len(arr)}", op="write")
         snap = self._snap
         rem_starts, rem_lengths = p.remote_ranges
         batch_id = next(self._batch_ids)
@@ -631,7 +624,7 @@ class TcpTransport(Transport):
         while True:
             # one pass: every local and remote range checked, a slot taken, the head (header with its
             # seq, descriptors) built, and the frame sent from this thread if nobody is sending
-            code = src.post(arr, grant, on_done, batch_id, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
+            code = src.post(batch, grant, on_done, batch_id, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
             if code == _POSTED:
                 return batch_id
             if code == _POSTED_WAKE:  # the socket is full: the sender thread sends the rest when it drains
@@ -643,7 +636,16 @@ class TcpTransport(Transport):
                 continue
             if code == _FAILED:
                 raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
-            la, ra, n = (int(x) for x in arr[src.index])
+            if code == _ARRAY:  # not the plan's (n, 3) uint64 array: as_batch makes one (or says why not)
+                arr = batch
+                batch = as_batch(batch)
+                if batch is arr:
+                    raise TransportError("a batch array that as_batch cannot make C-contiguous", op="write")
+                continue
+            if code == _TOO_MANY:
+                as_batch(batch)  # a zero length is reported first, as for any batch
+                raise TransportError(f"a batch holds at most {self._max_batch_writes} writes, got {len(batch)}", op="write")
+            la, ra, n = (int(x) for x in batch[src.index])
             if code == _fast.FRAME_ZERO_LENGTH:
                 raise TransportError("a write in the batch has length 0", op="write")
             if code == _fast.FRAME_LOCAL_OUTSIDE:

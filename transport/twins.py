@@ -26,7 +26,8 @@ TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
                                                     "LAND_OUTSIDE_REGIONS", "LAND_NEEDS_GRANT", "LAND_GRANT_NOT_LIVE",
                                                     "LAND_GRANT_OTHER_SOURCE", "SERVE_REFUSED", "SERVE_CLOSED",
                                                     "SERVE_BROKEN", "SERVE_STALLED", "SERVE_STOPPED", "POST_SENT",
-                                                    "POST_WAKE", "POST_FULL", "POST_FAILED", "ACKS_GOT", "ACKS_TICK",
+                                                    "POST_WAKE", "POST_FULL", "POST_FAILED", "POST_ARRAY",
+                                                    "POST_TOO_MANY", "ACKS_GOT", "ACKS_TICK",
                                                     "ACKS_CLOSED", "ACKS_BAD", "ACKS_ORDER", "MAX_MSG", "frame",
                                                     "parse_acks", "Sink", "SinkConn", "Source", "Completions")),
 }
