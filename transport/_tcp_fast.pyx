@@ -46,6 +46,7 @@ __all__ = [
     "SinkConn",
     "ACKS_BAD",
     "ACKS_CLOSED",
+    "ACKS_FAILED",
     "ACKS_GOT",
     "ACKS_ORDER",
     "ACKS_TICK",
@@ -1097,11 +1098,12 @@ cdef enum:
     _POST_FAILED = 6  # not posted: the peer failed or was disconnected
     _POST_ARRAY = 7  # not posted: the batch is not a C-contiguous (n, 3) uint64 numpy array (as_batch makes one)
     _POST_TOO_MANY = 8  # not posted: more writes than max_writes
-    _ACKS_GOT = 0
+    _ACKS_GOT = 0  # acks completed batches with callbacks: callbacks() has them
     _ACKS_TICK = 1  # the read waited one kernel timeout
     _ACKS_CLOSED = 2  # the peer closed the connection, or it broke (errno in ``err``)
     _ACKS_BAD = 3  # an ack's message is longer than the bound (its length in the result)
     _ACKS_ORDER = 4  # an ack for another batch than the oldest in flight (its seq in the result)
+    _ACKS_FAILED = 5  # the peer failed meanwhile (fail() completed what was left)
     _SEND_GATHER = 2048  # iovecs of queued frames taken for one send at most (sent _IOV_CHUNK at a time)
     _ACK_BUF = 65536
     _MAX_MSG = 4096
@@ -1117,79 +1119,202 @@ ACKS_TICK = _ACKS_TICK
 ACKS_CLOSED = _ACKS_CLOSED
 ACKS_BAD = _ACKS_BAD
 ACKS_ORDER = _ACKS_ORDER
+ACKS_FAILED = _ACKS_FAILED
 MAX_MSG = _MAX_MSG
+
+cdef extern from "Python.h":
+    ctypedef struct PyObject
+    void Py_INCREF(PyObject*)
+    void Py_DECREF(PyObject*)
+
+
+cdef struct _fr:
+    # A posted frame as the lists hold it: the list that holds it owns one reference to its _Frame
+    # (``obj``), and moving it between lists (even without the GIL) moves that reference.
+    _fr* next
+    uint64_t seq
+    PyObject* obj
+    bint callback  # completed through on_done (else through the Completions queue)
+    uint32_t status  # its ack: status, errno and message (malloc'd) of a refused batch
+    int32_t err
+    unsigned char* msg
+    uint32_t msglen
+    PyObject* error  # the failure it completes with (fail()), owned
 
 
 cdef class _Frame:
     """One posted batch: its head and payload as iovecs (``iov[0]`` the header and descriptors, then
-    each write's local range), its place in line, and how it completes."""
+    each write's local range), its place in line (``c``), and how it completes."""
 
-    cdef _Frame next
-    cdef uint64_t seq
+    cdef _fr c
     cdef object batch_id
     cdef object on_done
     cdef object keep  # the local regions' views: the memory the iovecs point into stays alive
+    cdef object src  # its Source: the slot goes back there
     cdef iovec* iov
     cdef Py_ssize_t niov
     cdef size_t nbytes
 
     def __dealloc__(self):
         free(self.iov)
+        free(self.c.msg)
+        if self.c.error != NULL:
+            Py_DECREF(self.c.error)
+
+
+cdef struct _chain:
+    _fr* head
+    _fr* tail
+
+
+cdef inline void _append(_chain* c, _fr* f) noexcept nogil:
+    f.next = NULL
+    if c.tail == NULL:
+        c.head = f
+    else:
+        c.tail.next = f
+    c.tail = f
+
+
+cdef inline _fr* _pop(_chain* c) noexcept nogil:
+    cdef _fr* f = c.head
+    if f != NULL:
+        c.head = f.next
+        if c.head == NULL:
+            c.tail = NULL
+        f.next = NULL
+    return f
+
+
+cdef inline void _splice(_chain* c, _chain* more) noexcept nogil:
+    """Append all of ``more`` to ``c``; ``more`` is left empty."""
+    if more.head == NULL:
+        return
+    if c.tail == NULL:
+        c.head = more.head
+    else:
+        c.tail.next = more.head
+    c.tail = more.tail
+    more.head = more.tail = NULL
 
 
 cdef class Completions:
     """The completions of batches written without ``on_done``, oldest first, across a transport's
-    peers. A batch keeps its in-flight slot until ``take`` hands its completion out (the queue stays
-    bounded by the slots). ``make(batch_id, error)`` builds what ``take`` returns."""
+    peers, in C behind a mutex: a source's ack loop adds to it without the GIL. A batch keeps its
+    in-flight slot until ``take`` hands its completion out (the queue stays bounded by the slots).
+    ``make(batch_id, error)`` builds what ``take`` returns; ``refused(status, errno, message)`` the
+    error of a batch the sink refused."""
 
-    cdef object items
-    cdef object sources
+    cdef pthread_mutex_t mu
+    cdef pthread_cond_t cv  # signalled on a push while someone waits
+    cdef _chain done
+    cdef Py_ssize_t n
+    cdef int waiters
     cdef object make
-    cdef public int waiters  # threads waiting in the transport's completions(): notify them on a push
+    cdef object refused
 
-    def __cinit__(self, make not None):
-        from collections import deque
-        self.items = deque()
-        self.sources = deque()
-        self.make = make
+    def __cinit__(self, make not None, refused not None):
+        cdef pthread_condattr_t attr
+        pthread_mutex_init(&self.mu, NULL)
+        pthread_condattr_init(&attr)
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.cv, &attr)
+        pthread_condattr_destroy(&attr)
+        self.make, self.refused = make, refused
+
+    def __dealloc__(self):
+        cdef _fr* f = _pop(&self.done)
+        while f != NULL:
+            Py_DECREF(f.obj)
+            f = _pop(&self.done)
+        pthread_cond_destroy(&self.cv)
+        pthread_mutex_destroy(&self.mu)
 
     def __len__(self):
-        return len(self.items)
-
-    cdef void _push(self, batch_id, error, Source src) except *:
-        self.items.append(self.make(batch_id, error))
-        self.sources.append(src)
+        return self.n
 
     def take(self, Py_ssize_t max_items):
         """Up to ``max_items`` completions, oldest first; their slots go back to their peers (whose
         ``on_slot`` runs when a writer waits for one)."""
+        cdef _chain got
+        cdef _fr* f
+        cdef Py_ssize_t k = 0
         cdef list out = []
+        cdef _Frame fo
         cdef Source src
         cdef Source woken = None
-        items, sources = self.items, self.sources
-        while items and len(out) < max_items:
-            out.append(items.popleft())
-            src = <Source>sources.popleft()
+        got.head = got.tail = NULL
+        _lock(&self.mu)
+        while k < max_items and self.done.head != NULL:
+            _append(&got, _pop(&self.done))
+            k += 1
+        self.n -= k
+        pthread_mutex_unlock(&self.mu)
+        f = _pop(&got)
+        while f != NULL:
+            fo = <_Frame>f.obj
+            Py_DECREF(f.obj)  # the list's reference: ``fo`` holds one now
+            if f.error != NULL:
+                error = <object>f.error
+            elif f.status:
+                error = self.refused(f.status, f.err, PyBytes_FromStringAndSize(<const char*>f.msg, f.msglen))
+            else:
+                error = None
+            out.append(self.make(fo.batch_id, error))
+            src = <Source>fo.src
             src.slots -= 1
             if src.waiters and src is not woken:
                 if woken is not None:
                     woken.on_slot()
                 woken = src
+            f = _pop(&got)
         if woken is not None:
             woken.on_slot()
         return out
 
+    def wait(self, double seconds):
+        """Wait (without the GIL) up to ``seconds`` for a completion to take; True if one is there."""
+        cdef timespec at
+        cdef bint any
+        _deadline_at(&at, _now() + (seconds if seconds > 0 else 0))
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self.waiters += 1
+            while self.n == 0:
+                if pthread_cond_timedwait(&self.cv, &self.mu, &at) == ETIMEDOUT:
+                    break
+            self.waiters -= 1
+            any = self.n > 0
+            pthread_mutex_unlock(&self.mu)
+        return any
+
+
+cdef void _push(Completions q, _chain* more, Py_ssize_t k) noexcept nogil:
+    """Queue ``k`` completed frames (their references move to the queue); wake the waiters."""
+    pthread_mutex_lock(&q.mu)
+    _splice(&q.done, more)
+    q.n += k
+    if q.waiters:
+        pthread_cond_broadcast(&q.cv)
+    pthread_mutex_unlock(&q.mu)
+
 
 cdef class Source:
     """One connected peer's batches, from ``post`` to their completion: their seq, the in-flight
-    slots, the frames not yet sent and those awaiting acks, and the ack stream. State changes with
-    the GIL held (each method is atomic to other Python threads); the syscalls (``sendmsg`` of
-    heads and payloads straight from registered memory, ``recv`` of acks) run without it, on
-    buffers only the caller owns while it does: the frames a send is using stay referenced by it.
+    slots, the frames not yet sent and those awaiting acks, and the ack stream.
+
+    Locking: the frame lists (queued, in flight, completed with a callback not yet called) and the
+    failed flag are behind a pthread mutex, which the ack loop (``acks``, without the GIL) takes to
+    complete frames and every other method takes to change them; the rest changes with the GIL held
+    (those methods are atomic to other Python threads: Python is called out to only where nothing
+    is half-changed). The syscalls (``sendmsg`` of heads and payloads straight from registered
+    memory, ``recv`` of acks) run without the GIL, on what only the caller owns meanwhile: the
+    frames a send is using stay referenced by it, and a socket is closed only once no send is under
+    way (``close``).
 
     Threads: any writer (``post``; the first that finds nobody sending sends its frame itself,
     without waiting, and any queued behind it), one sender thread (``send_blocking``: what a full
-    socket left over) and one ack reader (``read_acks``, ``complete``)."""
+    socket left over) and one ack reader (``acks``, ``callbacks``, ``idle``)."""
 
     cdef object sock
     cdef object ack_sock
@@ -1202,23 +1327,25 @@ cdef class Source:
     cdef public object on_slot
     cdef public Py_ssize_t index  # the failing write of the last post refused with a FRAME_* code
     cdef public int err  # errno of the last ACKS_CLOSED
+    cdef pthread_mutex_t mu
     cdef uint64_t seq
-    cdef _Frame unsent  # posted, not yet taken by a send: oldest first
-    cdef _Frame unsent_last
-    cdef _Frame flight  # taken by a send (sent, or being sent): oldest first, acked in this order
-    cdef _Frame flight_last
+    cdef _chain unsent  # posted, not yet taken by a send: oldest first
+    cdef _chain flight  # taken by a send (sent, or being sent): oldest first, acked in this order
+    cdef _chain called  # completed by acks, their callbacks not yet called
+    cdef Py_ssize_t nflight  # frames in unsent and flight
+    cdef bint failed
     cdef bint sending  # a thread is sending (a writer, or the sender thread)
+    cdef bint closing
     cdef list out  # the frames of the send in progress (or its remainder), from out_i, out_off bytes in
     cdef Py_ssize_t out_i
     cdef size_t out_off
-    cdef bint failed
-    cdef bint closing
     cdef public double last_progress  # time.monotonic() of the last byte sent or ack taken
     cdef double last_byte  # ... of the last ack byte received
     cdef iovec siov[_IOV_CHUNK]
     cdef unsigned char* abuf
     cdef size_t astart
     cdef size_t aend
+    cdef uint64_t detail
     cdef object refused
 
     def __cinit__(self, sock not None, ack_sock not None, int max_inflight, Py_ssize_t max_writes, refused not None):
@@ -1228,6 +1355,7 @@ cdef class Source:
         self.max_writes = max_writes
         self.refused = refused
         self.on_slot = None
+        pthread_mutex_init(&self.mu, NULL)
         self.abuf = <unsigned char*>malloc(_ACK_BUF)
         if self.abuf == NULL:
             raise MemoryError()
@@ -1235,20 +1363,12 @@ cdef class Source:
 
     def __dealloc__(self):
         free(self.abuf)
+        pthread_mutex_destroy(&self.mu)
 
     @property
     def in_flight(self):
         """Batches posted and not completed (queued, being sent, or awaiting their ack)."""
-        cdef int n = 0
-        cdef _Frame f = self.flight
-        while f is not None:
-            n += 1
-            f = f.next
-        f = self.unsent
-        while f is not None:
-            n += 1
-            f = f.next
-        return n
+        return self.nflight
 
     @property
     def failed(self):
@@ -1256,7 +1376,7 @@ cdef class Source:
 
     def has_work(self):
         """The sender thread's cue: nobody is sending, and something is left to send."""
-        return not self.sending and (self.out is not None or self.unsent is not None)
+        return not self.sending and (self.out is not None or self.unsent.head != NULL)
 
     def post(self, batch, uint64_t grant, on_done, batch_id,
              cnp.ndarray loc_starts not None, cnp.ndarray loc_lengths not None, list loc_views not None,
@@ -1305,8 +1425,6 @@ cdef class Source:
         if f.iov == NULL:
             raise MemoryError()
         cdef unsigned char* h = <unsigned char*>(f.iov + n + 1)
-        self.seq += 1
-        _put64(h, self.seq)
         _put64(h + 8, <uint64_t>n)  # count u32, then the 0 u32
         _put64(h + 16, grant)
         f.iov[0].iov_base = h
@@ -1319,18 +1437,27 @@ cdef class Source:
             f.iov[i + 1].iov_len = <size_t>w[3 * i + 2]
             f.nbytes += <size_t>w[3 * i + 2]
         f.niov = n + 1
-        f.seq = self.seq
         f.batch_id = batch_id
         f.on_done = on_done
         f.keep = loc_views
-        self.slots += 1
-        if self.flight is None and self.unsent is None:
+        f.src = self
+        f.c.obj = <PyObject*>f
+        f.c.callback = on_done is not None
+        Py_INCREF(<PyObject*>f)  # the lists' reference
+        _lock(&self.mu)
+        if self.failed:  # (it failed while the frame was built)
+            pthread_mutex_unlock(&self.mu)
+            Py_DECREF(<PyObject*>f)
+            return _POST_FAILED
+        self.seq += 1
+        f.c.seq = self.seq
+        _put64(h, self.seq)
+        if self.nflight == 0:
             self.last_progress = _now()
-        if self.unsent_last is None:
-            self.unsent = f
-        else:
-            self.unsent_last.next = f
-        self.unsent_last = f
+        self.nflight += 1
+        _append(&self.unsent, &f.c)
+        pthread_mutex_unlock(&self.mu)
+        self.slots += 1
         if self.sending or self.out is not None:
             return _POST_SENT  # the thread sending takes it next (the sender thread is awake for a remainder)
         self.sending = True
@@ -1360,7 +1487,9 @@ cdef class Source:
         """Fail the peer (see ``fail``; call that first to complete its batches) and close its sockets, at
         once or, if a writer is sending, as its send returns: a descriptor is never closed (and maybe
         reused) under a send. Call after the sender and ack threads ended."""
+        _lock(&self.mu)
         self.failed = True
+        pthread_mutex_unlock(&self.mu)
         self.closing = True
         if not self.sending:
             self._close()
@@ -1369,20 +1498,16 @@ cdef class Source:
         """Move queued frames (up to ``_SEND_GATHER`` iovecs) in line for acks, as the next send's ``out``."""
         cdef list out = []
         cdef Py_ssize_t niov = 0
-        cdef _Frame f
-        while self.unsent is not None and (not out or niov + self.unsent.niov <= _SEND_GATHER):
-            f = self.unsent
-            self.unsent = f.next
-            if self.unsent is None:
-                self.unsent_last = None
-            f.next = None
-            if self.flight_last is None:
-                self.flight = f
-            else:
-                self.flight_last.next = f
-            self.flight_last = f
-            out.append(f)
-            niov += f.niov
+        cdef _fr* f
+        cdef _Frame fo
+        _lock(&self.mu)
+        while self.unsent.head != NULL and (not out or niov + (<_Frame>self.unsent.head.obj).niov <= _SEND_GATHER):
+            f = _pop(&self.unsent)
+            _append(&self.flight, f)
+            fo = <_Frame>f.obj
+            out.append(fo)
+            niov += fo.niov
+        pthread_mutex_unlock(&self.mu)
         self.out, self.out_i, self.out_off = out, 0, 0
         return 0
 
@@ -1403,9 +1528,12 @@ cdef class Source:
             if self.failed:
                 return _GONE
             if self.out is None:
-                if self.unsent is None:
+                if self.unsent.head == NULL:
                     return 0
                 self._take()
+                if not self.out:
+                    self.out = None
+                    continue
             # the iovecs from out_i, out_off bytes in: up to _IOV_CHUNK of them
             n = 0
             i = self.out_i
@@ -1458,35 +1586,48 @@ cdef class Source:
             self._sent()
         return -1 if r == _GONE else r
 
-    def read_acks(self):
-        """Receive ack bytes (blocking, without the GIL, up to one kernel timeout): ``ACKS_GOT``,
-        ``ACKS_TICK``, or ``ACKS_CLOSED`` (errno in ``err``, 0 for an orderly close)."""
-        cdef ssize_t k
-        cdef int e
-        cdef size_t rest
-        if self.astart == self.aend:
-            self.astart = self.aend = 0
-        elif _ACK_BUF - self.aend < _ACK + _MAX_MSG:
-            rest = self.aend - self.astart
-            memmove(self.abuf, self.abuf + self.astart, rest)
-            self.astart, self.aend = 0, rest
-        while True:
-            with nogil:
-                k = recv(self.ack_fd, self.abuf + self.aend, _ACK_BUF - self.aend, 0)
-                e = errno
-            if k > 0:
-                self.aend += <size_t>k
-                self.last_byte = _now()
-                return _ACKS_GOT
-            if k == 0:
-                self.err = 0
-                return _ACKS_CLOSED
-            if e == EINTR:
-                continue
-            if e == EAGAIN:
-                return _ACKS_TICK
-            self.err = e
-            return _ACKS_CLOSED
+    def acks(self, Completions queue not None):
+        """The ack loop, without the GIL: receive acks and complete the frames in flight they name,
+        oldest first; a batch without ``on_done`` goes to ``queue`` (keeping its slot until taken).
+        Returns ``(code, detail)`` when Python has something to do: ``ACKS_GOT`` (batches with
+        ``on_done`` completed: ``callbacks()`` has them), ``ACKS_TICK`` (a kernel timeout passed),
+        ``ACKS_CLOSED`` (errno in ``err``), ``ACKS_BAD`` / ``ACKS_ORDER`` (the message length / seq of
+        the ack that broke the stream; the acks before it completed), ``ACKS_FAILED``."""
+        cdef int r
+        if self.ack_fd < 0:
+            return _ACKS_CLOSED, 0
+        with nogil:
+            r = _acks(self, queue)
+        return r, self.detail
+
+    def callbacks(self):
+        """The batches with ``on_done`` that acks completed, oldest first, as ``(on_done, batch_id,
+        error)``; their slots come back."""
+        cdef _chain got
+        _lock(&self.mu)
+        got = self.called
+        self.called.head = self.called.tail = NULL
+        pthread_mutex_unlock(&self.mu)
+        return self._calls(&got)
+
+    cdef list _calls(self, _chain* got):
+        """``(on_done, batch_id, error)`` of each frame of ``got`` (whose references this drops)."""
+        cdef list out = []
+        cdef _fr* f = _pop(got)
+        cdef _Frame fo
+        while f != NULL:
+            fo = <_Frame>f.obj
+            Py_DECREF(f.obj)
+            if f.error != NULL:
+                error = <object>f.error
+            elif f.status:
+                error = self.refused(f.status, f.err, PyBytes_FromStringAndSize(<const char*>f.msg, f.msglen))
+            else:
+                error = None
+            out.append((fo.on_done, fo.batch_id, error))
+            self.slots -= 1
+            f = _pop(got)
+        return out
 
     def idle(self, double stall):
         """On a tick of the ack reader: 0, or 1 if part of an ack came and nothing more for ``stall``
@@ -1494,79 +1635,126 @@ cdef class Source:
         cdef double now = _now()
         if self.astart != self.aend:
             return 1 if now - self.last_byte >= stall else 0
-        if (self.flight is not None or self.unsent is not None) and now - self.last_progress > stall:
+        if self.nflight and now - self.last_progress > stall:
             return 2
         return 0
 
-    def complete(self, Completions queue not None):
-        """Match every whole ack received against the frames in flight, oldest first, and complete
-        them: a batch without ``on_done`` goes to ``queue`` (keeping its slot), one with it gives its
-        slot back and is returned for the caller to call. Returns ``(ACKS_GOT, callbacks, 0)`` with
-        ``callbacks`` a list of ``(on_done, batch_id, error)`` (None if none), or ``ACKS_BAD`` /
-        ``ACKS_ORDER`` and the message length / seq of the ack that broke the stream (the acks before
-        it completed)."""
-        cdef uint64_t seq
-        cdef uint32_t status, n
-        cdef int32_t err
-        cdef const unsigned char* b = self.abuf
-        cdef _Frame f
-        cdef list callbacks = None
-        while self.aend - self.astart >= _ACK and not self.failed:
-            seq = _get64(b + self.astart)
-            status = _get32(b + self.astart + 8)
-            err = <int32_t>_get32(b + self.astart + 12)
-            n = _get32(b + self.astart + 16)
-            if n > _MAX_MSG:
-                return _ACKS_BAD, callbacks, n
-            if self.aend - self.astart < _ACK + n:
-                break
-            f = self.flight
-            if f is None or f.seq != seq:
-                return _ACKS_ORDER, callbacks, seq
-            # out of line before any Python runs (a thread switch there sees it completed)
-            self.flight = f.next
-            if self.flight is None:
-                self.flight_last = None
-            f.next = None
-            message = PyBytes_FromStringAndSize(<const char*>(b + self.astart + _ACK), n) if status else None
-            self.astart += _ACK + n
-            self.last_progress = _now()
-            error = None if not status else self.refused(status, err, message)
-            if f.on_done is None:
-                queue._push(f.batch_id, error, self)
-            else:
-                self.slots -= 1
-                if callbacks is None:
-                    callbacks = []
-                callbacks.append((f.on_done, f.batch_id, error))
-        return _ACKS_GOT, callbacks, 0
-
     def fail(self, Completions queue not None, error):
         """The peer failed: no more posts; every batch in flight completes with ``error``, oldest
-        first (as ``complete`` does: queued, or returned for the caller to call). Idempotent: a second
-        call finds nothing left."""
-        cdef list callbacks = []
-        cdef _Frame f, nxt
-        cdef _Frame chain = self.flight
+        first: those without ``on_done`` go to ``queue``, and ``(on_done, batch_id, error)`` of the
+        others is returned, after those acks completed whose callbacks were not taken yet. Idempotent:
+        a second call finds nothing left."""
+        cdef _chain left, queued, called
+        cdef _fr* f
+        cdef Py_ssize_t k = 0
+        left.head = left.tail = queued.head = queued.tail = called.head = called.tail = NULL
+        _lock(&self.mu)
         self.failed = True
+        called = self.called
+        self.called.head = self.called.tail = NULL
+        _splice(&left, &self.flight)
+        _splice(&left, &self.unsent)
+        self.nflight = 0
+        f = _pop(&left)
+        while f != NULL:
+            f.error = <PyObject*>error
+            Py_INCREF(f.error)
+            if f.callback:
+                _append(&called, f)
+            else:
+                _append(&queued, f)
+                k += 1
+            f = _pop(&left)
+        if k:
+            _push(queue, &queued, k)  # under our mutex: after every frame the ack loop queued
+        pthread_mutex_unlock(&self.mu)
         if not self.sending:
             self.out = None  # a sender holds it until its send returns
-        # detached before any Python runs (a thread switch there finds nothing in flight)
-        if chain is None:
-            chain = self.unsent
-        elif self.unsent is not None:
-            self.flight_last.next = self.unsent
-        self.flight = self.flight_last = self.unsent = self.unsent_last = None
-        f = chain
-        while f is not None:
-            nxt, f.next = f.next, None
-            if f.on_done is None:
-                queue._push(f.batch_id, error, self)
+        return self._calls(&called)
+
+
+cdef int _acks(Source s, Completions q) noexcept nogil:
+    """``Source.acks`` without the GIL."""
+    cdef uint64_t seq
+    cdef uint32_t status, n
+    cdef int32_t err
+    cdef ssize_t k
+    cdef size_t rest
+    cdef _fr* f
+    cdef _chain queued
+    cdef Py_ssize_t nq
+    cdef bint called
+    cdef int broke
+    cdef double now
+    while True:
+        # every whole ack received: complete its frame
+        queued.head = queued.tail = NULL
+        nq = 0
+        called = False
+        broke = 0
+        now = _now()
+        pthread_mutex_lock(&s.mu)
+        while s.aend - s.astart >= _ACK and not s.failed:
+            seq = _get64(s.abuf + s.astart)
+            status = _get32(s.abuf + s.astart + 8)
+            err = <int32_t>_get32(s.abuf + s.astart + 12)
+            n = _get32(s.abuf + s.astart + 16)
+            if n > _MAX_MSG:
+                s.detail, broke = n, _ACKS_BAD
+                break
+            if s.aend - s.astart < _ACK + n:
+                break
+            f = s.flight.head
+            if f == NULL or f.seq != seq:
+                s.detail, broke = seq, _ACKS_ORDER
+                break
+            _pop(&s.flight)
+            s.nflight -= 1
+            f.status, f.err = status, err
+            if status and n:
+                f.msg = <unsigned char*>malloc(n)
+                if f.msg != NULL:
+                    memcpy(f.msg, s.abuf + s.astart + _ACK, n)
+                    f.msglen = n
+            s.astart += _ACK + n
+            s.last_progress = now
+            if f.callback:
+                _append(&s.called, f)
+                called = True
             else:
-                self.slots -= 1
-                callbacks.append((f.on_done, f.batch_id, error))
-            f = nxt
-        return callbacks
+                _append(&queued, f)
+                nq += 1
+        if nq:
+            _push(q, &queued, nq)  # under our mutex: before any frame fail() queues after them
+        if s.failed:
+            pthread_mutex_unlock(&s.mu)
+            return _ACKS_FAILED
+        pthread_mutex_unlock(&s.mu)
+        if broke:
+            return broke
+        if called:
+            return _ACKS_GOT
+        # receive more (making room first)
+        if s.astart == s.aend:
+            s.astart = s.aend = 0
+        elif _ACK_BUF - s.aend < _ACK + _MAX_MSG:
+            rest = s.aend - s.astart
+            memmove(s.abuf, s.abuf + s.astart, rest)
+            s.astart, s.aend = 0, rest
+        k = recv(s.ack_fd, s.abuf + s.aend, _ACK_BUF - s.aend, 0)
+        if k > 0:
+            s.aend += <size_t>k
+            s.last_byte = _now()
+            continue
+        if k == 0:
+            s.err = 0
+            return _ACKS_CLOSED
+        if errno == EINTR:
+            continue
+        if errno == EAGAIN:
+            return _ACKS_TICK
+        s.err = errno
+        return _ACKS_CLOSED
 
 
 cdef Py_ssize_t _fill(iovec* iov, Py_ssize_t room, _Frame f, size_t off, bint* whole) noexcept:

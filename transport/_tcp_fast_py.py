@@ -60,6 +60,7 @@ __all__ = [
     "SinkConn",
     "ACKS_BAD",
     "ACKS_CLOSED",
+    "ACKS_FAILED",
     "ACKS_GOT",
     "ACKS_ORDER",
     "ACKS_TICK",
@@ -633,11 +634,12 @@ POST_FULL = 5  # not posted: max_inflight batches in flight
 POST_FAILED = 6  # not posted: the peer failed or was disconnected
 POST_ARRAY = 7  # not posted: the batch is not a C-contiguous (n, 3) uint64 numpy array (as_batch makes one)
 POST_TOO_MANY = 8  # not posted: more writes than max_writes
-ACKS_GOT = 0
+ACKS_GOT = 0  # acks completed batches with callbacks: callbacks() has them
 ACKS_TICK = 1  # the read waited one kernel timeout
 ACKS_CLOSED = 2  # the peer closed the connection, or it broke (errno in ``err``)
 ACKS_BAD = 3  # an ack's message is longer than the bound (its length in the result)
 ACKS_ORDER = 4  # an ack for another batch than the oldest in flight (its seq in the result)
+ACKS_FAILED = 5  # the peer failed meanwhile (fail() completed what was left)
 MAX_MSG = 4096  # the longest ack message a source accepts
 
 _SEND_GATHER = 2048  # buffers of queued frames taken for one send at most (sent _IOV_CHUNK at a time)
@@ -650,44 +652,61 @@ class _Frame:
     """One posted batch: its head and payload as buffers (the header and descriptors, then each
     write's local range), its place in line, and how it completes."""
 
-    __slots__ = ("next", "seq", "batch_id", "on_done", "bufs", "nbytes")
+    __slots__ = ("seq", "batch_id", "on_done", "callback", "bufs", "nbytes", "src", "status", "err", "msg", "error")
 
-    def __init__(self, seq: int, batch_id: Any, on_done: Any, bufs: list[Any]) -> None:
-        self.next: _Frame | None = None
-        self.seq, self.batch_id, self.on_done, self.bufs = seq, batch_id, on_done, bufs
+    def __init__(self, batch_id: Any, on_done: Any, bufs: list[Any], src: Source) -> None:
+        self.seq = 0
+        self.batch_id, self.on_done, self.bufs, self.src = batch_id, on_done, bufs, src
+        self.callback = on_done is not None  # completed through on_done (else through the Completions queue)
         self.nbytes = sum(len(b) for b in bufs)
+        self.status = self.err = 0  # its ack: status, errno and message of a refused batch
+        self.msg = b""
+        self.error: Any = None  # the failure it completes with (fail())
 
 
 class Completions:
     """The completions of batches written without ``on_done``, oldest first, across a transport's
-    peers. A batch keeps its in-flight slot until ``take`` hands its completion out (the queue stays
-    bounded by the slots). ``make(batch_id, error)`` builds what ``take`` returns."""
+    peers, behind a lock: a source's ack loop adds to it. A batch keeps its in-flight slot until
+    ``take`` hands its completion out (the queue stays bounded by the slots). ``make(batch_id,
+    error)`` builds what ``take`` returns; ``refused(status, errno, message)`` the error of a batch
+    the sink refused."""
 
-    def __init__(self, make: Any) -> None:
-        if make is None:
-            raise TypeError("make must be a callable, got None")
-        self._items: deque[Any] = deque()
-        self._sources: deque[Source] = deque()
-        self._make = make
-        self.waiters = 0  # threads waiting in the transport's completions(): notify them on a push
+    def __init__(self, make: Any, refused: Any) -> None:
+        if make is None or refused is None:
+            raise TypeError("make and refused must be callables, got None")
+        self._cond = threading.Condition()
+        self._done: deque[_Frame] = deque()
+        self._waiters = 0
+        self._make, self._refused = make, refused
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._done)
 
-    def _push(self, batch_id: Any, error: Any, src: Source) -> None:
-        self._items.append(self._make(batch_id, error))
-        self._sources.append(src)
+    def _push(self, frames: list[_Frame]) -> None:
+        """Queue completed frames; wake the waiters."""
+        with self._cond:
+            self._done.extend(frames)
+            if self._waiters:
+                self._cond.notify_all()
 
     def take(self, max_items: int) -> list[Any]:
         """Up to ``max_items`` completions, oldest first; their slots go back to their peers (whose
         ``on_slot`` runs when a writer waits for one)."""
         if not isinstance(max_items, int):
             raise TypeError(f"max_items must be an integer, got {type(max_items).__name__}")
+        with self._cond:
+            got = [self._done.popleft() for _ in range(min(max(max_items, 0), len(self._done)))]
         out: list[Any] = []
         woken: Source | None = None
-        while self._items and len(out) < max_items:
-            out.append(self._items.popleft())
-            src = self._sources.popleft()
+        for f in got:
+            if f.error is not None:
+                error = f.error
+            elif f.status:
+                error = self._refused(f.status, f.err, f.msg)
+            else:
+                error = None
+            out.append(self._make(f.batch_id, error))
+            src = f.src
             src.slots -= 1
             if src.waiters and src is not woken:
                 if woken is not None:
@@ -697,18 +716,32 @@ class Completions:
             woken.on_slot()
         return out
 
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for a completion to take; True if one is there."""
+        seconds = _seconds(seconds)
+        with self._cond:
+            self._waiters += 1
+            try:
+                self._cond.wait_for(lambda: self._done, timeout=max(seconds, 0.0))
+            finally:
+                self._waiters -= 1
+            return bool(self._done)
+
 
 class Source:
     """One connected peer's batches, from ``post`` to their completion: their seq, the in-flight
-    slots, the frames not yet sent and those awaiting acks, and the ack stream. State changes with
-    the GIL held (each method is atomic to other Python threads where the compiled twin's is: no
-    state is left half-changed when it calls out); the syscalls (``sendmsg`` of heads and payloads
-    straight from registered memory, ``recv`` of acks) work on buffers only the caller owns while it
-    does: the frames a send is using stay referenced by it.
+    slots, the frames not yet sent and those awaiting acks, and the ack stream.
+
+    Locking: the frame lists (queued, in flight, completed with a callback not yet called) and the
+    failed flag are behind a lock, which the ack loop (``acks``) takes to complete frames and every
+    other method takes to change them; the rest changes as the compiled twin's does with the GIL
+    held. The syscalls (``sendmsg`` of heads and payloads straight from registered memory, ``recv``
+    of acks) work on what only the caller owns meanwhile: the frames a send is using stay
+    referenced by it, and a socket is closed only once no send is under way (``close``).
 
     Threads: any writer (``post``; the first that finds nobody sending sends its frame itself,
     without waiting, and any queued behind it), one sender thread (``send_blocking``: what a full
-    socket left over) and one ack reader (``read_acks``, ``complete``)."""
+    socket left over) and one ack reader (``acks``, ``callbacks``, ``idle``)."""
 
     def __init__(self, sock: Any, ack_sock: Any, max_inflight: int, max_writes: int, refused: Any) -> None:
         if sock is None or ack_sock is None or refused is None:
@@ -725,32 +758,30 @@ class Source:
         self.on_slot: Any = None
         self.index = 0  # the failing write of the last post refused with a FRAME_* code
         self.err = 0  # errno of the last ACKS_CLOSED
+        self._mu = threading.Lock()
         self._seq = 0
-        self._unsent: _Frame | None = None  # posted, not yet taken by a send: oldest first
-        self._unsent_last: _Frame | None = None
-        self._flight: _Frame | None = None  # taken by a send (sent, or being sent): oldest first, acked in this order
-        self._flight_last: _Frame | None = None
+        self._unsent: deque[_Frame] = deque()  # posted, not yet taken by a send: oldest first
+        self._flight: deque[_Frame] = deque()  # taken by a send (sent, or being sent): oldest first, acked in this order
+        self._called: deque[_Frame] = deque()  # completed by acks, their callbacks not yet called
+        self._nflight = 0
+        self._failed = False
         self._sending = False  # a thread is sending (a writer, or the sender thread)
+        self._closing = False
+        self._closed = False
         self._out: list[_Frame] | None = None  # the frames of the send in progress (or its remainder)
         self._out_i = 0
         self._out_off = 0
-        self._failed = False
-        self._closing = False
         self.last_progress = time.monotonic()  # the last byte sent or ack taken
         self._last_byte = self.last_progress  # the last ack byte received
         self._abuf = bytearray(_ACK_BUF)
         self._aview = memoryview(self._abuf)
         self._astart = self._aend = 0
+        self._detail = 0
 
     @property
     def in_flight(self) -> int:
         """Batches posted and not completed (queued, being sent, or awaiting their ack)."""
-        n = 0
-        for f in (self._flight, self._unsent):
-            while f is not None:
-                n += 1
-                f = f.next
-        return n
+        return self._nflight
 
     @property
     def failed(self) -> bool:
@@ -758,7 +789,7 @@ class Source:
 
     def has_work(self) -> bool:
         """The sender thread's cue: nobody is sending, and something is left to send."""
-        return not self._sending and (self._out is not None or self._unsent is not None)
+        return not self._sending and (self._out is not None or bool(self._unsent))
 
     def post(self, batch: Any, grant: int, on_done: Any, batch_id: Any, loc_starts: np.ndarray,
              loc_lengths: np.ndarray, loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray) -> int:
@@ -772,7 +803,8 @@ class Source:
             return POST_ARRAY
         if len(batch) > self._max_writes:
             return POST_TOO_MANY
-        code, index, bufs = frame(batch, _u64(grant, "grant"), loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths)
+        grant = _u64(grant, "grant")
+        code, index, bufs = frame(batch, grant, loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths)
         if bufs is None:
             self.index = index
             return code
@@ -780,17 +812,18 @@ class Source:
             return POST_FAILED
         if self.slots >= self._max_inflight:
             return POST_FULL
-        self._seq += 1
-        _HEAD.pack_into(bufs[0], 0, self._seq, len(bufs) - 1, 0, grant)
-        f = _Frame(self._seq, batch_id, on_done, bufs)
+        f = _Frame(batch_id, on_done, bufs, self)
+        with self._mu:
+            if self._failed:  # (it failed while the frame was built)
+                return POST_FAILED
+            self._seq += 1
+            f.seq = self._seq
+            _HEAD.pack_into(bufs[0], 0, self._seq, len(bufs) - 1, 0, grant)
+            if not self._nflight:
+                self.last_progress = time.monotonic()
+            self._nflight += 1
+            self._unsent.append(f)
         self.slots += 1
-        if self._flight is None and self._unsent is None:
-            self.last_progress = time.monotonic()
-        if self._unsent_last is None:
-            self._unsent = f
-        else:
-            self._unsent_last.next = f
-        self._unsent_last = f
         if self._sending or self._out is not None:
             return POST_SENT  # the thread sending takes it next (the sender thread is awake for a remainder)
         self._sending = True
@@ -809,6 +842,7 @@ class Source:
             self._close()
 
     def _close(self) -> None:
+        self._closed = True
         for s in (self._sock, self._ack_sock):
             try:
                 s.close()
@@ -819,7 +853,8 @@ class Source:
         """Fail the peer (see ``fail``; call that first to complete its batches) and close its sockets, at
         once or, if a writer is sending, as its send returns: a descriptor is never closed (and maybe
         reused) under a send. Call after the sender and ack threads ended."""
-        self._failed = True
+        with self._mu:
+            self._failed = True
         self._closing = True
         if not self._sending:
             self._close()
@@ -828,19 +863,12 @@ class Source:
         """Move queued frames (up to ``_SEND_GATHER`` buffers) in line for acks, as the next send's ``out``."""
         out: list[_Frame] = []
         nbufs = 0
-        while self._unsent is not None and (not out or nbufs + len(self._unsent.bufs) <= _SEND_GATHER):
-            f = self._unsent
-            self._unsent = f.next
-            if self._unsent is None:
-                self._unsent_last = None
-            f.next = None
-            if self._flight_last is None:
-                self._flight = f
-            else:
-                self._flight_last.next = f
-            self._flight_last = f
-            out.append(f)
-            nbufs += len(f.bufs)
+        with self._mu:
+            while self._unsent and (not out or nbufs + len(self._unsent[0].bufs) <= _SEND_GATHER):
+                f = self._unsent.popleft()
+                self._flight.append(f)
+                out.append(f)
+                nbufs += len(f.bufs)
         self._out, self._out_i, self._out_off = out, 0, 0
 
     def _pump(self, flags: int) -> int:
@@ -851,11 +879,13 @@ class Source:
             if self._failed:
                 return _GONE
             if self._out is None:
-                if self._unsent is None:
+                if not self._unsent:
                     return 0
                 self._take()
+                if not self._out:
+                    self._out = None
+                    continue
             out = self._out
-            assert out is not None
             views: list[Any] = []
             off = self._out_off
             for f in out[self._out_i :]:
@@ -905,28 +935,93 @@ class Source:
             self._sent()
         return -1 if r == _GONE else r
 
-    def read_acks(self) -> int:
-        """Receive ack bytes (blocking, up to one kernel timeout): ``ACKS_GOT``, ``ACKS_TICK``, or
-        ``ACKS_CLOSED`` (errno in ``err``, 0 for an orderly close)."""
-        if self._astart == self._aend:
-            self._astart = self._aend = 0
-        elif _ACK_BUF - self._aend < ACK_SIZE + MAX_MSG:
-            rest = self._aend - self._astart
-            self._abuf[:rest] = self._abuf[self._astart : self._aend]
-            self._astart, self._aend = 0, rest
-        try:
-            k = self._ack_sock.recv_into(self._aview[self._aend :])
-        except _TICK:
-            return ACKS_TICK
-        except OSError as e:
-            self.err = e.errno or 0
-            return ACKS_CLOSED
-        if k == 0:
-            self.err = 0
-            return ACKS_CLOSED
-        self._aend += k
-        self._last_byte = time.monotonic()
-        return ACKS_GOT
+    def acks(self, queue: Completions) -> tuple[int, int]:
+        """The ack loop: receive acks and complete the frames in flight they name, oldest first; a batch
+        without ``on_done`` goes to ``queue`` (keeping its slot until taken). Returns ``(code, detail)``
+        when the caller has something to do: ``ACKS_GOT`` (batches with ``on_done`` completed:
+        ``callbacks()`` has them), ``ACKS_TICK`` (a kernel timeout passed), ``ACKS_CLOSED`` (errno in
+        ``err``), ``ACKS_BAD`` / ``ACKS_ORDER`` (the message length / seq of the ack that broke the
+        stream; the acks before it completed), ``ACKS_FAILED``."""
+        if not isinstance(queue, Completions):
+            raise TypeError(f"queue must be a Completions, got {type(queue).__name__}")
+        if self._closed:
+            return ACKS_CLOSED, 0
+        while True:
+            queued: list[_Frame] = []
+            called = False
+            broke = 0
+            now = time.monotonic()
+            with self._mu:
+                while self._aend - self._astart >= ACK_SIZE and not self._failed:
+                    seq, status, err, n = _ACK.unpack_from(self._abuf, self._astart)
+                    if n > MAX_MSG:
+                        self._detail, broke = n, ACKS_BAD
+                        break
+                    if self._aend - self._astart < ACK_SIZE + n:
+                        break
+                    if not self._flight or self._flight[0].seq != seq:
+                        self._detail, broke = seq, ACKS_ORDER
+                        break
+                    f = self._flight.popleft()
+                    self._nflight -= 1
+                    f.status, f.err = status, err
+                    if status and n:
+                        f.msg = bytes(self._abuf[self._astart + ACK_SIZE : self._astart + ACK_SIZE + n])
+                    self._astart += ACK_SIZE + n
+                    self.last_progress = now
+                    if f.callback:
+                        self._called.append(f)
+                        called = True
+                    else:
+                        queued.append(f)
+                if queued:
+                    queue._push(queued)  # under our lock: before any frame fail() queues after them
+                failed = self._failed
+            if failed:
+                return ACKS_FAILED, self._detail
+            if broke:
+                return broke, self._detail
+            if called:
+                return ACKS_GOT, self._detail
+            if self._astart == self._aend:
+                self._astart = self._aend = 0
+            elif _ACK_BUF - self._aend < ACK_SIZE + MAX_MSG:
+                rest = self._aend - self._astart
+                self._abuf[:rest] = self._abuf[self._astart : self._aend]
+                self._astart, self._aend = 0, rest
+            try:
+                k = self._ack_sock.recv_into(self._aview[self._aend :])
+            except _TICK:
+                return ACKS_TICK, self._detail
+            except OSError as e:
+                self.err = e.errno or 0
+                return ACKS_CLOSED, self._detail
+            if k == 0:
+                self.err = 0
+                return ACKS_CLOSED, self._detail
+            self._aend += k
+            self._last_byte = time.monotonic()
+
+    def callbacks(self) -> list[Any]:
+        """The batches with ``on_done`` that acks completed, oldest first, as ``(on_done, batch_id,
+        error)``; their slots come back."""
+        with self._mu:
+            got = list(self._called)
+            self._called.clear()
+        return self._calls(got)
+
+    def _calls(self, got: list[_Frame]) -> list[Any]:
+        out: list[Any] = []
+        for f in got:
+            if f.error is not None:
+                error = f.error
+            elif f.status:
+                error = self._refused(f.status, f.err, f.msg)
+            else:
+                error = None
+            out.append((f.on_done, f.batch_id, error))
+            self.slots -= 1
+        return out
 
     def idle(self, stall: float) -> int:
         """On a tick of the ack reader: 0, or 1 if part of an ack came and nothing more for ``stall``
@@ -935,73 +1030,32 @@ class Source:
         now = time.monotonic()
         if self._astart != self._aend:
             return 1 if now - self._last_byte >= stall else 0
-        if (self._flight is not None or self._unsent is not None) and now - self.last_progress > stall:
+        if self._nflight and now - self.last_progress > stall:
             return 2
         return 0
 
-    def complete(self, queue: Completions) -> tuple[int, list[Any] | None, int]:
-        """Match every whole ack received against the frames in flight, oldest first, and complete
-        them: a batch without ``on_done`` goes to ``queue`` (keeping its slot), one with it gives its
-        slot back and is returned for the caller to call. Returns ``(ACKS_GOT, callbacks, 0)`` with
-        ``callbacks`` a list of ``(on_done, batch_id, error)`` (None if none), or ``ACKS_BAD`` /
-        ``ACKS_ORDER`` and the message length / seq of the ack that broke the stream (the acks before
-        it completed)."""
-        if not isinstance(queue, Completions):
-            raise TypeError(f"queue must be a Completions, got {type(queue).__name__}")
-        callbacks: list[Any] | None = None
-        while self._aend - self._astart >= ACK_SIZE and not self._failed:
-            seq, status, err, n = _ACK.unpack_from(self._abuf, self._astart)
-            if n > MAX_MSG:
-                return ACKS_BAD, callbacks, n
-            if self._aend - self._astart < ACK_SIZE + n:
-                break
-            f = self._flight
-            if f is None or f.seq != seq:
-                return ACKS_ORDER, callbacks, seq
-            # out of line before any other code runs (a thread switch there sees it completed)
-            self._flight = f.next
-            if self._flight is None:
-                self._flight_last = None
-            f.next = None
-            start = self._astart + ACK_SIZE
-            message = bytes(self._abuf[start : start + n]) if status else None
-            self._astart += ACK_SIZE + n
-            self.last_progress = time.monotonic()
-            error = None if not status else self._refused(status, err, message)
-            if f.on_done is None:
-                queue._push(f.batch_id, error, self)
-            else:
-                self.slots -= 1
-                if callbacks is None:
-                    callbacks = []
-                callbacks.append((f.on_done, f.batch_id, error))
-        return ACKS_GOT, callbacks, 0
-
     def fail(self, queue: Completions, error: Any) -> list[Any]:
         """The peer failed: no more posts; every batch in flight completes with ``error``, oldest
-        first (as ``complete`` does: queued, or returned for the caller to call). Idempotent: a second
-        call finds nothing left."""
+        first: those without ``on_done`` go to ``queue``, and ``(on_done, batch_id, error)`` of the
+        others is returned, after those acks completed whose callbacks were not taken yet. Idempotent:
+        a second call finds nothing left."""
         if not isinstance(queue, Completions):
             raise TypeError(f"queue must be a Completions, got {type(queue).__name__}")
-        callbacks: list[Any] = []
-        self._failed = True
+        called: list[_Frame] = []
+        queued: list[_Frame] = []
+        with self._mu:
+            self._failed = True
+            called.extend(self._called)
+            self._called.clear()
+            left = [*self._flight, *self._unsent]
+            self._flight.clear()
+            self._unsent.clear()
+            self._nflight = 0
+            for f in left:
+                f.error = error
+                (called if f.callback else queued).append(f)
+            if queued:
+                queue._push(queued)  # under our lock: after every frame the ack loop queued
         if not self._sending:
             self._out = None  # a sender holds it until its send returns
-        # detached before any other code runs (a thread switch there finds nothing in flight)
-        chain = self._flight
-        if chain is None:
-            chain = self._unsent
-        elif self._unsent is not None:
-            assert self._flight_last is not None
-            self._flight_last.next = self._unsent
-        self._flight = self._flight_last = self._unsent = self._unsent_last = None
-        f = chain
-        while f is not None:
-            nxt, f.next = f.next, None
-            if f.on_done is None:
-                queue._push(f.batch_id, error, self)
-            else:
-                self.slots -= 1
-                callbacks.append((f.on_done, f.batch_id, error))
-            f = nxt
-        return callbacks
+        return self._calls(called)

@@ -1,9 +1,9 @@
 """The TCP transport: one-sided writes over plain sockets, for machines without RDMA.
 
-Payloads go from registered memory (``sendmsg`` of memoryview slices, no
-intermediate copy) straight into the target's registered memory
-(``recvmsg_into`` of memoryview slices). See ``transport/base.py`` for the
-contract; this module only adds the wire and the threads.
+Payloads go from registered memory (``sendmsg`` of iovecs pointing into it, no
+intermediate copy) straight into the target's registered memory (``recvmsg``
+into iovecs pointing there). See ``transport/base.py`` for the contract; this
+module only adds the wire and the threads.
 
 Wire (little-endian), one TCP connection per (source, sink) pair:
 
@@ -53,56 +53,96 @@ handshake is over long before 64 newer ones push it out. Threads and sockets of 
 side stay within ``max_sinks + 2 * _MAX_HELLOS``.
 
 Threads: one acceptor; per accepted connection one sink thread; per
-connected peer one sender and one ack reader. ``close()`` wakes and joins
-every one of them. An ``accept`` that fails for want of descriptors or memory
-(EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection stays queued and the listener
-readable) is tried again after a back-off, 10 ms doubling to 1 s, earlier when
-one of the sink's own connections closes (``base.AcceptBackoff``): counted in
-``accept_failures`` and logged at most every 10 s, never a spin.
+connected peer one sender and one ack reader (as before the loops were
+compiled: what changed is that none of them takes the GIL per batch).
+``close()`` wakes and joins every one of them. An ``accept`` that fails for
+want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection
+stays queued and the listener readable) is tried again after a back-off, 10 ms
+doubling to 1 s, earlier when one of the sink's own connections closes
+(``base.AcceptBackoff``): counted in ``accept_failures`` and logged at most
+every 10 s, never a spin.
 
-Per-batch costs, the limit for small batches (a Python thread hop costs tens
-of microseconds on a busy machine), are kept down these ways: a writer that
-finds nobody sending sends its batch itself with ``MSG_DONTWAIT`` and hands
-only a remainder to the sender thread; the sender gathers every queued batch
-into one ``sendmsg``; a completion wakes only writers waiting for a slot, never
-the sender. The sink's loop is compiled and runs without the GIL
-(``_fast.SinkConn.serve``): it reads a frame's header and descriptors, checks
-every write against the regions and the live grant it names (``_fast.Sink``,
-in C behind a mutex that register/deregister/grant/revoke take too), marks the
-connection landing through that grant, receives the payload straight into
-place together with the next frame's header and first descriptor when they are
-already there (one ``recvmsg`` per pipelined frame), clears the mark and acks;
-a sink that finds the next frame already waiting lands it before acking, and
-sends the gathered acks together (at most 16 batches or 1 MiB, and always
-before it would block), which the source's ack reader reads in one ``recv``
-and delivers under one lock. It comes back to Python only to have a refused
-frame's ack worded (``_refusal``) and at the end. ``revoke`` takes the grant
-out of that table (no frame through it is checked in from then on) and waits
-for the mark of a frame already landing through it; at its deadline it shuts
-down the connections still marked (under the mutex, so the socket is still
-theirs), and returns once their loops stopped receiving and cleared the mark.
-The per-batch loops are compiled (``transport._tcp_fast``, its pure twin
-``_tcp_fast_py`` under ``PDCORE_PURE_PYTHON=1``; ``IMPLEMENTATION`` names the
-one in use): ``frame`` checks a batch's local and remote ranges and builds its
-head (header and descriptors) and payload views in one pass; ``parse_acks``
-reads every whole ack in the reader's buffer. The error messages are worded
-here, from their result codes, so both twins give the same ones.
+A batch's path, and the threads it crosses. The per-batch work is compiled
+(``transport._tcp_fast``; its pure twin ``_tcp_fast_py`` under
+``PDCORE_PURE_PYTHON=1``, ``IMPLEMENTATION`` names the one in use), and every
+syscall on it runs without the GIL:
+
+1. ``write`` (the caller's thread) hands the batch to ``Source.post``, which
+   checks every local and remote range, takes an in-flight slot, gives the
+   batch its seq and builds its head (header and descriptors) in one pass in C.
+   A writer that finds nobody sending sends the frame itself — one ``sendmsg``
+   of the head and the payload's iovecs with ``MSG_DONTWAIT`` — and any frame
+   other writers queued meanwhile. No hand-off. Only what a full socket leaves
+   goes to the sender thread (``POST_WAKE``; one hand-off for everything
+   queued until the socket drains, which it sends gathered, up to 2,048 iovecs
+   a ``sendmsg``).
+2. The sink thread (the other process) wakes when bytes come, unless it is
+   already busy: its loop (``_fast.SinkConn.serve``) lands frame after frame
+   without the GIL. Per frame: read the header and descriptors; check every
+   write against the regions and the live grant the frame names
+   (``_fast.Sink``: both in C behind a pthread mutex, which register,
+   deregister, grant and revoke take too; ``GrantTable.check``'s rules, the
+   grant looked up once per frame) and, on success, mark the connection
+   landing through that grant, into those regions; ``recvmsg`` the payload
+   straight into place with up to 40 bytes more, the next frame's header and
+   first descriptor when they are already there (one call per pipelined frame);
+   clear the mark. Acks are gathered while further frames are already waiting
+   (at most 16 batches or 1 MiB) and sent before the loop would block: at
+   once for a lone batch (its payload read found nothing after it). It comes
+   back to Python only to have a refused frame's ack worded (``_refusal``),
+   and at the end. No GIL hand-off per frame.
+3. The source's ack reader wakes for the acks (one hand-off per group of
+   acks: it reads every ack that came in one ``recv``), matches them against
+   the frames in flight in C, puts the completions of queue-mode batches on
+   the transport's queue in one go and calls the callbacks, oldest first.
+4. Queue mode only: a thread waiting in ``completions()`` with nothing queued
+   is woken (one hand-off per wait, not per batch; a writer waiting for a slot
+   likewise). Under load the queue is not empty when ``completions()`` is
+   called, and nothing wakes.
+
+So a lone batch crosses two threads (sink, ack reader; three in queue mode
+when the caller already waits in ``completions()``), as a raw request and
+reply over sockets would; pipelined batches share those wake-ups (measured in
+``benchmarks/transport.py``'s runs: ~16 acks a wake-up). Before the loops were
+compiled, each of those threads also took the GIL per batch (the sink thread
+for its receive, check and ack, the ack reader per completion), a hand-over
+per step in each process. A queue-mode caller could read the acks itself and
+save step 3's wake-up, but the ack reader must stay for callbacks (they run on
+a transport thread) and for liveness, and the measured cost of its wake-ups
+(~0.2 µs a batch of its CPU) did not pay for the arbitration between the two.
+
+``revoke`` takes the grant out of the sink's table (no frame through it is
+checked from then on), then waits for the mark of a frame already landing
+through it. At its deadline it shuts down the connections still marked
+(``Sink.cut_grant``, under the mutex: a marked connection's loop has not ended,
+so its socket is not closed nor its descriptor reused) and returns once their
+loops stopped receiving and cleared the mark; they write nothing after that
+(``tests/transport/test_tcp_sink.py`` drives the loop and the table directly on
+both twins). ``deregister`` waits for the marks into its region the same way.
+The sink's loop writes by address: a region whose deregister timed out keeps
+its memory referenced (``_stuck``), and so do all of them after a ``close()``
+whose threads did not end.
+
+A source's state lives in ``_fast.Source``: each of its methods is atomic to
+other Python threads (the state changes with the GIL held; Python is called
+out to only where no state is half-changed), and the syscalls work on what
+only the caller owns meanwhile (the frames a send is using stay referenced;
+a writer's socket is closed only once its send returned: ``Source.close``). A
+queue-mode batch keeps its slot until ``completions()`` takes it
+(``_fast.Completions``). Error messages are worded here, from the twins' result
+codes, so both give the same ones.
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
 import itertools
-import math
 import logging
 import os
 import selectors
 import socket
 import struct
 import threading
-import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -220,52 +260,27 @@ class _PeerGone(Exception):
         self.errno = err
 
 
-def _recv_exact(
-    sock: socket.socket,
-    n: int,
-    *,
-    stop: threading.Event,
-    stall: float,
-    idle: Callable[[], None] | None = None,
-    deadline: Deadline | None = None,
-) -> bytes:
-    """Read exactly ``n`` bytes from a socket with a (poll-interval) timeout.
-
-    A timeout before the first byte calls ``idle`` (which raises to give up) or,
-    without one, counts as a stall; after ``stall`` seconds with no byte the
-    peer is declared gone, and at ``deadline`` whatever arrived. ``stop`` set =
-    the transport is closing.
-    """
+def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Event) -> bytes:
+    """Read exactly ``n`` bytes of a handshake before ``deadline`` (the whole of it has one), in ticks
+    of the socket's timeout; ``stop`` set = the transport is closing."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
-    last = time.monotonic()
     while got < n:
         try:
             k = sock.recv_into(view[got:])
         except _TICK:
             if stop.is_set():
                 raise _PeerGone("transport closing", None) from None
-            if deadline is not None and deadline.expired():
+            if deadline.expired():
                 raise _PeerGone(f"the handshake did not finish in time ({got} of {n} bytes)", errno_mod.ETIMEDOUT) from None
-            if got == 0 and idle is not None:
-                idle()
-                last = time.monotonic()
-            elif time.monotonic() - last >= stall:
-                raise _PeerGone(f"peer sent nothing for {stall:g} s", errno_mod.ETIMEDOUT) from None
             continue
         except OSError as e:
             raise _PeerGone(f"connection broke: {e}", e.errno) from e
         if k == 0:
             raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
         got += k
-        last = time.monotonic()
     return bytes(buf)
-
-
-def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Event) -> bytes:
-    """Read exactly ``n`` bytes before ``deadline`` (a handshake: the whole of it has one deadline)."""
-    return _recv_exact(sock, n, stop=stop, stall=math.inf, deadline=deadline)
 
 
 
@@ -394,8 +409,7 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
-        self._done = _fast.Completions(Completion)  # bounded by the in-flight slots, which it holds
-        self._done_cond = threading.Condition()  # completions() waits on it (notified only when one waits)
+        self._done = _fast.Completions(Completion, _refused)  # bounded by the in-flight slots, which it holds
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as e:
@@ -674,21 +688,10 @@ class TcpTransport(Transport):
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
         done = self._done
         out = done.take(max_items)
-        if out or deadline is None:
-            return out
-        with self._done_cond:
-            done.waiters += 1
-            try:
-                self._done_cond.wait_for(done.__len__, timeout=deadline.remaining())
-            finally:
-                done.waiters -= 1
-        return done.take(max_items)
-
-    def _completed(self) -> None:
-        """Completions were queued: wake the threads waiting in ``completions()``, if any."""
-        if self._done.waiters:
-            with self._done_cond:
-                self._done_cond.notify_all()
+        while not out and deadline is not None and not deadline.expired():
+            done.wait(deadline.remaining())  # without the GIL; an ack loop's push wakes it
+            out = done.take(max_items)
+        return out
 
     def _send_loop(self, p: _TcpPeer) -> None:
         """What a full socket left over: the writer that met it handed the rest here (``wake``)."""
@@ -706,11 +709,22 @@ class TcpTransport(Transport):
                 return  # failed elsewhere (ack reader, disconnect, close)
 
     def _ack_loop(self, p: _TcpPeer) -> None:
-        """Every ack the sink sends, read without the GIL: the batches they complete, oldest first; the
-        peer's liveness on every tick of the socket's kernel timeout."""
+        """Every ack the sink sends: ``Source.acks`` reads them and completes their batches without the
+        GIL (queue-mode ones straight onto the transport's queue), and comes back here only to have
+        callbacks called, on each tick of the socket's kernel timeout (the peer's liveness), or at the end."""
         src, done = p.src, self._done
         while True:
-            got = src.read_acks()
+            got, detail = src.acks(done)
+            if got == _fast.ACKS_GOT:
+                with p.deliver:
+                    callbacks = src.callbacks()  # their slots are back
+                    if src.waiters:
+                        p.slot_freed()
+                    for on_done, batch_id, error in callbacks:
+                        call_on_done(on_done, batch_id, error)
+                continue
+            if got == _fast.ACKS_FAILED:
+                return  # failed elsewhere (disconnect, close, the sender): it completed the rest
             if got == _fast.ACKS_TICK:
                 if p.error is not None:
                     return
@@ -727,24 +741,13 @@ class TcpTransport(Transport):
             if got == _fast.ACKS_CLOSED:
                 err = src.err
                 what = f"connection broke: {_oserror(err)}" if err else "peer closed the connection"
-                self._fail_peer(p, TransportError(f"peer lost: {what}", op="write", errno=err or errno_mod.ECONNRESET))
-                return
-            with p.deliver:
-                if p.error is not None:
-                    return
-                code, callbacks, detail = src.complete(done)  # queue-mode ones are queued already
-                self._completed()
-                if callbacks:
-                    if src.waiters:
-                        p.slot_freed()
-                    for on_done, batch_id, error in callbacks:
-                        call_on_done(on_done, batch_id, error)
-            if code == _fast.ACKS_BAD:
-                self._fail_peer(p, TransportError(f"peer lost: ack message of {detail} bytes", op="write", errno=errno_mod.EPROTO))
-                return
-            if code == _fast.ACKS_ORDER:
-                self._fail_peer(p, TransportError(f"peer acked batch {detail} out of order", op="write", errno=errno_mod.EPROTO))
-                return
+                error = TransportError(f"peer lost: {what}", op="write", errno=err or errno_mod.ECONNRESET)
+            elif got == _fast.ACKS_BAD:
+                error = TransportError(f"peer lost: ack message of {detail} bytes", op="write", errno=errno_mod.EPROTO)
+            else:
+                error = TransportError(f"peer acked batch {detail} out of order", op="write", errno=errno_mod.EPROTO)
+            self._fail_peer(p, error)  # after the callbacks of the acks before the break, in order
+            return
 
     def _fail_peer(self, p: _TcpPeer, error: TransportError) -> None:
         """Fail every batch in flight to ``p`` (in order) and shut its socket. Idempotent."""
@@ -753,7 +756,7 @@ class TcpTransport(Transport):
                 if p.error is None:
                     p.error = error
                 p.closed = True
-                callbacks = p.src.fail(self._done, p.error)
+                callbacks = p.src.fail(self._done, p.error)  # queue-mode ones queued (which wakes completions())
                 p.lock.notify_all()
                 p.wake.notify_all()
             for s in (p.sock, p.ack_sock):
@@ -762,7 +765,6 @@ class TcpTransport(Transport):
                         s.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
-            self._completed()
             for on_done, batch_id, err in callbacks:
                 call_on_done(on_done, batch_id, err)
 

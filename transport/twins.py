@@ -28,7 +28,7 @@ TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
                                                     "SERVE_BROKEN", "SERVE_STALLED", "SERVE_STOPPED", "POST_SENT",
                                                     "POST_WAKE", "POST_FULL", "POST_FAILED", "POST_ARRAY",
                                                     "POST_TOO_MANY", "ACKS_GOT", "ACKS_TICK",
-                                                    "ACKS_CLOSED", "ACKS_BAD", "ACKS_ORDER", "MAX_MSG", "frame",
+                                                    "ACKS_CLOSED", "ACKS_BAD", "ACKS_ORDER", "ACKS_FAILED", "MAX_MSG", "frame",
                                                     "parse_acks", "Sink", "SinkConn", "Source", "Completions")),
 }
 

@@ -46,7 +46,7 @@ class Pair:
         tcp._kernel_timeouts(self.sock, TICK)
         self.ack_sock = self.sock.dup()
         self.src = impl.Source(self.sock, self.ack_sock, max_inflight, max_writes, _refused)
-        self.queue = impl.Completions(Completion)
+        self.queue = impl.Completions(Completion, _refused)
         self.mem = np.arange(size, dtype=np.uint64).view(np.uint8)[:size].copy()
         self.addr = int(self.mem.ctypes.data)
         self.local = (np.array([self.addr], np.uint64), np.array([size], np.uint64), [memoryview(self.mem)])
@@ -78,10 +78,11 @@ class Pair:
         """Acks of these batches (all landed), in one send."""
         self.peer.sendall(b"".join(tcp._ACK.pack(seq, 0, 0, 0) for seq in seqs))
 
-    def take_acks(self) -> tuple[int, Any, int]:
-        """Read what the test's acks put on the wire (it came in one send: one read gets it) and complete."""
-        assert self.src.read_acks() == self.impl.ACKS_GOT
-        return self.src.complete(self.queue)
+    def take_acks(self) -> tuple[int, list[Any], int]:
+        """Run the ack loop once: ``(code, the callbacks it completed, detail)``. With only queue-mode
+        batches acked it completes them and returns at the next tick."""
+        code, detail = self.src.acks(self.queue)
+        return code, self.src.callbacks() if code == self.impl.ACKS_GOT else [], detail
 
     def close(self) -> None:
         self.src.fail(self.queue, "closed")
@@ -131,14 +132,14 @@ def test_acks_complete_batches_oldest_first_and_queue_mode_keeps_its_slot(pairs:
     assert p.post(p.write(24, 8), batch_id=4) == impl.POST_FULL and p.src.slots == 3
     assert [p.frame()[0] for _ in range(3)] == [1, 2, 3]
     p.peer.sendall(tcp._ACK.pack(1, 0, 0, 0) + tcp._ACK.pack(2, 1, errno.EACCES, 2) + b"no")  # 2 refused
-    assert p.take_acks() == (impl.ACKS_GOT, [(called.append, 2, ("refused", 1, errno.EACCES, b"no"))], 0)
+    assert p.take_acks()[:2] == (impl.ACKS_GOT, [(called.append, 2, ("refused", 1, errno.EACCES, b"no"))])
     assert p.src.slots == 2  # the callback's slot came back; the queued one's is held until taken
     assert len(p.queue) == 1 and p.src.in_flight == 1
     assert p.post(p.write(24, 8), batch_id=4) == impl.POST_SENT and p.src.slots == 3
     assert p.queue.take(10) == [Completion(1, None)] and p.src.slots == 2 and len(p.queue) == 0
     assert p.queue.take(10) == []
     p.acks(3, 4)
-    assert p.take_acks() == (impl.ACKS_GOT, None, 0)
+    assert p.take_acks()[:2] == (impl.ACKS_TICK, [])  # queue mode only: completed, back at the tick
     assert p.queue.take(1) == [Completion(3, None)] and p.queue.take(1) == [Completion(4, None)]
     assert p.src.slots == 0 and p.src.in_flight == 0
 
@@ -166,12 +167,12 @@ def test_an_ack_out_of_order_or_too_long_breaks_the_stream(pairs: Any) -> None:
     for i in range(3):
         assert p.post(p.write(0, 8), batch_id=i + 1) == impl.POST_SENT
     p.acks(1, 3)  # 2 is the oldest in flight
-    assert p.take_acks() == (impl.ACKS_ORDER, None, 3)
+    assert p.take_acks() == (impl.ACKS_ORDER, [], 3)
     assert p.queue.take(5) == [Completion(1, None)]
     q = pairs()
     assert q.post(q.write(0, 8), batch_id=1) == impl.POST_SENT
     q.peer.sendall(tcp._ACK.pack(1, 1, 0, impl.MAX_MSG + 1))
-    assert q.take_acks() == (impl.ACKS_BAD, None, impl.MAX_MSG + 1)
+    assert q.take_acks() == (impl.ACKS_BAD, [], impl.MAX_MSG + 1)
 
 
 def test_a_full_socket_leaves_the_rest_to_the_sender_thread(pairs: Any) -> None:
@@ -215,22 +216,54 @@ def test_fail_completes_every_batch_once_in_order(pairs: Any) -> None:
     assert p.src.send_blocking() == -1
 
 
-def test_the_ack_reader_ticks_sees_a_stall_and_the_close(pairs: Any) -> None:
+def test_fail_first_completes_what_acks_completed_and_nobody_called_yet(pairs: Any) -> None:
+    """The ack loop completed a batch with a callback (GOT) and the peer failed before the ack thread
+    took it: fail() returns it first, with its own outcome, then the rest with the failure; once."""
     p = pairs()
     impl = p.impl
-    assert p.src.read_acks() == impl.ACKS_TICK and p.src.idle(60.0) == 0
+    called: list[Any] = []
+    for i in range(3):
+        assert p.post(p.write(0, 8), on_done=called.append, batch_id=i) == impl.POST_SENT
+    p.acks(1)
+    assert p.src.acks(p.queue)[0] == impl.ACKS_GOT  # batch 0 completed, its callback not taken yet
+    assert p.src.in_flight == 2 and p.src.slots == 3
+    assert p.src.fail(p.queue, "gone") == [(called.append, 0, None), (called.append, 1, "gone"), (called.append, 2, "gone")]
+    assert p.src.callbacks() == [] and p.src.slots == 0
+    assert p.src.acks(p.queue)[0] == impl.ACKS_FAILED
+
+
+def test_the_ack_loop_ticks_sees_a_stall_and_the_close(pairs: Any) -> None:
+    p = pairs()
+    impl = p.impl
+    assert p.src.acks(p.queue)[0] == impl.ACKS_TICK and p.src.idle(60.0) == 0
     assert p.post(p.write(0, 8), batch_id=1) == impl.POST_SENT
     deadline = Deadline.after(10)
     while p.src.idle(0.1) != 2:  # in flight, nothing acked: no progress past the stall
         assert not deadline.expired(), "idle() never saw the stall"
-        assert p.src.read_acks() == impl.ACKS_TICK
+        assert p.src.acks(p.queue)[0] == impl.ACKS_TICK
     p.peer.sendall(tcp._ACK.pack(1, 0, 0, 0)[:7])  # part of an ack, then nothing
-    assert p.src.read_acks() == impl.ACKS_GOT and p.src.complete(p.queue) == (impl.ACKS_GOT, None, 0)
     while p.src.idle(0.1) != 1:
         assert not deadline.expired(), "idle() never saw the partial ack stall"
-        assert p.src.read_acks() == impl.ACKS_TICK
+        assert p.src.acks(p.queue)[0] == impl.ACKS_TICK
+    assert p.src.in_flight == 1
+    p.peer.sendall(tcp._ACK.pack(1, 0, 0, 0)[7:])  # the rest of it
+    assert p.src.acks(p.queue)[0] == impl.ACKS_TICK and p.queue.take(5) == [Completion(1, None)]
     p.peer.shutdown(socket.SHUT_WR)
-    assert p.src.read_acks() == impl.ACKS_CLOSED and p.src.err == 0
+    assert p.src.acks(p.queue)[0] == impl.ACKS_CLOSED and p.src.err == 0
+
+
+def test_a_waiter_for_completions_is_woken_by_the_ack_loop(pairs: Any) -> None:
+    p = pairs()
+    assert not p.queue.wait(0.0)
+    assert p.post(p.write(0, 8), batch_id=5) == p.impl.POST_SENT
+    p.frame()
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(p.queue.wait(30.0)), daemon=True)
+    waiter.start()
+    p.acks(1)
+    p.take_acks()
+    waiter.join(30)
+    assert woke == [True] and p.queue.take(5) == [Completion(5, None)]
 
 
 # --------------------------------------------------------------------- both twins, the same results
@@ -265,12 +298,13 @@ def _run(impl: ModuleType, ops: list[tuple[Any, ...]]) -> list[Any]:
                     first = posted - p.src.in_flight + 1  # seqs are 1, 2, ...: the oldest in flight
                     p.peer.sendall(b"".join(tcp._ACK.pack(first + k, op[2], op[2] and errno.EFAULT, op[2]) + b"x" * op[2]
                                            for k in range(n)))
-                    got = 0
-                    while got < n:
-                        assert p.src.read_acks() == impl.ACKS_GOT
-                        code, callbacks, detail = p.src.complete(p.queue)
-                        seen.append(("ack", code, [(c[1], c[2]) for c in callbacks or ()], detail))
-                        got = posted - p.src.in_flight - (first - 1)
+                    want = p.src.in_flight - n
+                    completed: list[Any] = []
+                    while p.src.in_flight > want:
+                        code, _detail = p.src.acks(p.queue)
+                        assert code in (impl.ACKS_GOT, impl.ACKS_TICK), code
+                        completed += [(c[1], c[2]) for c in p.src.callbacks()]
+                    seen.append(("ack", completed + [(c[1], c[2]) for c in p.src.callbacks()]))
             elif op[0] == "take":
                 seen.append(("take", [tuple(c) for c in p.queue.take(op[1])]))
             else:
