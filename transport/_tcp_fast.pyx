@@ -3,12 +3,15 @@
 signatures, results and errors; ``transport.tcp`` chooses, like ``transport.plan``).
 
 ``frame`` (source) checks a batch against the local and remote regions and builds its frame head
-and payload views in one pass; ``parse_acks`` (source) reads every whole ack in a buffer. The loops
-run in C over the batch array; Python objects are made only for what the caller keeps (the head,
-the views, the acks). ``Sink`` and ``SinkConn`` (sink): the table of regions and live grants every
-frame is checked against, in C behind a pthread mutex, and each connection's loop, which reads a
-frame, checks it, receives its payload into place and acks, all without the GIL. See the twin for
-the contract.
+and payload views in one pass. ``Source`` (one
+connected peer): ``post`` checks a batch the same way, takes a slot and sends the frame from the
+writer's thread (head and payload as iovecs straight from registered memory), ``send_blocking`` is
+the sender thread's remainder, ``acks`` the ack loop, which completes frames and queues them on
+``Completions`` without the GIL. ``Sink`` and ``SinkConn`` (sink): the table of regions and live
+grants every frame is checked against, and each connection's loop, which reads a frame, checks it,
+receives its payload into place and acks, all without the GIL. Shared state is behind pthread
+mutexes that the loops take without the GIL and Python-side calls take too. See the twin for the
+contract.
 """
 
 cimport numpy as cnp
@@ -60,7 +63,6 @@ __all__ = [
     "POST_WAKE",
     "Source",
     "frame",
-    "parse_acks",
 ]
 
 FRAME_SIZE = 24
@@ -207,31 +209,6 @@ def frame(cnp.ndarray batch not None, uint64_t grant, cnp.ndarray loc_starts not
         off = <Py_ssize_t>(w[3 * i] - ls[j])
         bufs.append(loc_views[j][off : off + <Py_ssize_t>w[3 * i + 2]])
     return FRAME_OK, 0, bufs
-
-
-def parse_acks(bytearray buf not None, Py_ssize_t start, Py_ssize_t end, Py_ssize_t max_msg):
-    """Every whole ack in ``buf[start:end]`` (a ``bytearray``): ``(acks, new start, bad)``, each ack
-    ``(seq, status, errno, message bytes)``; ``bad`` is the length of a too-long message (parsing
-    stops there), else 0."""
-    cdef const unsigned char* b = <const unsigned char*>PyByteArray_AS_STRING(buf)
-    cdef uint64_t seq
-    cdef uint32_t status, n
-    cdef int32_t err
-    if start < 0 or end > len(buf) or start > end:
-        raise ValueError(f"[{start}, {end}) is not inside a buffer of {len(buf)} bytes")
-    out = []
-    while end - start >= _ACK:
-        seq = _get64(b + start)
-        status = _get32(b + start + 8)
-        err = <int32_t>_get32(b + start + 12)
-        n = _get32(b + start + 16)
-        if <Py_ssize_t>n > max_msg:
-            return out, start, n
-        if end - start < _ACK + <Py_ssize_t>n:
-            break
-        out.append((seq, status, err, PyBytes_FromStringAndSize(<const char*>(b + start + _ACK), n)))
-        start += _ACK + n
-    return out, start, 0
 
 
 # ---------------------------------------------------------------------------------------- the sink

@@ -1,11 +1,19 @@
 """Per-batch work of the TCP transport, pure-Python twin of ``transport._tcp_fast`` (same names,
 signatures, results and errors; ``transport.tcp`` chooses, like ``transport.plan``).
 
-Two pure functions, no I/O and no locks (the caller holds what it needs):
+A pure function, no I/O and no locks:
 
 - ``frame`` (source): check a batch against the local and the remote regions and build its frame
   head (header with seq 0, then the descriptor pairs) and the payload views, in one pass.
-- ``parse_acks`` (source): every whole ack in a buffer.
+
+the source's side, with its I/O and its lock:
+
+- ``Source``: one connected peer's batches from ``post`` (``frame``'s checks, a slot, the seq; the
+  writer that finds nobody sending sends the frame itself) to their completion: ``send_blocking``
+  (the sender thread: what a full socket left), ``acks`` (the ack loop: acks complete frames oldest
+  first), ``callbacks``, ``fail``.
+- ``Completions``: the queue-mode completions of a transport's peers; a batch keeps its slot until
+  ``take`` hands it out.
 
 and the sink's side, with its I/O and its lock:
 
@@ -15,7 +23,10 @@ and the sink's side, with its I/O and its lock:
   (``wait_region``) wait on.
 - ``SinkConn``: one connection's loop (``serve``): read a frame, check it, receive its payload into
   place, ack; it returns to the caller only to have a refused frame's ack worded (``refuse``), or
-  when the connection ends. The compiled twin runs it without the GIL.
+  when the connection ends.
+
+The compiled twin runs the loops (``serve``, ``acks``) and every syscall without the GIL, its shared
+state behind pthread mutexes; this one behind ``threading`` locks, with the same results.
 
 Regions are given as a snapshot: ``starts`` and ``lengths`` (``uint64`` arrays sorted by start,
 not overlapping), and per region its view (a writable ``memoryview`` of all of it; the compiled twin
@@ -74,7 +85,6 @@ __all__ = [
     "POST_WAKE",
     "Source",
     "frame",
-    "parse_acks",
 ]
 
 FRAME_SIZE = 24  # seq u64, count u32, 0 u32, grant u64
@@ -163,25 +173,6 @@ def frame(
         off = la - ls[j]
         bufs.append(loc_views[j][off : off + n])
     return FRAME_OK, 0, bufs
-
-
-def parse_acks(buf: Any, start: int, end: int, max_msg: int) -> tuple[list[tuple[int, int, int, bytes]], int, int]:
-    """Every whole ack in ``buf[start:end]``: ``(acks, new start, bad)``; each ack is ``(seq, status,
-    errno, message bytes)``. ``bad`` is the message length of an ack whose message is longer than
-    ``max_msg`` (parsing stops before it; the acks before it are returned), else 0."""
-    _of(buf, bytearray, "buf")
-    if start < 0 or end > len(buf) or start > end:
-        raise ValueError(f"[{start}, {end}) is not inside a buffer of {len(buf)} bytes")
-    out: list[tuple[int, int, int, bytes]] = []
-    while end - start >= ACK_SIZE:
-        seq, status, err, n = _ACK.unpack_from(buf, start)
-        if n > max_msg:
-            return out, start, n
-        if end - start < ACK_SIZE + n:
-            break
-        out.append((seq, status, err, bytes(buf[start + ACK_SIZE : start + ACK_SIZE + n])))
-        start += ACK_SIZE + n
-    return out, start, 0
 
 
 # ---------------------------------------------------------------------------------------- the sink

@@ -91,25 +91,34 @@ syscall on it runs without the GIL:
    once for a lone batch (its payload read found nothing after it). It comes
    back to Python only to have a refused frame's ack worded (``_refusal``),
    and at the end. No GIL hand-off per frame.
-3. The source's ack reader wakes for the acks (one hand-off per group of
-   acks: it reads every ack that came in one ``recv``), matches them against
-   the frames in flight in C, puts the completions of queue-mode batches on
-   the transport's queue in one go and calls the callbacks, oldest first.
+3. The source's ack reader wakes for the acks (one hand-off per group: it
+   takes every ack that came in one ``recv``). Its loop (``Source.acks``) runs
+   without the GIL: it matches each ack against the oldest frame in flight and
+   moves that frame, as a C pointer under the source's mutex, onto the
+   transport's completion queue (``_fast.Completions``, behind its own mutex),
+   or, for a batch with ``on_done``, onto the source's list of callbacks due;
+   only then does it take the GIL, to call those, oldest first. Queue-mode
+   completions never take the GIL on this thread.
 4. Queue mode only: a thread waiting in ``completions()`` with nothing queued
-   is woken (one hand-off per wait, not per batch; a writer waiting for a slot
-   likewise). Under load the queue is not empty when ``completions()`` is
-   called, and nothing wakes.
+   (it waits without the GIL, on the queue's pthread condition) is woken: one
+   hand-off per wait, not per batch. Under load the queue is not empty when
+   ``completions()`` is called, and nothing wakes. A writer waiting for a slot
+   is woken likewise, only when one waits.
 
 So a lone batch crosses two threads (sink, ack reader; three in queue mode
 when the caller already waits in ``completions()``), as a raw request and
-reply over sockets would; pipelined batches share those wake-ups (measured in
-``benchmarks/transport.py``'s runs: ~16 acks a wake-up). Before the loops were
-compiled, each of those threads also took the GIL per batch (the sink thread
-for its receive, check and ack, the ack reader per completion), a hand-over
-per step in each process. A queue-mode caller could read the acks itself and
-save step 3's wake-up, but the ack reader must stay for callbacks (they run on
-a transport thread) and for liveness, and the measured cost of its wake-ups
-(~0.2 µs a batch of its CPU) did not pay for the arbitration between the two.
+reply over sockets would, and no GIL hand-over on the way (the callbacks of
+callback mode aside); pipelined batches share those wake-ups (~17 acks a
+wake-up of the ack reader in ``benchmarks/transport.py``'s single 16 KiB pages,
+0.5 µs of its CPU a batch). Before the loops were compiled, the same three
+threads each also took the GIL per batch: the sink thread for its receive,
+check and ack, the ack reader per completion, and the completion queue's
+Python condition — a GIL hand-over per step in each process, ~30 µs a
+single-page batch against the floor's ~5-15 µs. A queue-mode caller could read
+the acks itself and save step 3's wake-up, but the ack reader must stay for
+callbacks (they run on a transport thread) and for liveness, and its wake-ups,
+shared by ~17 batches, do not pay for the arbitration of one socket between
+two readers.
 
 ``revoke`` takes the grant out of the sink's table (no frame through it is
 checked from then on), then waits for the mark of a frame already landing

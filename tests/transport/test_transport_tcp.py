@@ -466,43 +466,6 @@ def test_frame_edges(fast_impl: ModuleType) -> None:
     assert (code, index) == (0, 0) and bytes(bufs[0]) == tcp._FRAME.pack(0, 0, 0, 0) and bufs[1:] == []
 
 
-def _acks_bytes(acks: list[tuple[int, int, int, bytes]]) -> bytes:
-    return b"".join(tcp._ACK.pack(seq, status, err, len(msg)) + msg for seq, status, err, msg in acks)
-
-
-@settings(max_examples=300)
-@given(data=st.data())
-def test_parse_acks_twins_agree(data: Any) -> None:
-    acks = data.draw(st.lists(st.tuples(
-        st.integers(0, _TOP - 1), st.integers(0, 1), st.integers(-(1 << 31), (1 << 31) - 1), st.binary(max_size=40),
-    ), max_size=6))
-    raw = bytearray(_acks_bytes(acks))
-    if data.draw(st.booleans()):  # an ack with a message over the bound
-        raw += tcp._ACK.pack(9, 1, 5, data.draw(st.integers(41, (1 << 32) - 1)))
-    start = data.draw(st.integers(0, len(raw)))
-    end = data.draw(st.integers(start, len(raw)))
-    compiled, pure = _both()
-    got = compiled.parse_acks(raw, start, end, 40)
-    assert got == pure.parse_acks(raw, start, end, 40)
-    if start == 0 and end == len(raw):
-        assert got[0] == acks
-
-
-def test_parse_acks_edges(fast_impl: ModuleType) -> None:
-    one = _acks_bytes([(1, 0, 0, b"")])
-    two = _acks_bytes([(2, 1, errno.EACCES, "refus\u00e9".encode())])
-    buf = bytearray(one + two + one[:7])
-    assert fast_impl.parse_acks(buf, 0, len(buf), 4096) == ([(1, 0, 0, b""), (2, 1, errno.EACCES, "refus\u00e9".encode())], len(one + two), 0)
-    assert fast_impl.parse_acks(buf, 0, len(one) - 1, 4096) == ([], 0, 0)
-    assert fast_impl.parse_acks(buf, len(one), len(one) + len(two) - 1, 4096) == ([], len(one), 0)
-    bad = bytearray(one + tcp._ACK.pack(3, 1, -1, 4097) + b"x" * 10)
-    assert fast_impl.parse_acks(bad, 0, len(bad), 4096) == ([(1, 0, 0, b"")], len(one), 4097)
-    assert fast_impl.parse_acks(bad, len(one), len(bad), 4096) == ([], len(one), 4097)
-    assert fast_impl.parse_acks(bytearray(tcp._ACK.pack(_TOP - 1, 7, -(1 << 31), 0)), 0, 20, 0) == ([(_TOP - 1, 7, -(1 << 31), b"")], 20, 0)
-    with pytest.raises(ValueError):
-        fast_impl.parse_acks(buf, 0, len(buf) + 1, 4096)
-
-
 def test_the_transport_uses_the_chosen_twin() -> None:
     import os
 
@@ -571,9 +534,6 @@ def test_twins_refuse_the_same_malformed_arguments() -> None:
                 impl.Sink().check(*args)
             errors.append(e.type)
         assert errors[0] is errors[1], args
-    for impl in (compiled, pure):
-        with pytest.raises(TypeError):
-            impl.parse_acks(bytes(20), 0, 20, 0)
 
 
 def test_an_acceptor_out_of_file_descriptors_backs_off_and_accepts_again() -> None:
