@@ -1355,15 +1355,16 @@ cdef class Source:
         """The sender thread's cue: nobody is sending, and something is left to send."""
         return not self.sending and (self.out is not None or self.unsent.head != NULL)
 
-    def post(self, batch, uint64_t grant, on_done, batch_id,
+    def post(self, batch, uint64_t grant, on_done, ids,
              cnp.ndarray loc_starts not None, cnp.ndarray loc_lengths not None, list loc_views not None,
              cnp.ndarray rem_starts not None, cnp.ndarray rem_lengths not None):
         """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array,
         ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
-        index in ``index``), take a slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE``
-        (wake the sender thread), ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that
-        finds nobody sending sends it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``,
-        without the GIL."""
+        index in ``index``), take a slot, give it the next seq and the next batch id from ``ids`` (both
+        at once: a peer's ids go up in the order its frames go out) and post it. Returns ``(code,
+        batch id or None)``: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread), ``POST_FULL``,
+        ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends it (and what
+        queues behind it meanwhile) with ``MSG_DONTWAIT``, without the GIL."""
         cdef const uint64_t* w = NULL
         cdef const uint64_t* ls = NULL
         cdef const uint64_t* ll = NULL
@@ -1373,15 +1374,15 @@ cdef class Source:
         cdef int code
         cdef cnp.ndarray arr
         if type(batch) is not cnp.ndarray:
-            return _POST_ARRAY
+            return _POST_ARRAY, None
         arr = <cnp.ndarray>batch
         if (cnp.PyArray_TYPE(arr) != cnp.NPY_UINT64 or cnp.PyArray_NDIM(arr) != 2 or not cnp.PyArray_ISCARRAY_RO(arr)
                 or cnp.PyArray_DIM(arr, 1) != 3):
-            return _POST_ARRAY
+            return _POST_ARRAY, None
         w = <const uint64_t*>cnp.PyArray_DATA(arr)
         n = cnp.PyArray_DIM(arr, 0)
         if n > self.max_writes:
-            return _POST_TOO_MANY
+            return _POST_TOO_MANY, None
         _array(loc_starts, cnp.NPY_UINT64, 1, <const void**>&ls, &nl)
         _array(loc_lengths, cnp.NPY_UINT64, 1, <const void**>&ll, &nl2)
         _array(rem_starts, cnp.NPY_UINT64, 1, <const void**>&rs, &nr)
@@ -1391,16 +1392,24 @@ cdef class Source:
         code = _check_batch(w, n, ls, ll, nl, rs, rl, nr, &index)
         if code:
             self.index = index
-            return code
+            return code, None
         if self.failed:
-            return _POST_FAILED
+            return _POST_FAILED, None
         if self.slots >= self.max_inflight:
-            return _POST_FULL
-        cdef _Frame f = _Frame.__new__(_Frame)
+            return _POST_FULL, None
+        # The slot is taken before anything that may let another thread run (an allocation, the
+        # mutex): two writers never both take the last one.
+        self.slots += 1
+        cdef _Frame f
         cdef size_t heads = _HEAD + _PAIR * <size_t>n
-        f.iov = <iovec*>malloc(<size_t>(n + 1) * sizeof(iovec) + heads)
-        if f.iov == NULL:
-            raise MemoryError()
+        try:
+            f = _Frame.__new__(_Frame)
+            f.iov = <iovec*>malloc(<size_t>(n + 1) * sizeof(iovec) + heads)
+            if f.iov == NULL:
+                raise MemoryError()
+        except BaseException:
+            self.slots -= 1
+            raise
         cdef unsigned char* h = <unsigned char*>(f.iov + n + 1)
         _put64(h + 8, <uint64_t>n)  # count u32, then the 0 u32
         _put64(h + 16, grant)
@@ -1414,7 +1423,6 @@ cdef class Source:
             f.iov[i + 1].iov_len = <size_t>w[3 * i + 2]
             f.nbytes += <size_t>w[3 * i + 2]
         f.niov = n + 1
-        f.batch_id = batch_id
         f.on_done = on_done
         f.keep = loc_views
         f.src = self
@@ -1425,7 +1433,16 @@ cdef class Source:
         if self.failed:  # (it failed while the frame was built)
             pthread_mutex_unlock(&self.mu)
             Py_DECREF(<PyObject*>f)
-            return _POST_FAILED
+            self.slots -= 1
+            return _POST_FAILED, None
+        try:
+            batch_id = next(ids)  # (a C call for itertools.count: nothing runs meanwhile)
+        except BaseException:
+            pthread_mutex_unlock(&self.mu)
+            Py_DECREF(<PyObject*>f)
+            self.slots -= 1
+            raise
+        f.batch_id = batch_id
         self.seq += 1
         f.c.seq = self.seq
         _put64(h, self.seq)
@@ -1434,15 +1451,14 @@ cdef class Source:
         self.nflight += 1
         _append(&self.unsent, &f.c)
         pthread_mutex_unlock(&self.mu)
-        self.slots += 1
         if self.sending or self.out is not None:
-            return _POST_SENT  # the thread sending takes it next (the sender thread is awake for a remainder)
+            return _POST_SENT, batch_id  # the thread sending takes it next (the sender thread is awake for a remainder)
         self.sending = True
         code = self._pump(MSG_DONTWAIT | MSG_NOSIGNAL)
         self._sent()
         if code == 0 or self.failed:
-            return _POST_SENT  # (a batch of a peer that failed meanwhile completed with the failure)
-        return _POST_WAKE  # the socket is full (or broke: the sender thread meets the error too)
+            return _POST_SENT, batch_id  # (a batch of a peer that failed meanwhile completed with the failure)
+        return _POST_WAKE, batch_id  # the socket is full (or broke: the sender thread meets the error too)
 
     cdef void _sent(self) noexcept:
         """A send returned: ``sending`` off; a failure or a close that came meanwhile takes effect now."""
@@ -1549,10 +1565,10 @@ cdef class Source:
     def send_blocking(self):
         """The sender thread's turn: send the remainder and every queued frame, blocking in ticks of the
         socket's kernel timeout. 0 once all went out, -1 if the peer failed meanwhile, else the errno of
-        a send that broke. ``has_work()`` said so first: nobody else is sending."""
+        a send that broke; 0 at once if another thread is sending (it sends what is left)."""
         cdef int r
         if self.sending:
-            raise RuntimeError("send_blocking() while another thread sends")
+            return 0
         self.sending = True
         try:
             while True:

@@ -698,7 +698,8 @@ class Completions:
                 error = None
             out.append(self._make(f.batch_id, error))
             src = f.src
-            src.slots -= 1
+            with src._mu:
+                src.slots -= 1
             if src.waiters and src is not woken:
                 if woken is not None:
                     woken.on_slot()
@@ -780,33 +781,44 @@ class Source:
 
     def has_work(self) -> bool:
         """The sender thread's cue: nobody is sending, and something is left to send."""
-        return not self._sending and (self._out is not None or bool(self._unsent))
+        with self._mu:
+            return not self._sending and (self._out is not None or bool(self._unsent))
 
-    def post(self, batch: Any, grant: int, on_done: Any, batch_id: Any, loc_starts: np.ndarray,
-             loc_lengths: np.ndarray, loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray) -> int:
+    def post(self, batch: Any, grant: int, on_done: Any, ids: Any, loc_starts: np.ndarray,
+             loc_lengths: np.ndarray, loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray) -> tuple[int, Any]:
         """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array,
         ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
-        index in ``index``), take a slot, give it the next seq and post it: ``POST_SENT``, ``POST_WAKE``
-        (wake the sender thread), ``POST_FULL``, ``POST_FAILED`` or a ``FRAME_*`` code. A writer that
-        finds nobody sending sends it (and what queues behind it meanwhile) with ``MSG_DONTWAIT``."""
+        index in ``index``), take a slot, give it the next seq and the next batch id from ``ids`` (both
+        at once: a peer's ids go up in the order its frames go out) and post it. Returns ``(code,
+        batch id or None)``: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread), ``POST_FULL``,
+        ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends it (and what
+        queues behind it meanwhile) with ``MSG_DONTWAIT``."""
         if (type(batch) is not np.ndarray or batch.dtype != np.uint64 or batch.ndim != 2 or batch.shape[1] != 3
                 or not (batch.flags.c_contiguous and batch.flags.aligned)):
-            return POST_ARRAY
+            return POST_ARRAY, None
         if len(batch) > self._max_writes:
-            return POST_TOO_MANY
+            return POST_TOO_MANY, None
         grant = _u64(grant, "grant")
         code, index, bufs = frame(batch, grant, loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths)
         if bufs is None:
             self.index = index
-            return code
+            return code, None
         if self._failed:
-            return POST_FAILED
-        if self.slots >= self._max_inflight:
-            return POST_FULL
-        f = _Frame(batch_id, on_done, bufs, self)
+            return POST_FAILED, None
+        with self._mu:  # the slot counter changes under the lock (a thread may switch between any two steps)
+            if self.slots >= self._max_inflight:
+                return POST_FULL, None
+            self.slots += 1
+        f = _Frame(None, on_done, bufs, self)
         with self._mu:
             if self._failed:  # (it failed while the frame was built)
-                return POST_FAILED
+                self.slots -= 1
+                return POST_FAILED, None
+            try:
+                f.batch_id = batch_id = next(ids)
+            except BaseException:
+                self.slots -= 1
+                raise
             self._seq += 1
             f.seq = self._seq
             _HEAD.pack_into(bufs[0], 0, self._seq, len(bufs) - 1, 0, grant)
@@ -814,23 +826,32 @@ class Source:
                 self.last_progress = time.monotonic()
             self._nflight += 1
             self._unsent.append(f)
-        self.slots += 1
-        if self._sending or self._out is not None:
-            return POST_SENT  # the thread sending takes it next (the sender thread is awake for a remainder)
-        self._sending = True
-        code = self._pump(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-        self._sent()
+            if self._sending or self._out is not None:
+                return POST_SENT, batch_id  # the thread sending takes it next (the sender thread is awake for a remainder)
+            self._sending = True
+        while True:
+            code = self._pump(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            if self._sent(code):
+                break
         if code == 0 or self._failed:
-            return POST_SENT  # (a batch of a peer that failed meanwhile completed with the failure)
-        return POST_WAKE  # the socket is full (or broke: the sender thread meets the error too)
+            return POST_SENT, batch_id  # (a batch of a peer that failed meanwhile completed with the failure)
+        return POST_WAKE, batch_id  # the socket is full (or broke: the sender thread meets the error too)
 
-    def _sent(self) -> None:
-        """A send returned: ``sending`` off; a failure or a close that came meanwhile takes effect now."""
-        self._sending = False
-        if self._failed:
-            self._out = None
-        if self._closing:
+    def _sent(self, code: int) -> bool:
+        """A send returned ``code``: ``sending`` off (True), unless all went out and frames were queued
+        meanwhile (False: the caller sends those too; their writers left them to it). A failure or a
+        close that came meanwhile takes effect now. Under the lock, with the check: a frame queued
+        after it sees ``sending`` off and sends itself."""
+        with self._mu:
+            if code == 0 and self._unsent and not self._failed:
+                return False
+            self._sending = False
+            if self._failed:
+                self._out = None
+            closing = self._closing
+        if closing:
             self._close()
+        return True
 
     def _close(self) -> None:
         self._closed = True
@@ -846,8 +867,9 @@ class Source:
         reused) under a send. Call after the sender and ack threads ended."""
         with self._mu:
             self._failed = True
-        self._closing = True
-        if not self._sending:
+            self._closing = True
+            sending = self._sending
+        if not sending:
             self._close()
 
     def _take(self) -> None:
@@ -913,17 +935,20 @@ class Source:
     def send_blocking(self) -> int:
         """The sender thread's turn: send the remainder and every queued frame, blocking in ticks of the
         socket's kernel timeout. 0 once all went out, -1 if the peer failed meanwhile, else the errno of
-        a send that broke. ``has_work()`` said so first: nobody else is sending."""
-        if self._sending:
-            raise RuntimeError("send_blocking() while another thread sends")
-        self._sending = True
+        a send that broke; 0 at once if another thread is sending (it sends what is left)."""
+        with self._mu:
+            if self._sending:
+                return 0
+            self._sending = True
+        r = _GONE
         try:
             while True:
                 r = self._pump(socket.MSG_NOSIGNAL)
-                if r != _TICKED:
+                if r != _TICKED and self._sent(r):
                     break
-        finally:
-            self._sent()
+        except BaseException:
+            self._sent(_GONE)
+            raise
         return -1 if r == _GONE else r
 
     def acks(self, queue: Completions) -> tuple[int, int]:
@@ -1011,7 +1036,8 @@ class Source:
             else:
                 error = None
             out.append((f.on_done, f.batch_id, error))
-            self.slots -= 1
+            with self._mu:
+                self.slots -= 1
         return out
 
     def idle(self, stall: float) -> int:
@@ -1036,6 +1062,8 @@ class Source:
         queued: list[_Frame] = []
         with self._mu:
             self._failed = True
+            if not self._sending:
+                self._out = None  # a sender holds it until its send returns
             called.extend(self._called)
             self._called.clear()
             left = [*self._flight, *self._unsent]
@@ -1047,6 +1075,4 @@ class Source:
                 (called if f.callback else queued).append(f)
             if queued:
                 queue._push(queued)  # under our lock: after every frame the ack loop queued
-        if not self._sending:
-            self._out = None  # a sender holds it until its send returns
         return self._calls(called)

@@ -642,12 +642,11 @@ class TcpTransport(Transport):
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
         snap = self._snap
         rem_starts, rem_lengths = p.remote_ranges
-        batch_id = next(self._batch_ids)
         src = p.src
         while True:
             # one pass: every local and remote range checked, a slot taken, the head (header with its
             # seq, descriptors) built, and the frame sent from this thread if nobody is sending
-            code = src.post(batch, grant, on_done, batch_id, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
+            code, batch_id = src.post(batch, grant, on_done, self._batch_ids, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
             if code == _POSTED:
                 return batch_id
             if code == _POSTED_WAKE:  # the socket is full: the sender thread sends the rest when it drains

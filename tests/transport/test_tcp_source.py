@@ -53,8 +53,15 @@ class Pair:
         self.remote = (np.array([REMOTE], np.uint64), np.array([1 << 30], np.uint64))
 
     def post(self, writes: Any, on_done: Any = None, batch_id: int = 0, grant: int = 0) -> int:
+        """Post with this ``batch_id``; the code (and the id is checked to be the one posted)."""
         batch = writes if not isinstance(writes, list) else np.array(writes, np.uint64).reshape(-1, 3)
-        return self.src.post(batch, grant, on_done, batch_id, *self.local, *self.remote)
+        ids = iter([batch_id])
+        code, got = self.src.post(batch, grant, on_done, ids, *self.local, *self.remote)
+        if code in (self.impl.POST_SENT, self.impl.POST_WAKE):
+            assert got == batch_id, (code, got)
+        else:  # nothing posted: no id taken
+            assert got is None and next(ids, None) == batch_id, (code, got)
+        return code
 
     def write(self, offset: int, n: int, dest: int = 0) -> list[tuple[int, int, int]]:
         return [(self.addr + offset, REMOTE + dest, n)]
@@ -107,7 +114,7 @@ def test_post_checks_a_batch_then_sends_it_from_the_callers_thread(pairs: Any) -
     p = pairs(max_writes=4)
     impl = p.impl
     assert p.post([(p.addr, REMOTE, 8)] * 5) == impl.POST_TOO_MANY
-    assert p.src.post([[1, 2, 3]], 0, None, 0, *p.local, *p.remote) == impl.POST_ARRAY  # a list: as_batch makes the array
+    assert p.src.post([[1, 2, 3]], 0, None, iter([0]), *p.local, *p.remote) == (impl.POST_ARRAY, None)  # as_batch makes one
     assert p.post(np.array([[p.addr, REMOTE, 8]], np.int64)) == impl.POST_ARRAY
     assert p.post(np.zeros((2, 6), np.uint64)[:, ::2]) == impl.POST_ARRAY  # not C-contiguous
     assert p.post([*p.write(0, 8), (p.addr, REMOTE, 0)]) == impl.FRAME_ZERO_LENGTH and p.src.index == 1

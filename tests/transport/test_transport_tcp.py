@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -564,3 +565,51 @@ def test_an_acceptor_out_of_file_descriptors_backs_off_and_accepts_again() -> No
             s.close()
         source.close(deadline=Deadline.after(5))
         child.close()
+
+
+def test_batch_ids_of_concurrent_writers_go_up_in_completion_order() -> None:
+    """Writers on several threads post to one peer: each batch completes once, and the ids come back
+    in increasing order (a peer's batch id and its place on the wire are given together)."""
+    src_t, dst_t = transport.create("tcp", max_inflight=8), transport.create("tcp")
+    try:
+        dst_t.register(np.zeros(1 << 20, np.uint8))
+        buf = np.ones(1 << 20, np.uint8)
+        r = src_t.register(buf)
+        peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+        d = peer.remote.regions[0].addr
+        lock = threading.Lock()
+        order: list[int] = []
+        posted: list[int] = []
+        all_done = threading.Event()
+        threads_n, per_thread = 4, 400
+
+        def done(batch_id: int, error: Any) -> None:
+            assert error is None
+            with lock:
+                order.append(batch_id)
+                if len(order) == threads_n * per_thread:
+                    all_done.set()
+
+        def writer(k: int) -> None:
+            for i in range(per_thread):
+                off = (k * per_thread + i) * 64 % ((1 << 20) - 64)
+                bid = src_t.write(peer, [(r.addr + off, d + off, 64)], done, deadline=Deadline.after(20))
+                with lock:
+                    posted.append(bid)
+
+        ths = [threading.Thread(target=writer, args=(k,)) for k in range(threads_n)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch often: inside write() too
+        try:
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join(30)
+        finally:
+            sys.setswitchinterval(interval)
+        assert all_done.wait(30), f"{len(order)} of {threads_n * per_thread} completed"
+        assert sorted(order) == sorted(posted) and len(set(order)) == len(order)
+        assert order == sorted(order), "batch ids completed out of their order"
+    finally:
+        src_t.close(deadline=Deadline.after(5))
+        dst_t.close(deadline=Deadline.after(5))
