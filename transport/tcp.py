@@ -1,9 +1,9 @@
 """The TCP transport: one-sided writes over plain sockets, for machines without RDMA.
 
-Payloads go from registered memory (``sendmsg`` of memoryview slices, no
-intermediate copy) straight into the target's registered memory
-(``recvmsg_into`` of memoryview slices). See ``transport/base.py`` for the
-contract; this module only adds the wire and the threads.
+Payloads go from registered memory (``sendmsg`` of iovecs pointing into it, no
+intermediate copy) straight into the target's registered memory (``recvmsg``
+into iovecs pointing there). See ``transport/base.py`` for the contract; this
+module only adds the wire and the threads.
 
 Wire (little-endian), one TCP connection per (source, sink) pair:
 
@@ -53,49 +53,105 @@ handshake is over long before 64 newer ones push it out. Threads and sockets of 
 side stay within ``max_sinks + 2 * _MAX_HELLOS``.
 
 Threads: one acceptor; per accepted connection one sink thread; per
-connected peer one sender and one ack reader. ``close()`` wakes and joins
-every one of them. An ``accept`` that fails for want of descriptors or memory
-(EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection stays queued and the listener
-readable) is tried again after a back-off, 10 ms doubling to 1 s, earlier when
-one of the sink's own connections closes (``base.AcceptBackoff``): counted in
-``accept_failures`` and logged at most every 10 s, never a spin.
+connected peer one sender and one ack reader (as before the loops were
+compiled: what changed is that none of them takes the GIL per batch).
+``close()`` wakes and joins every one of them. An ``accept`` that fails for
+want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection
+stays queued and the listener readable) is tried again after a back-off, 10 ms
+doubling to 1 s, earlier when one of the sink's own connections closes
+(``base.AcceptBackoff``): counted in ``accept_failures`` and logged at most
+every 10 s, never a spin.
 
-Per-batch costs, the limit for small batches (a Python thread hop costs tens
-of microseconds on a busy machine), are kept down these ways: a writer that
-finds nobody sending sends its batch itself with ``MSG_DONTWAIT`` and hands
-only a remainder to the sender thread; the sender gathers every queued batch
-into one ``sendmsg``; a sink that finds the next frame already waiting lands it
-before acking, and sends the gathered acks together (at most
-``_ACK_GATHER`` batches or ``_ACK_GATHER_BYTES``, and always before it would
-block), which the source's ack reader reads in one ``recv`` and delivers under
-one lock; the sink receives each payload together with the next frame's header
-and first descriptor when they are already there (one ``recvmsg`` per pipelined
-frame); a completion wakes only writers waiting for a slot, never the sender.
-The per-batch loops are compiled (``transport._tcp_fast``, its pure twin
-``_tcp_fast_py`` under ``PDCORE_PURE_PYTHON=1``; ``IMPLEMENTATION`` names the
-one in use): ``frame`` checks a batch's local and remote ranges and builds its
-head (header and descriptors) and payload views in one pass; ``check_frame``
-checks every write of a frame against the sink's regions and the grant, over
-the descriptor bytes, before a byte lands (the grant looked up once per frame,
-by ``_grant_state``, with ``GrantTable.check``'s rules); ``parse_acks`` reads
-every whole ack in the reader's buffer. The error messages are worded here,
-from their result codes, so both twins give the same ones.
+A batch's path, and the threads it crosses. The per-batch work is compiled
+(``transport._tcp_fast``; its pure twin ``_tcp_fast_py`` under
+``PDCORE_PURE_PYTHON=1``, ``IMPLEMENTATION`` names the one in use), and every
+syscall on it runs without the GIL:
+
+1. ``write`` (the caller's thread) hands the batch to ``Source.post``, which
+   checks every local and remote range, takes an in-flight slot, gives the
+   batch its seq and builds its head (header and descriptors) in one pass in C.
+   A writer that finds nobody sending sends the frame itself — one ``sendmsg``
+   of the head and the payload's iovecs with ``MSG_DONTWAIT`` — and any frame
+   other writers queued meanwhile. No hand-off. Only what a full socket leaves
+   goes to the sender thread (``POST_WAKE``; one hand-off for everything
+   queued until the socket drains, which it sends gathered, up to 2,048 iovecs
+   a ``sendmsg``).
+2. The sink thread (the other process) wakes when bytes come, unless it is
+   already busy: its loop (``_fast.SinkConn.serve``) lands frame after frame
+   without the GIL. Per frame: read the header and descriptors; check every
+   write against the regions and the live grant the frame names
+   (``_fast.Sink``: both in C behind a pthread mutex, which register,
+   deregister, grant and revoke take too; ``GrantTable.check``'s rules, the
+   grant looked up once per frame) and, on success, mark the connection
+   landing through that grant, into those regions; ``recvmsg`` the payload
+   straight into place with up to 40 bytes more, the next frame's header and
+   first descriptor when they are already there (one call per pipelined frame);
+   clear the mark. Acks are gathered while further frames are already waiting
+   (at most 16 batches or 1 MiB) and sent before the loop would block: at
+   once for a lone batch (its payload read found nothing after it). It comes
+   back to Python only to have a refused frame's ack worded (``_refusal``),
+   and at the end. No GIL hand-off per frame.
+3. The source's ack reader wakes for the acks (one hand-off per group: it
+   takes every ack that came in one ``recv``). Its loop (``Source.acks``) runs
+   without the GIL: it matches each ack against the oldest frame in flight and
+   moves that frame, as a C pointer under the source's mutex, onto the
+   transport's completion queue (``_fast.Completions``, behind its own mutex),
+   or, for a batch with ``on_done``, onto the source's list of callbacks due;
+   only then does it take the GIL, to call those, oldest first. Queue-mode
+   completions never take the GIL on this thread.
+4. Queue mode only: a thread waiting in ``completions()`` with nothing queued
+   (it waits without the GIL, on the queue's pthread condition) is woken: one
+   hand-off per wait, not per batch. Under load the queue is not empty when
+   ``completions()`` is called, and nothing wakes. A writer waiting for a slot
+   is woken likewise, only when one waits.
+
+So a lone batch crosses two threads (sink, ack reader; three in queue mode
+when the caller already waits in ``completions()``), as a raw request and
+reply over sockets would, and no GIL hand-over on the way (the callbacks of
+callback mode aside); pipelined batches share those wake-ups (~17 acks a
+wake-up of the ack reader in ``benchmarks/transport.py``'s single 16 KiB pages,
+0.5 µs of its CPU a batch). Before the loops were compiled, the same three
+threads each also took the GIL per batch: the sink thread for its receive,
+check and ack, the ack reader per completion, and the completion queue's
+Python condition — a GIL hand-over per step in each process, ~30 µs a
+single-page batch against the floor's ~5-15 µs. A queue-mode caller could read
+the acks itself and save step 3's wake-up, but the ack reader must stay for
+callbacks (they run on a transport thread) and for liveness, and its wake-ups,
+shared by ~17 batches, do not pay for the arbitration of one socket between
+two readers.
+
+``revoke`` takes the grant out of the sink's table (no frame through it is
+checked from then on), then waits for the mark of a frame already landing
+through it. At its deadline it shuts down the connections still marked
+(``Sink.cut_grant``, under the mutex: a marked connection's loop has not ended,
+so its socket is not closed nor its descriptor reused) and returns once their
+loops stopped receiving and cleared the mark; they write nothing after that
+(``tests/transport/test_tcp_sink.py`` drives the loop and the table directly on
+both twins). ``deregister`` waits for the marks into its region the same way.
+The sink's loop writes by address: a region whose deregister timed out keeps
+its memory referenced (``_stuck``), and so do all of them after a ``close()``
+whose threads did not end.
+
+A source's state lives in ``_fast.Source``: each of its methods is atomic to
+other Python threads (the state changes with the GIL held; Python is called
+out to only where no state is half-changed), and the syscalls work on what
+only the caller owns meanwhile (the frames a send is using stay referenced;
+a writer's socket is closed only once its send returned: ``Source.close``). A
+queue-mode batch keeps its slot until ``completions()`` takes it
+(``_fast.Completions``). Error messages are worded here, from the twins' result
+codes, so both give the same ones.
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
 import itertools
-import math
 import logging
 import os
 import selectors
 import socket
 import struct
 import threading
-import time
-from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -106,7 +162,6 @@ from .base import (
     auth_failed,
     Batch,
     Completion,
-    CompletionQueue,
     Endpoint,
     Grant,
     HELLO_TIMEOUT,
@@ -124,14 +179,13 @@ from .base import (
     byte_view,
     check_secret,
     decode_endpoint,
-    deliver,
+    call_on_done,
     derive_key,
     encode_endpoint,
     new_instance_id,
-    take_slot,
 )
 from .deadline import Deadline
-from .errors import StartError, TransportError
+from .errors import CapacityError, StartError, TransportError
 from .tcp_hello import (
     AT_CAP,
     AUTH_FAILED,
@@ -178,24 +232,14 @@ log = logging.getLogger("transport.tcp")
 
 _MAX_HELLOS = 64
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
-_SEQ = struct.Struct("<Q")  # a frame's first field: written once the batch has its place in line
-_DESC_PAIR = struct.Struct("<QQ")
 _ACK = struct.Struct("<QIiI")
 assert _FRAME.size == _fast.FRAME_SIZE and _ACK.size == _fast.ACK_SIZE
-_U64 = np.dtype(np.uint64)
 _NO_RANGES = np.zeros(0, np.uint64)
 _NO_REGIONS: tuple[Any, ...] = (_NO_RANGES, _NO_RANGES, np.zeros(0, np.uint8), [], [])
-_SEND_FLAGS = int(socket.MSG_NOSIGNAL)  # plain ints: or-ing the enum members costs a microsecond a call
-_DIRECT_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-_MAX_MSG = 4096
-_IOV_CHUNK = 512  # below IOV_MAX (1024 on Linux)
-_SEND_GATHER = 4 * _IOV_CHUNK
-# A sink acks right away when no further frame is waiting; under load it acks at most this
-# many batches (or bytes) together, so acks cost fewer syscalls and wake-ups on both sides.
-_ACK_GATHER = 16
-_ACK_GATHER_BYTES = 1 << 20  # buffers of queued batches the sender sends in one go
-_DISCARD_CHUNK = 1 << 20
-_AHEAD = 24 + 16  # bytes a sink reads past a payload: the next frame's header and first descriptor
+_MAX_MSG = _fast.MAX_MSG
+# Source.post's results, as plain module ints: write() compares one per batch
+_POSTED, _POSTED_WAKE, _FULL, _FAILED = _fast.POST_SENT, _fast.POST_WAKE, _fast.POST_FULL, _fast.POST_FAILED
+_ARRAY, _TOO_MANY = _fast.POST_ARRAY, _fast.POST_TOO_MANY
 
 
 # Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO = one poll interval): a call
@@ -225,122 +269,35 @@ class _PeerGone(Exception):
         self.errno = err
 
 
-def _recv_exact(
-    sock: socket.socket,
-    n: int,
-    *,
-    stop: threading.Event,
-    stall: float,
-    idle: Callable[[], None] | None = None,
-    deadline: Deadline | None = None,
-) -> bytes:
-    """Read exactly ``n`` bytes from a socket with a (poll-interval) timeout.
-
-    A timeout before the first byte calls ``idle`` (which raises to give up) or,
-    without one, counts as a stall; after ``stall`` seconds with no byte the
-    peer is declared gone, and at ``deadline`` whatever arrived. ``stop`` set =
-    the transport is closing.
-    """
+def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Event) -> bytes:
+    """Read exactly ``n`` bytes of a handshake before ``deadline`` (the whole of it has one), in ticks
+    of the socket's timeout; ``stop`` set = the transport is closing."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
-    last = time.monotonic()
     while got < n:
         try:
             k = sock.recv_into(view[got:])
         except _TICK:
             if stop.is_set():
                 raise _PeerGone("transport closing", None) from None
-            if deadline is not None and deadline.expired():
+            if deadline.expired():
                 raise _PeerGone(f"the handshake did not finish in time ({got} of {n} bytes)", errno_mod.ETIMEDOUT) from None
-            if got == 0 and idle is not None:
-                idle()
-                last = time.monotonic()
-            elif time.monotonic() - last >= stall:
-                raise _PeerGone(f"peer sent nothing for {stall:g} s", errno_mod.ETIMEDOUT) from None
             continue
         except OSError as e:
             raise _PeerGone(f"connection broke: {e}", e.errno) from e
         if k == 0:
             raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
         got += k
-        last = time.monotonic()
     return bytes(buf)
 
 
-def _recv_by(sock: socket.socket, n: int, deadline: Deadline, stop: threading.Event) -> bytes:
-    """Read exactly ``n`` bytes before ``deadline`` (a handshake: the whole of it has one deadline)."""
-    return _recv_exact(sock, n, stop=stop, stall=math.inf, deadline=deadline)
 
 
-def _recv_into_views(sock: socket.socket, views: list[memoryview], *, stop: threading.Event, stall: float) -> None:
-    """Fill each view in order from the stream (scatter reads, no copies). Mutates ``views``."""
-    i, n = 0, len(views)
-    last = time.monotonic()
-    while i < n:
-        try:
-            got = sock.recvmsg_into(views[i : i + _IOV_CHUNK])[0]
-        except _TICK:
-            if stop.is_set():
-                raise _PeerGone("transport closing", None) from None
-            if time.monotonic() - last >= stall:
-                raise _PeerGone(f"peer stalled mid-batch for {stall:g} s", errno_mod.ETIMEDOUT) from None
-            continue
-        except OSError as e:
-            raise _PeerGone(f"connection broke mid-batch: {e}", e.errno) from e
-        if got == 0:
-            raise _PeerGone("peer closed the connection mid-batch", errno_mod.ECONNRESET)
-        last = time.monotonic()
-        i = _advance(views, i, got)
 
 
-def _skip(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes (already received) from ``views``, in place."""
-    i = 0
-    while n and i < len(views):
-        v = views[i]
-        if n >= len(v):
-            n -= len(v)
-            i += 1
-        else:
-            views[i] = v[n:]
-            n = 0
-    del views[:i]
 
 
-def _send_views(sock: socket.socket, bufs: list[Any], on_progress: Callable[[], bool]) -> None:
-    """Send every buffer in order (gather writes, no copies). Mutates ``bufs``.
-
-    After each send or tick ``on_progress(sent)`` returns False to give up.
-    """
-    i, n = 0, len(bufs)
-    while i < n:
-        try:
-            sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], _SEND_FLAGS)
-        except _TICK:
-            sent = 0
-        if not on_progress(sent):
-            raise _PeerGone("gave up sending", None)
-        i = _advance(bufs, i, sent)
-
-
-def _advance(bufs: list[Any], i: int, sent: int) -> int:
-    """The index of the first view not wholly sent once ``sent`` more bytes left; trims that view in place.
-
-    Empty views are stepped over: ``sendmsg`` of only empty views sends 0 bytes,
-    so a sender waiting for them to go would spin forever (an empty batch's
-    descriptor list is one).
-    """
-    n = len(bufs)
-    while i < n and (sent or not len(bufs[i])):
-        v = bufs[i]
-        if sent >= len(v):
-            sent -= len(v)
-            i += 1
-        else:
-            bufs[i] = v[sent:]
-            sent = 0
-    return i
 
 
 def _tune(sock: socket.socket, peer_timeout: float) -> None:
@@ -363,39 +320,32 @@ class _Local:
     owner: Any
 
 
-@dataclass(slots=True)
-class _Pending:
-    batch_id: int
-    seq: int
-    bufs: list[Any]
-    on_done: OnDone | None
-
-
 @dataclass(eq=False, slots=True)
 class _TcpPeer(PeerHandle):
     sock: socket.socket | None = None
     ack_sock: socket.socket | None = None
-    # Two conditions on one mutex: ``lock`` wakes writers waiting for a slot (every completion
-    # notifies it), ``wake`` only the sender thread (work for it, or an error), so completions
-    # do not wake the sender for nothing: a thread hop per batch is what small batches cannot afford.
+    # Its batches from post to completion (seq, slots, frames to send and awaiting acks, the ack
+    # stream): _fast.Source, whose methods are each atomic to Python threads and send and receive
+    # without the GIL.
+    src: Any = None
+    # One mutex, two conditions: ``lock`` wakes writers waiting for a slot (notified only when one
+    # waits), ``wake`` only the sender thread (a full socket left it a remainder, or an error).
     mutex: threading.RLock = field(default_factory=threading.RLock)
     lock: threading.Condition = field(init=False)
     wake: threading.Condition = field(init=False)
-    deliver: threading.RLock = field(default_factory=threading.RLock)
-    unsent: deque[_Pending] = field(default_factory=deque)
-    unacked: deque[_Pending] = field(default_factory=deque)
-    slots: int = 0
-    seq: int = 0
-    sending: bool = False  # a thread is sending (the sender, or a writer on the fast path)
-    outbuf: list[Any] | None = None  # the unsent rest of a fast-path send
+    deliver: threading.RLock = field(default_factory=threading.RLock)  # one peer's completions, in order
     error: TransportError | None = None
-    last_progress: float = 0.0
     threads: list[threading.Thread] = field(default_factory=list)
     remote_ranges: tuple[np.ndarray, np.ndarray] = (_NO_RANGES, _NO_RANGES)  # the endpoint's regions: starts, lengths
 
     def __post_init__(self) -> None:
         self.lock = threading.Condition(self.mutex)
         self.wake = threading.Condition(self.mutex)
+
+    def slot_freed(self) -> None:
+        """A slot came back and a writer waits for one (``Source.on_slot``)."""
+        with self.lock:
+            self.lock.notify_all()
 
 
 def _ranges(regions: tuple[Region, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -448,15 +398,16 @@ class TcpTransport(Transport):
         self._keys = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._peer_ids = itertools.count(1)
-        self._landing: Counter[int] = Counter()  # region key -> sink threads landing into it now
-        self._grants = GrantTable()  # guarded by _landing_cond
+        self._grants = GrantTable()  # the API's record of live grants, guarded by _table_lock
         self._guarded: set[int] = set()  # keys of regions registered with require_grant
-        self._grant_landing: dict[int, set[socket.socket]] = {}  # grant key -> connections landing through it
-        self._landing_cond = threading.Condition()
-        # The registered regions as the fast path reads them (both sides): starts, lengths,
-        # guarded flags, keys, views. Replaced whole, under _landing_cond, by register/deregister.
+        # What every frame is checked against (regions, live grants) and which connections are landing
+        # one, in C behind the mutex the sink loops take without the GIL (see _fast.Sink).
+        self._table = _fast.Sink()
+        self._table_lock = threading.Lock()  # one register/deregister/grant/revoke changes the table at a time
+        self._stuck: list[Any] = []  # owners of regions deregistered while a frame still landed into them
+        # The registered regions as the source's fast path reads them: starts, lengths, guarded
+        # flags, keys, views. Replaced whole, under _table_lock, by register/deregister.
         self._snap: tuple[Any, ...] = _NO_REGIONS
-        self._grant_ranges: dict[int, tuple[Grant, np.ndarray, np.ndarray]] = {}  # key -> its ranges as arrays
         self._peers: dict[int, _TcpPeer] = {}
         self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}  # every accepted connection
         self._live: set[int] = set()  # the sids among them past their handshake: what max_sinks bounds
@@ -467,7 +418,7 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
-        self._queue = CompletionQueue(1 << 30)  # bounded by the in-flight slots, which it holds
+        self._done = _fast.Completions(Completion, _refused)  # bounded by the in-flight slots, which it holds
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as e:
@@ -507,60 +458,64 @@ class TcpTransport(Transport):
         if require_grant:
             self._guarded.add(region.key)
         self._regions.add(region)
-        with self._landing_cond:
+        with self._table_lock:
             self._resnap()
         return region
 
     def _resnap(self) -> None:
-        """Rebuild ``_snap`` from the region table. Holds ``_landing_cond``: a sink checks a frame
-        under it, so a deregistered region takes no frame that starts landing after this."""
+        """Rebuild ``_snap`` and the sink table's regions from the region table (holds ``_table_lock``):
+        a deregistered region takes no frame checked after this."""
         regions = [(r, self._locals.get(r.key)) for r in self._regions.snapshot()]
         regions = [(r, local) for r, local in regions if local is not None]
         starts, lengths = _ranges(tuple(r for r, _ in regions))
         guarded = np.array([r.key in self._guarded for r, _ in regions], np.uint8)
-        self._snap = (starts, lengths, guarded, [r.key for r, _ in regions], [local.view for _, local in regions])
+        keys = [r.key for r, _ in regions]
+        views = [local.view for _, local in regions]
+        self._table.set_regions(starts, lengths, guarded, np.array(keys, np.uint64), views)
+        self._snap = (starts, lengths, guarded, keys, views)
 
     def grant(self, source: bytes, ranges: Any) -> Grant:
         self._check_open("grant")
-        with self._landing_cond:
+        with self._table_lock:
             g = self._grants.add(source, ranges)
             bad = self._regions.outside(g.ranges)
             if bad is not None:
                 self._grants.pop(g.key)
                 raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
+            starts, lengths = np.array(g.ranges, np.uint64).reshape(-1, 2).T
+            self._table.add_grant(g.key, g.source, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
         return g
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
         deadline = deadline or Deadline.after(1.0)
         key = grant.key
-        with self._landing_cond:
+        with self._table_lock:
             if self._grants.get(key) not in (None, grant):
                 return  # another sink's grant: keys are per sink
-            self._grants.pop(key)  # no frame through it starts landing from now on (a second revoke still waits)
-            self._grant_ranges.pop(key, None)
-            self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=deadline.remaining())
-            cut = list(self._grant_landing.get(key, ()))
-        for conn in cut:  # a frame still landing (a paused or stalled source): stop it
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if cut:
-            with self._landing_cond:
-                if not self._landing_cond.wait_for(lambda: not self._grant_landing.get(key), timeout=self._poll * 4 + 1.0):
-                    raise TransportError(f"revoke: a write through grant {key} is still landing", op="revoke")
+            self._grants.pop(key)
+            # No frame through it is checked in from now on; one checked before is marked landing (a
+            # second revoke still waits for it).
+            self._table.remove_grant(key)
+        if self._table.wait_grant(key, deadline.remaining()):
+            return
+        # A frame still landing at the deadline (a paused or stalled source): cut its connection; its
+        # loop stops receiving and clears the mark, after which it writes nothing more.
+        self._table.cut_grant(key)
+        if not self._table.wait_grant(key, self._poll * 4 + 1.0):
+            raise TransportError(f"revoke: a write through grant {key} is still landing", op="revoke")
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
         if not self._regions.remove(region):
             return
         deadline = deadline or Deadline.after(self._peer_timeout)
-        with self._landing_cond:
+        with self._table_lock:
             self._resnap()
-            self._landing_cond.wait_for(lambda: not self._landing[region.key], timeout=deadline.remaining())
-            self._guarded.discard(region.key)
-            busy = self._landing.pop(region.key, 0)
-        self._locals.pop(region.key, None)
-        if busy:
+        idle = self._table.wait_region(region.key, deadline.remaining())
+        self._guarded.discard(region.key)
+        local = self._locals.pop(region.key, None)
+        if not idle:
+            # The sink loop writes by address: the memory stays referenced while a frame may still land.
+            self._stuck.append(local)
             raise TransportError(
                 f"deregister: {region} still has writes landing after the deadline", op="deregister"
             )
@@ -598,7 +553,8 @@ class TcpTransport(Transport):
             raise
         peer = _TcpPeer(next(self._peer_ids), remote, RegionTable(remote.regions), sock=sock, ack_sock=ack_sock)
         peer.remote_ranges = _ranges(remote.regions)
-        peer.last_progress = time.monotonic()
+        peer.src = _fast.Source(sock, ack_sock, self._max_inflight, self._max_batch_writes, _refused)
+        peer.src.on_slot = peer.slot_freed
         with self._lock:
             if self._closed:
                 sock.close()
@@ -670,9 +626,7 @@ class TcpTransport(Transport):
             owned = self._peers.pop(p.id, None) is p
         if owned:
             self._join(p.threads, deadline or Deadline.after(5.0))
-            for s in (p.sock, p.ack_sock):
-                if s is not None:
-                    s.close()
+            p.src.close()  # its sockets, once no writer is sending on them
 
     def write(
         self,
@@ -686,150 +640,131 @@ class TcpTransport(Transport):
         p = self._own(peer)
         if not 0 <= grant < 1 << 64:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
-        if type(batch) is np.ndarray and batch.dtype is _U64 and batch.ndim == 2 and batch.shape[1] == 3 and batch.flags.c_contiguous:
-            arr = batch  # the plan's output as it is: as_batch would only check for a zero length, as frame() does
-        else:
-            arr = as_batch(batch)
-        if len(arr) > self._max_batch_writes:
-            as_batch(arr)  # a zero length is reported first, as for any batch
-            raise TransportError(f"a batch holds at most {self._max_batch_writes} writes, got {len(arr)}", op="write")
         snap = self._snap
         rem_starts, rem_lengths = p.remote_ranges
-        # one pass: every local and remote range checked, the head (header, descriptors) and the views built
-        code, i, bufs = _fast.frame(arr, grant, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
-        if bufs is None:
-            la, ra, n = (int(x) for x in arr[i])
+        src = p.src
+        while True:
+            # one pass: every local and remote range checked, a slot taken, the head (header with its
+            # seq, descriptors) built, and the frame sent from this thread if nobody is sending
+            code, batch_id = src.post(batch, grant, on_done, self._batch_ids, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
+            if code == _POSTED:
+                return batch_id
+            if code == _POSTED_WAKE:  # the socket is full: the sender thread sends the rest when it drains
+                with p.mutex:
+                    p.wake.notify()
+                return batch_id
+            if code == _FULL:
+                self._wait_slot(p, deadline)
+                continue
+            if code == _FAILED:
+                raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
+            if code == _ARRAY:  # not the plan's (n, 3) uint64 array: as_batch makes one (or says why not)
+                arr = batch
+                batch = as_batch(batch)
+                if batch is arr:
+                    raise TransportError("a batch array that as_batch cannot make C-contiguous", op="write")
+                continue
+            if code == _TOO_MANY:
+                as_batch(batch)  # a zero length is reported first, as for any batch
+                raise TransportError(f"a batch holds at most {self._max_batch_writes} writes, got {len(batch)}", op="write")
+            la, ra, n = (int(x) for x in batch[src.index])
             if code == _fast.FRAME_ZERO_LENGTH:
                 raise TransportError("a write in the batch has length 0", op="write")
             if code == _fast.FRAME_LOCAL_OUTSIDE:
                 raise TransportError(f"local range [{la:#x}, +{n}) is not inside a registered region", op="write")
             raise TransportError(f"remote range [{ra:#x}, +{n}) is not inside a region the peer announced", op="write")
-        with p.lock:
-            if p.error is not None or p.closed:
-                raise TransportError(f"peer is unusable: {p.error or 'disconnected'}", op="write")
-            take_slot(p, self._max_inflight, deadline, _usable)
-            p.seq += 1
-            batch_id = next(self._batch_ids)
-            _SEQ.pack_into(bufs[0], 0, p.seq)
-            if not p.unsent and not p.unacked:
-                p.last_progress = time.monotonic()
-            p.unsent.append(_Pending(batch_id, p.seq, bufs, on_done))
-            direct = not p.sending and p.outbuf is None
-            if direct:  # nobody is sending: send from this thread, without waiting, what fits now
-                p.sending = True
-                out = _take(p)
-            else:
-                p.wake.notify()
-        if direct:
-            self._send_direct(p, out)
-        return batch_id
 
-    def _send_direct(self, p: _TcpPeer, bufs: list[Any]) -> None:
-        """The fast path: a non-blocking send from the caller's thread; the sender thread gets the rest."""
-        sock = p.sock
-        assert sock is not None
-        i, n = 0, len(bufs)
-        try:
-            while i < n:
-                sent = sock.sendmsg(bufs[i : i + _IOV_CHUNK], [], _DIRECT_FLAGS)
-                p.last_progress = time.monotonic()
-                i = _advance(bufs, i, sent)
-        except OSError:
-            pass  # EAGAIN: the sender thread waits for room; anything else: it meets the error too
+    def _wait_slot(self, p: _TcpPeer, deadline: Deadline | None) -> None:
+        """``p`` is at ``max_inflight``: without a deadline that is a ``CapacityError`` at once; with one,
+        wait for a slot (every completion that frees one while a writer waits notifies ``p.lock``)."""
+        limit, src = self._max_inflight, p.src
+        if deadline is None:
+            raise CapacityError(
+                f"{limit} batches already in flight to this peer "
+                "(queue-mode batches hold their slot until completions() takes them)"
+            )
         with p.lock:
-            p.outbuf = bufs[i:] if i < n else None
-            p.sending = False
-            if p.outbuf is not None or p.unsent:
-                p.wake.notify()
+            src.waiters += 1
+            try:
+                p.lock.wait_for(lambda: src.slots < limit or src.failed, timeout=deadline.remaining())
+            finally:
+                src.waiters -= 1
+        _usable(p)
+        if src.slots >= limit:
+            raise CapacityError(f"{limit} batches still in flight to this peer at the deadline")
 
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:
-        return self._queue.get(max_items, deadline)
+        done = self._done
+        out = done.take(max_items)
+        while not out and deadline is not None and not deadline.expired():
+            done.wait(deadline.remaining())  # without the GIL; an ack loop's push wakes it
+            out = done.take(max_items)
+        return out
 
     def _send_loop(self, p: _TcpPeer) -> None:
-        sock = p.sock
-        assert sock is not None
-
-        def progress(sent: int) -> bool:
-            if sent:
-                p.last_progress = time.monotonic()
-            return p.error is None
-
+        """What a full socket left over: the writer that met it handed the rest here (``wake``)."""
+        src = p.src
         while True:
-            with p.lock:
-                p.wake.wait_for(lambda: p.error is not None or (not p.sending and (p.outbuf is not None or p.unsent)))
+            with p.mutex:
+                p.wake.wait_for(lambda: p.error is not None or src.has_work())
                 if p.error is not None:
                     return
-                p.sending = True
-                if p.outbuf is not None:  # the rest of a send the fast path started
-                    bufs, p.outbuf = p.outbuf, None
-                else:
-                    bufs = _take(p)
-            try:
-                _send_views(sock, bufs, progress)
-            except _PeerGone:
-                return  # failed elsewhere (ack reader, disconnect, close)
-            except OSError as e:
-                self._fail_peer(p, TransportError(f"sending to peer failed: {e}", op="write", errno=e.errno))
+            err = src.send_blocking()  # without the GIL, in ticks of the socket's kernel timeout
+            if err > 0:
+                self._fail_peer(p, TransportError(f"sending to peer failed: {_oserror(err)}", op="write", errno=err))
                 return
-            finally:
-                with p.lock:
-                    p.sending = False
+            if err < 0:
+                return  # failed elsewhere (ack reader, disconnect, close)
 
     def _ack_loop(self, p: _TcpPeer) -> None:
-        sock = p.ack_sock
-        assert sock is not None
-        reader = _Reader(sock, self._stop, self._peer_timeout)
-
-        def idle() -> None:
-            with p.lock:
-                stalled = (p.unsent or p.unacked) and time.monotonic() - p.last_progress > self._peer_timeout
-            if p.error is not None:
-                raise _PeerGone("peer already failed", None)
-            if stalled:
-                raise _PeerGone(f"no progress for {self._peer_timeout:g} s", errno_mod.ETIMEDOUT)
-
+        """Every ack the sink sends: ``Source.acks`` reads them and completes their batches without the
+        GIL (queue-mode ones straight onto the transport's queue), and comes back here only to have
+        callbacks called, on each tick of the socket's kernel timeout (the peer's liveness), or at the end."""
+        src, done = p.src, self._done
         while True:
-            try:
-                acks = reader.acks(idle)  # every whole ack that came in: the sink sends them gathered
-            except _PeerGone as e:
-                self._fail_peer(p, TransportError(f"peer lost: {e}", op="write", errno=e.errno))
-                return
-            with p.deliver:
-                items = []
-                with p.lock:
-                    if p.error is not None:
-                        return
-                    for ack in acks:
-                        item = p.unacked.popleft() if p.unacked and p.unacked[0].seq == ack[0] else None
-                        if item is None:
-                            break
-                        items.append(item)
-                    if items:
-                        p.last_progress = time.monotonic()
-                for item, (_seq, status, err, msg) in zip(items, acks):
-                    error = None
-                    if status:
-                        text = msg.decode("utf-8", "replace")
-                        error = TransportError(f"peer refused the batch: {text}", op="write", errno=err or None)
-                    self._deliver(p, item, error)
-                if len(items) < len(acks):
-                    seq = acks[len(items)][0]
-                    self._fail_peer(p, TransportError(f"peer acked batch {seq} out of order", op="write", errno=errno_mod.EPROTO))
+            got, detail = src.acks(done)
+            if got == _fast.ACKS_GOT:
+                with p.deliver:
+                    callbacks = src.callbacks()  # their slots are back
+                    if src.waiters:
+                        p.slot_freed()
+                    for on_done, batch_id, error in callbacks:
+                        call_on_done(on_done, batch_id, error)
+                continue
+            if got == _fast.ACKS_FAILED:
+                return  # failed elsewhere (disconnect, close, the sender): it completed the rest
+            if got == _fast.ACKS_TICK:
+                if p.error is not None:
                     return
-
-    def _deliver(self, p: _TcpPeer, item: _Pending, error: TransportError | None) -> None:
-        deliver(self._queue, p, item.batch_id, item.on_done, error)
+                if self._stop.is_set():
+                    self._fail_peer(p, TransportError("peer lost: transport closing", op="write"))
+                    return
+                why = src.idle(self._peer_timeout)
+                if why:
+                    what = "peer sent nothing" if why == 1 else "no progress"
+                    error = TransportError(f"peer lost: {what} for {self._peer_timeout:g} s", op="write", errno=errno_mod.ETIMEDOUT)
+                    self._fail_peer(p, error)
+                    return
+                continue
+            if got == _fast.ACKS_CLOSED:
+                err = src.err
+                what = f"connection broke: {_oserror(err)}" if err else "peer closed the connection"
+                error = TransportError(f"peer lost: {what}", op="write", errno=err or errno_mod.ECONNRESET)
+            elif got == _fast.ACKS_BAD:
+                error = TransportError(f"peer lost: ack message of {detail} bytes", op="write", errno=errno_mod.EPROTO)
+            else:
+                error = TransportError(f"peer acked batch {detail} out of order", op="write", errno=errno_mod.EPROTO)
+            self._fail_peer(p, error)  # after the callbacks of the acks before the break, in order
+            return
 
     def _fail_peer(self, p: _TcpPeer, error: TransportError) -> None:
         """Fail every batch in flight to ``p`` (in order) and shut its socket. Idempotent."""
         with p.deliver:
-            with p.lock:
+            with p.mutex:
                 if p.error is None:
                     p.error = error
                 p.closed = True
-                items = list(p.unacked) + list(p.unsent)
-                p.unacked.clear()
-                p.unsent.clear()
+                callbacks = p.src.fail(self._done, p.error)  # queue-mode ones queued (which wakes completions())
                 p.lock.notify_all()
                 p.wake.notify_all()
             for s in (p.sock, p.ack_sock):
@@ -838,9 +773,8 @@ class TcpTransport(Transport):
                         s.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
-            for item in items:
-                item.bufs = []
-                self._deliver(p, item, error)
+            for on_done, batch_id, err in callbacks:
+                call_on_done(on_done, batch_id, err)
 
     # ------------------------------------------------------------------ sink side
 
@@ -957,81 +891,28 @@ class TcpTransport(Transport):
         return None if full else hello.source
 
     def _sink_loop(self, sid: int, conn: socket.socket, addr: Any) -> None:
+        """One accepted connection: the handshake, then ``_fast.SinkConn.serve`` lands its frames
+        without the GIL, returning here only to have a refused frame's ack worded, or at the end."""
+        served = None
         try:
             _kernel_timeouts(conn, self._poll)
             _tune(conn, self._peer_timeout)
             source = self._sink_hello(sid, conn, addr)
             if source is None:
                 return
-            stall = self._peer_timeout
-            acks: list[bytes] = []  # acks not sent yet: flushed before the sink would wait for data
-            acked_bytes = 0
-            # Stream bytes read ahead: a payload is received together with up to _AHEAD bytes after
-            # it (the next frame's header and first descriptor, when already here), one call per
-            # frame where three would do. Never payload bytes: a frame with writes has a descriptor
-            # after its header, and one without has no payload.
-            carry = bytearray()
-            while not self._stop.is_set():
-                if acks and len(carry) < _FRAME.size:  # more frames already here? then land them first, ack together
-                    if not carry:
-                        try:
-                            more = conn.recv(_FRAME.size, socket.MSG_DONTWAIT)
-                        except BlockingIOError:
-                            more = None
-                        if more == b"":
-                            return
-                        if more:
-                            carry += more
-                    if not carry:
-                        conn.sendall(b"".join(acks), _SEND_FLAGS)
-                        acks.clear()
-                        acked_bytes = 0
-                if not carry:
-                    try:  # the common case, one call; the helper handles ticks and short reads
-                        head = conn.recv(_FRAME.size)
-                    except _TICK:
-                        head = None
-                    if head == b"":
-                        return
-                    if head:
-                        carry += head
-                if len(carry) < _FRAME.size:
-                    idle = None if carry else _no_op
-                    carry += _recv_exact(conn, _FRAME.size - len(carry), stop=self._stop, stall=stall, idle=idle)
-                seq, count, _, grant = _FRAME.unpack_from(carry)
-                del carry[: _FRAME.size]
-                if count > self._max_batch_writes:
-                    return  # the stream cannot be trusted past a frame this broken
-                desc = b""
-                if count:
-                    want = count * _DESC_PAIR.size
-                    if len(carry) < want:
-                        try:  # the descriptors mostly came with the header: one call
-                            more = conn.recv(want - len(carry))
-                        except _TICK:
-                            more = None
-                        if more == b"":
-                            return
-                        if more:
-                            carry += more
-                        if len(carry) < want:
-                            carry += _recv_exact(conn, want - len(carry), stop=self._stop, stall=stall)
-                    desc = bytes(carry)
-                    carry.clear()  # a frame with writes: its descriptors end what was read ahead
-                status, err, msg, nbytes = self._land(conn, desc, grant, source, None if carry else carry)
-                if status:
-                    body = msg.encode()[:_MAX_MSG]
-                    acks.append(_ACK.pack(seq, status, err, len(body)) + body)
-                else:
-                    acks.append(_ACK.pack(seq, 0, 0, 0))
-                acked_bytes += nbytes
-                if len(acks) >= _ACK_GATHER or acked_bytes >= _ACK_GATHER_BYTES:
-                    conn.sendall(b"".join(acks), socket.MSG_NOSIGNAL)
-                    acks.clear()
-                    acked_bytes = 0
+            served = self._table.connection(conn, source, self._max_batch_writes, self._peer_timeout)
+            while True:
+                result = served.serve()
+                if result[0] != _fast.SERVE_REFUSED:
+                    return  # the source lost its connection (or broke the wire): it fails its own batches
+                _, seq, code, index, count, target, length, grant, total = result
+                err, message = _refusal(code, index, count, target, length, grant)
+                served.refuse(seq, err, message.encode()[:_MAX_MSG], total)
         except (_PeerGone, OSError):
             pass  # the source lost its connection: it fails its own batches
         finally:
+            if served is not None:
+                served.close()  # before the socket closes: a revoke cuts only attached connections
             conn.close()
             with self._lock:
                 self._sinks.pop(sid, None)
@@ -1039,97 +920,6 @@ class TcpTransport(Transport):
                 self._hellos.pop(sid, None)
                 self._evicting.discard(sid)
             self._freed.set()  # an acceptor backing off for want of descriptors may try again
-
-    def _land(
-        self, conn: socket.socket, desc: bytes, grant: int, source: bytes, ahead: bytearray | None = None
-    ) -> tuple[int, int, str, int]:
-        """Validate every write of a frame, then receive its payload into place (or discard it).
-
-        With ``ahead`` (empty), the bytes that came right after the payload in the same call, up
-        to ``_AHEAD``, are appended to it (the sink loop's read-ahead).
-
-        A write must lie inside one registered region and, with ``grant``, inside
-        that live grant of ``source``; with grant 0 its region must not require
-        grants. Returns the ack's status, errno and message, and the payload size.
-        The checks run in ``_fast.check_frame`` over the descriptor bytes, under
-        ``_landing_cond`` (what revoke and deregister wait on)."""
-        with self._landing_cond:
-            state, g_starts, g_lengths = self._grant_state(grant, source) if grant else (0, _NO_RANGES, _NO_RANGES)
-            starts, lengths, guarded, keys, regions = self._snap
-            code, i, total, views, used = _fast.check_frame(
-                desc, starts, lengths, guarded, keys, regions, grant, state, g_starts, g_lengths
-            )
-            if views is not None:
-                for k in used:
-                    self._landing[k] += 1
-                if grant:
-                    self._grant_landing.setdefault(grant, set()).add(conn)
-        if views is None:
-            count = len(desc) // _DESC_PAIR.size
-            addr, length = _DESC_PAIR.unpack_from(desc, i * _DESC_PAIR.size)
-            err = errno_mod.EACCES  # EFAULT for a target outside every region, EACCES for a grant refusal
-            if code == _fast.LAND_OUTSIDE_REGIONS:
-                refused = f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
-                err = errno_mod.EFAULT
-            elif code == _fast.LAND_NEEDS_GRANT:
-                refused = f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
-            elif code == _fast.LAND_GRANT_NOT_LIVE:
-                refused = f"write {i} of {count}: grant {grant} is not live at the sink (revoked, or never granted)"
-            elif code == _fast.LAND_GRANT_OTHER_SOURCE:
-                refused = f"write {i} of {count}: grant {grant} was given to another source"
-            else:
-                refused = f"write {i} of {count}: [{addr:#x}, +{length}) is outside grant {grant}"
-            total = sum(n for _a, n in _DESC_PAIR.iter_unpack(desc))
-            self._discard(conn, total)
-            return 1, err, refused, total
-        try:
-            got = 0
-            if views and len(views) < _IOV_CHUNK:  # the common case, one call; and what follows, if here
-                tail = memoryview(bytearray(_AHEAD)) if ahead is not None else None
-                got = conn.recvmsg_into(views if tail is None else [*views, tail])[0]
-                if got > total:
-                    ahead += tail[: got - total]  # type: ignore[index, operator]  # tail is set when ahead is
-                    got = total
-            if got != total:
-                _skip(views, got)
-                _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)
-        except _TICK:
-            _recv_into_views(conn, views, stop=self._stop, stall=self._peer_timeout)
-        except OSError as e:
-            raise _PeerGone(f"connection broke mid-batch: {e}", e.errno) from e
-        finally:
-            with self._landing_cond:
-                for k in used:
-                    self._landing[k] -= 1
-                if grant:
-                    conns = self._grant_landing.get(grant)
-                    if conns is not None:
-                        conns.discard(conn)
-                        if not conns:
-                            del self._grant_landing[grant]
-                self._landing_cond.notify_all()
-        return 0, 0, "", total
-
-    def _grant_state(self, key: int, source: bytes) -> tuple[int, np.ndarray, np.ndarray]:
-        """``(0, starts, lengths)`` of grant ``key`` if it is live and ``source``'s, else ``(the
-        LAND_* refusal, empty, empty)``: ``GrantTable.check``'s rules, looked up once per frame.
-        Holds ``_landing_cond``."""
-        g = self._grants.get(key)
-        if g is None:
-            return _fast.LAND_GRANT_NOT_LIVE, _NO_RANGES, _NO_RANGES
-        if g.source != source:
-            return _fast.LAND_GRANT_OTHER_SOURCE, _NO_RANGES, _NO_RANGES
-        cached = self._grant_ranges.get(key)
-        if cached is None or cached[0] is not g:
-            starts, lengths = np.array(g.ranges, np.uint64).reshape(-1, 2).T
-            cached = self._grant_ranges[key] = (g, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
-        return 0, cached[1], cached[2]
-
-    def _discard(self, conn: socket.socket, nbytes: int) -> None:
-        scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK) or 1))
-        while nbytes:
-            _recv_into_views(conn, [scratch[: min(nbytes, len(scratch))]], stop=self._stop, stall=self._peer_timeout)
-            nbytes -= min(nbytes, len(scratch))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1142,6 +932,7 @@ class TcpTransport(Transport):
             self._peers.clear()
         if first:
             self._stop.set()
+            self._table.stop()
             self._freed.set()
             try:
                 self._wake_w.send(b"x")
@@ -1163,15 +954,15 @@ class TcpTransport(Transport):
             self._wake_r.close()
             self._wake_w.close()
             for p in peers:
-                for s in (p.sock, p.ack_sock):
-                    if s is not None:
-                        s.close()
+                p.src.close()  # its sockets, once no writer is sending on them
+        alive = [t.name for t in threads if t.is_alive()]
         for region in self._regions.clear():
-            self._locals.pop(region.key, None)
-        with self._landing_cond:
+            local = self._locals.pop(region.key, None)
+            if alive:  # a sink thread may still be landing by address: keep the memory referenced
+                self._stuck.append(local)
+        with self._table_lock:
             self._resnap()
         # completions nobody will take still hold slots; they are dropped with the transport
-        alive = [t.name for t in threads if t.is_alive()]
         if alive:
             raise TransportError(f"close: threads still running at the deadline: {alive}", op="close")
 
@@ -1198,71 +989,26 @@ class TcpTransport(Transport):
         return f"<TcpTransport {self._address.decode()} regions={len(self._regions)} peers={len(self._peers)}>"
 
 
-def _take(p: _TcpPeer) -> list[Any]:
-    """Move queued batches (up to a bound) to unacked; return their buffers for one gather send. Holds ``p.lock``."""
-    items: list[_Pending] = []
-    nbufs = 0
-    while p.unsent and (not items or nbufs + len(p.unsent[0].bufs) <= _SEND_GATHER):
-        item = p.unsent.popleft()
-        items.append(item)
-        p.unacked.append(item)
-        nbufs += len(item.bufs)
-    return [b for item in items for b in item.bufs]
+def _refusal(code: int, i: int, count: int, addr: int, length: int, grant: int) -> tuple[int, str]:
+    """The errno and message of the ack of a frame the sink refused (``_fast.LAND_*`` ``code``, at write
+    ``i`` of ``count``, ``[addr, +length)``): EFAULT for a target outside every region, EACCES for a
+    grant refusal. Worded here, so both twins give the same."""
+    if code == _fast.LAND_OUTSIDE_REGIONS:
+        return errno_mod.EFAULT, f"write {i} of {count} targets [{addr:#x}, +{length}), outside every region registered at the sink"
+    if code == _fast.LAND_NEEDS_GRANT:
+        return errno_mod.EACCES, f"write {i} of {count} targets [{addr:#x}, +{length}) without a grant; its region requires one"
+    if code == _fast.LAND_GRANT_NOT_LIVE:
+        return errno_mod.EACCES, f"write {i} of {count}: grant {grant} is not live at the sink (revoked, or never granted)"
+    if code == _fast.LAND_GRANT_OTHER_SOURCE:
+        return errno_mod.EACCES, f"write {i} of {count}: grant {grant} was given to another source"
+    return errno_mod.EACCES, f"write {i} of {count}: [{addr:#x}, +{length}) is outside grant {grant}"
 
 
-class _Reader:
-    """Buffered reads of small messages (acks): one recv can bring many of them."""
-
-    def __init__(self, sock: socket.socket, stop: threading.Event, stall: float) -> None:
-        self._sock, self._stop, self._stall = sock, stop, stall
-        self._buf = bytearray(64 * 1024)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
-
-    def acks(self, idle: Callable[[], None]) -> list[tuple[int, int, int, bytes]]:
-        """Every whole ack buffered, reading until there is one: ``(seq, status, errno, message)``.
-
-        On a tick with nothing buffered ``idle`` runs (raises to give up); with part of an ack
-        buffered, the stall rules apply. An ack whose message is over ``_MAX_MSG`` raises
-        ``_PeerGone`` once the acks before it were returned."""
-        while True:
-            out, self._start, bad = _fast.parse_acks(self._buf, self._start, self._end, _MAX_MSG)
-            if out:
-                return out
-            if bad:
-                raise _PeerGone(f"ack message of {bad} bytes", errno_mod.EPROTO)
-            self._fill(idle if self._end == self._start else None)
-
-    def _fill(self, idle: Callable[[], None] | None) -> None:
-        """Receive at least one more byte (making room first)."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif len(self._buf) - self._end < _ACK.size + _MAX_MSG:
-            rest = self._end - self._start
-            self._buf[:rest] = self._buf[self._start : self._end]
-            self._start, self._end = 0, rest
-        last = time.monotonic()
-        while True:
-            try:
-                k = self._sock.recv_into(self._view[self._end :])
-            except _TICK:
-                if self._stop.is_set():
-                    raise _PeerGone("transport closing", None) from None
-                if idle is not None:
-                    idle()
-                    last = time.monotonic()
-                elif time.monotonic() - last >= self._stall:
-                    raise _PeerGone(f"peer sent nothing for {self._stall:g} s", errno_mod.ETIMEDOUT) from None
-                continue
-            except OSError as e:
-                raise _PeerGone(f"connection broke: {e}", e.errno) from e
-            if k == 0:
-                raise _PeerGone("peer closed the connection", errno_mod.ECONNRESET)
-            self._end += k
-            return
+def _refused(status: int, err: int, message: bytes) -> TransportError:
+    """The error of a batch the sink refused (its ack's status, errno and message)."""
+    return TransportError(f"peer refused the batch: {message.decode('utf-8', 'replace')}", op="write", errno=err or None)
 
 
-def _no_op() -> None:
-    pass
-
-
+def _oserror(err: int) -> str:
+    """An errno as ``str(OSError)`` words it."""
+    return f"[Errno {err}] {os.strerror(err)}"

@@ -22,9 +22,14 @@ IMPLEMENTATION = "python" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "c
 #: compiled module -> (its pure twin, the public names both define)
 TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
     "transport._plan": ("transport._plan_py", ("count_runs", "naive_plan", "plan")),
-    "transport._tcp_fast": ("transport._tcp_fast_py", ("FRAME_SIZE", "ACK_SIZE", "FRAME_ZERO_LENGTH", "FRAME_LOCAL_OUTSIDE",
-                                                    "LAND_OUTSIDE_REGIONS", "LAND_NEEDS_GRANT", "LAND_GRANT_NOT_LIVE",
-                                                    "LAND_GRANT_OTHER_SOURCE", "frame", "check_frame", "parse_acks")),
+    "transport._tcp_fast": ("transport._tcp_fast_py", (
+        "FRAME_SIZE", "ACK_SIZE", "FRAME_OK", "FRAME_ZERO_LENGTH", "FRAME_LOCAL_OUTSIDE", "FRAME_REMOTE_OUTSIDE", "LAND_OK",
+        "LAND_OUTSIDE_REGIONS", "LAND_NEEDS_GRANT", "LAND_GRANT_NOT_LIVE", "LAND_GRANT_OTHER_SOURCE", "LAND_OUTSIDE_GRANT",
+        "SERVE_REFUSED", "SERVE_CLOSED", "SERVE_BROKEN", "SERVE_STALLED",
+        "SERVE_STOPPED", "POST_SENT", "POST_WAKE", "POST_FULL", "POST_FAILED", "POST_ARRAY", "POST_TOO_MANY", "ACKS_GOT",
+        "ACKS_TICK", "ACKS_CLOSED", "ACKS_BAD", "ACKS_ORDER", "ACKS_FAILED", "MAX_MSG", "frame", "Sink", "SinkConn",
+        "Source", "Completions",
+    )),
 }
 
 

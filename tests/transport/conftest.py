@@ -63,3 +63,9 @@ def plan_impl(request: pytest.FixtureRequest) -> ModuleType:
     """The transfer-plan twin under test, imported by name: a missing build fails the [cython] tests."""
     name = "transport._plan" if request.param == "cython" else "transport._plan_py"
     return importlib.import_module(name)
+
+
+@pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])
+def fast_impl(request: pytest.FixtureRequest) -> ModuleType:
+    """The TCP fast-path twin under test, imported by name: a missing build fails the [cython] tests."""
+    return importlib.import_module("transport._tcp_fast" if request.param == "cython" else "transport._tcp_fast_py")

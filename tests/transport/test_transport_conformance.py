@@ -343,7 +343,9 @@ def test_peer_that_disappears_mid_transfer_fails_in_flight_batches(
 ) -> None:
     """A real child process is the sink; it is SIGKILLed (or SIGSTOPped, a hung peer) mid-transfer."""
     peer_timeout = 1.0
-    size, batches = 4 << 20, 32
+    # 512 MiB in flight: the transfer outlasts the gap between the first completion and the
+    # SIGSTOP even when this process is descheduled in it (128 MiB could all land first on loopback)
+    size, batches = 16 << 20, 32
     opts = {**transport_options, "peer_timeout": peer_timeout}
     proc, pipe, ep = _spawn_sink(transport_name, size, opts)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -261,12 +262,6 @@ from transport.base import GrantTable, Region, RegionTable  # noqa: E402
 _TOP = 1 << 64
 
 
-@pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])
-def fast_impl(request: pytest.FixtureRequest) -> ModuleType:
-    """The fast-path twin, imported by name: a missing build fails the [cython] tests."""
-    return importlib.import_module("transport._tcp_fast" if request.param == "cython" else "transport._tcp_fast_py")
-
-
 def _both() -> tuple[ModuleType, ModuleType]:
     return importlib.import_module("transport._tcp_fast"), importlib.import_module("transport._tcp_fast_py")
 
@@ -378,19 +373,20 @@ def _oracle_check(desc: bytes, regions: list[tuple[int, int]], guarded: list[boo
     return 0, 0, total, views, keys
 
 
-def _grant_state(grants: GrantTable, key: int, source: bytes) -> tuple[int, np.ndarray, np.ndarray]:
-    """tcp.TcpTransport._grant_state over a bare GrantTable."""
-    g = grants.get(key)
-    if g is None:
-        return 3, np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    if g.source != source:
-        return 4, np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    return (0, *_arrays(list(g.ranges)))
+def _sink(impl: ModuleType, regions: list[tuple[int, int]], guarded: list[bool] | None = None, grants: GrantTable | None = None) -> Any:
+    """A sink table of ``impl`` over these regions (keys 1, 2, ...) and every grant of ``grants``."""
+    sink = impl.Sink()
+    flags = np.array(guarded if guarded is not None else [False] * len(regions), np.uint8)
+    keys = np.arange(1, len(regions) + 1, dtype=np.uint64)
+    sink.set_regions(*_arrays(regions), flags, keys, [None] * len(regions))
+    for g in (grants or GrantTable())._grants.values():
+        sink.add_grant(g[0].key, g[0].source, *_arrays(list(g[0].ranges)))
+    return sink
 
 
 @settings(max_examples=300)
 @given(data=st.data())
-def test_check_frame_twins_agree_with_each_other_and_the_old_checks(data: Any) -> None:
+def test_sink_check_twins_agree_with_each_other_and_the_old_checks(data: Any) -> None:
     regions = data.draw(_regions())
     guarded = [data.draw(st.booleans()) for _ in regions]
     writes = [data.draw(_write(regions)) for _ in range(data.draw(st.integers(0, 6)))]
@@ -406,29 +402,21 @@ def test_check_frame_twins_agree_with_each_other_and_the_old_checks(data: Any) -
                 ranges.append((start, data.draw(st.integers(1, off))))
             grants.add(data.draw(st.sampled_from([me, me, other])), ranges)
     grant = data.draw(st.sampled_from([0, 1, 2, 3, 4]))
-    state, g_starts, g_lengths = _grant_state(grants, grant, me) if grant else (0, *_arrays([]))
-    want = _oracle_check(desc, regions, guarded, grants, grant, me)
-    keys = [j + 1 for j in range(len(regions))]
+    code, index, total, _views, _keys = _oracle_check(desc, regions, guarded, grants, grant, me)
     for impl in _both():
-        got = impl.check_frame(
-            desc, *_arrays(regions), np.array(guarded, np.uint8), keys, [_Span(j) for j in range(len(regions))],
-            grant, state, g_starts, g_lengths,
-        )
-        assert (got[0], got[1], got[2], got[3], got[4]) == want, impl.__name__
+        assert _sink(impl, regions, guarded, grants).check(desc, grant, me) == (code, index, total), impl.__name__
 
 
-def test_check_frame_edges(fast_impl: ModuleType) -> None:
-    """The exact ends of a region and of the address space, zero lengths, lengths that would wrap."""
+def test_sink_check_edges(fast_impl: ModuleType) -> None:
+    """The exact ends of a region and of the address space, zero lengths, lengths that would wrap; a
+    grant's ranges, its source, a revoked grant."""
     regions = [(4096, 4096), (8192, 4096), (_TOP - 4096, 4096)]  # two adjacent, one ending at 2**64
-    starts, lengths = _arrays(regions)
-    spans = [_Span(j) for j in range(3)]
+    sink = _sink(fast_impl, regions)
+    me = b"S" * 16
 
-    def check(addr: int, n: int, grant: int = 0, state: int = 0, granted: list[tuple[int, int]] = ()) -> tuple[int, int]:
-        desc = struct.pack("<QQ", addr, n)
-        code, index, total, views, keys = fast_impl.check_frame(
-            desc, starts, lengths, np.zeros(3, np.uint8), [1, 2, 3], spans, grant, state, *_arrays(list(granted))
-        )
-        assert (views is None) == bool(code) and (total == n if not code else total == 0)
+    def check(addr: int, n: int, grant: int = 0, source: bytes = me) -> tuple[int, int]:
+        code, index, total = sink.check(struct.pack("<QQ", addr, n), grant, source)
+        assert total == (0 if code else n)
         return code, index
 
     assert check(4096, 4096) == (0, 0) and check(8191, 1) == (0, 0) and check(8192, 4096) == (0, 0)
@@ -438,19 +426,25 @@ def test_check_frame_edges(fast_impl: ModuleType) -> None:
     assert check(_TOP - 1, 1) == (0, 0) and check(_TOP - 4096, 4096) == (0, 0)
     assert check(_TOP - 1, 2) == (1, 0) and check(_TOP - 1, _TOP - 1) == (1, 0)  # would wrap past 2**64
     assert check(0, _TOP - 1) == (1, 0) and check(4096, _TOP - 1) == (1, 0)
-    granted = [(4096 + 100, 50)]
-    assert check(4196, 50, 7, 0, granted) == (0, 0) and check(4196, 51, 7, 0, granted) == (5, 0)
-    assert check(4195, 1, 7, 0, granted) == (5, 0) and check(4245, 1, 7, 0, granted) == (0, 0) and check(4246, 1, 7, 0, granted) == (5, 0)
-    assert check(4196, 1, 7, 3, granted) == (3, 0) and check(4196, 1, 7, 4, granted) == (4, 0)
-    assert check(0, 1, 7, 3, granted) == (1, 0)  # outside every region is said first, as before
-    # guarded regions need a grant; the index names the first failing write; keys once each, in order
+    sink.add_grant(7, me, *_arrays([(4096 + 100, 50)]))
+    assert check(4196, 50, 7) == (0, 0) and check(4196, 51, 7) == (5, 0)
+    assert check(4195, 1, 7) == (5, 0) and check(4245, 1, 7) == (0, 0) and check(4246, 1, 7) == (5, 0)
+    assert check(4196, 1, 8) == (3, 0) and check(4196, 1, 7, b"T" * 16) == (4, 0)
+    assert check(0, 1, 8) == (1, 0)  # outside every region is said first, as before
+    assert sink.remove_grant(7) and not sink.remove_grant(7)
+    assert check(4196, 1, 7) == (3, 0)  # revoked
+    sink.add_grant(7, me, *_arrays([(4096, 10)]))
+    sink.add_grant(7, me, *_arrays([(8192, 10)]))  # the same key again: replaces it
+    assert check(4096, 1, 7) == (5, 0) and check(8192, 10, 7) == (0, 0)
+    # guarded regions need a grant; the index names the first failing write; totals saturate
     desc = b"".join(struct.pack("<QQ", a, n) for a, n in [(8192, 8), (4096, 8), (8200, 8), (4100, 8)])
-    assert fast_impl.check_frame(desc, starts, lengths, np.array([0, 1, 0], np.uint8), [1, 2, 3], spans, 0, 0, *_arrays([]))[:2] == (2, 0)
-    got = fast_impl.check_frame(desc, starts, lengths, np.zeros(3, np.uint8), [11, 12, 13], spans, 0, 0, *_arrays([]))
-    assert got == (0, 0, 32, [(1, 0, 8), (0, 0, 8), (1, 8, 16), (0, 4, 12)], [12, 11])
-    assert fast_impl.check_frame(b"", starts, lengths, np.zeros(3, np.uint8), [1, 2, 3], spans, 0, 0, *_arrays([])) == (0, 0, 0, [], [])
+    guarded = _sink(fast_impl, regions, [True, False, False])  # the region at 4096
+    assert guarded.check(desc, 0, me) == (2, 1, 0)
+    assert sink.check(desc, 0, me) == (0, 0, 32)
+    assert sink.check(b"", 0, me) == (0, 0, 0) and sink.check(b"", 9, me) == (0, 0, 0)
+    assert sink.check(struct.pack("<QQ", _TOP - 4096, 4096) * 3, 0, me) == (0, 0, 3 * 4096)
     with pytest.raises(ValueError):
-        fast_impl.check_frame(b"", starts, lengths, np.zeros(2, np.uint8), [1, 2, 3], spans, 0, 0, *_arrays([]))
+        sink.check(b"", 0, b"short")
 
 
 def test_frame_edges(fast_impl: ModuleType) -> None:
@@ -471,43 +465,6 @@ def test_frame_edges(fast_impl: ModuleType) -> None:
     assert frame([(4096, _TOP - 1, 2)])[:2] == (3, 0)  # one byte past 2**64 on the remote side
     code, index, bufs = frame([])
     assert (code, index) == (0, 0) and bytes(bufs[0]) == tcp._FRAME.pack(0, 0, 0, 0) and bufs[1:] == []
-
-
-def _acks_bytes(acks: list[tuple[int, int, int, bytes]]) -> bytes:
-    return b"".join(tcp._ACK.pack(seq, status, err, len(msg)) + msg for seq, status, err, msg in acks)
-
-
-@settings(max_examples=300)
-@given(data=st.data())
-def test_parse_acks_twins_agree(data: Any) -> None:
-    acks = data.draw(st.lists(st.tuples(
-        st.integers(0, _TOP - 1), st.integers(0, 1), st.integers(-(1 << 31), (1 << 31) - 1), st.binary(max_size=40),
-    ), max_size=6))
-    raw = bytearray(_acks_bytes(acks))
-    if data.draw(st.booleans()):  # an ack with a message over the bound
-        raw += tcp._ACK.pack(9, 1, 5, data.draw(st.integers(41, (1 << 32) - 1)))
-    start = data.draw(st.integers(0, len(raw)))
-    end = data.draw(st.integers(start, len(raw)))
-    compiled, pure = _both()
-    got = compiled.parse_acks(raw, start, end, 40)
-    assert got == pure.parse_acks(raw, start, end, 40)
-    if start == 0 and end == len(raw):
-        assert got[0] == acks
-
-
-def test_parse_acks_edges(fast_impl: ModuleType) -> None:
-    one = _acks_bytes([(1, 0, 0, b"")])
-    two = _acks_bytes([(2, 1, errno.EACCES, "refus\u00e9".encode())])
-    buf = bytearray(one + two + one[:7])
-    assert fast_impl.parse_acks(buf, 0, len(buf), 4096) == ([(1, 0, 0, b""), (2, 1, errno.EACCES, "refus\u00e9".encode())], len(one + two), 0)
-    assert fast_impl.parse_acks(buf, 0, len(one) - 1, 4096) == ([], 0, 0)
-    assert fast_impl.parse_acks(buf, len(one), len(one) + len(two) - 1, 4096) == ([], len(one), 0)
-    bad = bytearray(one + tcp._ACK.pack(3, 1, -1, 4097) + b"x" * 10)
-    assert fast_impl.parse_acks(bad, 0, len(bad), 4096) == ([(1, 0, 0, b"")], len(one), 4097)
-    assert fast_impl.parse_acks(bad, len(one), len(bad), 4096) == ([], len(one), 4097)
-    assert fast_impl.parse_acks(bytearray(tcp._ACK.pack(_TOP - 1, 7, -(1 << 31), 0)), 0, 20, 0) == ([(_TOP - 1, 7, -(1 << 31), b"")], 20, 0)
-    with pytest.raises(ValueError):
-        fast_impl.parse_acks(buf, 0, len(buf) + 1, 4096)
 
 
 def test_the_transport_uses_the_chosen_twin() -> None:
@@ -540,22 +497,44 @@ def test_twins_refuse_the_same_malformed_arguments() -> None:
             errors.append(e.type)
         assert errors[0] is errors[1], args
     flags = np.zeros(2, np.uint8)
-    checks = [
-        (bytearray(16), u64, u64, flags, [1, 2], [0, 0]),  # desc not bytes
-        (b"", u64, u64, flags.astype(np.uint64), [1, 2], [0, 0]),  # flags not uint8
-        (b"", u64, u64[::2].copy()[:1], flags, [1, 2], [0, 0]),
-        (b"", u64, u64, flags, (1, 2), [0, 0]),
+    keys = np.array([1, 2], np.uint64)
+    regions = [
+        (u64, u64, flags.astype(np.uint64), keys, [0, 0]),  # flags not uint8
+        (u64, u64[:1], flags, keys, [0, 0]),  # lengths differ
+        (u64, u64, flags, keys, [0]),
+        (u64, u64, flags, keys, (0, 0)),  # views not a list
+        (u64, u64, flags, keys.astype(np.int64), [0, 0]),  # keys not uint64
+        ([1, 2], u64, flags, keys, [0, 0]),  # not an array
     ]
-    for args in checks:
+    for args in regions:
         errors = []
         for impl in (compiled, pure):
             with pytest.raises((TypeError, ValueError)) as e:
-                impl.check_frame(*args, 0, 0, empty, empty)
+                impl.Sink().set_regions(*args)
             errors.append(e.type)
         assert errors[0] is errors[1], args
-    for impl in (compiled, pure):
-        with pytest.raises(TypeError):
-            impl.parse_acks(bytes(20), 0, 20, 0)
+    grants = [
+        (1, b"S" * 15, u64, u64),  # a source of 15 bytes
+        (1, bytearray(16), u64, u64),  # not bytes
+        (1, b"S" * 16, u64, u64[:1]),
+        (-1, b"S" * 16, u64, u64),  # not a u64 key
+        (1 << 64, b"S" * 16, u64, u64),
+        ("1", b"S" * 16, u64, u64),
+    ]
+    for args in grants:
+        errors = []
+        for impl in (compiled, pure):
+            with pytest.raises((TypeError, ValueError, OverflowError)) as e:
+                impl.Sink().add_grant(*args)
+            errors.append(e.type)
+        assert errors[0] is errors[1], args
+    for args in [(bytearray(16), 0, b"S" * 16), (b"", -1, b"S" * 16), (b"", 0, b"S"), (b"", 0, None)]:
+        errors = []
+        for impl in (compiled, pure):
+            with pytest.raises((TypeError, ValueError, OverflowError)) as e:
+                impl.Sink().check(*args)
+            errors.append(e.type)
+        assert errors[0] is errors[1], args
 
 
 def test_an_acceptor_out_of_file_descriptors_backs_off_and_accepts_again() -> None:
@@ -586,3 +565,51 @@ def test_an_acceptor_out_of_file_descriptors_backs_off_and_accepts_again() -> No
             s.close()
         source.close(deadline=Deadline.after(5))
         child.close()
+
+
+def test_batch_ids_of_concurrent_writers_go_up_in_completion_order() -> None:
+    """Writers on several threads post to one peer: each batch completes once, and the ids come back
+    in increasing order (a peer's batch id and its place on the wire are given together)."""
+    src_t, dst_t = transport.create("tcp", max_inflight=8), transport.create("tcp")
+    try:
+        dst_t.register(np.zeros(1 << 20, np.uint8))
+        buf = np.ones(1 << 20, np.uint8)
+        r = src_t.register(buf)
+        peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+        d = peer.remote.regions[0].addr
+        lock = threading.Lock()
+        order: list[int] = []
+        posted: list[int] = []
+        all_done = threading.Event()
+        threads_n, per_thread = 4, 400
+
+        def done(batch_id: int, error: Any) -> None:
+            assert error is None
+            with lock:
+                order.append(batch_id)
+                if len(order) == threads_n * per_thread:
+                    all_done.set()
+
+        def writer(k: int) -> None:
+            for i in range(per_thread):
+                off = (k * per_thread + i) * 64 % ((1 << 20) - 64)
+                bid = src_t.write(peer, [(r.addr + off, d + off, 64)], done, deadline=Deadline.after(20))
+                with lock:
+                    posted.append(bid)
+
+        ths = [threading.Thread(target=writer, args=(k,)) for k in range(threads_n)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch often: inside write() too
+        try:
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join(30)
+        finally:
+            sys.setswitchinterval(interval)
+        assert all_done.wait(30), f"{len(order)} of {threads_n * per_thread} completed"
+        assert sorted(order) == sorted(posted) and len(set(order)) == len(order)
+        assert order == sorted(order), "batch ids completed out of their order"
+    finally:
+        src_t.close(deadline=Deadline.after(5))
+        dst_t.close(deadline=Deadline.after(5))
