@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import TransportBaseError
-from .regions import U64_MAX
+from .limits import U64_MAX
 
 __all__ = ["Layout", "PlanError", "validate"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-U64_MAX = (1 << 64) - 1  # the largest address, length or key: one definition for transport/ and pdcore/
+from .limits import U64_MAX
 
 
 @dataclass(frozen=True, slots=True)

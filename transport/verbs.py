@@ -156,7 +156,7 @@ from .base import (
 from . import verbs_hello as hello
 from .deadline import Deadline
 from .errors import StartError, TransportError
-from .regions import U64_MAX
+from .limits import U64_MAX
 from .verbs_device import (
     DEVICE_HINT,
     INSTALL_HINT,

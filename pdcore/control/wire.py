@@ -38,7 +38,7 @@ from typing import Annotated, Any, Final, Union
 import msgspec
 from msgspec import Meta
 
-from transport.regions import U64_MAX
+from transport.limits import U64_MAX
 
 from ..core.errors import LocalProtocolError, RemoteProtocolError
 

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from transport.regions import U64_MAX
+from transport.limits import U64_MAX
 
 from . import _spec
 from ._spec import CODE_FAILING, FREE, Fence, State, Timer, Trigger, code_of, state_of_code

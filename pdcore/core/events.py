@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from transport.regions import U64_MAX
+from transport.limits import U64_MAX
 
 from ..twins import load
 

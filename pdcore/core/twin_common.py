@@ -6,7 +6,7 @@ configuration, the fingerprint they put in the agreement, or the words of a mism
 
 from __future__ import annotations
 
-from transport.regions import U64_MAX
+from transport.limits import U64_MAX
 
 __all__ = ["FINGERPRINT_BYTES", "MAX_CAPACITY", "check_config", "mismatch_message", "rid_hash"]
 

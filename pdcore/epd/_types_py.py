@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import cython
 
-from transport.regions import U64_MAX
+from transport.limits import U64_MAX
 
 _I64 = (1 << 63) - 1
 

@@ -1,0 +1,7 @@
+"""Bounds of the wire's and the address space's unsigned 64-bit fields, defined once for transport/ and pdcore/.
+
+A module of its own with no imports, so that the sans-IO role engines (which may not import threads or
+sockets, even indirectly) can use the bound without pulling in the region tables.
+"""
+
+U64_MAX = (1 << 64) - 1  # the largest address, length, key or room
