@@ -676,7 +676,9 @@ class TcpTransport(Transport):
 
     def _wait_slot(self, p: _TcpPeer, deadline: Deadline | None) -> None:
         """``p`` is at ``max_inflight``: without a deadline that is a ``CapacityError`` at once; with one,
-        wait for a slot (every completion that frees one while a writer waits notifies ``p.lock``)."""
+        wait for a slot (every completion that frees one while a writer waits notifies ``p.lock``) and
+        return for the caller to post again. A slot seen free here is not held: another writer's post
+        (which takes no lock here) may take it first, so only the deadline's passing is a ``CapacityError``."""
         limit, src = self._max_inflight, p.src
         if deadline is None:
             raise CapacityError(
@@ -690,7 +692,7 @@ class TcpTransport(Transport):
             finally:
                 src.waiters -= 1
         _usable(p)
-        if src.slots >= limit:
+        if src.slots >= limit and deadline.expired():
             raise CapacityError(f"{limit} batches still in flight to this peer at the deadline")
 
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:

@@ -16,6 +16,7 @@ import transport
 from pdcore.core.deadline import Deadline
 from transport import tcp, tcp_hello
 from pdcore.core.errors import TransportError
+from transport.errors import CapacityError
 from transport.base import decode_endpoint
 
 
@@ -565,6 +566,43 @@ def test_an_acceptor_out_of_file_descriptors_backs_off_and_accepts_again() -> No
             s.close()
         source.close(deadline=Deadline.after(5))
         child.close()
+
+
+def test_a_writer_waiting_for_a_slot_is_refused_only_at_its_deadline() -> None:
+    """Eight writers share one in-flight slot, threads switching often: a waiter that saw the slot free
+    may lose it to another writer's post before it posts, and must then wait again, not give up. A
+    ``CapacityError`` while the deadline (30 s) is far off is the defect (CI met it under load)."""
+    src_t, dst_t = transport.create("tcp", max_inflight=1), transport.create("tcp")
+    refused: list[str] = []
+    try:
+        dst_t.register(np.zeros(1 << 16, np.uint8))
+        r = src_t.register(np.ones(1 << 16, np.uint8))
+        peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+        d = peer.remote.regions[0].addr
+
+        def writer() -> None:
+            try:
+                for _ in range(200):
+                    src_t.write(peer, [(r.addr, d, 64)], lambda _b, _e: None, deadline=Deadline.after(30))
+            except CapacityError as e:
+                refused.append(str(e))
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            for _ in range(3):
+                ths = [threading.Thread(target=writer) for _ in range(8)]
+                for th in ths:
+                    th.start()
+                for th in ths:
+                    th.join(60)
+                assert not any(th.is_alive() for th in ths)
+        finally:
+            sys.setswitchinterval(interval)
+        assert not refused, f"{len(refused)} writers refused long before their deadline: {refused[0]}"
+    finally:
+        src_t.close(deadline=Deadline.after(5))
+        dst_t.close(deadline=Deadline.after(5))
 
 
 def test_batch_ids_of_concurrent_writers_go_up_in_completion_order() -> None:
