@@ -263,6 +263,16 @@ from transport.base import GrantTable, Region, RegionTable  # noqa: E402
 _TOP = 1 << 64
 
 
+def _same_refusal(call: Any, impls: tuple[ModuleType, ModuleType], kinds: tuple[type, ...], args: Any) -> None:
+    """``call(impl)`` raises one of ``kinds`` with each twin, and the same type with both."""
+    errors = []
+    for impl in impls:
+        with pytest.raises(kinds) as e:
+            call(impl)
+        errors.append(e.type)
+    assert errors[0] is errors[1], args
+
+
 def _both() -> tuple[ModuleType, ModuleType]:
     return importlib.import_module("transport._tcp_fast"), importlib.import_module("transport._tcp_fast_py")
 
@@ -491,12 +501,7 @@ def test_twins_refuse_the_same_malformed_arguments() -> None:
     ]
     compiled, pure = _both()
     for args in frames:
-        errors = []
-        for impl in (compiled, pure):
-            with pytest.raises((TypeError, ValueError)) as e:
-                impl.frame(args[0], 0, *args[1:])
-            errors.append(e.type)
-        assert errors[0] is errors[1], args
+        _same_refusal(lambda impl: impl.frame(args[0], 0, *args[1:]), (compiled, pure), (TypeError, ValueError), args)
     flags = np.zeros(2, np.uint8)
     keys = np.array([1, 2], np.uint64)
     regions = [
@@ -508,12 +513,7 @@ def test_twins_refuse_the_same_malformed_arguments() -> None:
         ([1, 2], u64, flags, keys, [0, 0]),  # not an array
     ]
     for args in regions:
-        errors = []
-        for impl in (compiled, pure):
-            with pytest.raises((TypeError, ValueError)) as e:
-                impl.Sink().set_regions(*args)
-            errors.append(e.type)
-        assert errors[0] is errors[1], args
+        _same_refusal(lambda impl: impl.Sink().set_regions(*args), (compiled, pure), (TypeError, ValueError), args)
     grants = [
         (1, b"S" * 15, u64, u64),  # a source of 15 bytes
         (1, bytearray(16), u64, u64),  # not bytes
@@ -523,19 +523,9 @@ def test_twins_refuse_the_same_malformed_arguments() -> None:
         ("1", b"S" * 16, u64, u64),
     ]
     for args in grants:
-        errors = []
-        for impl in (compiled, pure):
-            with pytest.raises((TypeError, ValueError, OverflowError)) as e:
-                impl.Sink().add_grant(*args)
-            errors.append(e.type)
-        assert errors[0] is errors[1], args
+        _same_refusal(lambda impl: impl.Sink().add_grant(*args), (compiled, pure), (TypeError, ValueError, OverflowError), args)
     for args in [(bytearray(16), 0, b"S" * 16), (b"", -1, b"S" * 16), (b"", 0, b"S"), (b"", 0, None)]:
-        errors = []
-        for impl in (compiled, pure):
-            with pytest.raises((TypeError, ValueError, OverflowError)) as e:
-                impl.Sink().check(*args)
-            errors.append(e.type)
-        assert errors[0] is errors[1], args
+        _same_refusal(lambda impl: impl.Sink().check(*args), (compiled, pure), (TypeError, ValueError, OverflowError), args)
 
 
 def test_an_acceptor_out_of_file_descriptors_backs_off_and_accepts_again() -> None:
