@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -130,6 +131,36 @@ def test_a_burst_to_one_peer_travels_in_few_messages_in_order_and_a_lone_frame_a
     messages = a.stats.messages_sent - a.stats.heartbeats_sent - before[1]
     assert frames == n and n / 64 <= messages < n, (frames, messages)
     assert b.stats.received < n + 1 and b.stats.delivered == n + 1 and b.stats.protocol_errors == 0
+
+
+def test_frames_of_many_sending_threads_all_leave_though_one_wake_up_serves_a_pass(
+    pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox]
+) -> None:
+    """A sender writes a wake-up byte only when none is owed yet; the I/O thread forgets the one it owed
+    only after reading the bytes, before it flushes. Threads switching as often as the interpreter allows
+    race every sender against that moment: no frame may be left queued with no wake-up on its way."""
+    a, _, b, b_in = pair
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    senders, rounds, burst = 8, 250, 2
+    start = threading.Barrier(senders)
+
+    def send(k: int) -> None:
+        start.wait(WAIT)
+        for r in range(rounds):
+            for i in range(burst):
+                a.send(b.endpoint, wire.Abort(room=(k * rounds + r) * burst + i, reason="race"))
+
+    try:
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        got = sorted(b_in.next_message()[1].room for _ in range(senders * rounds * burst))  # type: ignore[union-attr]
+    finally:
+        sys.setswitchinterval(interval)
+    assert got == list(range(senders * rounds * burst))
 
 
 def test_bad_frames_are_counted_and_the_thread_lives_on(

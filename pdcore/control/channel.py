@@ -147,6 +147,8 @@ MAX_PENDING: Final = 64  # default max_pending: connections accepted that no fra
 HANDSHAKE_TIMEOUT: Final = 5.0  # default handshake_timeout, seconds (libzmq's own default is 30)
 _CONNECTIONS: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the ROUTER's monitor reports, always
 _EVENT_BATCH: Final = 4 * _RECV_BATCH  # monitor events handled per wake
+_EVENTS: Final = int(zmq.EVENTS)  # plain ints: the enums cost a conversion per read on the hot path
+_POLLIN: Final = int(zmq.POLLIN)
 _MONITOR_RCVHWM: Final = 1 << 14  # events queued for the I/O thread: libzmq never waits on a full monitor pipe
 _TCPI_BYTES_RECEIVED: Final = 128  # offset of tcpi_bytes_received (u64) in Linux's struct tcp_info (4.1 and later)
 
@@ -381,6 +383,7 @@ class ControlChannel:
         self._senders: dict[bytes, str] = {}  # routing ids already validated (checked once, not per frame)
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
+        self._wake_owed = False  # a wake-up byte is on its way: a later frame of the same pass needs none
         self._thread: threading.Thread | None = None
         self._endpoint: str | None = None
         self._stopping = False
@@ -515,7 +518,9 @@ class ControlChannel:
             self._outq.put_nowait((endpoint, frame, rooms))
         except queue.Full:
             raise CapacityError(f"control channel: {self._outq.maxsize} frames already queued") from None
-        self._wake()
+        if not self._wake_owed:  # cleared by the I/O thread only after it read the wake-ups, before it flushes
+            self._wake_owed = True
+            self._wake()
 
     def _wake(self) -> None:
         try:
@@ -574,8 +579,10 @@ class ControlChannel:
             if self._short_of_fds:
                 timeout_ms = min(timeout_ms, 10)  # frames wait for a descriptor: try again soon
             ready = dict(poller.poll(timeout_ms))
-            if self._wake_r.fileno() in ready:
+            woken = self._wake_r.fileno() in ready
+            if woken:
                 self._drain_wake()
+                self._wake_owed = False  # after the read: a frame queued from here on sends its own wake-up
             if self._stopping:
                 break
             if self._zap is not None and self._zap in ready:
@@ -585,7 +592,8 @@ class ControlChannel:
             if self._monitors:
                 for sock in [s for s in ready if s in self._monitors]:
                     self._dealer_handshakes(sock)
-            self._flush()
+            if woken or self._frames_waiting():  # every frame queued wakes this thread: no wake-up, nothing new
+                self._flush()
             if self._router in ready:
                 self._receive()
             if len(self._pending) > self._max_pending:
@@ -599,10 +607,14 @@ class ControlChannel:
                 self._tick(now)
                 last_tick, next_beat = now, now + self._interval
 
+    def _frames_waiting(self) -> bool:
+        """Frames from an earlier pass wait to be sent (for a file descriptor): this pass flushes even unwoken."""
+        return bool(self._short_of_fds)
+
     def _drain_wake(self) -> None:
         assert self._wake_r is not None
         try:
-            while self._wake_r.recv(4096):
+            while len(self._wake_r.recv(4096)) == 4096:  # a short read took every byte there was
                 pass
         except BlockingIOError:
             pass
@@ -903,9 +915,10 @@ class ControlChannel:
 
     def _receive(self) -> None:
         assert self._router is not None
+        router = self._router
         for _ in range(_RECV_BATCH):
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self.stats.received += 1
@@ -922,6 +935,8 @@ class ControlChannel:
                 except Exception:  # a bug of ours: logged and counted, the channel keeps serving
                     self.stats.internal_errors += 1
                     log.exception("control channel %s: failed to handle a frame", self._endpoint)
+            if not router.get(_EVENTS) & _POLLIN:  # asked, not tried: a refused read costs an exception
+                return
 
     def _handle(self, ident: bytes, data: bytes) -> None:
         msg = wire.decode(data)

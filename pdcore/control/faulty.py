@@ -82,6 +82,9 @@ class FaultyChannel(ControlChannel):
             return []
         return [frame] * copies
 
+    def _frames_waiting(self) -> bool:
+        return bool(self._delayed) or super()._frames_waiting()
+
     def _flush(self) -> None:
         now = time.monotonic()
         for endpoint, queue in list(self._delayed.items()):

@@ -137,14 +137,20 @@ class Driver(Performer):
     # -- the driver's thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_tick = time.monotonic()
+        """Inputs in arrival order; the engines' clock (``tick``) when their next deadline passes. A queued
+        input is taken without asking the engines for their deadlines again: that question is asked only
+        when the inbox runs dry, so under a stream of inputs a deadline waits at most ``TICK``."""
+        next_tick = due = time.monotonic()
         inbox = self._inbox
         while not self._stop.is_set():
-            due = min(next_tick, min((e.next_deadline() for e in self._engines), default=next_tick))
             try:
-                item = inbox.get(timeout=max(0.0, due - time.monotonic()))
+                item = inbox.get_nowait()
             except queue.Empty:
-                item = None
+                due = min(next_tick, min((e.next_deadline() for e in self._engines), default=next_tick))
+                try:
+                    item = inbox.get(timeout=max(0.0, due - time.monotonic()))
+                except queue.Empty:
+                    item = None
             if item is not None:
                 self.stats["handoffs"] += 1
                 fn, args, counted = item
@@ -156,7 +162,7 @@ class Driver(Performer):
             if now >= due:
                 for engine in self._engines:
                     self.input(engine.tick, ())
-                next_tick = now + TICK
+                next_tick = due = now + TICK  # the engines' own deadlines: asked again once the inbox is dry
 
     # -- the I/O threads ----------------------------------------------------------------------------
 
