@@ -381,6 +381,7 @@ class ControlChannel:
         self._router: zmq.Socket[bytes] | None = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._senders: dict[bytes, str] = {}  # routing ids already validated (checked once, not per frame)
+        self._endpoints: set[str] = set()  # endpoints ``send`` validated already (the callers' threads)
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._wake_owed = False  # a wake-up byte is on its way: a later frame of the same pass needs none
@@ -484,7 +485,11 @@ class ControlChannel:
         or not started). Frames that cannot leave later fail via ``on_rooms_failed``.
         """
         frame = wire.encode(msg)
-        wire.check_endpoint(endpoint)
+        if type(endpoint) is not str or endpoint not in self._endpoints:  # checked once per endpoint, as senders are
+            wire.check_endpoint(endpoint)
+            if len(self._endpoints) >= 2 * self._max_peers:  # bounded: forget them all, they are checked again
+                self._endpoints.clear()
+            self._endpoints.add(endpoint)
         self._enqueue(endpoint, frame, wire.rooms_of(msg))
 
     def hold(self) -> Callable[[], None]:
