@@ -14,6 +14,7 @@ last page would not fit in 64-bit addresses is refused, naming the field.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,7 +102,31 @@ def _check_extent(layout: Layout) -> None:
             )
 
 
+def _small_pages(pages: Any, num_pages: int) -> np.ndarray | None:
+    """A list or tuple of in-range ``int`` page ids as int64, checked without numpy (whose per-call cost
+    is most of a short list's); None for anything else, which ``_pages`` checks and names."""
+    if type(pages) is not list and type(pages) is not tuple or not pages:
+        return None
+    for p in pages:
+        if type(p) is not int:  # bool, numpy integers, floats: numpy's path decides (and names) them
+            return None
+    if min(pages) < 0 or max(pages) >= num_pages:
+        return None
+    return np.array(pages, np.int64)
+
+
+@functools.lru_cache(maxsize=256)
+def _u64(values: tuple[int, ...]) -> np.ndarray:
+    """``values`` (a layout's bases or page sizes, checked when it was made) as a read-only uint64 array."""
+    arr = np.array(values, np.uint64)
+    arr.flags.writeable = False
+    return arr
+
+
 def _pages(name: str, pages: Any, num_pages: int) -> np.ndarray:
+    small = _small_pages(pages, num_pages)
+    if small is not None:
+        return small
     arr = np.asarray(pages)
     if arr.ndim != 1:
         raise PlanError(f"{name} must be a 1-D sequence of page ids, got shape {arr.shape}")
@@ -136,17 +161,12 @@ def validate(
     d = _pages("dst_pages", dst_pages, dst.num_pages)
     if s.shape[0] != d.shape[0]:
         raise PlanError(f"{s.shape[0]} source pages but {d.shape[0]} destination pages; the lists pair up one to one")
-    if d.size > 1:  # sorted copy: O(pages written), never O(the claimed num_pages)
+    if d.size > 1 and (type(dst_pages) is not list and type(dst_pages) is not tuple
+                       or len(set(dst_pages)) != len(dst_pages)):  # O(pages written), never O(num_pages)
         ds = np.sort(d)
         dup = np.flatnonzero(ds[1:] == ds[:-1])
         if dup.size:
             page = int(ds[dup[0]])
             times = int(np.count_nonzero(d == page))
             raise PlanError(f"destination page {page} appears {times} times; a page can be written once")
-    return (
-        s,
-        d,
-        np.array(src.bases, np.uint64),
-        np.array(dst.bases, np.uint64),
-        np.array(src.page_bytes, np.uint64),
-    )
+    return s, d, _u64(src.bases), _u64(dst.bases), _u64(src.page_bytes)
