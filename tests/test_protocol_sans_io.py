@@ -51,7 +51,8 @@ def _file(module: str) -> Path | None:
 
 
 def test_the_engines_import_no_io() -> None:
-    todo = [f"pdcore.protocol.{p.stem}" for p in (ROOT / "pdcore" / "protocol").glob("*.py")]
+    # the engines, and the rules an engine is given as its table (the encode engine's SendRooms)
+    todo = [f"pdcore.protocol.{p.stem}" for p in (ROOT / "pdcore" / "protocol").glob("*.py")] + ["pdcore.epd.sending"]
     seen: set[str] = set()
     bad: list[str] = []
     while todo:
@@ -70,3 +71,14 @@ def test_the_engines_import_no_io() -> None:
                 todo.append(name)
     assert not bad, "\n".join(sorted(set(bad)))
     assert "pdcore.protocol.prefill" in seen and "pdcore.epd.sending" in seen
+
+
+def test_the_engines_do_not_import_the_role_packages() -> None:
+    """The peers (``pdcore.pd``, ``pdcore.epd``, ``pdcore.node``) drive the engines and hand them their tables
+    and rules (``Services``): an engine importing one of them would make the arrow between the packages
+    point both ways."""
+    bad = [f"pdcore.protocol.{p.stem} imports {name}"
+           for p in (ROOT / "pdcore" / "protocol").glob("*.py")
+           for name in _imports(p, f"pdcore.protocol.{p.stem}")
+           if name.startswith(("pdcore.pd", "pdcore.epd", "pdcore.node", "pdcore.vllm", "pdcore.sim"))]
+    assert not bad, "\n".join(sorted(bad))

@@ -22,6 +22,7 @@ from ..node.base import PeerBase
 from ..protocol.encode import EncodeEngine
 from ..protocol.engine import Services
 from .config import EncodeConfig
+from .sending import SendRooms
 from .types import EmbeddingChunk
 
 __all__ = ["EncodePeer", "Sender"]
@@ -36,6 +37,7 @@ class EncodePeer(PeerBase):
         self._begun: dict[int, bool] = {}  # rooms begun and not yet handed back by concluded() -> rows sent
         self._gone: OrderedDict[int, float] = OrderedDict()  # rooms concluded() handed back -> until (late calls)
         self._concluded: collections.deque[int] = collections.deque()  # the engine's, not yet handed back
+        self._table = SendRooms.of(self._config)  # the engine's table: the rooms' rules
 
     def _register_memory(self) -> None:
         for buf in self._config.send_buffers:

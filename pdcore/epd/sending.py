@@ -33,32 +33,15 @@ import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any
 
 from ..control import wire
 from ..core.errors import LocalProtocolError
+from ..protocol.encode import Tell, Write
 from ._recv_spec import shard
 from .types import DTYPE_ITEMSIZE, EmbeddingChunk
 
 __all__ = ["SendRooms", "Write", "Tell"]
-
-
-class Write(NamedTuple):
-    """Write ``batch`` (``(source, destination, length)`` triples) to the prefill rank at ``endpoint``
-    through its ``grant``; report the completion with ``written(room, rank, error)``."""
-
-    room: int
-    endpoint: str
-    rank: int
-    batch: tuple[tuple[int, int, int], ...]
-    grant: int
-
-
-class Tell(NamedTuple):
-    """Send ``msg`` to the prefill rank at ``endpoint``."""
-
-    endpoint: str
-    msg: wire.EmbedStatus
 
 
 Action = Write | Tell
@@ -96,6 +79,13 @@ class SendRooms:
         # ended, or waits for a later deadline) are dropped when they reach the top or when they outnumber the rooms.
         self._waiting: list[tuple[float, int, _Room]] = []
         self._serial = itertools.count()
+
+    @classmethod
+    def of(cls, config: Any) -> SendRooms:
+        """The rooms of an encode rank configured by ``config`` (``EncodeConfig``: its tp size and rank, park
+        timeout, room bound and tombstone lifetime)."""
+        return cls(tp_size=config.tp_size, tp_rank=config.tp_rank, park_timeout=config.park_timeout,
+                   max_rooms=config.max_rooms, tombstone_ttl=config.tombstone_ttl)
 
     def __len__(self) -> int:
         return len(self._rooms)

@@ -1,7 +1,10 @@
 """The encode role's protocol (an encode rank sending image embeddings), sans-IO.
 
-The rooms' rules are ``SendRooms`` (``pdcore.epd.sending``): which rows to write
-to whom, and whom to tell what. This engine adds what sits around them: the
+The rooms' rules are the engine's table (``services.table``: an encode peer's
+``pdcore.epd.sending.SendRooms``): which rows to write to whom, and whom to tell
+what, as the ``Write`` and ``Tell`` values defined here, the vocabulary this
+engine performs (so the dependency points from ``pdcore.epd`` to this package,
+never back). This engine adds what sits around them: the
 prefill ranks that registered (``EmbedRegister``: where their receive slots
 are; the data connection is made with ``Connect``), the writes (``Post``
 through the asking rank's grant; each completion comes back as ``written``)
@@ -18,19 +21,36 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..control import wire
 from ..core.errors import LocalProtocolError
-from ..epd.sending import SendRooms, Tell, Write
 from .actions import Disconnect, Post
 from .engine import Engine, Services, Sink
 
-__all__ = ["EncodeEngine"]
+__all__ = ["EncodeEngine", "Tell", "Write"]
 
 log = logging.getLogger("pdcore.encode")
 
 WRITE_WAIT = 5.0  # seconds a write may wait for room in the transport before it fails
+
+
+class Write(NamedTuple):
+    """The rooms' rules: write ``batch`` (``(source, destination, length)`` triples) to the prefill rank at
+    ``endpoint`` through its ``grant``; report the completion with ``written(room, rank, error)``."""
+
+    room: int
+    endpoint: str
+    rank: int
+    batch: tuple[tuple[int, int, int], ...]
+    grant: int
+
+
+class Tell(NamedTuple):
+    """The rooms' rules: send ``msg`` to the prefill rank at ``endpoint``."""
+
+    endpoint: str
+    msg: wire.EmbedStatus
 
 
 @dataclass(eq=False)
@@ -48,9 +68,9 @@ class EncodeEngine(Engine):
 
     def __init__(self, services: Services) -> None:
         super().__init__(services)
-        cfg = self._config
-        self._rooms = SendRooms(tp_size=cfg.tp_size, tp_rank=cfg.tp_rank, park_timeout=cfg.park_timeout,
-                                max_rooms=cfg.max_rooms, tombstone_ttl=cfg.tombstone_ttl)
+        if services.table is None:
+            raise LocalProtocolError("encode engine: services.table must hold the rooms' rules (SendRooms)")
+        self._rooms = services.table
         self._sinks: dict[str, _Sink] = {}
         self.stats = services.stats if services.stats is not None else {}
         self.stats.setdefault("aborts_before_begin", 0)  # aborts from prefill of rooms the scheduler had not begun

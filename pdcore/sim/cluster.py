@@ -27,6 +27,7 @@ from ..core.events import Failed
 from ..core.table import StateTable
 from ..epd.config import EncodeConfig, ReceiverConfig
 from ..epd.recv_table import ReceiveTable
+from ..epd.sending import SendRooms
 from ..node.perform import Performer
 from ..pd.config import DecodeConfig, PrefillConfig
 from ..protocol.actions import Connect, LookUp
@@ -131,7 +132,7 @@ class SimRank:
         deliver = deliver or (lambda kind, key, value: None)
         regions = [self.transport.register(b, require_grant=role != "encode") for b in buffers]
         if role == "encode":
-            self.engine = EncodeEngine(self._services(None, deliver))
+            self.engine = EncodeEngine(self._services(SendRooms.of(config), deliver))
         else:
             self.table = StateTable(config.capacity, bootstrap_timeout=config.bootstrap_timeout,
                                     waiting_timeout=config.waiting_timeout)
