@@ -105,7 +105,7 @@ def _check_extent(layout: Layout) -> None:
 def _small_pages(pages: Any, num_pages: int) -> np.ndarray | None:
     """A list or tuple of in-range ``int`` page ids as int64, checked without numpy (whose per-call cost
     is most of a short list's); None for anything else, which ``_pages`` checks and names."""
-    if type(pages) is not list and type(pages) is not tuple or not pages:
+    if type(pages) not in (list, tuple) or not pages:
         return None
     for p in pages:
         if type(p) is not int:  # bool, numpy integers, floats: numpy's path decides (and names) them
@@ -161,8 +161,8 @@ def validate(
     d = _pages("dst_pages", dst_pages, dst.num_pages)
     if s.shape[0] != d.shape[0]:
         raise PlanError(f"{s.shape[0]} source pages but {d.shape[0]} destination pages; the lists pair up one to one")
-    if d.size > 1 and (type(dst_pages) is not list and type(dst_pages) is not tuple
-                       or len(set(dst_pages)) != len(dst_pages)):  # O(pages written), never O(num_pages)
+    if d.size > 1 and (type(dst_pages) not in (list, tuple) or len(set(dst_pages)) != len(dst_pages)):
+        # a sorted copy names the page: O(pages written), never O(the claimed num_pages)
         ds = np.sort(d)
         dup = np.flatnonzero(ds[1:] == ds[:-1])
         if dup.size:
