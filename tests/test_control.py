@@ -133,34 +133,44 @@ def test_a_burst_to_one_peer_travels_in_few_messages_in_order_and_a_lone_frame_a
     assert b.stats.received < n + 1 and b.stats.delivered == n + 1 and b.stats.protocol_errors == 0
 
 
-def test_frames_of_many_sending_threads_all_leave_though_one_wake_up_serves_a_pass(
-    pair: tuple[ControlChannel, Inbox, ControlChannel, Inbox]
-) -> None:
+def test_frames_of_many_sending_threads_all_leave_though_one_wake_up_serves_a_pass() -> None:
     """A sender writes a wake-up byte only when none is owed yet; the I/O thread forgets the one it owed
-    only after reading the bytes, before it flushes. Threads switching as often as the interpreter allows
-    race every sender against that moment: no frame may be left queued with no wake-up on its way."""
-    a, _, b, b_in = pair
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    senders, rounds, burst = 8, 250, 2
+    only after reading the bytes, before it flushes. Each of eight threads sends a frame, then waits for it
+    to arrive before the next, so every frame needs a wake-up of its own pass; threads switching as often as
+    the interpreter allows race the senders against that moment. No frame may wait with no wake-up coming."""
+    senders, rounds = 8, 60
+    arrived = {room: threading.Event() for room in range(senders * rounds)}
+    a = Inbox().channel("prefill-0")
+    b = ControlChannel(lambda sender, msg: arrived[msg.room].set(), session_id="decode-0",  # type: ignore[union-attr]
+                       heartbeat_interval=0.05, dead_after=5.0)
+    a.start()
+    b.start()
     start = threading.Barrier(senders)
+    stuck: list[int] = []
 
     def send(k: int) -> None:
         start.wait(WAIT)
         for r in range(rounds):
-            for i in range(burst):
-                a.send(b.endpoint, wire.Abort(room=(k * rounds + r) * burst + i, reason="race"))
+            room = k * rounds + r
+            a.send(b.endpoint, wire.Abort(room=room, reason="race"))
+            if not arrived[room].wait(WAIT):
+                stuck.append(room)
+                return
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
     try:
         threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(WAIT)
-        got = sorted(b_in.next_message()[1].room for _ in range(senders * rounds * burst))  # type: ignore[union-attr]
+            t.join(2 * WAIT)
     finally:
         sys.setswitchinterval(interval)
-    assert got == list(range(senders * rounds * burst))
+        a.close(Deadline.after(WAIT))
+        b.close(Deadline.after(WAIT))
+    assert not stuck, f"frames {stuck} never left (of {senders * rounds})"
+    assert all(e.is_set() for e in arrived.values())
 
 
 def test_bad_frames_are_counted_and_the_thread_lives_on(
