@@ -27,18 +27,19 @@ with _harness.atheris.instrument_imports(include=["transport"]) if _harness.athe
 
 KEY = derive_key(b"fuzz: the deployment secret....", "tcp-hello")
 OTHER_KEY = derive_key(b"fuzz: another deployment secret", "tcp-hello")
-HELLO = tcp_hello.Hello(b"K" * 16, b"S" * 16, b"n" * 16)
+HELLO = tcp_hello.Hello(b"K" * 16, b"S" * 16, tcp_hello.DATA, b"p" * 16, b"n" * 16)
+PLAIN = tcp_hello.Hello(b"K" * 16, b"S" * 16, tcp_hello.ACKS, b"p" * 16)
 SINK_NONCE = b"k" * 16
 CHALLENGE = tcp_hello.challenge(KEY, HELLO, SINK_NONCE)
 PROOF = tcp_hello.proof(KEY, HELLO, SINK_NONCE)
 
 SEEDS = [
     tcp_hello.encode_hello(HELLO),
-    tcp_hello.encode_hello(tcp_hello.Hello(b"K" * 16, b"S" * 16)),
+    tcp_hello.encode_hello(PLAIN),
     CHALLENGE,
     PROOF,
     tcp_hello.challenge(OTHER_KEY, HELLO, SINK_NONCE),
-    b"PDTA\x03",
+    b"PDTA\x04",
 ]
 
 
@@ -48,11 +49,12 @@ def check_hello(data: bytes) -> None:
     except tcp_hello.HelloError:
         return
     assert tcp_hello.encode_hello(hello) == data, (hello, data)
-    assert len(hello.sink) == len(hello.source) == 16 and len(hello.nonce) in (0, 16)
+    assert len(hello.sink) == len(hello.source) == len(hello.pair) == 16 and len(hello.nonce) in (0, 16)
+    assert hello.kind in (tcp_hello.DATA, tcp_hello.ACKS)
 
 
 def check_challenge(data: bytes) -> None:
-    for hello in (HELLO, tcp_hello.Hello(b"K" * 16, b"S" * 16)):
+    for hello in (HELLO, PLAIN):
         try:
             nonce, answer = tcp_hello.check_challenge(KEY, hello, data)
         except tcp_hello.HelloError:

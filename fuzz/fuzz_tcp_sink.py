@@ -83,7 +83,7 @@ def test_one_input(data: bytes) -> None:
 
     helper = threading.Thread(target=peer, daemon=True)
     helper.start()
-    conn = SINK.connection(b, ME, 64, 0.2)
+    conn = SINK.connection(b, b, ME, 64, 0.2)
     try:
         for _ in range(len(data) + 2):  # at most one refusal per byte: it must end before
             result = conn.serve()

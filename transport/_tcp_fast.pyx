@@ -518,9 +518,9 @@ cdef class Sink:
         self.stopped = 1
         pthread_mutex_unlock(&self.mu)
 
-    def connection(self, sock not None, bytes source not None, uint64_t max_writes, double stall):
-        """A connection past its handshake, from ``source``: see ``SinkConn``."""
-        return SinkConn(self, sock, source, max_writes, stall)
+    def connection(self, sock not None, acks not None, bytes source not None, uint64_t max_writes, double stall):
+        """A connection past its handshake, from ``source``, and the one its acks go out on: see ``SinkConn``."""
+        return SinkConn(self, sock, acks, source, max_writes, stall)
 
 
 cdef Py_ssize_t _grant_index(Sink s, uint64_t key) noexcept nogil:
@@ -647,7 +647,8 @@ cdef uint64_t _ACK_GATHER_BYTES = 1 << 20
 
 
 cdef class SinkConn:
-    """One connection past its handshake: ``serve()`` runs its loop without the GIL until a frame is
+    """One data connection past its handshake (acks go out on ``acks``, its ack connection, or the same
+    socket): ``serve()`` runs its loop without the GIL until a frame is
     refused (the caller words the ack: ``refuse()``, then ``serve()`` again) or the connection ends.
 
     Per frame: read its header and descriptors; check every write (``Sink`` mutex held; on success the
@@ -660,6 +661,8 @@ cdef class SinkConn:
 
     cdef Sink sink
     cdef object sock
+    cdef object ack_sock
+    cdef int ack_fd
     cdef _Conn c
     cdef unsigned char source[16]
     cdef uint64_t max_writes
@@ -687,11 +690,13 @@ cdef class SinkConn:
     cdef Py_ssize_t r_index
     cdef Py_ssize_t r_count
 
-    def __cinit__(self, Sink sink not None, sock not None, bytes source not None, uint64_t max_writes, double stall):
+    def __cinit__(self, Sink sink not None, sock not None, acks not None, bytes source not None, uint64_t max_writes,
+                  double stall):
         if len(source) != 16:
             raise ValueError(f"a source is 16 bytes, got {len(source)}")
-        self.sink, self.sock = sink, sock
+        self.sink, self.sock, self.ack_sock = sink, sock, acks
         self.c.fd = sock.fileno()
+        self.ack_fd = acks.fileno()
         memcpy(self.source, <const char*>source, 16)
         self.max_writes, self.stall = max_writes, stall
         self.hcap = 4096
@@ -836,7 +841,7 @@ cdef int _flush(SinkConn s) noexcept nogil:
     cdef int r
     cdef double last = _now()
     while sent < s.alen:
-        k = send(s.c.fd, s.acks + sent, s.alen - sent, MSG_NOSIGNAL)
+        k = send(s.ack_fd, s.acks + sent, s.alen - sent, MSG_NOSIGNAL)
         if k < 0:
             r = _failed(s, k)
             if r == _TICKED:

@@ -346,9 +346,9 @@ class Sink:
         with self._cond:
             self._stopped = True
 
-    def connection(self, sock: Any, source: bytes, max_writes: int, stall: float) -> SinkConn:
-        """A connection past its handshake, from ``source``: see ``SinkConn``."""
-        return SinkConn(self, sock, source, max_writes, stall)
+    def connection(self, sock: Any, acks: Any, source: bytes, max_writes: int, stall: float) -> SinkConn:
+        """A connection past its handshake, from ``source``, and the one its acks go out on: see ``SinkConn``."""
+        return SinkConn(self, sock, acks, source, max_writes, stall)
 
 
 def _total(desc: bytes) -> int:
@@ -365,7 +365,8 @@ class _End(Exception):
 
 
 class SinkConn:
-    """One connection past its handshake: ``serve()`` runs its loop until a frame is refused (the caller
+    """One data connection past its handshake (acks go out on ``acks``, its ack connection, or the same
+    socket): ``serve()`` runs its loop until a frame is refused (the caller
     words the ack: ``refuse()``, then ``serve()`` again) or the connection ends.
 
     Per frame: read its header and descriptors; check every write (``Sink`` lock held; on success the
@@ -376,15 +377,15 @@ class SinkConn:
     frames or 1 MiB. Reads and sends wait in ticks of the socket's kernel timeouts; mid-frame, or
     with acks the peer does not take, ``stall`` seconds without a byte end the connection."""
 
-    def __init__(self, sink: Sink, sock: Any, source: bytes, max_writes: int, stall: float) -> None:
+    def __init__(self, sink: Sink, sock: Any, acks: Any, source: bytes, max_writes: int, stall: float) -> None:
         if not isinstance(sink, Sink):
             raise TypeError(f"sink must be a Sink, got {type(sink).__name__}")
-        if sock is None:
-            raise TypeError("sock must be a socket, got None")
+        if sock is None or acks is None:
+            raise TypeError("sock and acks must be sockets, got None")
         _of(source, bytes, "source")
         if len(source) != 16:
             raise ValueError(f"a source is 16 bytes, got {len(source)}")
-        self._sink, self._sock, self._source = sink, sock, source
+        self._sink, self._sock, self._ack_sock, self._source = sink, sock, acks, source
         self._fd = sock.fileno()
         self._max_writes = _u64(max_writes, "max_writes")
         self._stall = _seconds(stall)
@@ -547,7 +548,7 @@ class SinkConn:
         last = time.monotonic()
         while data:
             try:
-                k = self._sock.send(data, socket.MSG_NOSIGNAL)
+                k = self._ack_sock.send(data, socket.MSG_NOSIGNAL)
             except _TICK:
                 self._tick(last, False)
                 continue

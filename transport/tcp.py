@@ -148,6 +148,7 @@ import errno as errno_mod
 import itertools
 import logging
 import os
+import queue
 import selectors
 import socket
 import struct
@@ -191,12 +192,16 @@ from .tcp_hello import (
     AUTH_FAILED,
     AUTH_REQUIRED,
     AUTH_UNSUPPORTED,
+    ACKS,
     BUSY,
     CHALLENGE,
+    DATA,
     HELLO_REPLY,
     KEY_LABEL,
     MAGIC,
+    NO_PAIR,
     OK,
+    PAIR_BYTES,
     VERSION,
     WRONG_INSTANCE,
     Hello,
@@ -412,6 +417,9 @@ class TcpTransport(Transport):
         self._sinks: dict[int, tuple[socket.socket, threading.Thread]] = {}  # every accepted connection
         self._live: set[int] = set()  # the sids among them past their handshake: what max_sinks bounds
         self._hellos: dict[int, socket.socket] = {}  # those in their handshake, oldest first: what _MAX_HELLOS bounds
+        # data connections past their handshake waiting for their ack connection, by (source, pair): a
+        # live one each, so at most max_sinks
+        self._pairs: dict[tuple[bytes, bytes], queue.SimpleQueue[socket.socket | None]] = {}
         self._evicting: set[int] = set()  # sids cut to make room whose thread has not ended yet
         self._freed = threading.Event()  # a sink connection closed (a descriptor is free), or close()
         self._backoff = AcceptBackoff("tcp transport", log)
@@ -536,18 +544,10 @@ class TcpTransport(Transport):
             port = int(port_s)
         except ValueError:
             raise TransportError(f"tcp endpoint address {remote.address!r} is not host:port", op="connect") from None
+        pair = os.urandom(PAIR_BYTES)  # names this source's two connections to each other at the sink
+        sock = self._open(host, port, remote.instance, DATA, pair, deadline)
         try:
-            sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
-        except OSError as e:
-            raise TransportError(f"cannot connect to {host}:{port}: {e}", op="connect", errno=e.errno) from e
-        try:
-            self._hello(sock, f"{host}:{port}", remote.instance, deadline)
-            _tune(sock, self._peer_timeout)
-            _kernel_timeouts(sock, self._poll)
-            ack_sock = sock.dup()  # the ack reader's handle: same socket, same kernel timeouts
-        except (_PeerGone, OSError) as e:  # OSError: a send to a sink that already hung up
-            sock.close()
-            raise TransportError(f"handshake with {host}:{port} failed: {e}", op="connect", errno=e.errno) from e
+            ack_sock = self._open(host, port, remote.instance, ACKS, pair, deadline)
         except BaseException:
             sock.close()
             raise
@@ -567,10 +567,29 @@ class TcpTransport(Transport):
             t.start()
         return peer
 
-    def _hello(self, sock: socket.socket, where: str, sink: bytes, deadline: Deadline) -> None:
+    def _open(self, host: str, port: int, sink: bytes, kind: int, pair: bytes, deadline: Deadline) -> socket.socket:
+        """One of a source's two connections (``kind`` ``DATA`` or ``ACKS``), past its handshake."""
+        try:
+            sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
+        except OSError as e:
+            raise TransportError(f"cannot connect to {host}:{port}: {e}", op="connect", errno=e.errno) from e
+        try:
+            self._hello(sock, f"{host}:{port}", Hello(sink, self._instance, kind, pair), deadline)
+            _tune(sock, self._peer_timeout)
+            _kernel_timeouts(sock, self._poll)
+        except (_PeerGone, OSError) as e:  # OSError: a send to a sink that already hung up
+            sock.close()
+            raise TransportError(f"handshake with {host}:{port} failed: {e}", op="connect", errno=e.errno) from e
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _hello(self, sock: socket.socket, where: str, hello: Hello, deadline: Deadline) -> None:
         """The source's side of the handshake; returns once the sink said "frames may follow"."""
         key = self._key
-        hello = Hello(sink, self._instance, os.urandom(NONCE_BYTES) if key is not None else b"")
+        if key is not None:
+            hello = Hello(hello.sink, hello.source, hello.kind, hello.pair, os.urandom(NONCE_BYTES))
         sock.settimeout(max(deadline.remaining(), 1e-3))
         sock.sendall(encode_hello(hello))
         status = self._reply(sock, where, deadline)
@@ -595,6 +614,11 @@ class TcpTransport(Transport):
             )
         if status == WRONG_INSTANCE:
             raise TransportError(f"{where} is another transport instance than the endpoint names (restarted?)", op="connect")
+        if status == NO_PAIR:
+            raise TransportError(
+                f"{where} refused the ack connection: no data connection of this source waits for it (it gave up waiting?)",
+                op="connect", errno=errno_mod.ECONNREFUSED,
+            )
         if status == AUTH_REQUIRED:
             raise auth_failed(where, "it requires the deployment secret and this transport has none (its secret option is unset)")
         if status == AUTH_UNSUPPORTED:
@@ -803,7 +827,8 @@ class TcpTransport(Transport):
                             conn.close()
                             return
                         # bounded threads and sockets, whoever dials: authenticated ones, and handshakes
-                        full = AT_CAP if len(self._live) >= self._max_sinks else 0
+                        # (a data connection waiting for its ack connection lets one more in: that one)
+                        full = AT_CAP if len(self._live) - len(self._pairs) >= self._max_sinks else 0
                         if not full and len(self._hellos) >= _MAX_HELLOS:
                             if len(self._evicting) < _MAX_HELLOS:
                                 self._evict()
@@ -839,10 +864,12 @@ class TcpTransport(Transport):
         except OSError:
             pass
 
-    def _sink_hello(self, sid: int, conn: socket.socket, addr: Any) -> bytes | None:
-        """The sink's side of the handshake, within its deadline: the source instance once it may send
-        frames (its connection then holds one of the ``max_sinks`` places), else None (hang up)."""
-        deadline = Deadline.after(min(self._peer_timeout, HELLO_TIMEOUT))
+    def _sink_hello(self, sid: int, conn: socket.socket, addr: Any, deadline: Deadline,
+                    waiter: queue.SimpleQueue[socket.socket | None]) -> Hello | None:
+        """The sink's side of the handshake, within ``deadline``: the hello once the connection is in,
+        else None (hang up). A data connection then holds one of the ``max_sinks`` places, and
+        ``waiter`` waits in ``_pairs`` for its ack connection; an ack connection was put on the
+        ``waiter`` of its data connection."""
         stop = self._stop
         key = self._key
 
@@ -880,29 +907,82 @@ class TcpTransport(Transport):
                 if not stop.is_set() and not cut:  # one cut to make room did not fail: it was cut
                     self._auth.failed(addr, f"challenged, it sent no proof of the deployment secret ({e})")
                 return None
+        pair = (hello.source, hello.pair)
         with self._lock:
             if sid in self._evicting:
                 return None  # cut to make room just now: its socket is shut
             self._hellos.pop(sid, None)
-            full = len(self._live) >= self._max_sinks
-            if full:
+            if hello.kind == ACKS:  # no place of its own: it is its data connection's other half
+                waiting = self._pairs.pop(pair, None)
+                status = NO_PAIR if waiting is None else OK
+            elif pair in self._pairs:
+                status = NO_PAIR  # a pair token in use: never a real source's (they are random)
+            elif len(self._live) >= self._max_sinks:
+                status = AT_CAP
                 self.refused_connections += 1
             else:
+                status = OK
                 self._live.add(sid)
-        reply(AT_CAP if full else OK)
-        return None if full else hello.source
+                self._pairs[pair] = waiter
+        if status == OK and hello.kind == ACKS:
+            replied = False
+            try:
+                reply(OK)  # before the hand-over: once the data connection has it, only acks go out on it
+                replied = True
+            finally:
+                waiting.put(conn if replied else None)  # None: the data connection gives up at once
+            return hello
+        try:
+            reply(status)
+        except OSError:
+            if status == OK:
+                self._unpair(pair, waiter)
+            raise
+        return hello if status == OK else None
+
+    def _unpair(self, pair: tuple[bytes, bytes], waiter: queue.SimpleQueue[socket.socket | None]) -> socket.socket | None:
+        """A data connection stops waiting for its ack connection: the one handed over meanwhile, or None."""
+        with self._lock:
+            if self._pairs.get(pair) is waiter:
+                del self._pairs[pair]
+                return None
+        try:  # taken out of _pairs: its thread puts it (or None) right after its reply
+            return waiter.get(timeout=HELLO_TIMEOUT)
+        except queue.Empty:
+            return None
+
+    def _await_acks(self, pair: tuple[bytes, bytes], waiter: queue.SimpleQueue[socket.socket | None],
+                    deadline: Deadline) -> socket.socket | None:
+        """A data connection's ack connection, within the handshake's ``deadline``; None if it did not come."""
+        while not self._stop.is_set() and not deadline.expired():
+            try:
+                return waiter.get(timeout=min(self._poll, deadline.remaining()))
+            except queue.Empty:
+                continue
+        return self._unpair(pair, waiter)
 
     def _sink_loop(self, sid: int, conn: socket.socket, addr: Any) -> None:
-        """One accepted connection: the handshake, then ``_fast.SinkConn.serve`` lands its frames
-        without the GIL, returning here only to have a refused frame's ack worded, or at the end."""
-        served = None
+        """One accepted connection: the handshake; then, for a data connection, its ack connection
+        (the source opens it once this one is in) and ``_fast.SinkConn.serve``, which lands its
+        frames without the GIL and acks on the other, returning here only to have a refused frame's
+        ack worded, or at the end. An ack connection's thread ends once it handed the socket over."""
+        served = acks = None
+        handed = False
+        waiter: queue.SimpleQueue[socket.socket | None] = queue.SimpleQueue()
         try:
             _kernel_timeouts(conn, self._poll)
             _tune(conn, self._peer_timeout)
-            source = self._sink_hello(sid, conn, addr)
-            if source is None:
+            deadline = Deadline.after(min(self._peer_timeout, HELLO_TIMEOUT))
+            hello = self._sink_hello(sid, conn, addr, deadline, waiter)
+            if hello is None:
                 return
-            served = self._table.connection(conn, source, self._max_batch_writes, self._peer_timeout)
+            if hello.kind == ACKS:
+                handed = True
+                return
+            acks = self._await_acks((hello.source, hello.pair), waiter, deadline)
+            if acks is None:
+                return
+            served = self._table.connection(conn, acks, hello.source, self._max_batch_writes, self._peer_timeout)
             while True:
                 result = served.serve()
                 if result[0] != _fast.SERVE_REFUSED:
@@ -914,8 +994,11 @@ class TcpTransport(Transport):
             pass  # the source lost its connection: it fails its own batches
         finally:
             if served is not None:
-                served.close()  # before the socket closes: a revoke cuts only attached connections
-            conn.close()
+                served.close()  # before the sockets close: a revoke cuts only attached connections
+            if not handed:
+                conn.close()
+            if acks is not None:
+                acks.close()
             with self._lock:
                 self._sinks.pop(sid, None)
                 self._live.discard(sid)

@@ -1,12 +1,16 @@
-"""The TCP transport's hello, sans-IO: how a source opens a data connection and, with a secret, proves it.
+"""The TCP transport's hello, sans-IO: how a source opens its two connections and, with a secret, proves it.
 
-A source sends ``HELLO`` (magic ``PDTC``, version, the sink's and its own instance
-id) or, holding the deployment secret, ``HELLO_AUTH`` (magic ``PDTA``, the same and
-a nonce); the sink answers ``HELLO_REPLY`` with a status, and with a secret first a
-``CHALLENGE`` (its nonce and its MAC over both nonces), which the source checks
-before it sends its ``proof``. Both MACs name their role, so neither can be
-reflected. Pure functions of bytes, so the fuzzer drives them without sockets;
-the transport (``transport/tcp.py``) does the socket I/O.
+A source opens a data connection (frames go out on it) and an ack connection (the sink's
+acks come back on it), both with the same random pair token: one socket per direction,
+so the source's sends and its ack reader never wait for one socket's lock. Each
+connection's hello is ``HELLO`` (magic ``PDTC``, version, the sink's and its own
+instance id, the connection's kind and the pair token) or, holding the deployment
+secret, ``HELLO_AUTH`` (magic ``PDTA``, the same and a nonce); the sink answers
+``HELLO_REPLY`` with a status, and with a secret first a ``CHALLENGE`` (its nonce and
+its MAC over both nonces and the hello's fields), which the source checks before it
+sends its ``proof``. Both MACs name their role, so neither can be reflected. Pure
+functions of bytes, so the fuzzer drives them without sockets; the transport
+(``transport/tcp.py``) does the socket I/O.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from .secret import MAC_BYTES, NONCE_BYTES, hello_mac, same_mac
 
 MAGIC = b"PDTC"
 MAGIC_AUTH = b"PDTA"  # the hello of a source that authenticates: PDTC's fields, then its nonce
-VERSION = 3  # v3: the authenticated hello (PDTA), its challenge and proof, statuses 3..6
-HELLO = struct.Struct("<4sB16s16s")  # magic, version, sink instance, source instance
-HELLO_AUTH = struct.Struct(f"<4sB16s16s{NONCE_BYTES}s")  # ... and the source nonce
+VERSION = 4  # v4: a data and an ack connection per source, paired by a token (v3: the authenticated hello)
+PAIR_BYTES = 16
+HELLO = struct.Struct(f"<4sB16s16sB{PAIR_BYTES}s")  # magic, version, sink instance, source instance, kind, pair
+HELLO_AUTH = struct.Struct(f"<4sB16s16sB{PAIR_BYTES}s{NONCE_BYTES}s")  # ... and the source nonce
+DATA = 1  # a hello's kind: the connection the source's frames go out on
+ACKS = 2  # ... the connection the sink's acks for the data connection of the same pair come back on
 HELLO_REPLY = struct.Struct("<4sBB")  # magic, version, status
 CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")  # sink nonce, sink MAC
 OK = 0
@@ -30,9 +37,10 @@ AUTH_REQUIRED = 3  # the sink has a secret; the hello did not authenticate
 AUTH_UNSUPPORTED = 4  # the hello authenticates; the sink has no secret
 AUTH_FAILED = 5  # the source's proof did not verify
 BUSY = 6  # _MAX_HELLOS connections are in their handshake already
+NO_PAIR = 7  # an ack connection no data connection of its source and pair waits for (or a pair token in use)
 KEY_LABEL = "tcp-hello"
-SINK_ROLE = b"tcp/3 sink"
-SOURCE_ROLE = b"tcp/3 source"
+SINK_ROLE = b"tcp/4 sink"
+SOURCE_ROLE = b"tcp/4 source"
 
 
 class HelloError(Exception):
@@ -41,18 +49,24 @@ class HelloError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """A decoded hello: the sink instance it names, the source's instance, and its nonce (``b""``: a
-    source without a secret)."""
+    """A decoded hello: the sink instance it names, the source's instance, the connection's kind
+    (``DATA`` or ``ACKS``) and pair token, and its nonce (``b""``: a source without a secret)."""
 
     sink: bytes
     source: bytes
+    kind: int
+    pair: bytes
     nonce: bytes = b""
+
+    def _fields(self) -> tuple[bytes, ...]:
+        """What both MACs cover besides the nonces."""
+        return self.sink, self.source, bytes([self.kind]), self.pair
 
 
 def encode_hello(hello: Hello) -> bytes:
     if hello.nonce:
-        return HELLO_AUTH.pack(MAGIC_AUTH, VERSION, hello.sink, hello.source, hello.nonce)
-    return HELLO.pack(MAGIC, VERSION, hello.sink, hello.source)
+        return HELLO_AUTH.pack(MAGIC_AUTH, VERSION, hello.sink, hello.source, hello.kind, hello.pair, hello.nonce)
+    return HELLO.pack(MAGIC, VERSION, hello.sink, hello.source, hello.kind, hello.pair)
 
 
 def hello_size(prefix: bytes) -> int:
@@ -74,15 +88,17 @@ def decode_hello(data: bytes) -> Hello:
     if len(data) != hello_size(data[:5]):
         raise HelloError(f"a hello of {len(data)} bytes, expected {hello_size(data[:5])}")
     if data[:4] == MAGIC_AUTH:
-        _m, _v, sink, source, nonce = HELLO_AUTH.unpack(data)
-        return Hello(sink, source, nonce)
-    _m, _v, sink, source = HELLO.unpack(data)
-    return Hello(sink, source)
+        _m, _v, sink, source, kind, pair, nonce = HELLO_AUTH.unpack(data)
+    else:
+        (_m, _v, sink, source, kind, pair), nonce = HELLO.unpack(data), b""
+    if kind not in (DATA, ACKS):
+        raise HelloError(f"a hello's kind is {DATA} (data) or {ACKS} (acks), got {kind}")
+    return Hello(sink, source, kind, pair, nonce)
 
 
 def challenge(key: bytes, hello: Hello, nonce: bytes) -> bytes:
     """What a sink sends after a status-0 reply to an authenticated ``hello``: its ``nonce`` and its MAC."""
-    return CHALLENGE.pack(nonce, hello_mac(key, SINK_ROLE, hello.sink, hello.source, hello.nonce, nonce))
+    return CHALLENGE.pack(nonce, hello_mac(key, SINK_ROLE, *hello._fields(), hello.nonce, nonce))
 
 
 def check_challenge(key: bytes, hello: Hello, data: bytes) -> tuple[bytes, bytes]:
@@ -101,7 +117,7 @@ def check_challenge(key: bytes, hello: Hello, data: bytes) -> tuple[bytes, bytes
 
 def proof(key: bytes, hello: Hello, sink_nonce: bytes) -> bytes:
     """The source's answer to the sink's challenge (a MAC in the other direction)."""
-    return hello_mac(key, SOURCE_ROLE, hello.sink, hello.source, hello.nonce, sink_nonce)
+    return hello_mac(key, SOURCE_ROLE, *hello._fields(), hello.nonce, sink_nonce)
 
 
 def check_proof(key: bytes, hello: Hello, sink_nonce: bytes, data: bytes) -> None:

@@ -48,7 +48,7 @@ class Loop:
         self.conn, _ = server.accept()
         server.close()
         tcp._kernel_timeouts(self.conn, TICK)
-        self.served = self.sink.connection(self.conn, ME, max_writes, stall)
+        self.served = self.sink.connection(self.conn, self.conn, ME, max_writes, stall)  # acks on the same socket
         self.results: queue.Queue[tuple[int, ...]] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.serve()

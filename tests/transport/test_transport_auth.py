@@ -234,7 +234,8 @@ def test_a_raw_socket_knowing_the_instance_and_the_grant_key_lands_nothing(make:
     """The intruder knows the sink's instance id, the legitimate source's instance id and its live
     grant key (all of them travel in the clear); it lacks only the secret."""
     scene = Scene(make, SECRET)
-    hello = tcp_hello.Hello(scene.sink.instance, scene.legit.instance, os.urandom(16) if how == "forged-proof" else b"")
+    nonce = os.urandom(16) if how == "forged-proof" else b""
+    hello = tcp_hello.Hello(scene.sink.instance, scene.legit.instance, tcp_hello.DATA, os.urandom(16), nonce)
     frame = _frame(1, scene.region.addr, b"\xee" * 4096, scene.grant.key)
     with _dial(scene.sink) as s:
         if how == "plain-hello":
@@ -256,7 +257,8 @@ def test_a_raw_socket_knowing_the_instance_and_the_grant_key_lands_nothing(make:
 
 
 class Forwarder:
-    """A loopback TCP forwarder for one connection that records what the client sent."""
+    """A loopback TCP forwarder for a source's two connections that records what the client sent on
+    the first (its data connection)."""
 
     def __init__(self, target: str) -> None:
         host, _, port = target.rpartition(":")
@@ -264,19 +266,20 @@ class Forwarder:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(5)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}".encode()
-        self.sent = bytearray()  # client -> server bytes
+        self.sent = bytearray()  # client -> server bytes of the data connection
         self._socks: list[socket.socket] = []
         self._threads = [threading.Thread(target=self._run, daemon=True)]
         self._threads[0].start()
 
     def _run(self) -> None:
-        client, _ = self._listener.accept()
-        server = socket.create_connection(self._target, timeout=5)
-        self._socks += [client, server]
-        back = threading.Thread(target=self._pump, args=(server, client, None), daemon=True)
-        self._threads.append(back)
-        back.start()
-        self._pump(client, server, self.sent)
+        for record in (self.sent, None):  # the data connection, then the ack connection
+            client, _ = self._listener.accept()
+            server = socket.create_connection(self._target, timeout=5)
+            self._socks += [client, server]
+            for a, b, r in ((server, client, None), (client, server, record)):
+                t = threading.Thread(target=self._pump, args=(a, b, r), daemon=True)
+                self._threads.append(t)
+                t.start()
 
     @staticmethod
     def _pump(a: socket.socket, b: socket.socket, record: bytearray | None) -> None:
@@ -375,8 +378,10 @@ def test_handshakes_in_progress_are_bounded_and_the_oldest_is_cut(make: MakeTran
         peer = legit.connect(sink.endpoint(), deadline=Deadline.after(5))
         legit.write(peer, [])
         assert legit.completions(deadline=Deadline.after(5))[0].error is None
+        # its data connection's handshake cut the oldest without a word; its ack connection's came
+        # once that one was over (a place free again)
         assert sink.evicted_handshakes == 1 and sink.refused_connections == 0
-        assert _until_eof(idle[0]) == b""  # the oldest, cut without a word
+        assert _until_eof(idle[0]) == b""
         late = [_dial(sink), _dial(sink)]  # the first takes the legitimate one's place, the second cuts
         try:
             assert _until_eof(idle[1]) == b""  # the next oldest
@@ -427,11 +432,14 @@ def test_a_flood_of_idle_sockets_keeps_no_authenticated_source_out(make: MakeTra
 
 def test_the_hello_codec_accepts_only_exact_authentic_bytes() -> None:
     key, wrong = derive_key(SECRET, "tcp-hello"), derive_key(OTHER, "tcp-hello")
-    hello = tcp_hello.Hello(b"K" * 16, b"S" * 16, b"n" * 16)
+    hello = tcp_hello.Hello(b"K" * 16, b"S" * 16, tcp_hello.DATA, b"p" * 16, b"n" * 16)
     assert tcp_hello.decode_hello(tcp_hello.encode_hello(hello)) == hello
-    plain = tcp_hello.Hello(b"K" * 16, b"S" * 16)
+    plain = tcp_hello.Hello(b"K" * 16, b"S" * 16, tcp_hello.ACKS, b"p" * 16)
     assert tcp_hello.decode_hello(tcp_hello.encode_hello(plain)) == plain
-    for bad in (b"", b"PDTA", tcp_hello.encode_hello(hello)[:-1], tcp_hello.encode_hello(hello) + b"x", b"XXXX" + tcp_hello.encode_hello(hello)[4:]):
+    wire = tcp_hello.encode_hello(hello)
+    kind_at = tcp_hello.HELLO_AUTH.size - 16 - 16 - 1  # before the pair token and the nonce
+    no_kind = wire[:kind_at] + b"\x03" + wire[kind_at + 1 :]
+    for bad in (b"", b"PDTA", wire[:-1], wire + b"x", b"XXXX" + wire[4:], no_kind):
         with pytest.raises(tcp_hello.HelloError):
             tcp_hello.decode_hello(bad)
     body = tcp_hello.challenge(key, hello, b"k" * 16)
@@ -443,6 +451,10 @@ def test_the_hello_codec_accepts_only_exact_authentic_bytes() -> None:
     with pytest.raises(tcp_hello.HelloError):  # a sink's MAC is no source proof: the roles differ
         tcp_hello.check_proof(key, hello, nonce, body[16:])
     with pytest.raises(tcp_hello.HelloError):  # bound to the source's nonce
-        tcp_hello.check_challenge(key, tcp_hello.Hello(b"K" * 16, b"S" * 16, b"m" * 16), body)
+        tcp_hello.check_challenge(key, tcp_hello.Hello(b"K" * 16, b"S" * 16, tcp_hello.DATA, b"p" * 16, b"m" * 16), body)
     with pytest.raises(tcp_hello.HelloError):  # and to the sink's
         tcp_hello.check_proof(key, hello, b"j" * 16, answer)
+    for other in (tcp_hello.Hello(b"K" * 16, b"S" * 16, tcp_hello.ACKS, b"p" * 16, b"n" * 16),
+                  tcp_hello.Hello(b"K" * 16, b"S" * 16, tcp_hello.DATA, b"q" * 16, b"n" * 16)):
+        with pytest.raises(tcp_hello.HelloError):  # and to the connection's kind and pair token
+            tcp_hello.check_proof(key, other, nonce, answer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import struct
 import sys
@@ -29,12 +30,54 @@ def sink() -> transport.Transport:
     assert not [th for th in set(threading.enumerate()) - before if th.is_alive()]
 
 
-def _dial(t: transport.Transport, instance: bytes | None = None, source: bytes = b"\0" * 16) -> socket.socket:
-    ep = decode_endpoint(t.endpoint())
-    host, _, port = ep.address.decode().rpartition(":")
-    s = socket.create_connection((host, int(port)), timeout=5)
-    s.sendall(tcp_hello.HELLO.pack(tcp_hello.MAGIC, tcp_hello.VERSION, instance or ep.instance, source))
-    return s
+class _Raw:
+    """A hand-written source's two connections: its hello on the data connection at once; ``status()``
+    reads the reply and, on status 0, opens the ack connection. Frames go out on ``data``, acks come
+    back on ``acks``."""
+
+    def __init__(self, t: transport.Transport, instance: bytes | None, source: bytes) -> None:
+        ep = decode_endpoint(t.endpoint())
+        host, _, port = ep.address.decode().rpartition(":")
+        self.address = (host, int(port))
+        self.instance, self.source, self.pair = instance or ep.instance, source, os.urandom(16)
+        self.data = self.dial(tcp_hello.DATA)
+        self.acks: socket.socket | None = None
+
+    def dial(self, kind: int, pair: bytes | None = None, source: bytes | None = None) -> socket.socket:
+        """A connection of ``kind`` with this source's hello (or another ``pair`` token or ``source``)."""
+        s = socket.create_connection(self.address, timeout=5)
+        s.sendall(tcp_hello.HELLO.pack(tcp_hello.MAGIC, tcp_hello.VERSION, self.instance, source or self.source, kind,
+                                       pair or self.pair))
+        return s
+
+    def status(self) -> int:
+        status = _status(self.data)
+        if status == tcp_hello.OK:
+            self.acks = self.dial(tcp_hello.ACKS)
+            assert _status(self.acks) == tcp_hello.OK
+        return status
+
+    def sendall(self, data: bytes) -> None:
+        self.data.sendall(data)
+
+    def close(self) -> None:
+        for s in (self.data, self.acks):
+            if s is not None:
+                s.close()
+
+    def __enter__(self) -> _Raw:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _dial(t: transport.Transport, instance: bytes | None = None, source: bytes = b"\0" * 16) -> _Raw:
+    return _Raw(t, instance, source)
+
+
+def _status(s: socket.socket) -> int:
+    return tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2]
 
 
 def _recv(s: socket.socket, n: int) -> bytes:
@@ -57,11 +100,10 @@ def test_sink_validates_raw_frames_before_landing_anything(sink: transport.Trans
     dst = np.zeros(4096, np.uint8)
     r = sink.register(dst)
     with _dial(sink) as s:
-        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
+        assert s.status() == 0
         # write 0 is fine, write 1 runs past the region's end: nothing lands
         s.sendall(_frame(1, [(r.addr, b"\x11" * 16), (r.addr + 4090, b"\x22" * 16)]))
-        seq, status, err, n = tcp._ACK.unpack(_recv(s, tcp._ACK.size))
-        msg = _recv(s, n).decode()
+        seq, status, err, msg = _ack(s)
         assert (seq, status, err) == (1, 1, errno.EFAULT) and "write 1 of 2" in msg and "outside every region" in msg
         assert not dst.any()
         # a wild address far from any region, then a valid frame on the same connection
@@ -69,9 +111,7 @@ def test_sink_validates_raw_frames_before_landing_anything(sink: transport.Trans
         s.sendall(_frame(3, [(r.addr + 100, b"\x44" * 8)]))
         acks = []
         for _ in range(2):
-            seq, status, err, n = tcp._ACK.unpack(_recv(s, tcp._ACK.size))
-            _recv(s, n)
-            acks.append((seq, status))
+            acks.append(_ack(s)[:2])
         assert acks == [(2, 1), (3, 0)]
         assert (dst[100:108] == 0x44).all() and dst[:100].sum() == 0 and dst[108:].sum() == 0
 
@@ -79,12 +119,81 @@ def test_sink_validates_raw_frames_before_landing_anything(sink: transport.Trans
 def test_sink_refuses_another_instance_and_broken_frames(sink: transport.Transport) -> None:
     sink.register(np.zeros(64, np.uint8))
     with _dial(sink, instance=b"x" * 16) as s:
-        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 1
-        assert s.recv(1) == b""  # and hangs up
+        assert s.status() == 1
+        assert s.data.recv(1) == b""  # and hangs up
     with _dial(sink) as s:
-        _recv(s, tcp_hello.HELLO_REPLY.size)
+        assert s.status() == 0
         s.sendall(tcp._FRAME.pack(1, (1 << 20) + 1, 0, 0))  # more writes than a sink accepts
-        assert s.recv(1) == b""  # the stream cannot be trusted: connection closed, nothing else
+        assert s.acks.recv(1) == b""  # the stream cannot be trusted: connections closed, nothing else
+        assert s.data.recv(1) == b""
+
+
+def test_acks_come_back_on_the_ack_connection_and_nothing_on_the_data_connection(sink: transport.Transport) -> None:
+    """One socket per direction: the source's sends and its ack reader never share a socket (and its
+    lock). After the replies the sink writes nothing on the data connection, and every ack goes out
+    on the ack connection of the same pair token."""
+    dst = np.zeros(4096, np.uint8)
+    r = sink.register(dst)
+    with _dial(sink) as s:
+        assert s.status() == 0
+        for seq in range(1, 4):
+            s.sendall(_frame(seq, [(r.addr + 8 * seq, bytes([seq]) * 8)]))
+            assert _ack(s) == (seq, 0, 0, "")
+        assert (dst[8:32] == np.repeat(np.arange(1, 4, dtype=np.uint8), 8)).all()
+        s.data.setblocking(False)
+        with pytest.raises(BlockingIOError):  # the acks came after the frames: nothing is on its way here
+            s.data.recv(1)
+
+
+def test_an_ack_connection_no_data_connection_waits_for_is_refused(sink: transport.Transport) -> None:
+    """An ack connection is only the other half of a data connection that is waiting for it: with an
+    unknown pair token, or another source's, or a second time for the same pair, it is refused with
+    NO_PAIR and hung up on, and the data connection it did not join is served as before."""
+    dst = np.zeros(64, np.uint8)
+    r = sink.register(dst)
+    with _dial(sink, source=b"A" * 16) as s:
+        assert _status(s.data) == 0  # waits for its ack connection
+        for stray in (s.dial(tcp_hello.ACKS, pair=b"z" * 16),
+                      s.dial(tcp_hello.ACKS, source=b"B" * 16)):  # the right token from another source
+            with stray:
+                assert _status(stray) == tcp_hello.NO_PAIR
+                assert stray.recv(1) == b""
+        s.acks = s.dial(tcp_hello.ACKS)
+        assert _status(s.acks) == 0
+        with s.dial(tcp_hello.ACKS) as again:  # the pair is complete: a second one has nobody to join
+            assert _status(again) == tcp_hello.NO_PAIR
+        s.sendall(_frame(1, [(r.addr, b"\x07" * 8)]))
+        assert _ack(s) == (1, 0, 0, "") and (dst[:8] == 7).all()
+
+
+def test_a_data_connection_whose_ack_connection_never_comes_gives_its_place_back() -> None:
+    """A data connection holds its ``max_sinks`` place while it waits for its ack connection, but only
+    for the handshake's time (``min(peer_timeout, 5 s)``): then the sink hangs up on it and a source
+    gets the place."""
+    sink = transport.create("tcp", max_sinks=1, peer_timeout=1.0)
+    source = transport.create("tcp")
+    try:
+        r = sink.register(np.zeros(64, np.uint8))
+        with _dial(sink) as s:
+            assert _status(s.data) == 0  # no ack connection follows
+            with pytest.raises(TransportError, match="cap of data connections"):
+                source.connect(sink.endpoint(), deadline=Deadline.after(5))
+            s.data.settimeout(5)
+            assert s.data.recv(1) == b""  # the sink gave up waiting
+        deadline = Deadline.after(5)
+        while True:
+            try:
+                peer = source.connect(sink.endpoint(), deadline=Deadline.after(5))
+                break
+            except TransportError:
+                assert not deadline.expired(), "the place of the abandoned data connection never came back"
+                threading.Event().wait(0.05)
+        src = source.register(np.full(64, 5, np.uint8))
+        source.write(peer, [(src.addr, r.addr, 64)])
+        assert source.completions(deadline=Deadline.after(5))[0].error is None
+    finally:
+        source.close(deadline=Deadline.after(5))
+        sink.close(deadline=Deadline.after(5))
 
 
 def test_connect_to_a_restarted_peer_fails_clearly(sink: transport.Transport) -> None:
@@ -117,9 +226,10 @@ def test_an_empty_batch_on_an_idle_peer_completes() -> None:
         dst_t.close(deadline=Deadline.after(5))
 
 
-def _ack(s: socket.socket) -> tuple[int, int, int, str]:
-    seq, status, err, n = tcp._ACK.unpack(_recv(s, tcp._ACK.size))
-    return seq, status, err, _recv(s, n).decode()
+def _ack(s: _Raw) -> tuple[int, int, int, str]:
+    assert s.acks is not None
+    seq, status, err, n = tcp._ACK.unpack(_recv(s.acks, tcp._ACK.size))
+    return seq, status, err, _recv(s.acks, n).decode()
 
 
 def test_sink_checks_each_frame_against_the_grant_it_names(sink: transport.Transport) -> None:
@@ -131,7 +241,7 @@ def test_sink_checks_each_frame_against_the_grant_it_names(sink: transport.Trans
     g = sink.grant(me, [(r.addr + 1024, 1024)])
     theirs = sink.grant(other, [(r.addr, 4096)])
     with _dial(sink, source=me) as s:
-        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
+        assert s.status() == 0
         s.sendall(_frame(1, [(r.addr + 1024, b"\x11" * 8)]))  # no grant named
         s.sendall(_frame(2, [(r.addr + 1024, b"\x22" * 8)], grant=theirs.key))  # another source's grant
         s.sendall(_frame(3, [(r.addr + 1024, b"\x33" * 8), (r.addr + 2047, b"\x33" * 2)], grant=g.key))  # 1 byte out
@@ -159,7 +269,7 @@ def test_revoke_cuts_a_frame_stalled_mid_payload_and_nothing_lands_after_it(sink
     g = sink.grant(me, [(r.addr, 1 << 16)])
     s = _dial(sink, source=me)
     try:
-        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
+        assert s.status() == 0
         frame = _frame(1, [(r.addr, b"\x66" * (1 << 16))], grant=g.key)
         head = len(frame) - (1 << 16)
         s.sendall(frame[: head + 100])  # the header and 100 bytes of payload, then the source "pauses"
@@ -227,7 +337,7 @@ def test_raw_frames_at_the_exact_edge_of_a_region(sink: transport.Transport) -> 
         [(r1.addr, b"\x15" * 8), (r1.end - 3, b"\x16" * 4)],  # a valid write, then one byte past
     ]
     with _dial(sink) as s:
-        assert tcp_hello.HELLO_REPLY.unpack(_recv(s, tcp_hello.HELLO_REPLY.size))[2] == 0
+        assert s.status() == 0
         for seq, writes in enumerate(refused, 1):
             s.sendall(_frame(seq, writes))
             got = _ack(s)
