@@ -5,28 +5,40 @@ intermediate copy) straight into the target's registered memory (``recvmsg``
 into iovecs pointing there). See ``transport/base.py`` for the contract; this
 module only adds the wire and the threads.
 
-Wire (little-endian), one TCP connection per (source, sink) pair:
+Wire (little-endian), two TCP connections per (source, sink) pair: frames go out on
+the data connection, acks come back on the ack connection (one socket per direction,
+so a source's sends and its ack reader never wait for one socket's lock: on a
+single socket each ack's reader slept on the lock the sender held, and the
+sender paid its wake-up, a third of a 16 KiB batch's CPU). The source opens the
+data connection, then, once it is in, the ack connection; both hellos carry the
+same random pair token, by which the sink joins them.
 
-- hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16]``
-  (a source without a secret), or ``"PDTA", version u8, sink instance [16], source
-  instance [16], source nonce [16]`` (a source with one);
+- hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16],
+  kind u8 (1 data, 2 acks), pair token [16]`` (a source without a secret), or ``"PDTA"``,
+  the same fields and a source nonce [16] (a source with one);
   sink → source: a reply ``"PDTC", version u8, status u8``: 0 ok, 1 wrong instance,
   2 at its connection cap, 3 this sink needs the secret (the hello was ``PDTC``), 4 this
   sink has no secret (the hello was ``PDTA``), 5 the source's proof was wrong, 6 too many
-  handshakes in progress and cut ones still ending (2 and 6 may come before the hello is read).
+  handshakes in progress and cut ones still ending (2 and 6 may come before the hello is
+  read), 7 an ack connection no data connection of its source and pair token waits for
+  (or a data connection whose pair token is in use).
 - after a ``PDTA`` hello and a reply with status 0 (authentication, see below): the sink
-  sends its nonce [16] and ``MAC("tcp/3 sink", sink instance, source instance, source
-  nonce, sink nonce)`` [32]; the source checks it (a wrong one fails ``connect``: the
-  sink does not hold our secret) and sends ``MAC("tcp/3 source", same fields)`` [32];
-  the sink checks it and sends a second reply (0 ok, 2 at cap, 5 wrong proof). The MAC is
-  HMAC-SHA256 with the key ``derive_key(secret, "tcp-hello")`` over length-prefixed
-  fields (``transport.base.hello_mac``). Frames follow a reply with status 0 that is not
-  followed by a challenge.
+  sends its nonce [16] and ``MAC("tcp/4 sink", sink instance, source instance, kind, pair
+  token, source nonce, sink nonce)`` [32]; the source checks it (a wrong one fails
+  ``connect``: the sink does not hold our secret) and sends ``MAC("tcp/4 source", same
+  fields)`` [32]; the sink checks it and sends a second reply (0 ok, 2 at cap, 5 wrong
+  proof, 7 no pair). The MAC is HMAC-SHA256 with the key ``derive_key(secret, "tcp-hello")``
+  over length-prefixed fields (``transport.base.hello_mac``). Frames (on a data connection)
+  and acks (on an ack connection) follow a reply with status 0 that is not followed by a
+  challenge. A data connection holds one of the ``max_sinks`` places; it waits for its ack
+  connection within its handshake's time, else the sink hangs up on it. An ack connection
+  holds no place of its own, and the sink writes nothing on a data connection after its
+  replies.
 - batch frame, source → sink: ``seq u64, count u32, 0 u32, grant u64``, then
   ``count`` pairs ``(remote_addr u64, length u64)``, then the payload of every
   write in order.
-- ack, sink → source, one per batch in the order received: ``seq u64,
-  status u32 (0 ok), errno i32, message length u32``, then the UTF-8 message.
+- ack, sink → source on the ack connection, one per batch in the order received:
+  ``seq u64, status u32 (0 ok), errno i32, message length u32``, then the UTF-8 message.
 
 The sink validates every write of a frame *before* it lands any byte: inside
 the live grant the frame names, given to this connection's source (or, with
@@ -49,11 +61,13 @@ status 6 (``refused_connections``, which counts the ``max_sinks`` refusals
 too). So an idle or unauthenticated socket holds a thread for at most that
 long, and a flood of them that redials what it loses (a few thousand
 connections a second in the tests) keeps no authenticated source out: its
-handshake is over long before 64 newer ones push it out. Threads and sockets of the sink
-side stay within ``max_sinks + 2 * _MAX_HELLOS``.
+handshake is over long before 64 newer ones push it out. Threads of the sink side stay
+within ``max_sinks + 2 * _MAX_HELLOS``, and sockets within ``2 * max_sinks + 2 * _MAX_HELLOS``
+(a data connection's ack connection is served by its thread).
 
-Threads: one acceptor; per accepted connection one sink thread; per
-connected peer one sender and one ack reader (as before the loops were
+Threads: one acceptor; per accepted data connection one sink thread (an ack
+connection's thread ends once its handshake handed it over); per connected
+peer one sender and one ack reader (as before the loops were
 compiled: what changed is that none of them takes the GIL per batch).
 ``close()`` wakes and joins every one of them. An ``accept`` that fails for
 want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection
@@ -108,17 +122,18 @@ syscall on it runs without the GIL:
 So a lone batch crosses two threads (sink, ack reader; three in queue mode
 when the caller already waits in ``completions()``), as a raw request and
 reply over sockets would, and no GIL hand-over on the way (the callbacks of
-callback mode aside); pipelined batches share those wake-ups (~17 acks a
-wake-up of the ack reader in ``benchmarks/transport.py``'s single 16 KiB pages,
-0.5 µs of its CPU a batch). Before the loops were compiled, the same three
+callback mode aside); pipelined batches share those wake-ups when acks queue
+up. In ``benchmarks/transport.py``'s single 16 KiB pages the sink keeps up
+with the source, so most acks go alone: the ack reader spends about 2 µs of CPU
+a batch and the writer about 9.5 µs, against 4.5 and 11.5 µs while acks came
+back on the data socket (the floor's writer: about 8.5). Before the loops were compiled, the same three
 threads each also took the GIL per batch: the sink thread for its receive,
 check and ack, the ack reader per completion, and the completion queue's
 Python condition — a GIL hand-over per step in each process, ~30 µs a
 single-page batch against the floor's ~5-15 µs. A queue-mode caller could read
 the acks itself and save step 3's wake-up, but the ack reader must stay for
-callbacks (they run on a transport thread) and for liveness, and its wake-ups,
-shared by ~17 batches, do not pay for the arbitration of one socket between
-two readers.
+callbacks (they run on a transport thread) and for liveness, and two readers of
+one socket would wait for each other's lock as the sender and the ack reader did.
 
 ``revoke`` takes the grant out of the sink's table (no frame through it is
 checked from then on), then waits for the mark of a frame already landing
