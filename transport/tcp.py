@@ -251,6 +251,7 @@ __all__ = [
 log = logging.getLogger("transport.tcp")
 
 _MAX_HELLOS = 64
+_PAIR_POLL = 0.05  # seconds: how often a data connection waiting for its ack connection looks for its end
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
 _ACK = struct.Struct("<QIiI")
 assert _FRAME.size == _fast.FRAME_SIZE and _ACK.size == _fast.ACK_SIZE
@@ -966,14 +967,23 @@ class TcpTransport(Transport):
         except queue.Empty:
             return None
 
-    def _await_acks(self, pair: tuple[bytes, bytes], waiter: queue.SimpleQueue[socket.socket | None],
-                    deadline: Deadline) -> socket.socket | None:
-        """A data connection's ack connection, within the handshake's ``deadline``; None if it did not come."""
+    def _await_acks(self, conn: socket.socket, pair: tuple[bytes, bytes],
+                    waiter: queue.SimpleQueue[socket.socket | None], deadline: Deadline) -> socket.socket | None:
+        """A data connection's ack connection, within the handshake's ``deadline``; None if it did not
+        come, or if the data connection sent anything meanwhile (a source sends no frame before its ack
+        connection is in: that is its end, or not a source), which frees its place at once."""
         while not self._stop.is_set() and not deadline.expired():
             try:
-                return waiter.get(timeout=min(self._poll, deadline.remaining()))
+                return waiter.get(timeout=min(_PAIR_POLL, deadline.remaining()))
             except queue.Empty:
+                pass
+            try:
+                conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
                 continue
+            except OSError:
+                pass
+            break
         return self._unpair(pair, waiter)
 
     def _sink_loop(self, sid: int, conn: socket.socket, addr: Any) -> None:
@@ -994,7 +1004,7 @@ class TcpTransport(Transport):
             if hello.kind == ACKS:
                 handed = True
                 return
-            acks = self._await_acks((hello.source, hello.pair), waiter, deadline)
+            acks = self._await_acks(conn, (hello.source, hello.pair), waiter, deadline)
             if acks is None:
                 return
             served = self._table.connection(conn, acks, hello.source, self._max_batch_writes, self._peer_timeout)

@@ -196,6 +196,29 @@ def test_a_data_connection_whose_ack_connection_never_comes_gives_its_place_back
         sink.close(deadline=Deadline.after(5))
 
 
+def test_a_data_connection_closed_before_its_ack_connection_frees_its_place_at_once() -> None:
+    """A source that goes away between its two handshakes: its data connection's place comes back when
+    it closes, not at the end of the handshake's time (5 s here): a source gets in well before."""
+    sink = transport.create("tcp", max_sinks=1, peer_timeout=10.0)
+    source = transport.create("tcp")
+    try:
+        sink.register(np.zeros(64, np.uint8))
+        with _dial(sink) as s:
+            assert _status(s.data) == 0
+        deadline = Deadline.after(2.5)  # half the handshake's time: only an early release gets in
+        while True:
+            try:
+                source.connect(sink.endpoint(), deadline=Deadline.after(2))
+                break
+            except TransportError as e:
+                assert "cap of data connections" in str(e)
+                assert not deadline.expired(), "the closed data connection held its place until the handshake's end"
+                threading.Event().wait(0.02)
+    finally:
+        source.close(deadline=Deadline.after(5))
+        sink.close(deadline=Deadline.after(5))
+
+
 def test_connect_to_a_restarted_peer_fails_clearly(sink: transport.Transport) -> None:
     ep = sink.endpoint()
     other = transport.create("tcp")
