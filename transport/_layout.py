@@ -102,17 +102,27 @@ def _check_extent(layout: Layout) -> None:
             )
 
 
-def _small_pages(pages: Any, num_pages: int) -> np.ndarray | None:
-    """A list or tuple of in-range ``int`` page ids as int64, checked without numpy (whose per-call cost
-    is most of a short list's); None for anything else, which ``_pages`` checks and names."""
-    if type(pages) not in (list, tuple) or not pages:
-        return None
-    for p in pages:
-        if type(p) is not int:  # bool, numpy integers, floats: numpy's path decides (and names) them
+_SMALL = 4096  # page ids checked as Python ints up to this many: numpy's per-call cost is most of a short list's
+
+
+def _small_pages(pages: Any, num_pages: int) -> tuple[np.ndarray, Sequence[int]] | None:
+    """In-range page ids as int64 and as Python ints, checked without numpy: a list or tuple of ``int``,
+    or a 1-D integer numpy array of at most ``_SMALL`` (the peers hand arrays over); None for anything
+    else, which ``_pages`` checks and names."""
+    if type(pages) is np.ndarray:
+        if pages.ndim != 1 or pages.dtype.kind not in "iu" or not 0 < pages.size <= _SMALL:
             return None
-    if min(pages) < 0 or max(pages) >= num_pages:
+        ids = pages.tolist()
+    elif type(pages) in (list, tuple) and pages:
+        ids = pages
+        for p in ids:
+            if type(p) is not int:  # bool, numpy integers, floats: numpy's path decides (and names) them
+                return None
+    else:
         return None
-    return np.array(pages, np.int64)
+    if min(ids) < 0 or max(ids) >= num_pages:
+        return None
+    return np.array(ids, np.int64), ids
 
 
 @functools.lru_cache(maxsize=256)
@@ -123,7 +133,8 @@ def _u64(values: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
-def _pages(name: str, pages: Any, num_pages: int) -> np.ndarray:
+def _pages(name: str, pages: Any, num_pages: int) -> tuple[np.ndarray, Sequence[int] | None]:
+    """``pages`` checked, as int64, and as Python ints when ``_small_pages`` took them (else None)."""
     small = _small_pages(pages, num_pages)
     if small is not None:
         return small
@@ -131,7 +142,7 @@ def _pages(name: str, pages: Any, num_pages: int) -> np.ndarray:
     if arr.ndim != 1:
         raise PlanError(f"{name} must be a 1-D sequence of page ids, got shape {arr.shape}")
     if arr.size == 0:
-        return np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), None
     if arr.dtype.kind not in "iu":
         raise PlanError(f"{name} must hold integer page ids, got dtype {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
@@ -139,7 +150,7 @@ def _pages(name: str, pages: Any, num_pages: int) -> np.ndarray:
         bad = lo if lo < 0 else hi
         where = int(np.flatnonzero(arr == bad)[0])
         raise PlanError(f"{name}[{where}] = {bad} is out of range: the layout has pages 0..{num_pages - 1}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return np.ascontiguousarray(arr, dtype=np.int64), None
 
 
 def validate(
@@ -157,11 +168,11 @@ def validate(
     if src.page_bytes != dst.page_bytes:
         i = next(i for i, (a, b) in enumerate(zip(src.page_bytes, dst.page_bytes)) if a != b)
         raise PlanError(f"buffer {i}: {src.page_bytes[i]} bytes per page at the source, {dst.page_bytes[i]} at the destination")
-    s = _pages("src_pages", src_pages, src.num_pages)
-    d = _pages("dst_pages", dst_pages, dst.num_pages)
+    s, _ = _pages("src_pages", src_pages, src.num_pages)
+    d, ids = _pages("dst_pages", dst_pages, dst.num_pages)
     if s.shape[0] != d.shape[0]:
         raise PlanError(f"{s.shape[0]} source pages but {d.shape[0]} destination pages; the lists pair up one to one")
-    if d.size > 1 and (type(dst_pages) not in (list, tuple) or len(set(dst_pages)) != len(dst_pages)):
+    if d.size > 1 and (ids is None or len(set(ids)) != len(ids)):
         # a sorted copy names the page: O(pages written), never O(the claimed num_pages)
         ds = np.sort(d)
         dup = np.flatnonzero(ds[1:] == ds[:-1])
