@@ -62,10 +62,10 @@ def grant_ranges(ranges: Any) -> tuple[tuple[int, int], ...]:
     address; ``ValueError`` for an empty or wrapping range or overlapping ones. One pass: a decode
     rank grants every announced room's pages, so this runs per request."""
     rows = sorted(map(tuple, ranges.reshape(-1, 2).tolist()) if isinstance(ranges, np.ndarray) else ranges)
-    if not all(type(a) is int and type(n) is int for a, n in rows):
-        rows = [(int(a), int(n)) for a, n in rows]
     end = 1
     for addr, length in rows:
+        if type(addr) is not int or type(length) is not int:  # numpy integers and the like: converted once
+            return grant_ranges([(int(a), int(n)) for a, n in rows])
         if addr < end or length <= 0 or addr + length > U64_MAX + 1:
             what = "overlap" if addr < end and addr > 0 and length > 0 else "need a non-null address and a positive length"
             raise ValueError(f"grant ranges {what}: ({addr:#x}, {length})")

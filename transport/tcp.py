@@ -506,8 +506,9 @@ class TcpTransport(Transport):
             if bad is not None:
                 self._grants.pop(g.key)
                 raise ValueError(f"grant range [{bad[0]:#x}, +{bad[1]}) is outside every registered region")
-            starts, lengths = np.array(g.ranges, np.uint64).reshape(-1, 2).T
-            self._table.add_grant(g.key, g.source, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
+            starts = np.fromiter([a for a, _ in g.ranges], np.uint64, len(g.ranges))
+            lengths = np.fromiter([n for _, n in g.ranges], np.uint64, len(g.ranges))
+            self._table.add_grant(g.key, g.source, starts, lengths)
         return g
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:

@@ -107,6 +107,24 @@ def test_register_rejects_bad_buffers(make_transport: MakeTransport) -> None:
     t.register(a[10:20])  # free again once deregistered
 
 
+def test_grant_ranges_are_sorted_checked_and_made_plain_ints() -> None:
+    """What every transport's ``grant`` stores: ``(addr, length)`` pairs of Python ints sorted by address,
+    from pairs, numpy integers or an ``(n, 2)`` array alike; an overlap, an empty or a wrapping range
+    is a ``ValueError`` naming it."""
+    from transport.regions import grant_ranges
+
+    want = ((0x1000, 16), (0x2000, 8))
+    for given in ([(0x2000, 8), (0x1000, 16)], [(np.uint64(0x2000), np.int64(8)), (0x1000, np.int32(16))],
+                  np.array([[0x2000, 8], [0x1000, 16]], np.uint64)):
+        got = grant_ranges(given)
+        assert got == want and all(type(x) is int for pair in got for x in pair), given
+    for bad, why in (([(0x1000, 16), (0x100F, 4)], "overlap"), ([(0x1000, 0)], "positive length"),
+                     ([(np.uint64(0x1000), np.int64(-1))], "positive length"), ([((1 << 64) - 4, 8)], "positive length"),
+                     ([(0, 8)], "non-null address")):
+        with pytest.raises(ValueError, match=why):
+            grant_ranges(bad)
+
+
 # ----------------------------------------------------------------------------- many batches, many peers
 
 
