@@ -9,7 +9,8 @@ Wire (little-endian), two TCP connections per (source, sink) pair: frames go out
 the data connection, acks come back on the ack connection (one socket per direction,
 so a source's sends and its ack reader never wait for one socket's lock: on a
 single socket each ack's reader slept on the lock the sender held, and the
-sender paid its wake-up, a third of a 16 KiB batch's CPU). The source opens the
+sender paid its wake-up, about a quarter of the source's CPU on single 16 KiB
+batches). The source opens the
 data connection, then, once it is in, the ack connection; both hellos carry the
 same random pair token, by which the sink joins them.
 
@@ -126,10 +127,10 @@ callback mode aside); pipelined batches share those wake-ups when acks queue
 up. In ``benchmarks/transport.py``'s single 16 KiB pages the sink keeps up
 with the source, so most acks go alone: the ack reader spends about 2 µs of CPU
 a batch and the writer about 9.5 µs, against 4.5 and 11.5 µs while acks came
-back on the data socket (the floor's writer: about 8.5). Before the loops were compiled, the same three
-threads each also took the GIL per batch: the sink thread for its receive,
-check and ack, the ack reader per completion, and the completion queue's
-Python condition — a GIL hand-over per step in each process, ~30 µs a
+back on the data socket (the floor's writer: about 8.5). Before the loops were
+compiled, the same three threads each also took the GIL per batch: the sink
+thread for its receive, check and ack, the ack reader per completion, and the
+completion queue's Python condition — a GIL hand-over per step in each process, ~30 µs a
 single-page batch against the floor's ~5-15 µs. A queue-mode caller could read
 the acks itself and save step 3's wake-up, but the ack reader must stay for
 callbacks (they run on a transport thread) and for liveness, and two readers of
@@ -168,7 +169,7 @@ import selectors
 import socket
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -606,7 +607,7 @@ class TcpTransport(Transport):
         """The source's side of the handshake; returns once the sink said "frames may follow"."""
         key = self._key
         if key is not None:
-            hello = Hello(hello.sink, hello.source, hello.kind, hello.pair, os.urandom(NONCE_BYTES))
+            hello = replace(hello, nonce=os.urandom(NONCE_BYTES))
         sock.settimeout(max(deadline.remaining(), 1e-3))
         sock.sendall(encode_hello(hello))
         status = self._reply(sock, where, deadline)
