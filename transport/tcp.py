@@ -954,7 +954,9 @@ class TcpTransport(Transport):
             reply(status)
         except OSError:
             if status == OK:
-                self._unpair(pair, waiter)
+                early = self._unpair(pair, waiter)  # an ack connection that came before our reply went
+                if early is not None:
+                    early.close()
             raise
         return hello if status == OK else None
 
