@@ -366,8 +366,8 @@ class _End(Exception):
 
 class SinkConn:
     """One data connection past its handshake (acks go out on ``acks``, its ack connection, or the same
-    socket): ``serve()`` runs its loop until a frame is refused (the caller
-    words the ack: ``refuse()``, then ``serve()`` again) or the connection ends.
+    socket): ``serve()`` runs its loop until a frame is refused (the caller words the ack: ``refuse()``,
+    then ``serve()`` again) or the connection ends.
 
     Per frame: read its header and descriptors; check every write (``Sink`` lock held; on success the
     connection is marked landing through the frame's grant, into its regions); receive the payload
