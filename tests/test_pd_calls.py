@@ -14,6 +14,7 @@ call costs nothing else.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,46 @@ def test_minus_inf_and_nan_logprobs_reach_decode(pair: Pair) -> None:
     assert got["low"].bootstrap_logprob == -1e300 and got["low"].cached_tokens == I31
     assert all(r.bootstrap_token == token(rid) for rid, r in got.items())
     assert all(pair.ended("prefill", rid) == "Succeeded" for rid in pair.usage)
+
+
+def test_usage_recorded_before_the_hand_over_rides_with_it_and_a_later_one_still_arrives(pair: Pair) -> None:
+    """``record_usage`` before ``send`` hands the driver nothing of its own: the finishing hand-over carries
+    it (one driver input where there were two). Layer-wise, ``finish`` carries it. A record after the
+    hand-over still goes, as an input of its own. Each one's values reach decode's ``RemotePrefill``."""
+    handed: list[str] = []  # the inputs this (the scheduler's) thread handed the prefill driver
+    driver, me = pair.prefill._driver, threading.current_thread()
+    submit = driver.submit
+
+    def counted(fn: Any, *args: Any) -> None:  # the real driver's submit, counted
+        if threading.current_thread() is me:
+            handed.append(fn.__name__)
+        submit(fn, *args)
+
+    driver.submit = counted
+    for i, rid in enumerate(("whole", "layers", "late")):
+        _bootstrapped(pair, rid, room=40 + i)
+    handed.clear()
+    pair.prefill.record_usage("whole", cached_tokens=11, bootstrap_logprob=-1.5)
+    assert handed == []
+    pair.outbox.send("whole", pair.pages("whole", "prefill"), 5)
+    assert handed == ["hand_over_used"]
+
+    handed.clear()
+    pages = pair.pages("layers", "prefill")
+    pair.prefill.record_usage("layers", cached_tokens=22, bootstrap_logprob=-2.5)
+    pair.outbox.begin("layers", pages)
+    pair.outbox.layers_done("layers", 1)
+    pair.outbox.finish("layers", 6)
+    assert handed == ["hand_over", "hand_over", "hand_over_used"]
+
+    pair.outbox.send("late", pair.pages("late", "prefill"), 7)
+    handed.clear()
+    pair.prefill.record_usage("late", cached_tokens=33, bootstrap_logprob=-3.5)
+    assert handed == ["usage"]
+    pair.pump(lambda: all(pair.ended("decode", rid) for rid in ("whole", "layers")), "whole and layers to land")
+    got = {rid: (pair.landed[rid].cached_tokens, pair.landed[rid].bootstrap_logprob) for rid in ("whole", "layers")}
+    assert got == {"whole": (11, -1.5), "layers": (22, -2.5)}
+    assert pair.prefill._usage.keys() <= {"late"}  # ended rids leave nothing behind
 
 
 def _usage(**kw: Any) -> Any:

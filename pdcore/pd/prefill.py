@@ -41,6 +41,9 @@ class PrefillPeer(PdPeer):
         super().__init__(config)
         self._rooms: dict[int, str] = {}  # room -> rid of the live requests (the scheduler's thread)
         self._room_of: dict[str, int] = {}
+        # rid -> the usage recorded before its finishing hand-over, which carries it (one input, not two);
+        # None once that hand-over went (a later record goes as an input of its own). Live rids only.
+        self._usage: dict[str, tuple[int, float | None] | None] = {}
         self._receiver: Receiver | None = None
 
     def _make_engine(self, services: Services) -> PrefillEngine:
@@ -125,8 +128,12 @@ class PrefillPeer(PdPeer):
         where = f"record_usage({rid!r})"
         cached = wire_int(where, "cached_tokens", cached_tokens, wire.MAX_COUNT)
         logprob = check_logprob(where, bootstrap_logprob)
-        if self._accepts(rid, "record_usage"):
+        if not self._accepts(rid, "record_usage"):
+            return
+        if self._usage.get(rid, ()) is None:  # after the hand-over's finish: the status may not have gone yet
             self._input(rid, self._engine.usage, rid, cached, logprob)
+        else:
+            self._usage[rid] = (cached, logprob)
 
     def abort_room(self, rid: str, room: int) -> None:
         """Fail the request holding ``room`` here (the prefill scheduler gave it up: EPD, its embeddings
@@ -144,10 +151,15 @@ class PrefillPeer(PdPeer):
             log.warning("abort_room(%r, %d) dropped: %s", rid, room, e)
 
     def _hand_over(self, rid: str, page_ids: Any, upto: int | None, finish: tuple[int, tuple[int, ...] | None] | None) -> None:
-        self._input(rid, self._engine.hand_over, rid, page_ids, upto, finish)
+        if finish is None:
+            self._input(rid, self._engine.hand_over, rid, page_ids, upto, finish)
+            return
+        usage, self._usage[rid] = self._usage.get(rid), None
+        self._input(rid, self._engine.hand_over_used, rid, page_ids, upto, finish, usage)
 
     def _settle(self, events: list[Any], ended: list[str]) -> list[Any]:
         for rid in ended:
+            self._usage.pop(rid, None)
             room = self._room_of.pop(rid, None)
             if room is not None:
                 del self._rooms[room]

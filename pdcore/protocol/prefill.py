@@ -150,6 +150,14 @@ class PrefillEngine(Engine):
         if entry is not None:
             entry.cached_tokens, entry.logprob = cached_tokens, logprob
 
+    def hand_over_used(self, rid: str, page_ids: Any, upto: int | None, finish: Finish, usage: tuple[int, float | None] | None,
+                       now: float) -> None:
+        """The finishing ``hand_over`` with the ``usage`` (cached tokens, logprob) recorded before it, if any:
+        one input where the scheduler's two calls would take two."""
+        if usage is not None:
+            self.usage(rid, *usage, now)
+        self.hand_over(rid, page_ids, upto, finish, now)
+
     def abort_room(self, rid: str, room: int, now: float) -> None:
         """The prefill scheduler gave up ``rid`` (EPD: its embeddings failed): fail the room it holds,
         or answer the decode side of a room never registered here from a tombstone."""
