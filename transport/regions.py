@@ -152,14 +152,17 @@ class RegionTable:
             return None
 
     def outside(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-        """The first of ``ranges`` (sorted by address) that lies in no one region, or None."""
+        """The first of ``ranges`` (sorted by address) that lies in no one region, or None. One lock for
+        all of them: a grant has a range per buffer and run of pages (a decode rank grants per request)."""
         lo = hi = 0
-        for addr, length in ranges:  # consecutive ranges mostly share a region: look up only when one leaves it
-            if not (lo <= addr and addr + length <= hi):
-                region = self.find(addr, length)
-                if region is None:
-                    return addr, length
-                lo, hi = region.addr, region.end
+        with self._lock:
+            starts, regions = self._starts, self._regions
+            for addr, length in ranges:  # consecutive ranges mostly share a region: look up only when one leaves it
+                if not (lo <= addr and addr + length <= hi):
+                    i = bisect.bisect_right(starts, addr) - 1
+                    if i < 0 or not regions[i].contains(addr, length):
+                        return addr, length
+                    lo, hi = regions[i].addr, regions[i].end
         return None
 
     def snapshot(self) -> tuple[Region, ...]:

@@ -86,6 +86,10 @@ class State(IntEnum):
     SUCCESS = 5
 
 
+STATES: tuple[State, ...] = tuple(State)  # by value: STATES[v] is State(v) without the enum's call (~1 us)
+assert all(s == v for v, s in enumerate(STATES))
+
+
 class Trigger(IntEnum):
     """What an I/O thread observed about a request on this rank."""
 

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from . import _spec
-from ._spec import State, Timer, Trigger
+from ._spec import STATES, State, Timer, Trigger
 from .errors import CapacityError, CollectiveError, LocalProtocolError
 from .events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
 from .twin_common import FINGERPRINT_BYTES, MAX_CAPACITY, check_config, mismatch_message, rid_hash
@@ -237,7 +237,7 @@ cdef class StateTable:
             slot = self._slot_of(rid)
             if self._apply(slot, trigger, now):
                 self._reasons[slot] = str(reason) if reason else Trigger(trigger).name.lower()
-            return State(self._local[slot])
+            return STATES[self._local[slot]]
 
     cdef int _apply(self, Py_ssize_t slot, int trigger, double now) except -1:
         """One table step; 1 when it moved the slot into FAILED (the caller keeps the reason)."""
@@ -287,7 +287,7 @@ cdef class StateTable:
     def state(self, rid):
         """This rank's local state of ``rid``."""
         with self._lock:
-            return State(self._local[self._slot_of(rid)])
+            return STATES[self._local[self._slot_of(rid)]]
 
     def agreed(self, rid):
         """The highest state the replica agreed on for ``rid`` so far (FAILED once it is failing)."""

@@ -15,7 +15,7 @@ import numpy as np
 from transport.limits import U64_MAX
 
 from . import _spec
-from ._spec import CODE_FAILING, FREE, Fence, State, Timer, Trigger, code_of, state_of_code
+from ._spec import CODE_FAILING, FREE, STATES, Fence, State, Timer, Trigger, code_of, state_of_code
 from .errors import CapacityError, CollectiveError, LocalProtocolError
 from .events import FAILED_ELSEWHERE, Bootstrapped, Event, Failed, Succeeded
 from .twin_common import FINGERPRINT_BYTES, check_config, mismatch_message, rid_hash
@@ -137,7 +137,7 @@ class StateTable:
         with self._lock:
             slot = self._slot_of(rid)
             self._apply(slot, trigger, now, str(reason) if reason else Trigger(trigger).name.lower())
-            return State(self._local[slot])
+            return STATES[self._local[slot]]
 
     def _apply(self, slot: int, trigger: int, now: float, reason: str) -> None:
         old = self._local[slot]
@@ -179,7 +179,7 @@ class StateTable:
     def state(self, rid: str) -> State:
         """This rank's local state of ``rid``."""
         with self._lock:
-            return State(self._local[self._slot_of(rid)])
+            return STATES[self._local[self._slot_of(rid)]]
 
     def agreed(self, rid: str) -> State:
         """The highest state the replica agreed on for ``rid`` so far (FAILED once it is failing)."""

@@ -113,6 +113,8 @@ class DecodeEngine(Engine):
             self._lookup_needs, lambda request: (request.room, request.dp_rank), self._looked_up, self._out.append,
         )
         self._registered: set[str] = set()  # prefill endpoints that have our Register
+        # (id(info), dp group) -> (info, its pairs): a deployment's pairing, checked once per looked-up shape
+        self._pair_memo: dict[tuple[int, int], tuple[Any, tuple[tuple[tuple[int, int], bool], ...]]] = {}
         self._unrevoked: RetryRevokes[_Request] = RetryRevokes()  # fences whose revoke was not confirmed
         # grants of landed requests a revoke failed for (nothing waits on them: bounded)
         self._landed_grants: RetryRevokes[Any] = RetryRevokes(limit=4 * self._config.max_pending)
@@ -282,11 +284,23 @@ class DecodeEngine(Engine):
                                      f"(dp_size {info.dp_size})")
         return dp
 
-    def _pairs(self, info: ParallelInfo, room: int, dp_rank: int | None) -> list[tuple[tuple[int, int], bool]]:
+    def _pairs(self, info: ParallelInfo, room: int, dp_rank: int | None) -> tuple[tuple[tuple[int, int], bool], ...]:
         """The (dp rank, tp rank) of every prefill rank of ``room`` this rank talks to, and whether it owes
-        this rank bytes (sources first); raises ``LocalProtocolError`` if the deployments cannot pair."""
-        cfg = self._config
+        this rank bytes (sources first); raises ``LocalProtocolError`` if the deployments cannot pair.
+        Remembered per looked-up ``info`` and DP group (a request costs a dict look-up; a refusal is not
+        remembered, and a new look-up is a new ``info``)."""
         dp = self._group(info, room, dp_rank)
+        memo = self._pair_memo.get((id(info), dp))
+        if memo is not None and memo[0] is info:
+            return memo[1]
+        pairs = self._pair(info, dp)
+        if len(self._pair_memo) >= 64:  # bounded: deployments x DP groups seen lately
+            self._pair_memo.clear()
+        self._pair_memo[(id(info), dp)] = (info, pairs)
+        return pairs
+
+    def _pair(self, info: ParallelInfo, dp: int) -> tuple[tuple[tuple[int, int], bool], ...]:
+        cfg = self._config
         kv = info.layout.get("kv")
         theirs = None if kv is None else KvLayout.from_json(kv)
         if theirs != cfg.kv_layout:
@@ -296,7 +310,7 @@ class DecodeEngine(Engine):
             raise LocalProtocolError(f"page sizes: prefill's {info.layout.get('page_bytes')} differ from decode's "
                                      f"{list(self._layout.page_bytes)}")
         d = cfg.tp_rank
-        return [((dp, p), True) for p in route.sources(d)] + [((dp, p), False) for p in route.notified(d)]
+        return tuple([((dp, p), True) for p in route.sources(d)] + [((dp, p), False) for p in route.notified(d)])
 
     def _lookup_keys(self, info: ParallelInfo, room: int, dp_rank: int | None) -> list[tuple[int, int]]:
         """The prefill ranks to look up for ``room``: those it pairs with, or, when the deployments cannot
