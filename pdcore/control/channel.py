@@ -149,6 +149,8 @@ _CONNECTIONS: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the RO
 _EVENT_BATCH: Final = 4 * _RECV_BATCH  # monitor events handled per wake
 _EVENTS: Final = int(zmq.EVENTS)  # plain ints: the enums cost a conversion per read on the hot path
 _POLLIN: Final = int(zmq.POLLIN)
+_NOBLOCK: Final = int(zmq.NOBLOCK)  # recv_multipart's flags and RCVMORE cost enum conversions per message: recv, Frame.more
+_DONTWAIT: Final = int(zmq.DONTWAIT)
 _MONITOR_RCVHWM: Final = 1 << 14  # events queued for the I/O thread: libzmq never waits on a full monitor pipe
 _TCPI_BYTES_RECEIVED: Final = 128  # offset of tcpi_bytes_received (u64) in Linux's struct tcp_info (4.1 and later)
 
@@ -902,9 +904,9 @@ class ControlChannel:
         try:
             dealer = self._dealer(endpoint)
             if len(frames) == 1:
-                dealer.send(frames[0], zmq.DONTWAIT)
+                dealer.send(frames[0], _DONTWAIT)
             else:
-                dealer.send_multipart(frames, zmq.DONTWAIT)
+                dealer.send_multipart(frames, _DONTWAIT)
         except zmq.Again:
             reason = f"control channel to {endpoint} is full (peer slow or gone)"
         except (zmq.ZMQError, CapacityError) as e:
@@ -924,9 +926,13 @@ class ControlChannel:
         router = self._router
         for _ in range(_RECV_BATCH):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                frame = router.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [frame]
+            while frame.more:  # a message's parts are delivered together: the rest is here already
+                frame = router.recv(_NOBLOCK, copy=False)
+                frames.append(frame)
             self.stats.received += 1
             self._heard_on(frames[-1])
             parts = [frame.bytes for frame in frames]

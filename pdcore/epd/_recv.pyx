@@ -22,7 +22,7 @@ from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
 from . import _recv_spec
-from ._recv_spec import ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
+from ._recv_spec import ITEM_STATES, REQUEST_STATES, ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from .types import LandedItem, LandedRequest
 from ._recv_py import (
     MAX_ITEMS,
@@ -271,7 +271,7 @@ cdef class ReceiveTable:
 
     def state(self, rid):
         with self._lock:
-            return RequestState(self._state[self._rec(rid)])
+            return REQUEST_STATES[self._state[self._rec(rid)]]
 
     def reason(self, rid):
         """Why ``rid`` failed on this rank; empty while it has not."""
@@ -280,7 +280,7 @@ cdef class ReceiveTable:
 
     def item_state(self, rid, index):
         with self._lock:
-            return ItemState(self._istate[self._item(rid, index)])
+            return ITEM_STATES[self._istate[self._item(rid, index)]]
 
     def slot_of(self, rid, index):
         cdef int32_t slot
@@ -420,7 +420,7 @@ cdef class ReceiveTable:
                 self._n_landed[rec] += 1
                 if self._n_landed[rec] == self._n_items[rec]:
                     self._request_step(rec, RT_ALL_LANDED, "")
-            return RequestState(self._state[rec])
+            return REQUEST_STATES[self._state[rec]]
 
     def fail(self, rid, reason, double now):
         """``rid`` failed on this rank (``reason`` is kept); returns its state, FAILED."""
@@ -428,7 +428,7 @@ cdef class ReceiveTable:
         with self._lock:
             rec = self._rec(rid)
             self._request_step(rec, RT_FAIL, reason or "failed")
-            return RequestState(self._state[rec])
+            return REQUEST_STATES[self._state[rec]]
 
     # -- the slot pool -------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
 from . import _recv_spec
 from ._recv_spec import shard  # noqa: F401  (the compiled table takes it from here)
-from ._recv_spec import PAD, ILLEGAL, ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
+from ._recv_spec import PAD, ILLEGAL, ITEM_STATES, REQUEST_STATES, ItemState, ItemTrigger, RequestState, RequestTrigger, SlotState, SlotTrigger
 from .types import EmbeddingItem, LandedItem, LandedRequest
 
 __all__ = ["ReceiveTable", "Ask", "FINGERPRINT_BYTES", "MAX_SLOTS", "MAX_REQUESTS", "MAX_ITEMS", "MAX_RECORDS"]
@@ -274,7 +274,7 @@ class ReceiveTable:
 
     def state(self, rid: str) -> RequestState:
         with self._lock:
-            return RequestState(self._state[self._rec(rid)])
+            return REQUEST_STATES[self._state[self._rec(rid)]]
 
     def reason(self, rid: str) -> str:
         """Why ``rid`` failed on this rank; empty while it has not."""
@@ -283,7 +283,7 @@ class ReceiveTable:
 
     def item_state(self, rid: str, index: int) -> ItemState:
         with self._lock:
-            return ItemState(self._istate[self._item(rid, index)])
+            return ITEM_STATES[self._istate[self._item(rid, index)]]
 
     def slot_of(self, rid: str, index: int) -> int | None:
         with self._lock:
@@ -376,7 +376,7 @@ class ReceiveTable:
                 self._n_landed[rec] += 1
                 if self._n_landed[rec] == self._n_items[rec]:
                     self._request_step(rec, RequestTrigger.ALL_LANDED, "")
-            return RequestState(self._state[rec])
+            return REQUEST_STATES[self._state[rec]]
 
     def fail(self, rid: str, reason: str, now: float) -> RequestState:
         """``rid`` failed on this rank (``reason`` is kept); returns its state, FAILED."""
@@ -384,7 +384,7 @@ class ReceiveTable:
         with self._lock:
             rec = self._rec(rid)
             self._request_step(rec, RequestTrigger.FAIL, reason or "failed")
-            return RequestState(self._state[rec])
+            return REQUEST_STATES[self._state[rec]]
 
     def _request_step(self, rec: int, trigger: RequestTrigger, reason: str) -> None:
         old = self._state[rec]

@@ -111,6 +111,12 @@ class ItemState(IntEnum):
     LANDED = 3  # its rows landed (or, for an empty shard, the encode side confirmed)
 
 
+# by value: REQUEST_STATES[v] is RequestState(v), ITEM_STATES[v] ItemState(v), without the enum's call (~1 us)
+REQUEST_STATES: tuple[RequestState, ...] = tuple(RequestState)
+ITEM_STATES: tuple[ItemState, ...] = tuple(ItemState)
+assert all(s == v for v, s in enumerate(REQUEST_STATES)) and all(s == v for v, s in enumerate(ITEM_STATES))
+
+
 class ItemTrigger(IntEnum):
     LEASE = 0  # the pool gave it a slot (or it needs none)
     ASK = 1  # the peer sent its receive request (``take_ready``)
