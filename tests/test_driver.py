@@ -3,7 +3,9 @@
 The driver asks the engines for their next deadline only when its inbox runs dry; under a stream
 that never lets it run dry, the clock still runs every ``TICK``. The engine here is a counter (the
 driver's contract with an engine is ``next_deadline``, ``tick``, ``take_actions`` and the inputs);
-the driver, its threads and its inbox are the real ones.
+the driver, its threads and its inbox are the real ones. Each input takes at least ``WORK`` of wall
+time, so a tick is due after at most ``TICK / WORK`` inputs however slow the machine: the bound
+counts inputs, not seconds.
 """
 
 from __future__ import annotations
@@ -14,26 +16,28 @@ import time
 from pdcore.core.deadline import Deadline
 from pdcore.node.driver import TICK, Driver
 
-STREAM = 0.5  # seconds of back-to-back inputs
+WORK = 0.001  # seconds each input sleeps (at least)
+STREAM = 300  # inputs queued back to back: at least 0.3 s of the driver's work
 
 
 class Clocked:
-    """An engine whose deadline is always 5 ms away; it counts its ticks and the inputs it took."""
+    """An engine whose deadline is always 5 ms away; at each tick it notes how many inputs it had taken."""
 
     def __init__(self) -> None:
-        self.ticks = 0
+        self.at_ticks: list[int] = []
         self.inputs = 0
 
     def next_deadline(self) -> float:
         return time.monotonic() + 0.005
 
     def tick(self, now: float) -> None:
-        self.ticks += 1
+        self.at_ticks.append(self.inputs)
 
     def take_actions(self) -> list[object]:
         return []
 
     def work(self, now: float) -> None:
+        time.sleep(WORK)
         self.inputs += 1
 
 
@@ -46,22 +50,17 @@ def test_a_stream_of_inputs_does_not_stop_the_engines_clock() -> None:
         ready = threading.Event()
         driver.call(ready.set)
         assert ready.wait(5.0)
-        before, started = engine.ticks, time.monotonic()
-        until = Deadline.after(STREAM)
-        submitted = 0
-        while not until.expired():  # faster than the driver takes them: its inbox never runs dry
-            for _ in range(64):
-                driver.submit(engine.work)
-            submitted += 64
-        # The stream lasts until the driver took its last input (``done`` is queued behind it): a driver
-        # the submitting thread starved works through a backlog after STREAM, its inbox still not dry.
-        seen: list[int] = []
+        ticks_before = len(engine.at_ticks)
+        for _ in range(STREAM):  # queued in well under one input's WORK: the inbox stays full to the end
+            driver.submit(engine.work)
         done = threading.Event()
-        driver.call(lambda: (seen.append(engine.ticks), done.set()))
-        assert done.wait(30.0), "the driver did not take the stream's inputs"
-        elapsed = time.monotonic() - started
+        driver.call(done.set)
+        assert done.wait(60.0), "the driver did not take the stream's inputs"
     finally:
         driver.close(Deadline.after(5.0))
-    assert engine.inputs == submitted
-    during = seen[0] - before
-    assert during >= elapsed / TICK / 2, f"{during} ticks in {elapsed:.2f} s of inputs (one is due every {TICK} s at most)"
+    assert engine.inputs == STREAM
+    during = [n for n in engine.at_ticks[ticks_before:] if n < STREAM]
+    bounds = [0, *during, STREAM]  # from the stream's start to its end
+    most = int(TICK / WORK) + 1  # inputs of at least WORK each until a tick is due, and the one it waits behind
+    gaps = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert max(gaps) <= most, f"ticks after inputs {during} of {STREAM}: a gap of more than {most} inputs"

@@ -512,6 +512,10 @@ class ControlChannel:
         with self._held_lock:
             return self._held.get(sender, 0) if sender is not None else self._held_total
 
+    def queued(self) -> int:
+        """Frames queued for the I/O thread now (a metric)."""
+        return len(self._outq)
+
     def pending_connections(self) -> int:
         """Connections accepted that no frame came on yet, as the last pass of the I/O thread that
         read the monitor to its end left them: at most ``max_pending`` (libzmq may have accepted a

@@ -160,7 +160,7 @@ class PeerCollector:
         depths = peer._driver.depths()
         queues.add_metric(["work"], depths["inputs"])
         queues.add_metric(["io"], depths["io"])
-        queues.add_metric(["control_out"], peer._channel._outq.qsize())
+        queues.add_metric(["control_out"], peer._channel.queued())
         yield queues
         yield GaugeMetricFamily(f"{p}_in_flight", "Requests tracked", value=len(peer._table))
         yield GaugeMetricFamily(f"{p}_connected_peers", "Peers with a data connection", value=peer.connected_peers())

@@ -293,13 +293,13 @@ class DecodeEngine(Engine):
         memo = self._pair_memo.get((id(info), dp))
         if memo is not None and memo[0] is info:
             return memo[1]
-        pairs = self._pair(info, dp)
+        pairs = self._pairing(info, dp)
         if len(self._pair_memo) >= 64:  # bounded: deployments x DP groups seen lately
             self._pair_memo.clear()
         self._pair_memo[(id(info), dp)] = (info, pairs)
         return pairs
 
-    def _pair(self, info: ParallelInfo, dp: int) -> tuple[tuple[tuple[int, int], bool], ...]:
+    def _pairing(self, info: ParallelInfo, dp: int) -> tuple[tuple[tuple[int, int], bool], ...]:
         cfg = self._config
         kv = info.layout.get("kv")
         theirs = None if kv is None else KvLayout.from_json(kv)
