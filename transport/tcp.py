@@ -10,9 +10,9 @@ the data connection, acks come back on the ack connection (one socket per direct
 so a source's sends and its ack reader never wait for one socket's lock: on a
 single socket each ack's reader slept on the lock the sender held, and the
 sender paid its wake-up, about a quarter of the source's CPU on single 16 KiB
-batches). The source opens the
-data connection, then, once it is in, the ack connection; both hellos carry the
-same random pair token, by which the sink joins them.
+batches). The source opens the data connection, then, once it is in, the ack
+connection; both hellos carry the same random pair token, by which the sink
+joins them.
 
 - hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16],
   kind u8 (1 data, 2 acks), pair token [16]`` (a source without a secret), or ``"PDTA"``,
@@ -130,11 +130,12 @@ a batch and the writer about 9.5 µs, against 4.5 and 11.5 µs while acks came
 back on the data socket (the floor's writer: about 8.5). Before the loops were
 compiled, the same three threads each also took the GIL per batch: the sink
 thread for its receive, check and ack, the ack reader per completion, and the
-completion queue's Python condition — a GIL hand-over per step in each process, ~30 µs a
-single-page batch against the floor's ~5-15 µs. A queue-mode caller could read
-the acks itself and save step 3's wake-up, but the ack reader must stay for
-callbacks (they run on a transport thread) and for liveness, and two readers of
-one socket would wait for each other's lock as the sender and the ack reader did.
+completion queue's Python condition — a GIL hand-over per step in each
+process, ~30 µs a single-page batch against the floor's ~5-15 µs. A
+queue-mode caller could read the acks itself and save step 3's wake-up, but
+the ack reader must stay for callbacks (they run on a transport thread) and
+for liveness, and two readers of one socket would wait for each other's lock
+as the sender and the ack reader did.
 
 ``revoke`` takes the grant out of the sink's table (no frame through it is
 checked from then on), then waits for the mark of a frame already landing
