@@ -24,10 +24,11 @@ demo: $(STAMP)
 	$(PY) -m pdcore demo --epd  # encode -> prefill -> decode: every received row and every page checked
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not rdma and not long and not vllm"  # RDMA: make rdma; the long matrices: make test-long; vLLM: make vllm
+	$(PY) -m pytest -m "not rdma and not long and not vllm"  # RDMA: make rdma; the long runs: make test-long; vLLM: make vllm
 	$(MAKE) --no-print-directory test-pure
 
-# Every case of the matrices whose short variant `make test` runs (heterogeneous TP, the tiny model, ...).
+# What `make test` runs a short variant of (CI runs it after make test): every case of the matrices (heterogeneous
+# TP, the tiny model, EPD peers), the two 20-second chaos runs, the rest of the simulator's fixed seeds.
 test-long: $(STAMP)
 	$(PY) -m pytest -m "long"
 

@@ -276,7 +276,7 @@ def _random_rounds(rank: int, world: int, rounds: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_shared_memory_and_gloo_agree_on_every_round(world: int) -> None:
     results = _run(_random_rounds, world, 150)
     for rank, per_twin in results.items():

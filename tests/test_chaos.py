@@ -259,6 +259,21 @@ def test_the_control_plane_is_chosen_by_name_and_a_wrong_one_is_refused_naming_i
 
 
 @pytest.mark.slow
+def test_a_short_chaos_run_keeps_every_invariant() -> None:
+    """``make test``'s short variant of the run below (``make test-long`` and CI run that one too): 6 s
+    of faults after 1 s of clean traffic, at least one of them injected, and every invariant after."""
+    from pdcore.tools import chaos
+
+    plan = chaos.ChaosPlan(seed=20, seconds=6.0, fault_gap=(0.5, 1.5), warmup=1.0, drain=15.0, verbose=False)
+    outcome = chaos.run(plan)
+    broken = {name: details[:5] for name, _, good, details in chaos.check(outcome) if not good}
+    assert not broken, f"invariants broken (seed {plan.seed}): {broken}"
+    faults = [what for _, what in outcome.actions if what.startswith(("SIGKILL", "SIGSTOP"))]
+    assert faults, f"the run injected no fault: {[what for _, what in outcome.actions]}"
+
+
+@pytest.mark.slow
+@pytest.mark.long
 def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> None:
     """2P(tp2) -> 2D(tp2) over faulty:tcp for 20 s: replica kills and restarts, SIGSTOP pauses longer
     than dead_after, failed and late batches, dropped/delayed/duplicated/corrupted control frames.
@@ -285,6 +300,7 @@ def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_chaos_catches_a_fence_that_trusts_the_source(capsys: pytest.CaptureFixture[str]) -> None:
     """The checker checked: with decode fencing without grants (``unsafe_no_grants``, benchmarks
     only), prefill ranks that stop themselves mid-transfer land their queued writes in pages decode
