@@ -34,7 +34,15 @@ The first run of each size is an untimed warm-up that also checks the
 landed rows against the source (CRC32). ``handoffs_per_item``: the thread
 hand-offs of both ranks during a timed run (``PeerBase.handoffs``: inputs
 their driver threads took from other threads plus frames handed to their
-control channels' threads), per item. Units: ``gbps`` and ``floor_gbps``
+control channels' threads), per item. ``cpu_us_per_item``: the CPU of both
+processes per item (the prefill rank's over its timed part, the encode rank's
+from its first ``begin`` to the last room's conclusion), ``floor_cpu_us_per_item``
+the floor processes' over a floor run, ``cpu_ratio_floor_vs_epd`` the second
+over the first: on a 2-core machine the throughput follows it, and it is the
+steadier figure when the machine is loaded from elsewhere.
+``wakeups_per_item`` and ``floor_wakeups_per_item``: the voluntary context
+switches of every thread of those processes, per item (``benchmarks/pd.py``
+says what one costs). Units: ``gbps`` and ``floor_gbps``
 are gigabits per second (1e9 bit/s).
 
 ``round`` rows: the scheduler-thread cost of the receiver's round with
@@ -89,7 +97,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
 
 from benchmarks.agreement import _shm_barrier, _sync, library_rounds  # noqa: E402
 from benchmarks._pipeline import RunClock, gloo_rank, say  # noqa: E402
-from benchmarks.pd import Floor, _recv  # noqa: E402
+from benchmarks.pd import Floor, _recv, wakeups  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGET_RATIO = 0.8  # EPD vs the transport floor, items >= 1 MiB
@@ -131,6 +139,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
             staged = done = 0
             crc = None
             handoffs = peer.handoffs()
+            cpu, woke = time.process_time(), wakeups(os.getpid()) or 0
             t0 = time.perf_counter()
             while done < n:
                 while staged < n and staged - done < ahead:
@@ -148,7 +157,8 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
                 if not landed:
                     time.sleep(poll_interval)
             seconds = time.perf_counter() - t0
-            conn.send((seconds, crc, peer.handoffs() - handoffs))
+            cpu, woke = time.process_time() - cpu, (wakeups(os.getpid()) or 0) - woke
+            conn.send((seconds, crc, peer.handoffs() - handoffs, cpu, woke))
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}"})
         raise
@@ -180,9 +190,11 @@ class Epd:
             raise RuntimeError(f"the prefill process did not start: {hello}")
         self.next_room = 1
 
-    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int]:
-        """Seconds for the prefill rank to receive ``items`` items of ``item_bytes`` (its own clock), and the
-        thread hand-offs both ranks made meanwhile (``PeerBase.handoffs``)."""
+    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int, float, int]:
+        """Seconds for the prefill rank to receive ``items`` items of ``item_bytes`` (its own clock); the
+        thread hand-offs both ranks made meanwhile (``PeerBase.handoffs``); and the CPU seconds and
+        wake-ups of both processes: the prefill rank's over its timed part, the encode rank's (this
+        process) from its first ``begin`` to the last room's conclusion."""
         from pdcore import EmbeddingChunk
 
         rows = item_bytes // ROW_BYTES
@@ -190,6 +202,7 @@ class Epd:
         self.next_room += items
         src = int(self.send_buffer.ctypes.data)
         handoffs = self.peer.handoffs()
+        cpu, woke = time.process_time(), wakeups(os.getpid()) or 0
         for room in rooms:  # the encode scheduler: every item's rows are ready before the prefill side starts
             if not self.sender.begin(room):
                 raise RuntimeError(f"encode rank refused room {room}")
@@ -198,7 +211,7 @@ class Epd:
         reply = _recv(self.pipe, 600, "the prefill process (run)")
         if isinstance(reply, dict):
             raise RuntimeError(f"the prefill process failed: {reply['error']}")
-        seconds, crc, prefill_handoffs = reply
+        seconds, crc, prefill_handoffs, prefill_cpu, prefill_woke = reply
         if check and crc != zlib.crc32(self.send_buffer[:item_bytes]):
             raise RuntimeError(f"the rows of a {item_bytes}-byte item landed different from the source")
         concluded: list[int] = []
@@ -209,7 +222,8 @@ class Epd:
                 time.sleep(0.001)
         if sorted(concluded) != rooms:
             raise RuntimeError(f"{len(concluded)} of {items} rooms concluded")
-        return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs
+        cpu, woke = time.process_time() - cpu + prefill_cpu, (wakeups(os.getpid()) or 0) - woke + prefill_woke
+        return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs, cpu, woke
 
     def close(self) -> None:
         try:
@@ -243,15 +257,20 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
             say(f"throughput: {items} items of {item_bytes // KiB} KiB, {args.repeats} runs each")
             epd.run(item_bytes, min(items, 4 * args.slots), check=True)  # warm-up, and the rows are right
             floor.once()
-            epd_s, floor_s, handoffs = [], [], []
+            epd_s, floor_s, handoffs, cpu, floor_cpu, woke, floor_woke = [], [], [], [], [], [], []
             for k in range(args.repeats):
                 for who in (("epd", "floor") if k % 2 == 0 else ("floor", "epd")):
                     if who == "epd":
-                        seconds, n = epd.run(item_bytes, items)
+                        seconds, n, used, w = epd.run(item_bytes, items)
                         epd_s.append(seconds)
                         handoffs.append(n / items)
+                        cpu.append(used / items)
+                        woke.append(w / items)
                     else:
-                        floor_s.append(floor.once()[0])
+                        seconds, used = floor.once()
+                        floor_s.append(seconds)
+                        floor_cpu.append(used / items)
+                        floor_woke.append(floor.last_wakeups / items)
             bits = items * item_bytes * 8
             gbps, floor_gbps = bits / statistics.median(epd_s) / 1e9, bits / statistics.median(floor_s) / 1e9
             rows.append({
@@ -260,6 +279,11 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                 "ratio": round(gbps / floor_gbps, 3), "items_per_s": round(items / statistics.median(epd_s), 1),
                 "floor_items_per_s": round(items / statistics.median(floor_s), 1),
                 "handoffs_per_item": round(statistics.median(handoffs), 1),
+                "cpu_us_per_item": round(statistics.median(cpu) * 1e6, 1),
+                "floor_cpu_us_per_item": round(statistics.median(floor_cpu) * 1e6, 1),
+                "cpu_ratio_floor_vs_epd": round(statistics.median(floor_cpu) / statistics.median(cpu), 3),
+                "wakeups_per_item": round(statistics.median(woke), 2),
+                "floor_wakeups_per_item": round(statistics.median(floor_woke), 2),
                 "seconds_all": [round(s, 4) for s in epd_s], "floor_seconds_all": [round(s, 4) for s in floor_s],
             })
     finally:
@@ -471,11 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     if thr:
         print(f"embedding bytes, encode -> one prefill rank ({args.slots} slots, hidden {HIDDEN} {DTYPE}) vs the TCP "
               f"transport floor on the same writes; medians of {args.repeats} runs")
-        print(f"{'item':>9} {'items':>6} {'MiB':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'items/s':>9} {'floor items/s':>13} {'hand-offs/item':>14}")
+        print(f"{'item':>9} {'items':>6} {'MiB':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'items/s':>9} {'floor items/s':>13} "
+              f"{'CPU µs/item':>11} {'floor':>6} {'CPU ratio':>9} {'wake-ups/item':>13} {'floor':>6} {'hand-offs/item':>14}")
         for r in thr:
             print(f"{r['item_bytes'] // KiB:>6} KiB {r['items']:>6} {r['bytes'] / MiB:>6.0f} {r['gbps']:>8.2f} "
                   f"{r['floor_gbps']:>8.2f} {r['ratio']:>6.2f} {r['items_per_s']:>9.0f} {r['floor_items_per_s']:>13.0f} "
-                  f"{r['handoffs_per_item']:>14.1f}")
+                  f"{r['cpu_us_per_item']:>11.0f} {r['floor_cpu_us_per_item']:>6.0f} {r['cpu_ratio_floor_vs_epd']:>9.2f} "
+                  f"{r['wakeups_per_item']:>13.1f} {r['floor_wakeups_per_item']:>6.1f} {r['handoffs_per_item']:>14.1f}")
         if big:
             print(f"target: items >= 1 MiB at >= {TARGET_RATIO} x the floor -> "
                   f"{'met' if summary['meets_target'] else 'NOT met'} (min {summary['min_ratio_ge_1MiB']:.2f})")

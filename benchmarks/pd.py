@@ -50,6 +50,13 @@ another thread (the scheduler's calls, control frames, completions, look-up resu
 frames it handed to its control channel's thread, summed over the ranks, per request (the
 transport's internal threads are not counted; ``PeerBase.handoffs``).
 
+Wake-ups (Linux; ``wakeups_per_request``, ``floor_wakeups_per_request``): the voluntary
+context switches of every thread of the rank processes (sampled as the CPU below, per thread)
+and of the floor's processes (before and after each floor run), per request. Each is a thread
+that went to sleep waiting (a queue, a socket, a timer) and was woken: on this 2-core VM one
+costs ~20-30 µs of CPU (a Python thread-to-thread hand-off measured ~21 µs, ``time.sleep(0)``
+~30 µs), so they are the part of the per-request CPU that the Python work does not explain.
+
 CPU (Linux): ``e2e_cpu_s_per_GB`` is the user + system CPU of every rank
 process (sampled from ``/proc`` every 50 ms, interpolated to the first and
 last event, scaled to ``seconds``) per GB moved; ``floor_cpu_s_per_GB`` the
@@ -212,14 +219,17 @@ class Floor:
 
     def once(self) -> tuple[float, float]:
         """Seconds for the loaded pairs to move their writes, all starting together, and the CPU
-        seconds the floor processes spent meanwhile."""
+        seconds the floor processes spent meanwhile (their wake-ups: ``last_wakeups``)."""
         cpu0 = [cpu_seconds(p.pid) for p in self.procs]
+        woke0 = [wakeups(p.pid) for p in self.procs]
         at = time.monotonic() + 0.05
         for conn in self.sources[: self.active]:
             conn.send(("go", at))
         spans = [_recv(conn, 300, "a floor source (go)") for conn in self.sources[: self.active]]
         cpu1 = [cpu_seconds(p.pid) for p in self.procs]
+        woke1 = [wakeups(p.pid) for p in self.procs]
         cpu = sum(b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None)
+        self.last_wakeups = sum(b - a for a, b in zip(woke0, woke1) if a is not None and b is not None)
         return max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans), cpu
 
     def close(self) -> None:
@@ -249,6 +259,27 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def wakeups(pid: int) -> int | None:
+    """Voluntary context switches of every live thread of ``pid`` so far: each is a thread going to
+    sleep to wait (a queue, a socket, a lock, a timer) and being woken again (None if gone or not Linux)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    return sum(_thread_wakeups(pid, tid) for tid in tids)
+
+
+def _thread_wakeups(pid: int, tid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0  # exited meanwhile
+
+
 def _children(pid: int) -> list[int]:
     out: list[int] = []
     try:
@@ -261,10 +292,12 @@ def _children(pid: int) -> list[int]:
 
 
 class CpuSampler:
-    """Samples the CPU seconds of this process's descendants (the ranks) every ``period`` seconds.
+    """Samples the CPU seconds and the wake-ups of this process's descendants (the ranks) every ``period`` seconds.
 
     ``between(t0, t1)`` is the CPU they spent between two ``time.time()`` stamps (interpolated
-    per process between samples); processes in ``exclude`` (and their children) are left out.
+    per process between samples), ``wakeups_between(t0, t1)`` their threads' voluntary context
+    switches (per thread: one that exits keeps its last count); processes in ``exclude`` (and their
+    children) are left out.
     """
 
     def __init__(self, exclude: set[int], period: float = 0.05) -> None:
@@ -273,6 +306,7 @@ class CpuSampler:
         self._exclude = exclude
         self._period = period
         self._series: dict[int, list[tuple[float, float]]] = {}
+        self._wakeups: dict[tuple[int, str], list[tuple[float, float]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
         self._thread.start()
@@ -291,16 +325,22 @@ class CpuSampler:
                 c = cpu_seconds(pid)
                 if c is not None:
                     self._series.setdefault(pid, []).append((now, c))
+                try:
+                    tids = os.listdir(f"/proc/{pid}/task")
+                except OSError:
+                    continue
+                for tid in tids:
+                    self._wakeups.setdefault((pid, tid), []).append((now, float(_thread_wakeups(pid, tid))))
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
     def between(self, t0: float, t1: float) -> float:
-        total = 0.0
-        for series in self._series.values():
-            total += _at(series, t1) - _at(series, t0)
-        return total
+        return sum(_at(series, t1) - _at(series, t0) for series in self._series.values())
+
+    def wakeups_between(self, t0: float, t1: float) -> float:
+        return sum(max(0.0, _at(series, t1) - _at(series, t0)) for series in self._wakeups.values())
 
 
 def _at(series: list[tuple[float, float]], t: float) -> float:
@@ -371,6 +411,7 @@ def e2e_once(
         "run_seconds": outcome.seconds,
         "tail": tail,
         "cpu": sampler.between(first, last) * seconds / max(1e-9, last - first),  # scaled to ``seconds``
+        "wakeups": sampler.wakeups_between(first, last) * seconds / max(1e-9, last - first),  # likewise
         "bytes": nbytes,
         "requests": len(requests),
         "mixes": [mixes[k] for k in sorted(mixes)],
@@ -385,6 +426,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
         if name not in args.configs:
             continue
         e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_, handoffs = [], [], [], [], [], [], [], [], [], []
+        woke, floor_woke = [], []
         nbytes = nwrites = 0
         for k in range(args.repeats):
             say(f"{name}: e2e run {k + 1}/{args.repeats} ({args.requests} requests)")
@@ -398,10 +440,12 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             tails.append(r["tail"])
             runs.append(r["run_seconds"])
             handoffs.append(r["handoffs"] / r["requests"])
+            woke.append(r["wakeups"] / r["requests"])
             for _ in range(args.floor_repeats):
                 seconds, used = floor.once()
                 floors.append(seconds)
                 floor_cpu.append(used)
+                floor_woke.append(floor.last_wakeups / r["requests"])
             per_run.append(statistics.median(floors[-args.floor_repeats :]) / r["seconds"])
             say(f"{name}: the same run without grants {k + 1}/{args.repeats}")
             bare.append(e2e_once(name, prefill, decode, args, seed=k, exclude={p.pid for p in floor.procs}, grants=False)["seconds"])
@@ -446,6 +490,8 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "e2e_cpu_cores": round(statistics.median(c / s for c, s in zip(cpu, e2e)), 2),
             "floor_cpu_cores": round(statistics.median(c / s for c, s in zip(floor_cpu, floors)), 2),
             "handoffs_per_request": round(statistics.median(handoffs), 1),
+            "wakeups_per_request": round(statistics.median(woke), 1),
+            "floor_wakeups_per_request": round(statistics.median(floor_woke), 1),
             "e2e_seconds_all": [round(s, 4) for s in e2e],
             "floor_seconds_all": [round(s, 4) for s in floors],
         })
@@ -678,14 +724,16 @@ def main(argv: list[str] | None = None) -> int:
               f"pages, 1..{args.max_pages} pages/request, window {args.window}) vs the TCP transport on the same batches")
         print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
               f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
-              f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13}")
+              f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13} "
+              f"{'wake-ups/req':>12} {'floor':>6}")
         for r in e2e:
             print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
                   f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
                   f"{r['ratio_e2e_vs_floor']:>6.2f} {min(r['ratio_per_run']):>5.2f}-{max(r['ratio_per_run']):<5.2f} {r['e2e_cpu_s_per_GB']:>8.2f} {r['floor_cpu_s_per_GB']:>6.2f} {r['cpu_ratio_floor_vs_e2e']:>9.2f} "
                   f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
                   f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
-                  f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f}")
+                  f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f} "
+                  f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f}")
         print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
               f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
               f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "
