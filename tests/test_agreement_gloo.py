@@ -57,7 +57,10 @@ def _progress(rank: int, world: int, module: str, mode: str) -> list:
     return rounds
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+WORLDS = [2, pytest.param(4, marks=pytest.mark.long)]  # four ranks: make test-long (and CI)
+
+
+@pytest.fixture(scope="module", params=WORLDS)
 def progress_runs(request: pytest.FixtureRequest) -> tuple[int, dict]:
     """Both twins in one process group per world size (one spawn, two checks)."""
     per_rank = run_replica(_progress_both, request.param)
@@ -113,7 +116,7 @@ def _mismatch(rank: int, world: int, module: str) -> dict:
     return {"first": first, "error": None}
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=WORLDS)
 def mismatch_runs(request: pytest.FixtureRequest) -> dict:
     per_rank = run_replica(_mismatch_both, request.param, timeout=90.0)
     return {key: [r[key] for r in per_rank] for key in per_rank[0]}

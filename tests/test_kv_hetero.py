@@ -153,10 +153,13 @@ CASES = [
 
 
 ORDERS = ("prefill first", "decode first", "interleaved")
+# make test runs each case once, the orders taking turns (every case and every order); make test-long the rest
+MATRIX = [pytest.param(*case, registration, id=f"{case[0]}-H{case[1]}-P{case[2]}-D{case[3]}-{registration.replace(' ', '-')}",
+                       marks=() if j == i % len(ORDERS) else pytest.mark.long)
+          for i, case in enumerate(CASES) for j, registration in enumerate(ORDERS)]
 
 
-@pytest.mark.parametrize("registration", ORDERS, ids=[o.replace(" ", "-") for o in ORDERS])
-@pytest.mark.parametrize(("order", "heads", "p_tp", "d_tp"), CASES, ids=[f"{o}-H{h}-P{p}-D{d}" for o, h, p, d in CASES])
+@pytest.mark.parametrize(("order", "heads", "p_tp", "d_tp", "registration"), MATRIX)
 def test_every_decode_rank_gets_exactly_its_heads(order: str, heads: int, p_tp: int, d_tp: int, registration: str) -> None:
     """Whichever side's scheduler registers first: announcements that arrive before a prefill rank
     registered the room wait for it, every decode rank's (several announce one room to one prefill rank)."""
