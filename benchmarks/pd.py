@@ -206,6 +206,7 @@ class Floor:
             self.sources.append(a)
         for conn in self.sources:
             _recv(conn, 120, "a floor source")
+        self.last_wakeups = 0  # the floor processes' wake-ups in the last ``once``
 
     def load(self, mixes: list[list[tuple[list[int], list[int]]]]) -> tuple[int, int]:
         """Give pair ``i`` the writes of ``mixes[i]``; returns total bytes and writes."""
@@ -266,10 +267,11 @@ def wakeups(pid: int) -> int | None:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    return sum(_thread_wakeups(pid, tid) for tid in tids)
+    return sum(_thread_wakeups(pid, tid) or 0 for tid in tids)
 
 
-def _thread_wakeups(pid: int, tid: str) -> int:
+def _thread_wakeups(pid: int, tid: str) -> int | None:
+    """One thread's voluntary context switches so far (None if it exited meanwhile)."""
     try:
         with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
             for line in f:
@@ -277,7 +279,7 @@ def _thread_wakeups(pid: int, tid: str) -> int:
                     return int(line.split()[1])
     except (OSError, ValueError):
         pass
-    return 0  # exited meanwhile
+    return None
 
 
 def _children(pid: int) -> list[int]:
@@ -296,9 +298,12 @@ class CpuSampler:
 
     ``between(t0, t1)`` is the CPU they spent between two ``time.time()`` stamps (interpolated
     per process between samples), ``wakeups_between(t0, t1)`` their threads' voluntary context
-    switches (per thread: one that exits keeps its last count); processes in ``exclude`` (and their
+    switches (per thread: one that exits keeps its last count; read every ``WAKEUPS_EVERY``-th
+    sample, as a thread's counts cost a file read each); processes in ``exclude`` (and their
     children) are left out.
     """
+
+    WAKEUPS_EVERY = 4
 
     def __init__(self, exclude: set[int], period: float = 0.05) -> None:
         import threading
@@ -312,7 +317,9 @@ class CpuSampler:
         self._thread.start()
 
     def _run(self) -> None:
+        samples = 0
         while not self._stop.wait(self._period):
+            samples += 1
             todo, seen = [os.getpid()], set()
             while todo:
                 pid = todo.pop()
@@ -325,12 +332,16 @@ class CpuSampler:
                 c = cpu_seconds(pid)
                 if c is not None:
                     self._series.setdefault(pid, []).append((now, c))
+                if samples % self.WAKEUPS_EVERY:
+                    continue
                 try:
                     tids = os.listdir(f"/proc/{pid}/task")
                 except OSError:
                     continue
                 for tid in tids:
-                    self._wakeups.setdefault((pid, tid), []).append((now, float(_thread_wakeups(pid, tid))))
+                    count = _thread_wakeups(pid, tid)
+                    if count is not None:
+                        self._wakeups.setdefault((pid, tid), []).append((now, float(count)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -340,7 +351,7 @@ class CpuSampler:
         return sum(_at(series, t1) - _at(series, t0) for series in self._series.values())
 
     def wakeups_between(self, t0: float, t1: float) -> float:
-        return sum(max(0.0, _at(series, t1) - _at(series, t0)) for series in self._wakeups.values())
+        return sum(_at(series, t1) - _at(series, t0) for series in self._wakeups.values())
 
 
 def _at(series: list[tuple[float, float]], t: float) -> float:
