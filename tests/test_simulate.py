@@ -23,7 +23,9 @@ from pdcore.sim.workload import Faults, Shape, Simulation, draw
 from pdcore.sim.world import World
 
 FIXED = list(range(60))
-SHORT = 20  # `make test` runs the first SHORT fixed seeds; `make test-long` (and CI) the rest
+# `make test` runs these: the first 21, and 49 (20 and 49 are the only fixed seeds that catch two of the
+# planted bugs in tests/mutants/); `make test-long` (and CI) the rest
+SHORT = list(range(21)) + [49]
 FOUND = {  # seeds (of `python -m pdcore simulate`) that found a defect, replayed in every run
     1474247: "decode's scheduler aborts before the look-up answered: prefill was never told",
     5000841: "the same, with EPD and slow look-ups",
@@ -45,12 +47,12 @@ def _fixed(seeds: list[int]) -> None:
 
 
 def test_fixed_seeds_hold_every_invariant() -> None:
-    _fixed(FIXED[:SHORT])
+    _fixed(SHORT)
 
 
 @pytest.mark.long
 def test_the_rest_of_the_fixed_seeds_hold_every_invariant() -> None:
-    _fixed(FIXED[SHORT:])
+    _fixed([seed for seed in FIXED if seed not in SHORT])
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND))
