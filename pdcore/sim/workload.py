@@ -187,6 +187,7 @@ class PdRequest:
     faultless: bool = True
     counted: bool = False
     ended_at: dict[str, tuple[float, str]] = field(default_factory=dict)  # side -> (when, reason) of its end
+    usage: bool = True  # the scheduler recorded usage (it rides with the finishing hand-over)
 
 
 @dataclass(eq=False)
@@ -355,6 +356,8 @@ class Simulation:
         logprob = rng.choice([-0.5, None, -math.inf, math.nan])
         req = PdRequest(rid, next(self._rooms), npages, prefill, decode, self.world.now, rng.randint(0, 50000),
                         rng.randint(0, npages * 2), logprob, _seed_of(rid))
+        if req.seed % 4 == 0:  # the scheduler never records usage (no draw: a seed's orders stay as they were)
+            req.usage, req.cached, req.logprob = False, 0, None
         req.p_pages = [self._p_pool[prefill].pop() for _ in range(npages)]
         req.faultless = not self.faults.any()
         self._pd[rid] = req
@@ -546,12 +549,8 @@ class Simulation:
         req.sent = True
         self._fill(req)
         pages = np.asarray(req.p_pages, np.int64)
-        finish = (req.first_token, None)
-        for r in replica.ranks:
-            r.input(r.engine.usage, req.rid, req.cached, req.logprob)
         if not self.shape.layerwise:
-            for r in replica.ranks:
-                r.input(r.engine.hand_over, req.rid, pages, None, finish)
+            self._finish(req, pages)
             return
         for r in replica.ranks:
             r.input(r.engine.hand_over, req.rid, pages, None, None)
@@ -564,13 +563,19 @@ class Simulation:
         layers = self.shape.layout.layers if self.shape.layout is not None else 1
         req.layer += 1
         last = req.layer >= layers
+        if last:
+            self._finish(req, None)
+            return
         for r in replica.ranks:
-            if last:
-                r.input(r.engine.hand_over, req.rid, None, None, (req.first_token, None))
-            else:
-                r.input(r.engine.hand_over, req.rid, None, req.layer, None)
-        if not last:
-            self.world.after(ROUND, self._layers, req)
+            r.input(r.engine.hand_over, req.rid, None, req.layer, None)
+        self.world.after(ROUND, self._layers, req)
+
+    def _finish(self, req: PdRequest, pages: np.ndarray | None) -> None:
+        """The finishing hand-over as ``PrefillPeer`` makes it: one ``hand_over_used`` input carrying the usage
+        the scheduler recorded before it (None when it recorded none)."""
+        usage = (req.cached, req.logprob) if req.usage else None
+        for r in req.prefill.ranks:
+            r.input(r.engine.hand_over_used, req.rid, pages, None, (req.first_token, None), usage)
 
     # -- what the pages hold -------------------------------------------------------------------
 
