@@ -94,6 +94,7 @@ vllm: $(STAMP)
 bench-quick: $(STAMP) mooncake nixl
 	$(PY) benchmarks/agreement.py --quick
 	$(PY) benchmarks/transport.py --quick --nixl-python $(NIXL_PY)
+	$(PY) benchmarks/control.py --quick
 	$(PY) benchmarks/pd.py --quick
 	$(PY) benchmarks/kv.py --quick
 	$(PY) benchmarks/epd.py --quick
@@ -101,6 +102,7 @@ bench-quick: $(STAMP) mooncake nixl
 bench: $(STAMP) mooncake nixl
 	$(PY) benchmarks/agreement.py
 	$(PY) benchmarks/transport.py --nixl-python $(NIXL_PY)
+	$(PY) benchmarks/control.py
 	$(PY) benchmarks/pd.py
 	$(PY) benchmarks/kv.py
 	$(PY) benchmarks/epd.py
