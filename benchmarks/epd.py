@@ -40,6 +40,8 @@ from its first ``begin`` to the last room's conclusion), ``floor_cpu_us_per_item
 the floor processes' over a floor run, ``cpu_ratio_floor_vs_epd`` the second
 over the first: on a 2-core machine the throughput follows it, and it is the
 steadier figure when the machine is loaded from elsewhere.
+``frames_per_message``: both ranks' control frames over the ZeroMQ messages that carried
+them, heartbeats aside (``PeerBase.control_sends``; see ``benchmarks/control.py``).
 ``wakeups_per_item`` and ``floor_wakeups_per_item``: the voluntary context
 switches of every thread of those processes, per item (``benchmarks/pd.py``
 says what one costs). Units: ``gbps`` and ``floor_gbps``
@@ -138,7 +140,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
             n, ahead = len(rooms), 2 * slots
             staged = done = 0
             crc = None
-            handoffs = peer.handoffs()
+            handoffs, sends = peer.handoffs(), peer.control_sends()
             cpu, woke = time.process_time(), wakeups(os.getpid()) or 0
             t0 = time.perf_counter()
             while done < n:
@@ -158,7 +160,8 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
                     time.sleep(poll_interval)
             seconds = time.perf_counter() - t0
             cpu, woke = time.process_time() - cpu, (wakeups(os.getpid()) or 0) - woke
-            conn.send((seconds, crc, peer.handoffs() - handoffs, cpu, woke))
+            sent = tuple(n - b for n, b in zip(peer.control_sends(), sends))
+            conn.send((seconds, crc, peer.handoffs() - handoffs, cpu, woke, sent))
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}"})
         raise
@@ -190,18 +193,19 @@ class Epd:
             raise RuntimeError(f"the prefill process did not start: {hello}")
         self.next_room = 1
 
-    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int, float, int]:
+    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int, float, int, float]:
         """Seconds for the prefill rank to receive ``items`` items of ``item_bytes`` (its own clock); the
-        thread hand-offs both ranks made meanwhile (``PeerBase.handoffs``); and the CPU seconds and
+        thread hand-offs both ranks made meanwhile (``PeerBase.handoffs``); the CPU seconds and
         wake-ups of both processes: the prefill rank's over its timed part, the encode rank's (this
-        process) from its first ``begin`` to the last room's conclusion."""
+        process) from its first ``begin`` to the last room's conclusion; and both ranks' control frames
+        per ZeroMQ message (``PeerBase.control_sends``)."""
         from pdcore import EmbeddingChunk
 
         rows = item_bytes // ROW_BYTES
         rooms = list(range(self.next_room, self.next_room + items))
         self.next_room += items
         src = int(self.send_buffer.ctypes.data)
-        handoffs = self.peer.handoffs()
+        handoffs, sends = self.peer.handoffs(), self.peer.control_sends()
         cpu, woke = time.process_time(), wakeups(os.getpid()) or 0
         for room in rooms:  # the encode scheduler: every item's rows are ready before the prefill side starts
             if not self.sender.begin(room):
@@ -211,7 +215,7 @@ class Epd:
         reply = _recv(self.pipe, 600, "the prefill process (run)")
         if isinstance(reply, dict):
             raise RuntimeError(f"the prefill process failed: {reply['error']}")
-        seconds, crc, prefill_handoffs, prefill_cpu, prefill_woke = reply
+        seconds, crc, prefill_handoffs, prefill_cpu, prefill_woke, prefill_sent = reply
         if check and crc != zlib.crc32(self.send_buffer[:item_bytes]):
             raise RuntimeError(f"the rows of a {item_bytes}-byte item landed different from the source")
         concluded: list[int] = []
@@ -223,7 +227,8 @@ class Epd:
         if sorted(concluded) != rooms:
             raise RuntimeError(f"{len(concluded)} of {items} rooms concluded")
         cpu, woke = time.process_time() - cpu + prefill_cpu, (wakeups(os.getpid()) or 0) - woke + prefill_woke
-        return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs, cpu, woke
+        frames, messages = (p + n - b for p, n, b in zip(prefill_sent, self.peer.control_sends(), sends))
+        return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs, cpu, woke, frames / max(1, messages)
 
     def close(self) -> None:
         try:
@@ -257,12 +262,13 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
             say(f"throughput: {items} items of {item_bytes // KiB} KiB, {args.repeats} runs each")
             epd.run(item_bytes, min(items, 4 * args.slots), check=True)  # warm-up, and the rows are right
             floor.once()
-            epd_s, floor_s, handoffs, cpu, floor_cpu, woke, floor_woke = [], [], [], [], [], [], []
+            epd_s, floor_s, handoffs, cpu, floor_cpu, woke, floor_woke, shared = [], [], [], [], [], [], [], []
             for k in range(args.repeats):
                 for who in (("epd", "floor") if k % 2 == 0 else ("floor", "epd")):
                     if who == "epd":
-                        seconds, n, used, w = epd.run(item_bytes, items)
+                        seconds, n, used, w, per_message = epd.run(item_bytes, items)
                         epd_s.append(seconds)
+                        shared.append(per_message)
                         handoffs.append(n / items)
                         cpu.append(used / items)
                         woke.append(w / items)
@@ -284,6 +290,7 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                 "cpu_ratio_floor_vs_epd": round(statistics.median(floor_cpu) / statistics.median(cpu), 3),
                 "wakeups_per_item": round(statistics.median(woke), 2),
                 "floor_wakeups_per_item": round(statistics.median(floor_woke), 2),
+                "frames_per_message": round(statistics.median(shared), 2),
                 "seconds_all": [round(s, 4) for s in epd_s], "floor_seconds_all": [round(s, 4) for s in floor_s],
             })
     finally:
@@ -496,12 +503,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedding bytes, encode -> one prefill rank ({args.slots} slots, hidden {HIDDEN} {DTYPE}) vs the TCP "
               f"transport floor on the same writes; medians of {args.repeats} runs")
         print(f"{'item':>9} {'items':>6} {'MiB':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'items/s':>9} {'floor items/s':>13} "
-              f"{'CPU µs/item':>11} {'floor':>6} {'CPU ratio':>9} {'wake-ups/item':>13} {'floor':>6} {'hand-offs/item':>14}")
+              f"{'CPU µs/item':>11} {'floor':>6} {'CPU ratio':>9} {'wake-ups/item':>13} {'floor':>6} {'hand-offs/item':>14} {'frames/msg':>10}")
         for r in thr:
             print(f"{r['item_bytes'] // KiB:>6} KiB {r['items']:>6} {r['bytes'] / MiB:>6.0f} {r['gbps']:>8.2f} "
                   f"{r['floor_gbps']:>8.2f} {r['ratio']:>6.2f} {r['items_per_s']:>9.0f} {r['floor_items_per_s']:>13.0f} "
                   f"{r['cpu_us_per_item']:>11.0f} {r['floor_cpu_us_per_item']:>6.0f} {r['cpu_ratio_floor_vs_epd']:>9.2f} "
-                  f"{r['wakeups_per_item']:>13.1f} {r['floor_wakeups_per_item']:>6.1f} {r['handoffs_per_item']:>14.1f}")
+                  f"{r['wakeups_per_item']:>13.1f} {r['floor_wakeups_per_item']:>6.1f} {r['handoffs_per_item']:>14.1f} "
+                  f"{r['frames_per_message']:>10.2f}")
         if big:
             print(f"target: items >= 1 MiB at >= {TARGET_RATIO} x the floor -> "
                   f"{'met' if summary['meets_target'] else 'NOT met'} (min {summary['min_ratio_ge_1MiB']:.2f})")

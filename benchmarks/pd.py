@@ -50,6 +50,11 @@ another thread (the scheduler's calls, control frames, completions, look-up resu
 frames it handed to its control channel's thread, summed over the ranks, per request (the
 transport's internal threads are not counted; ``PeerBase.handoffs``).
 
+Control frames per ZeroMQ message (``frames_per_message``): every rank's control frames over the
+messages that carried them, heartbeats aside (``PeerBase.control_sends``): the frames one peer is
+owed in one pass of a control channel's thread share a message, which costs a fraction of a lone
+one (``benchmarks/control.py``).
+
 Wake-ups (Linux; ``wakeups_per_request``, ``floor_wakeups_per_request``): the voluntary
 context switches of every thread of the rank processes (sampled as the CPU below, per thread)
 and of the floor's processes (before and after each floor run), per request. Each is a thread
@@ -428,6 +433,9 @@ def e2e_once(
         "mixes": [mixes[k] for k in sorted(mixes)],
         # every rank's thread hand-offs (driver inputs from other threads, frames to the channel's thread)
         "handoffs": sum(r["handoffs"] for r in list(outcome.decode.values()) + list(outcome.prefill.values())),
+        # every rank's control frames and the ZeroMQ messages that carried them (heartbeats aside)
+        "frames": sum(r["control_sends"][0] for r in list(outcome.decode.values()) + list(outcome.prefill.values())),
+        "messages": sum(r["control_sends"][1] for r in list(outcome.decode.values()) + list(outcome.prefill.values())),
     }
 
 
@@ -437,7 +445,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
         if name not in args.configs:
             continue
         e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_, handoffs = [], [], [], [], [], [], [], [], [], []
-        woke, floor_woke = [], []
+        woke, floor_woke, shared = [], [], []
         nbytes = nwrites = 0
         for k in range(args.repeats):
             say(f"{name}: e2e run {k + 1}/{args.repeats} ({args.requests} requests)")
@@ -451,6 +459,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             tails.append(r["tail"])
             runs.append(r["run_seconds"])
             handoffs.append(r["handoffs"] / r["requests"])
+            shared.append(r["frames"] / max(1, r["messages"]))
             woke.append(r["wakeups"] / r["requests"])
             for _ in range(args.floor_repeats):
                 seconds, used = floor.once()
@@ -501,6 +510,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "e2e_cpu_cores": round(statistics.median(c / s for c, s in zip(cpu, e2e)), 2),
             "floor_cpu_cores": round(statistics.median(c / s for c, s in zip(floor_cpu, floors)), 2),
             "handoffs_per_request": round(statistics.median(handoffs), 1),
+            "frames_per_message": round(statistics.median(shared), 2),
             "wakeups_per_request": round(statistics.median(woke), 1),
             "floor_wakeups_per_request": round(statistics.median(floor_woke), 1),
             "e2e_seconds_all": [round(s, 4) for s in e2e],
@@ -736,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
               f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
               f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13} "
-              f"{'wake-ups/req':>12} {'floor':>6}")
+              f"{'wake-ups/req':>12} {'floor':>6} {'frames/msg':>10}")
         for r in e2e:
             print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
                   f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
@@ -744,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
                   f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
                   f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f} "
-                  f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f}")
+                  f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f}")
         print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
               f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
               f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "

@@ -91,6 +91,23 @@ def test_requests_move_and_land_intact(make_pair: Any) -> None:
     assert not pair.prefill.has_in_flight() and not pair.decode.has_in_flight()
 
 
+def test_control_sends_count_the_frames_and_the_messages_that_carried_them(make_pair: Any) -> None:
+    pair = make_pair()
+    before = {side: peer.control_sends() for side, peer in (("prefill", pair.prefill), ("decode", pair.decode))}
+    rids = [f"c{i}" for i in range(8)]
+    for i, rid in enumerate(rids):
+        pair.register(rid, room=2000 + i)
+    pair.drive(rids)
+    beats = {peer: peer._channel.stats.heartbeats_sent for peer in (pair.prefill, pair.decode)}
+    pair.pump(lambda: all(peer._channel.stats.heartbeats_sent >= n + 2 for peer, n in beats.items()),
+              "heartbeats on both sides (every 50 ms here)")
+    sent = {side: tuple(n - b for n, b in zip(peer.control_sends(), before[side]))
+            for side, peer in (("prefill", pair.prefill), ("decode", pair.decode))}
+    assert 0 < sent["prefill"][1] <= sent["prefill"][0] == len(rids)  # a Status a room: heartbeats are not counted
+    assert 0 < sent["decode"][1] <= sent["decode"][0]
+    assert sent["decode"][0] == len(rids) + 1, sent  # the pair's Register, an Announce a room
+
+
 CANARY = 0xA5
 
 

@@ -227,6 +227,15 @@ class PeerBase:
         frames = 0 if stats is None else stats.sent - stats.heartbeats_sent
         return self.stats.get("handoffs", 0) + frames
 
+    def control_sends(self) -> tuple[int, int]:
+        """Frames and ZeroMQ messages the control channel sent so far, heartbeats aside (a cost metric, as
+        ``handoffs``): frames to one peer in one pass of its thread share a message, so frames per message
+        says how much the batching shared."""
+        stats = getattr(self._channel, "stats", None)
+        if stats is None:
+            return 0, 0
+        return stats.sent - stats.heartbeats_sent, stats.messages_sent - stats.heartbeats_sent
+
     def connected_peers(self) -> int:
         """Peers whose data connection is up (a metric)."""
         return int(getattr(self._engine, "connected_peers", lambda: 0)())

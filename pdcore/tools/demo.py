@@ -225,6 +225,7 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
         "tombstones": engine.tombstones(),
         "maps": engine.held(),
         "handoffs": peer.handoffs(),
+        "control_sends": peer.control_sends(),
     }
 
 
