@@ -160,7 +160,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
                     time.sleep(poll_interval)
             seconds = time.perf_counter() - t0
             cpu, woke = time.process_time() - cpu, (wakeups(os.getpid()) or 0) - woke
-            sent = tuple(n - b for n, b in zip(peer.control_sends(), sends))
+            sent = tuple(now - then for now, then in zip(peer.control_sends(), sends))
             conn.send((seconds, crc, peer.handoffs() - handoffs, cpu, woke, sent))
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}"})
@@ -227,7 +227,7 @@ class Epd:
         if sorted(concluded) != rooms:
             raise RuntimeError(f"{len(concluded)} of {items} rooms concluded")
         cpu, woke = time.process_time() - cpu + prefill_cpu, (wakeups(os.getpid()) or 0) - woke + prefill_woke
-        frames, messages = (p + n - b for p, n, b in zip(prefill_sent, self.peer.control_sends(), sends))
+        frames, messages = (theirs + now - then for theirs, now, then in zip(prefill_sent, self.peer.control_sends(), sends))
         return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs, cpu, woke, frames / max(1, messages)
 
     def close(self) -> None:

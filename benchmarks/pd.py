@@ -410,7 +410,8 @@ def e2e_once(
     failed = sum(r["failed"] for r in outcome.decode.values())
     if outcome.errors or ok != len(requests) * args.tp:
         raise RuntimeError(f"{name}: {ok} of {len(requests) * args.tp} transfers ok, {failed} failed, errors {outcome.errors}")
-    logs = [r["log"] for r in list(outcome.decode.values()) + list(outcome.prefill.values())]
+    ranks = list(outcome.decode.values()) + list(outcome.prefill.values())
+    logs = [r["log"] for r in ranks]
     last = max(stamp for log in logs for _, _, stamp in log)
     first = min(stamp for log in logs for _, _, stamp in log)
     tail = max(0.0, returned - last)
@@ -432,10 +433,10 @@ def e2e_once(
         "requests": len(requests),
         "mixes": [mixes[k] for k in sorted(mixes)],
         # every rank's thread hand-offs (driver inputs from other threads, frames to the channel's thread)
-        "handoffs": sum(r["handoffs"] for r in list(outcome.decode.values()) + list(outcome.prefill.values())),
+        "handoffs": sum(r["handoffs"] for r in ranks),
         # every rank's control frames and the ZeroMQ messages that carried them (heartbeats aside)
-        "frames": sum(r["control_sends"][0] for r in list(outcome.decode.values()) + list(outcome.prefill.values())),
-        "messages": sum(r["control_sends"][1] for r in list(outcome.decode.values()) + list(outcome.prefill.values())),
+        "frames": sum(r["control_sends"][0] for r in ranks),
+        "messages": sum(r["control_sends"][1] for r in ranks),
     }
 
 
