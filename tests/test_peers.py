@@ -44,15 +44,15 @@ def make_pair() -> Any:
 def _hold_writes(peer: Any, rid: str | None = None) -> tuple[list[tuple[Any, ...]], Any]:
     """Make ``peer``'s transport keep the batches posted for ``rid`` (None: all) in flight.
 
-    Returns (held, release). A prefill batch's completion callback is bound to its room's entry
-    (its last argument), which names the rid; other batches go through.
+    Returns (held, release). A prefill batch's completion callback carries its room's record
+    (``token``), which names the rid; other batches go through.
     """
     transport = peer._transport
     real = transport.write
     held: list[tuple[Any, ...]] = []
 
     def write(handle: Any, batch: Any, on_done: Any = None, *, deadline: Any = None, grant: int = 0) -> int:
-        entry = getattr(on_done, "args", (None,))[-1]
+        entry = getattr(on_done, "token", None)
         if rid is not None and getattr(entry, "rid", None) != rid:
             return real(handle, batch, on_done, deadline=deadline, grant=grant)
         held.append((handle, batch, on_done, deadline, grant))

@@ -10,8 +10,9 @@ performs the engines' actions in order:
 
 - ``Send`` on the control plane (never blocks; a failure with a token is fed back);
 - ``Grant``, ``Revoke``, ``Disconnect``, ``Post`` on the transport, on this thread
-  (a ``Revoke`` may wait up to its ``seconds`` for a write still landing; a
-  ``Post`` up to its ``wait`` for room, as the protocol worker always did); a
+  (a ``Revoke`` may wait up to its ``seconds`` for a write still landing into
+  this rank's own memory; a ``Post`` never waits: one for a sink at its bound is
+  parked for that sink and posted from its completions, ``Performer``); a
   ``Grant``'s and ``Revoke``'s outcome, and a ``Post`` that could not be
   posted, are fed back before the next action;
 - ``Connect`` and ``LookUp`` on the I/O threads (they wait on other hosts), their
@@ -146,7 +147,8 @@ class Driver(Performer):
             try:
                 item = inbox.get_nowait()
             except queue.Empty:
-                due = min(next_tick, min((e.next_deadline() for e in self._engines), default=next_tick))
+                due = min(next_tick, self.next_deadline(),
+                          min((e.next_deadline() for e in self._engines), default=next_tick))
                 try:
                     item = inbox.get(timeout=max(0.0, due - time.monotonic()))
                 except queue.Empty:
@@ -160,6 +162,7 @@ class Driver(Performer):
                 self.input(fn, args)
             now = time.monotonic()
             if now >= due:
+                self.expire(now)
                 for engine in self._engines:
                     self.input(engine.tick, ())
                 next_tick = due = now + TICK  # the engines' own deadlines: asked again once the inbox is dry
@@ -208,17 +211,20 @@ class Driver(Performer):
         self.submit_result(engine.connected, action.token, handle, error)
 
     def _look_up_io(self, engine: Any, action: LookUp) -> None:
-        """A deployment's shape and the ranks the engine needs, from its bootstrap server."""
+        """What bootstrap ``action.server`` says of its deployment's shape and of the ranks asked for: only the
+        I/O (the engine computes from it in its own input), and always an answer, whatever went wrong."""
         client = BootstrapClient(*action.server, secret=self._secret)
-        info, ranks, error = action.info, {}, None
+        info, ranks, error = None, {}, None
         try:
-            if info is None or not info.complete:
+            if action.shape:
                 info = client.parallel_info(Deadline.after(_LOOKUP_SLICE))
-            if info is not None and info.complete:
-                for key in set(action.keys(info)) - action.have:
-                    ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
+            for key in action.keys:
+                ranks[key] = client.rank(*key, Deadline.after(_LOOKUP_SLICE))
         except (OSError, DeadlineExceeded) as e:
             log.debug("%s: bootstrap %s:%d not reachable yet: %s", self._name, *action.server, e)
         except PdError as e:
             error = str(e)
+        except Exception as e:  # a bug of ours, or an answer nobody foresaw: the items that wait must hear
+            log.exception("%s: looking up bootstrap %s:%d failed unexpectedly", self._name, *action.server)
+            error = f"the look-up failed: {e!r}"
         self.submit_result(engine.looked_up, action.server, info, ranks, error)

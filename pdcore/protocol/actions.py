@@ -33,7 +33,6 @@ side (a landing's first token, a concluded room) is no action: it goes through
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from ..control import wire
@@ -65,7 +64,8 @@ class Disconnect(NamedTuple):
 class Post(NamedTuple):
     """Write ``batch`` (``(local, remote, length)`` rows) to the peer of ``handle`` through ``grant``.
 
-    ``wait``: seconds the driver may wait for room in the transport (0: fail at once when full)."""
+    ``wait``: seconds it may stay parked while the sink is at its in-flight bound (the driver never
+    waits for it: it posts it from the sink's completions, or fails it with ``written`` after that)."""
 
     handle: Any
     batch: Any
@@ -92,14 +92,14 @@ class Revoke(NamedTuple):
 
 
 class LookUp(NamedTuple):
-    """Look up the deployment behind bootstrap ``server``: its shape (unless ``info`` is known and
-    complete) and the ranks ``keys(info)`` names that ``have`` lacks. ``keys`` is pure (it reads only
-    the engine's configuration), so the driver may call it on any thread."""
+    """Ask bootstrap ``server`` for its deployment's shape (``shape``) and the ranks ``keys`` names.
+
+    The driver only does the I/O and answers with what the server said (``looked_up``), whatever
+    happened: what is computed from the answer runs in that engine input, never on an I/O thread."""
 
     server: tuple[str, int]
-    info: Any
-    keys: Callable[[Any], Iterable[tuple[int, int]]]
-    have: frozenset[tuple[int, int]]
+    shape: bool
+    keys: frozenset[tuple[int, int]]
 
 
 Action = Send | Connect | Disconnect | Post | Grant | Revoke | LookUp

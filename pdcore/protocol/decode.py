@@ -78,6 +78,7 @@ class _Link:
     endpoint: str
     owes: bool
     epoch: int = 0  # the incarnation its deployment's server listed
+    instance: bytes = b""  # its transport instance, as looked up with it: what its pages are granted to
     grant: Any = None  # the transport grant of the announced pages, until revoked
     landed: wire.Status | None = None  # its success status
 
@@ -91,12 +92,15 @@ class _Request:
     links: tuple[_Link, ...] = ()  # the prefill ranks of the room, once bootstrapped (sources first)
     request_pool_index: int = -1
     page_ids: tuple[int, ...] = ()
-    granting: int = 0  # grants asked for and not answered yet
+    granting: int = 0  # grants asked for and not answered yet: the fence waits for their answers
+    grant_error: str = ""  # why a grant was refused (the request failed; the others are revoked once answered)
+    announced: bool = False  # its pages were announced to its prefill ranks (only then may they land)
     abort_sent: bool = False
     mismatch: str = ""  # the deployments cannot pair: failing once its prefill ranks are told why
     rechecked: bool = False  # a verdict against one of its prefill ranks was checked with a fresh look-up
     live: bool = True
     untold: bool = False  # ended here before its prefill ranks were known: told once a look-up finds them
+    untold_lookups: int = 0  # look-ups waited for to tell them (bounded: the shape, then the ranks)
 
 
 class DecodeEngine(Engine):
@@ -110,7 +114,7 @@ class DecodeEngine(Engine):
         self._requests: dict[str, _Request] = {}
         self._by_source: dict[tuple[str, int], _Request] = {}
         self._lookups = Lookups(
-            self._lookup_needs, lambda request: (request.room, request.dp_rank), self._looked_up, self._out.append,
+            self._lookup_keys, lambda request: (request.room, request.dp_rank), self._looked_up, self._out.append,
         )
         self._registered: set[str] = set()  # prefill endpoints that have our Register
         # (id(info), dp group) -> (info, its pairs): a deployment's pairing, checked once per looked-up shape
@@ -118,9 +122,6 @@ class DecodeEngine(Engine):
         self._unrevoked: RetryRevokes[_Request] = RetryRevokes()  # fences whose revoke was not confirmed
         # grants of landed requests a revoke failed for (nothing waits on them: bounded)
         self._landed_grants: RetryRevokes[Any] = RetryRevokes(limit=4 * self._config.max_pending)
-
-    def tombstones(self) -> int:
-        return 0
 
     def held(self) -> dict[str, int]:
         return {"requests": len(self._requests), "sources": len(self._by_source), "unrevoked": len(self._unrevoked),
@@ -158,32 +159,28 @@ class DecodeEngine(Engine):
         ranges = page_ranges(self._layout, page_ids)
         request.granting = len(owed)
         for link in owed:
-            try:
-                source = self._lookups.instance(link.endpoint)
-            except KeyError as e:
-                self.granted((request, link), None, f"the prefill rank's transport is unknown: {e}", now)
-                return
-            self._out.append(Grant((request, link), source, ranges))
+            self._out.append(Grant((request, link), link.instance, ranges))
 
     def granted(self, token: tuple[_Request, _Link], grant: Any, error: str | None, now: float) -> None:
-        """The answer to a ``Grant`` of one source's pages; once every source is granted, the announcement goes."""
+        """The answer to a ``Grant`` of one source's pages; once every source's is in, the announcement goes, or,
+        if one was refused or the request failed meanwhile, every grant made is revoked before the fence closes
+        (a grant answered after the fence closed would outlive it: the fence waits for the last answer)."""
         request, link = token
-        if request.granting <= 0:
-            return  # a grant already failed the request
-        if error is not None:
-            request.granting = 0
-            self._fire(request.rid, Trigger.FAIL, now, f"cannot grant the pages to the prefill rank: {error}")
-            self._revoke(request, now)  # the grants made before this one
-            return
-        link.grant = grant
         request.granting -= 1
-        if request.granting == 0:
-            if self._fire(request.rid, Trigger.PAGES_ANNOUNCED, now) in (None, State.FAILED):
-                self._revoke(request, now)  # failed meanwhile: its fence revoked before these grants existed
-                return
-            self._send_announce(request, now)
+        if grant is not None:
+            link.grant = grant
+        if error is not None and not request.grant_error:
+            request.grant_error = error
+            self._fire(request.rid, Trigger.FAIL, now, f"cannot grant the pages to the prefill rank: {error}")
+        if request.granting > 0:
+            return
+        if request.grant_error or self._state(request.rid) in (None, State.FAILED):
+            self._revoke(request, now)
+            return
+        self._send_announce(request, now)
 
     def _send_announce(self, request: _Request, now: float) -> None:
+        request.announced = True
         for link in request.links:
             self._tell(link.endpoint, wire.Announce(
                 room=request.room,
@@ -279,7 +276,7 @@ class DecodeEngine(Engine):
     def _group(self, info: ParallelInfo, room: int, dp_rank: int | None) -> int:
         """The prefill DP group of ``room``; ``LocalProtocolError`` if the router named one that does not exist."""
         dp = room % info.dp_size if dp_rank is None else dp_rank
-        if dp >= info.dp_size:
+        if dp >= info.dp_size or dp >= len(info.tp_sizes):
             raise LocalProtocolError(f"BootstrapInfo.dp_rank {dp} is not a DP group of the prefill deployment "
                                      f"(dp_size {info.dp_size})")
         return dp
@@ -293,7 +290,12 @@ class DecodeEngine(Engine):
         memo = self._pair_memo.get((id(info), dp))
         if memo is not None and memo[0] is info:
             return memo[1]
-        pairs = self._pairing(info, dp)
+        try:
+            pairs = self._pairing(info, dp)
+        except PdError:
+            raise
+        except Exception as e:  # what the server listed is not what a prefill rank registers
+            raise LocalProtocolError(f"the prefill deployment's shape is malformed: {e!r}") from e
         if len(self._pair_memo) >= 64:  # bounded: deployments x DP groups seen lately
             self._pair_memo.clear()
         self._pair_memo[(id(info), dp)] = (info, pairs)
@@ -312,18 +314,16 @@ class DecodeEngine(Engine):
         d = cfg.tp_rank
         return tuple([((dp, p), True) for p in route.sources(d)] + [((dp, p), False) for p in route.notified(d)])
 
-    def _lookup_keys(self, info: ParallelInfo, room: int, dp_rank: int | None) -> list[tuple[int, int]]:
-        """The prefill ranks to look up for ``room``: those it pairs with, or, when the deployments cannot
-        pair, every rank of its DP group (to tell them why); raises if the group itself does not exist."""
+    def _lookup_keys(self, info: ParallelInfo, need: tuple[int, int | None]) -> list[tuple[int, int]]:
+        """The prefill ranks to look up for ``need`` (a room, and the DP group a router named): those it pairs
+        with, or, when the deployments cannot pair, every rank of its DP group (to tell them why); raises if
+        the group itself does not exist."""
+        room, dp_rank = need
         try:
             return [key for key, _ in self._pairs(info, room, dp_rank)]
         except LocalProtocolError:
             dp = self._group(info, room, dp_rank)
             return [(dp, p) for p in range(info.tp_size(dp))]
-
-    def _lookup_needs(self, info: ParallelInfo, needs: set[Any]) -> set[tuple[int, int]]:
-        """Pure (configuration only): the driver may call it off the engine's thread."""
-        return {key for need in needs for key in self._lookup_keys(info, *need)}
 
     def _room_ranks(self, deployment: Deployment, request: _Request) -> tuple[list[str], bool]:
         """The control endpoints of the prefill ranks that hold the request's room (those it pairs with, or
@@ -333,7 +333,7 @@ class DecodeEngine(Engine):
         if info is None:
             return [], False
         try:
-            keys = self._lookup_keys(info, request.room, request.dp_rank)
+            keys = self._lookup_keys(info, (request.room, request.dp_rank))
         except PdError:
             return [], True
         ranks = [deployment.ranks.get(key) for key in keys]
@@ -351,6 +351,7 @@ class DecodeEngine(Engine):
         for endpoint in endpoints:
             self._tell(endpoint, wire.Abort(room=request.room, reason=f"decode cannot pair: {why}"[: wire.MAX_REASON]))
         request.abort_sent = True  # told already: the settle owes no second abort
+        self._lookups.refresh(request.server)  # the deployment may register anew: the next request looks again
         self._fire(request.rid, Trigger.FAIL, now, request.mismatch or why)
 
     def _links_of(self, deployment: Deployment, request: _Request) -> tuple[_Link, ...] | None:
@@ -363,7 +364,7 @@ class DecodeEngine(Engine):
             rank = deployment.ranks.get(key)
             if rank is None:
                 return None
-            links.append(_Link(rank[0], owes, rank[2]))
+            links.append(_Link(rank[0], owes, rank[2], rank[1]))
         return tuple(links)
 
     def _looked_up(self, request: _Request, why: str | None, now: float) -> None:
@@ -401,8 +402,8 @@ class DecodeEngine(Engine):
             self._fire(request.rid, Trigger.FAIL, now, f"prefill failed the room: {msg.reason}")  # type: ignore[union-attr]
         elif msg.state == State.SUCCESS:  # type: ignore[union-attr]
             link = next((l for l in request.links if l.endpoint == sender), None)
-            if link is None or not link.owes:
-                return  # only a rank that writes here reports a landing
+            if link is None or not link.owes or not request.announced:
+                return  # only a rank that writes here reports a landing, and only of pages announced to it
             if msg.first_token is None:  # type: ignore[union-attr]
                 self._fire(request.rid, Trigger.FAIL, now, "prefill reported a landing without a first token")
                 return
@@ -425,7 +426,10 @@ class DecodeEngine(Engine):
     # -- fences ---------------------------------------------------------------------------
 
     def _revoke(self, request: _Request, now: float) -> None:
-        """Take the room's grants back, one at a time, then close its fence: from there nothing lands in its pages."""
+        """Take the room's grants back, one at a time, then close its fence: from there nothing lands in its pages.
+        While grants are still being answered the fence waits: the last answer revokes them (``granted``)."""
+        if request.granting > 0:
+            return
         link = next((l for l in request.links if l.grant is not None), None)
         if link is None:
             self._fenced(request.rid)
@@ -461,12 +465,13 @@ class DecodeEngine(Engine):
         """A request that ended here before its prefill ranks were known (the scheduler aborted it, say,
         while its look-up was on the way): the prefill ranks of its room hold it too and would wait for
         their bootstrap timeout. Tell them (an ``Abort``, which they take without a ``Register``) once
-        the deployment's ranks are known: now if cached, else after one more look-up; whom that
-        look-up does not find is not told (best effort, bounded by one look-up)."""
+        the deployment's ranks are known: now if cached, else after the look-ups of its shape and ranks;
+        whom they do not find is not told (best effort, bounded by two look-ups)."""
         deployment = self._lookups.get(request.server)
         endpoints, known = self._room_ranks(deployment, request)
-        if not known and not request.untold:
+        if not known and request.untold_lookups < 2:
             request.untold = True
+            request.untold_lookups += 1
             if request not in deployment.waiting:
                 self._lookups.wait(request.server, request, now)
             return

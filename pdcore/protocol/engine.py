@@ -96,6 +96,19 @@ class Engine:
         self._table = services.table
         self._out: list[Action] = []
 
+    def held(self) -> dict[str, int]:
+        """The per-request state the engine holds, by kind (all of it drains once every request ended)."""
+        return {}
+
+    def tombstones(self) -> int:
+        """Rooms remembered as ended (they expire)."""
+        return 0
+
+    def diagnostics(self) -> dict[str, int]:
+        """What ``held`` says, its tombstones and the peers with a data connection (read-only)."""
+        return {**self.held(), "tombstones": self.tombstones(),
+                "connected_peers": int(getattr(self, "connected_peers", lambda: 0)())}
+
     def take_actions(self) -> list[Action]:
         """Every action emitted since the last call, in order (the caller performs them)."""
         out = self._out[:]

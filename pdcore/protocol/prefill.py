@@ -202,7 +202,7 @@ class PrefillEngine(Engine):
                 self._fail(entry, f"decode rank {endpoint} was lost before the hand-over", now)
                 return
             if sink is not None and not sink.ready:
-                self._when_connected(endpoint, sink, entry, self.hand_over, (rid, page_ids, upto, finish))
+                self._when_connected(endpoint, sink, entry, self.hand_over, (rid, page_ids, upto, finish), "")
                 return
         if entry.plans is None and not self._plan(entry, route, now):
             return
@@ -327,7 +327,7 @@ class PrefillEngine(Engine):
         me = self._config.tp_rank
         owed = sink is not None and sink.route is not None and sink.route.owes(me, sink.rank)
         if owed and not sink.error and not sink.ready:  # Bootstrapped means the data path is up
-            self._when_connected(sender, sink, entry, self._adopt, (entry, sender, msg))
+            self._when_connected(sender, sink, entry, self._adopt, (entry, sender, msg), sender)
             return
         if sender in entry.dsts:
             reason = f"room {entry.room} was announced twice by {sender}"
@@ -369,7 +369,7 @@ class PrefillEngine(Engine):
             return
         sink.handle, sink.connecting = handle, False
         waiting, sink.waiting = sink.waiting, []
-        for entry, call, args in waiting:
+        for entry, call, args, announcer in waiting:
             why = error
             if not why:
                 try:
@@ -380,13 +380,17 @@ class PrefillEngine(Engine):
                     why = f"resuming the room failed: {e}"
             if entry.live:
                 self._fail(entry, why, now)
+            if announcer and announcer not in entry.told:  # its announcement was never adopted: it hears now,
+                entry.told.add(announcer)  # not at its waiting timeout
+                self._status_failed(announcer, entry.room, entry.failure or why)
         if error:
             log.warning("prefill peer: %s", error)
 
-    def _when_connected(self, sender: str, sink: _Sink, entry: _Room, call: Any, args: tuple[Any, ...]) -> None:
+    def _when_connected(self, sender: str, sink: _Sink, entry: _Room, call: Any, args: tuple[Any, ...],
+                        announcer: str) -> None:
         """Run ``call(*args, now)`` once the data connection to ``sender`` is up (connecting it again if a
         transient failure dropped it); if it cannot be made, ``entry``'s room fails."""
-        sink.waiting.append((entry, call, args))
+        sink.waiting.append((entry, call, args, announcer))
         if not sink.connecting:
             self._connect(sender, sink)
 
@@ -500,7 +504,7 @@ class PrefillEngine(Engine):
         bound = [e for e in self._rooms.values() if endpoint in e.dsts]
         self._pending.drop_sender(endpoint)
         if sink is not None:  # announcements waiting for its data connection name it too
-            bound += [e for e, _call, _args in sink.waiting if endpoint not in e.dsts and e.live]
+            bound += [e for e, _call, _args, _who in sink.waiting if endpoint not in e.dsts and e.live]
             sink.waiting = []
         for entry in bound:
             self._fire(entry.rid, Trigger.FAIL, now, reason)

@@ -82,19 +82,22 @@ class ReceiverEngine(Engine):
         self._by_source: dict[tuple[str, int], _Item] = {}  # (encode endpoint, room) -> item
         self._slot_owner: dict[int, _Item] = {}
         self._early: dict[tuple[str, int], Any] = {}  # asks the table handed out before their ``staged`` input
-        self._lookups = Lookups(self._lookup_needs, lambda record: record.item.room, self._looked_up, self._out.append)
+        self._lookups = Lookups(self._lookup_keys, lambda record: record.item.room, self._looked_up, self._out.append)
         self._registered: set[str] = set()  # encode endpoints that have our EmbedRegister
         self._unrevoked: RetryRevokes[tuple[int, Any]] = RetryRevokes()  # (slot, grant): revoke not confirmed
+        # grants of landed items a revoke failed for (nothing waits on them: bounded)
+        self._landed_grants: RetryRevokes[Any] = RetryRevokes(limit=4 * cfg.slots)
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
 
     def held(self) -> dict[str, int]:
         return {"items": len(self._items), "requests": len(self._by_rid), "sources": len(self._by_source),
                 "early": len(self._early),
                 "slot_owners": len(self._slot_owner), "unrevoked": len(self._unrevoked),
+                "landed_grants": len(self._landed_grants),
                 "lookups": self._lookups.waiting()}
 
     def next_deadline(self) -> float:
-        return min(self._unrevoked.next_deadline(), self._lookups.next_deadline())
+        return min(self._unrevoked.next_deadline(), self._landed_grants.next_deadline(), self._lookups.next_deadline())
 
     # -- the scheduler's side ---------------------------------------------------------------
 
@@ -247,19 +250,24 @@ class ReceiverEngine(Engine):
         return None if info is None else deployment.ranks.get(self._key(info, item.room))
 
     def _key(self, info: ParallelInfo, room: int) -> tuple[int, int]:
-        """The encode rank ``room`` goes to: DP group ``room % dp``, rank ``tp_rank // fan-out``; raises if none can."""
+        """The encode rank ``room`` goes to: DP group ``room % dp``, rank ``tp_rank // fan-out``; raises
+        ``LocalProtocolError`` if none can (or the shape the server listed is malformed)."""
         tp = self._ranks
-        if info.layout.get("role") != "encode":
-            raise LocalProtocolError(f"it is not an encode deployment (layout {info.layout})")
-        dp = room % info.dp_size
-        etp = info.tp_size(dp)
-        if tp % etp:
-            raise LocalProtocolError(f"encode tp {etp} does not divide prefill tp {tp}")
-        return dp, self._rank // (tp // etp)
+        try:
+            if info.layout.get("role") != "encode":
+                raise LocalProtocolError(f"it is not an encode deployment (layout {info.layout})")
+            dp = room % info.dp_size
+            etp = info.tp_size(dp)
+            if etp <= 0 or tp % etp:
+                raise LocalProtocolError(f"encode tp {etp} does not divide prefill tp {tp}")
+            return dp, self._rank // (tp // etp)
+        except PdError:
+            raise
+        except Exception as e:  # what the server listed is not what an encode rank registers
+            raise LocalProtocolError(f"the encode deployment's shape is malformed: {e!r}") from e
 
-    def _lookup_needs(self, info: ParallelInfo, rooms: set[int]) -> set[tuple[int, int]]:
-        """Pure (configuration only): the driver may call it off the engine's thread."""
-        return {self._key(info, room) for room in rooms}
+    def _lookup_keys(self, info: ParallelInfo, room: int) -> tuple[tuple[int, int]]:
+        return (self._key(info, room),)
 
     def _looked_up(self, record: _Item, why: str | None, now: float) -> None:
         if record.dropped:
@@ -310,7 +318,7 @@ class ReceiverEngine(Engine):
             return
         record.landed = True
         if record.grant is not None:  # every write through it completed: the grant only goes
-            self._out.append(Revoke(None, record.grant, True, REVOKE_WAIT))
+            self._out.append(Revoke(("landed", record.grant), record.grant, True, REVOKE_WAIT))
             record.grant = None
         del self._by_source[(sender, msg.room)]
         self.stats["landed"] += 1
@@ -327,9 +335,11 @@ class ReceiverEngine(Engine):
             self._out.append(Revoke((slot, grant), grant, False, REVOKE_WAIT))
 
     def revoked(self, token: Any, error: str | None, now: float) -> None:
-        if token is None:  # a landed item's grant: nothing waits on it
+        if token[0] == "landed":  # a landed item's grant: nothing waits on it, it is tried again
             if error is not None:
-                log.warning("receiver: revoking a landed item's grant failed: %s", error)
+                if not self._landed_grants:
+                    log.warning("receiver: revoking a landed item's grant failed (tried again): %s", error)
+                self._landed_grants.add(token[1], now)
             return
         slot, grant = token
         if error is not None:  # not confirmed: the slot stays quarantined; the tick tries again
@@ -363,3 +373,5 @@ class ReceiverEngine(Engine):
         self._lookups.tick(now, lambda record: not record.dropped or now < record.abort_until)
         for slot, grant in self._unrevoked.due(now):
             self._fence(slot, grant)
+        for grant in self._landed_grants.due(now):
+            self._out.append(Revoke(("landed", grant), grant, True, REVOKE_WAIT))

@@ -27,12 +27,14 @@ class RetryRevokes(Generic[T]):
         self._at = float("inf")
 
     def add(self, item: T, now: float) -> None:
-        """``item``'s revoke failed: try it again (once, however often it failed) ``RETRY`` from now."""
+        """``item``'s revoke failed: try it again (once, however often it failed) at most ``RETRY`` from now.
+        The next try is the earliest one owed: later failures never postpone it (under a steady stream of
+        them, the first would otherwise wait for ever, and the bound drop it)."""
         if item not in self._items:
             self._items.append(item)
             if self._limit is not None:
                 del self._items[: max(0, len(self._items) - self._limit)]
-        self._at = now + RETRY
+        self._at = min(self._at, now + RETRY)
 
     def next_deadline(self) -> float:
         return self._at if self._items else float("inf")
@@ -42,6 +44,7 @@ class RetryRevokes(Generic[T]):
         if not self._items or now < self._at:
             return []
         items, self._items = self._items, []
+        self._at = float("inf")
         return items
 
     def __len__(self) -> int:

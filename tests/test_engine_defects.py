@@ -1,0 +1,200 @@
+"""The role engines driven by hand, sans-IO (aioquic's tests are the model): inputs with ``now``, the actions
+they emit inspected, answers fed back, the table's round read as a scheduler would.
+
+Each test pins one defect found from outside (with real peers, sockets and processes) that the suite and
+the simulator let through: a grant that outlived its fence, one prefill rank's death failing requests
+toward its siblings, a failed data connect nobody told, a look-up answer that wedged its deployment, a
+landing reported for pages never announced. Their mutants are in ``tests/mutants/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from transport.base import Grant
+
+from pdcore.control import wire
+from pdcore.control.bootstrap import ParallelInfo, RankInfo
+from pdcore.core._spec import State
+from pdcore.core.errors import LocalProtocolError
+from pdcore.core.events import BootstrapInfo, Failed
+from pdcore.core.table import StateTable
+from pdcore.kv.layout import KvLayout
+from pdcore.pd.config import DecodeConfig, PrefillConfig
+from pdcore.pd.front import DecodeFront
+from pdcore.protocol.actions import Connect, Grant as GrantAction, LookUp, Revoke, Send
+from pdcore.protocol.decode import DecodeEngine
+from pdcore.protocol.engine import Services
+from pdcore.protocol.prefill import PrefillEngine
+from transport.plan import Layout
+
+SERVER = ("10.0.0.1", 9000)
+LAYOUT = KvLayout(order="hnd", kv_heads=2, head_bytes=4, page_tokens=2, layers=1)
+PAGES = 8
+
+
+def _cache(tp: int) -> list[np.ndarray]:
+    return [np.zeros(PAGES * LAYOUT.page_bytes(tp), np.uint8) for _ in range(LAYOUT.buffers)]
+
+
+def _decode(tp: int = 1) -> DecodeEngine:
+    cfg = DecodeConfig(kv_buffers=_cache(tp), page_bytes=LAYOUT.page_bytes(tp), num_pages=PAGES, tp_size=tp,
+                       tp_rank=0, kv_layout=LAYOUT, bootstrap_timeout=30.0, waiting_timeout=30.0)
+    table = StateTable(16, bootstrap_timeout=30.0, waiting_timeout=30.0)
+    layout = Layout([b.ctypes.data for b in cfg.kv_buffers], cfg.page_bytes_per_buffer, PAGES)
+    return DecodeEngine(Services(config=cfg, session_id="decode-1", epoch=1, table=table, endpoint=b"d",
+                                 layout=layout))
+
+
+def _prefill() -> PrefillEngine:
+    cfg = PrefillConfig(kv_buffers=_cache(1), page_bytes=LAYOUT.page_bytes(1), num_pages=PAGES, tp_size=1,
+                        tp_rank=0, kv_layout=LAYOUT, bootstrap_timeout=30.0, waiting_timeout=30.0,
+                        bootstrap_host=SERVER[0], bootstrap_port=SERVER[1])
+    table = StateTable(16, bootstrap_timeout=30.0, waiting_timeout=30.0)
+    layout = Layout([b.ctypes.data for b in cfg.kv_buffers], cfg.page_bytes_per_buffer, PAGES)
+    return PrefillEngine(Services(config=cfg, session_id="prefill-1", epoch=1, table=table, endpoint=b"p",
+                                  layout=layout))
+
+
+def _info(tp_sizes: tuple[int, ...], layout: dict[str, Any] | None = None) -> ParallelInfo:
+    layout = layout or {"page_bytes": [LAYOUT.page_bytes(tp_sizes[0])] * LAYOUT.buffers, "num_pages": PAGES,
+                        "kv": LAYOUT.to_json()}
+    return ParallelInfo(dp_size=len(tp_sizes), tp_sizes=tp_sizes, layout=layout, registered=sum(tp_sizes),
+                        complete=True)
+
+
+def _rank(dp: int, tp: int) -> RankInfo:
+    return RankInfo(dp_rank=dp, tp_rank=tp, endpoint=f"tcp://10.0.{dp}.{tp}:7000", session_id=f"prefill-{dp}-{tp}",
+                    epoch=1, transport=bytes([16 * dp + tp + 1] * 16).hex())
+
+
+def _round(engine: Any, now: float, rounds: int = 3) -> list[Any]:
+    """A few scheduler rounds of a replica of one rank: the events its table agrees on (a failure is agreed
+    in one round, fenced, and reported in a later one)."""
+    table, events = engine.services.table, []
+    for _ in range(rounds):
+        table.encode(now)
+        events += table.decode()
+    return events
+
+
+def _answer_lookups(engine: DecodeEngine, info: ParallelInfo, now: float) -> list[Any]:
+    """Answer every ``LookUp`` the engine asks (the shape, then the ranks) from ``info``; the other actions."""
+    rest: list[Any] = []
+    for _ in range(4):
+        actions = engine.take_actions()
+        lookups = [a for a in actions if type(a) is LookUp]
+        rest += [a for a in actions if type(a) is not LookUp]
+        if not lookups:
+            return rest
+        for a in lookups:
+            engine.looked_up(a.server, info if a.shape else None, {k: _rank(*k) for k in a.keys}, None, now)
+    raise AssertionError("the engine kept asking")
+
+
+def _bootstrapped(engine: DecodeEngine, rid: str, room: int, info: ParallelInfo, dp_rank: int | None = None) -> None:
+    engine.services.table.register(rid, 0.0)
+    engine.register(rid, room, SERVER, dp_rank, 0.0)
+    _answer_lookups(engine, info, 0.0)
+    assert engine.services.table.state(rid) == State.BOOTSTRAPPED
+
+
+def test_a_grant_answered_after_another_was_refused_is_revoked_before_the_fence_closes() -> None:
+    """Decode tp 1 takes both heads from prefill tp 2: two sources, two grants. The first is refused, the second
+    made: the request fails, and its pages may go back only once the second grant was revoked (a write
+    through it would land in pages the scheduler reused)."""
+    engine = _decode()
+    _bootstrapped(engine, "r", 7, _info((2,)))
+    engine.announce("r", (1, 2), 0, 0.0)
+    grants = [a for a in engine.take_actions() if type(a) is GrantAction]
+    assert len(grants) == 2
+    engine.granted(grants[0].token, None, "grant refused (as the data plane may)", 0.1)
+    made = Grant(5, grants[1].source, tuple(grants[1].ranges))
+    engine.granted(grants[1].token, made, None, 0.1)
+    revokes = [a for a in engine.take_actions() if type(a) is Revoke]
+    assert [r.grant for r in revokes] == [made], "the grant made must be revoked"
+    assert not [e for e in _round(engine, 0.2) if type(e) is Failed], "pages handed back before the revoke"
+    engine.revoked(revokes[0].token, None, 0.3)
+    failed = [e for e in _round(engine, 0.4) if type(e) is Failed]
+    assert [e.rid for e in failed] == ["r"] and "cannot grant" in failed[0].reason
+
+
+def test_one_dp_groups_rank_found_dead_fails_no_request_toward_another_group() -> None:
+    """A prefill deployment of two DP groups; a request bootstrapped toward group 0's rank, and group 1's rank is
+    found dead before it is announced: the request is announced (granted to the transport it was bootstrapped
+    with), never failed for want of a transport the look-up cache forgot with its dead sibling."""
+    engine = _decode()
+    info = _info((1, 1))
+    _bootstrapped(engine, "healthy", 10, info, dp_rank=0)
+    _bootstrapped(engine, "doomed", 11, info, dp_rank=1)
+    engine.peer_dead(_rank(1, 0).endpoint, None, 1, "no traffic for 5 s", 1.0)
+    engine.announce("healthy", (3,), 0, 1.0)
+    grants = [a for a in engine.take_actions() if type(a) is GrantAction]
+    assert [g.source for g in grants] == [bytes.fromhex(_rank(0, 0).transport)]
+    assert engine.services.table.state("healthy") == State.WAITING_FOR_INPUT
+    assert engine.services.table.state("doomed") == State.FAILED
+
+
+def test_a_failed_data_connect_is_told_to_the_decode_rank_whose_announcement_waits_for_it() -> None:
+    """Prefill adopts an announcement only once its data connection to that decode rank is up; if the connect
+    fails, the room fails here, and that decode rank (not among the room's adopted announcers yet) hears it
+    now: otherwise it holds its pages until its waiting timeout."""
+    engine = _prefill()
+    decode = "tcp://10.1.0.1:7000"
+    layout = {"bases": [0] * LAYOUT.buffers, "page_bytes": [LAYOUT.page_bytes(1)] * LAYOUT.buffers,
+              "num_pages": PAGES, "kv": LAYOUT.to_json()}
+    engine.message(decode, wire.Register(session_id="decode-1", epoch=1, endpoint=b"d", regions=(), layout=layout,
+                                         tp_size=1, tp_rank=0), 0.0)
+    (first,) = [a for a in engine.take_actions() if type(a) is Connect]
+    engine.connected(first.token, None, "cannot connect the transport: refused", 0.1)  # at registration: nobody waits
+    engine.services.table.register("r", 0.1)
+    engine.register("r", 42, 0.1)
+    engine.message(decode, wire.Announce(room=42, session_id="decode-1", epoch=1, page_ids=(0, 1),
+                                         request_pool_index=0, grant=9), 0.2)
+    (again,) = [a for a in engine.take_actions() if type(a) is Connect]
+    engine.connected(again.token, None, "cannot connect the transport: refused again", 0.3)
+    told = [a for a in engine.take_actions() if type(a) is Send and a.endpoint == decode]
+    assert [(type(a.msg), a.msg.room, a.msg.state) for a in told] == [(wire.Status, 42, State.FAILED)], told
+    assert "refused again" in told[0].msg.reason
+    assert engine.services.table.state("r") == State.FAILED
+
+
+def test_a_look_up_answer_that_breaks_the_pairing_fails_its_request_and_wedges_nothing() -> None:
+    """A server lists a shape no prefill rank registers (a layout that is not even an object: a server that did
+    not check what it was sent, or a client that did not check the answer; reading it raises
+    ``AttributeError`` deep in the pairing). The request that needs it fails, naming the shape malformed,
+    inside the engine's input; the deployment is asked again, so a request after a correct registration
+    proceeds."""
+    engine = _decode()
+    bad = msgspec.structs.replace(_info((1,)), layout="page_bytes=4096")
+    engine.services.table.register("first", 0.0)
+    engine.register("first", 1, SERVER, None, 0.0)
+    _answer_lookups(engine, bad, 0.0)
+    failed = [e for e in _round(engine, 0.1) if type(e) is Failed]
+    assert [e.rid for e in failed] == ["first"] and "malformed" in failed[0].reason, failed
+    engine.settled(failed, 0.1)
+    _bootstrapped(engine, "second", 2, _info((1,)))  # the corrected shape is asked for and taken
+
+
+def test_a_landing_for_pages_never_announced_lands_nothing() -> None:
+    """A prefill rank's ``Status(SUCCESS)`` for a room this rank bootstrapped but has not announced (nothing was
+    granted: no byte can have landed) is not a landing."""
+    engine = _decode()
+    _bootstrapped(engine, "r", 5, _info((1,)))
+    engine.message(_rank(0, 0).endpoint, wire.Status(room=5, state=State.SUCCESS, rank=0, first_token=3), 0.1)
+    assert engine.services.table.state("r") == State.BOOTSTRAPPED
+
+
+def test_decode_refuses_a_second_live_request_on_one_room() -> None:
+    """The room joins the two sides: two live decode requests on one room would take each other's frames."""
+    engine = _decode()
+    table = engine.services.table
+    front = DecodeFront(table=table, engine=engine, config=engine.services.config,
+                        submit=lambda fn, *a: fn(*a, 0.0), result=lambda fn, *a: fn(*a, 0.0))
+    front.register("a", BootstrapInfo(*SERVER, 3), 0.0)
+    with pytest.raises(LocalProtocolError, match="room 3 is already held by rid 'a'"):
+        front.register("b", BootstrapInfo(*SERVER, 3), 0.0)
+    assert len(table) == 1 and front.diagnostics()["live"] == 1
