@@ -76,15 +76,15 @@ def test_usage_recorded_before_the_hand_over_rides_with_it_and_a_later_one_still
     it (one driver input where there were two). Layer-wise, ``finish`` carries it. A record after the
     hand-over still goes, as an input of its own. Each one's values reach decode's ``RemotePrefill``."""
     handed: list[str] = []  # the inputs this (the scheduler's) thread handed the prefill driver
-    driver, me = pair.prefill._driver, threading.current_thread()
-    submit = driver.submit
+    front, me = pair.prefill.front, threading.current_thread()
+    submit = front._submit  # the real driver's submit, as the front was given it
 
     def counted(fn: Any, *args: Any) -> None:  # the real driver's submit, counted
         if threading.current_thread() is me:
             handed.append(fn.__name__)
         submit(fn, *args)
 
-    driver.submit = counted
+    front._submit = counted
     for i, rid in enumerate(("whole", "layers", "late")):
         _bootstrapped(pair, rid, room=40 + i)
     handed.clear()
@@ -108,7 +108,7 @@ def test_usage_recorded_before_the_hand_over_rides_with_it_and_a_later_one_still
     pair.pump(lambda: all(pair.ended("decode", rid) for rid in ("whole", "layers")), "whole and layers to land")
     got = {rid: (pair.landed[rid].cached_tokens, pair.landed[rid].bootstrap_logprob) for rid in ("whole", "layers")}
     assert got == {"whole": (11, -1.5), "layers": (22, -2.5)}
-    assert pair.prefill._usage.keys() <= {"late"}  # ended rids leave nothing behind
+    assert pair.prefill.diagnostics()["front"]["usage"] <= 1  # ended rids leave nothing behind ("late" may)
 
 
 def _usage(**kw: Any) -> Any:
@@ -166,15 +166,16 @@ def test_a_request_pool_index_the_announcement_cannot_carry_raises_at_announce(p
 
 def test_a_status_that_cannot_be_encoded_when_the_room_lands_fails_both_sides_within_seconds(pair: Pair) -> None:
     """White-box: the outbox's checks refuse every such value at the call, so the test plants one past
-    them (an out-of-range candidate handed straight to the peer's internal ``_hand_over``). The room's
+    them (an out-of-range candidate handed straight to the front's internal ``_hand_over``). The room's
     KV lands; the Status cannot be encoded; prefill must fail the room (not report Succeeded, which frees
     its pages) and tell decode why, well before decode's waiting timeout (30 s here)."""
-    real = pair.prefill._hand_over
+    front = pair.prefill.front
+    real = front._hand_over
 
-    def planted(rid: str, pages: Any, upto: Any, finish: Any) -> None:
-        real(rid, pages, upto, (finish[0], (1, I31 + 1)))  # past PrefillOutbox.send, which validated the call
+    def planted(rid: str, pages: Any, upto: Any, finish: Any, now: float) -> None:
+        real(rid, pages, upto, (finish[0], (1, I31 + 1)), now)  # past PrefillOutbox.send, which validated the call
 
-    pair.prefill._hand_over = planted  # type: ignore[method-assign]
+    front._hand_over = planted  # type: ignore[method-assign]
     pair.register("bad", room=1)
     pair.register("good", room=2)
     pair.drive(["bad"], timeout=10.0)
@@ -182,7 +183,7 @@ def test_a_status_that_cannot_be_encoded_when_the_room_lands_fails_both_sides_wi
     for side in ("prefill", "decode"):
         reason = pair.reasons[(side, "bad")]
         assert "status cannot be sent" in reason and "spec_candidate_ids" in reason, (side, reason)
-    del pair.prefill._hand_over  # the class's method again
+    del front._hand_over  # the class's method again
     pair.drive(["good"])
     _lands(pair, "good")  # the peers serve on
 
@@ -227,7 +228,7 @@ def test_calls_racing_a_requests_end_do_nothing_and_a_forgotten_rid_raises() -> 
         assert all(pair.events[side][: len(evs)] == evs for side, evs in events.items())
         assert not [e for side in pair.events for e in pair.events[side] if e[1] == "a"][4:]  # no new event for a
         deadline = Deadline.after(10.0)
-        while "a" in pair.prefill._ended or "a" in pair.decode._ended:  # the workers forget it after the ttl
+        while pair.prefill.front.lately_ended("a") or pair.decode.front.lately_ended("a"):  # forgotten after the ttl
             assert not deadline.expired(), "the ended rid was never forgotten"
             pair.rounds(1)
         for name, call in _every_call(pair, "a"):

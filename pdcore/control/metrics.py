@@ -141,35 +141,37 @@ class PeerCollector:
         if peer.ROLE == "prefill":
             yield CounterMetricFamily(f"{p}_bytes_posted", "Bytes of the RDMA/TCP writes posted", value=counts.bytes_posted)
             yield CounterMetricFamily(f"{p}_writes_posted", "Writes posted (after coalescing)", value=counts.writes_posted)
-        channel = peer._channel.stats
+        d = peer.diagnostics()
+        channel, transport, queues_now = d.get("channel", {}), d.get("transport", {}), d["queues"]
         yield CounterMetricFamily(f"{p}_protocol_errors", "Malformed or unexpected control frames",
-                                  value=channel.protocol_errors)
-        transport = peer._transport
+                                  value=channel.get("protocol_errors", 0))
         yield CounterMetricFamily(f"{p}_auth_failures", "Handshakes that failed authentication (control and data)",
-                                  value=channel.auth_failures + getattr(transport, "auth_failures", 0))
+                                  value=channel.get("auth_failures", 0) + transport.get("auth_failures", 0))
         yield CounterMetricFamily(f"{p}_evicted_handshakes",
                                   "Unfinished handshakes cut to make room for newer ones (control and data)",
-                                  value=channel.pending_evicted + getattr(transport, "evicted_handshakes", 0))
+                                  value=channel.get("pending_evicted", 0) + transport.get("evicted_handshakes", 0))
         yield CounterMetricFamily(f"{p}_refused_connections", "Data connections refused: at the sink's cap, or too "
-                                  "many handshakes", value=getattr(transport, "refused_connections", 0))
+                                  "many handshakes", value=transport.get("refused_connections", 0))
         yield CounterMetricFamily(f"{p}_accept_failures", "Data connections not accepted for want of file "
-                                  "descriptors or memory", value=getattr(transport, "accept_failures", 0))
+                                  "descriptors or memory", value=transport.get("accept_failures", 0))
         yield CounterMetricFamily(f"{p}_work_errors", "Work items that raised (a bug: see the log)",
-                                  value=peer.stats["work_errors"])
+                                  value=d["stats"]["work_errors"])
         queues = GaugeMetricFamily(f"{p}_queue_depth", "Items waiting in each bounded queue", labels=["queue"])
-        depths = peer._driver.depths()
-        queues.add_metric(["work"], depths["inputs"])
-        queues.add_metric(["io"], depths["io"])
-        queues.add_metric(["control_out"], peer._channel.queued())
+        queues.add_metric(["work"], queues_now["inputs"])
+        queues.add_metric(["io"], queues_now["io"])
+        queues.add_metric(["control_out"], queues_now["control_out"])
+        queues.add_metric(["parked_posts"], queues_now["parked_posts"])
         yield queues
-        yield GaugeMetricFamily(f"{p}_in_flight", "Requests tracked", value=len(peer._table))
-        yield GaugeMetricFamily(f"{p}_connected_peers", "Peers with a data connection", value=peer.connected_peers())
+        yield GaugeMetricFamily(f"{p}_in_flight", "Requests tracked", value=d["table"]["tracked"])
+        engine = d["engines"].get(peer.ROLE, {})
+        yield GaugeMetricFamily(f"{p}_connected_peers", "Peers with a data connection",
+                                value=engine.get("connected_peers", 0))
         revoke = GaugeMetricFamily(f"{p}_revoke_method", "How the data plane enforces a revoke (1 for the method in use)",
                                    labels=["method"])
-        revoke.add_metric([getattr(transport, "revoke_method", "unknown")], 1)
+        revoke.add_metric([str(transport.get("revoke_method") or "unknown")], 1)
         yield revoke
         yield GaugeMetricFamily(f"{p}_memory_windows", "Memory windows bound for sources now (verbs)",
-                                value=getattr(transport, "windows_live", 0))
+                                value=transport.get("windows_live", 0))
 
 
 class BootstrapCollector:

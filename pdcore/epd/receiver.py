@@ -28,11 +28,12 @@ import numpy as np
 from transport.base import byte_view
 
 from ..core.agreement import Agreement
-from ..core.errors import LocalProtocolError, PdError, PeerError, StartError
+from ..core.errors import LocalProtocolError, StartError
 from ..core.replica import check_replica
 from ..protocol.engine import Services
 from ..protocol.receiver import ReceiverEngine
 from .config import ReceiverConfig
+from .front import ReceiverFront
 from .recv_table import ReceiveTable
 from .types import EmbeddingItem, LandedRequest
 
@@ -87,8 +88,8 @@ class Receiver:
             deep_addr=self._deep_region.addr if self._deep_region is not None else 0,
         )
         driver.attach(self._engine)
-        self._staged: set[str] = set()  # the scheduler's thread: rids staged and not yet settled
-        self._failed: list[tuple[str, str]] | None = None  # the last round's failures, reasons agreed
+        self.front = ReceiverFront(table=self._table, engine=self._engine, submit=driver.submit,
+                                   result=driver.submit_result)
         self._checked_replica: object = None  # the last replica round() accepted
 
     @property
@@ -105,41 +106,15 @@ class Receiver:
 
     def stage(self, rid: str, items: list[EmbeddingItem] | tuple[EmbeddingItem, ...]) -> None:
         """Start receiving ``rid``'s items' embeddings; never blocks (an item with no free slot waits)."""
-        if rid in self._staged:
-            raise LocalProtocolError(f"rid {rid!r} is already staged")
-        self._table.stage(rid, items, time.monotonic())
-        self._staged.add(rid)
-        records = [item for item in items if isinstance(item, EmbeddingItem)]
-        self._input(rid, self._engine.staged, rid, records)
-
-    def _input(self, rid: str | None, fn: Any, *args: Any) -> None:
-        try:
-            self._driver.submit(fn, *args)
-        except PeerError:
-            raise
-        except PdError as e:  # the driver is full: the request fails, its slots are fenced as any other
-            if rid is not None:
-                try:
-                    self._table.fail(rid, f"receiver overloaded: {e}", time.monotonic())
-                except PdError:
-                    pass
+        self.front.stage(rid, items, time.monotonic())
 
     def poll(self) -> list[int]:
         """Every staged request's code on this rank, in staging order: 0 failed, 1 receiving, 2 landed."""
-        buf = self._table.encode(time.monotonic())
-        return buf[: len(self._table)].tolist()  # type: ignore[no-any-return]
+        return self.front.poll(time.monotonic())
 
     def settle(self, codes: Any) -> list[LandedRequest]:
         """Act on the replica-agreed ``codes`` (``poll`` order, or the reduced buffer of ``table.encode``)."""
-        if isinstance(codes, (list, tuple)):
-            try:  # codes are bytes on every rank: this is 3x faster than numpy's conversion of a list
-                codes = np.frombuffer(bytes(codes), np.uint8)
-            except (TypeError, ValueError):  # not bytes: the table names the code that is wrong
-                codes = np.asarray(codes, dtype=np.int64)
-        landed = self._table.settle(codes)
-        self._failed = None  # this rank's own reasons: no replica to agree them with here
-        self._settled(landed)
-        return landed
+        return self.front.settle(codes)
 
     def round(self, replica: object = None) -> list[LandedRequest]:
         """``poll`` → MIN across ``replica`` (a gloo group; None for one rank) → ``settle``, with the
@@ -151,27 +126,16 @@ class Receiver:
             self._checked_replica = replica
         landed = self._agreement.round(time.monotonic(), replica)
         failed = self._table.failed()
-        self._failed = None
+        agreed = None
         if failed:
-            agreed = self._agreement.agree_reasons(replica, [reason for _, reason in failed])
-            self._failed = [(rid, reason) for (rid, _), reason in zip(failed, agreed)]
-        self._settled(landed)
+            reasons = self._agreement.agree_reasons(replica, [reason for _, reason in failed])
+            agreed = [(rid, reason) for (rid, _), reason in zip(failed, reasons)]
+        self.front.after_round(landed, agreed, time.monotonic())
         return landed  # type: ignore[no-any-return]
-
-    def _settled(self, landed: list[LandedRequest]) -> None:
-        failed = self.failed()
-        fencing = self._table.take_fencing()
-        for request in landed:
-            self._staged.discard(request.rid)
-        for rid, _ in failed:
-            self._staged.discard(rid)
-        if landed or failed or fencing:
-            self._driver.submit_result(self._engine.settled, [r.rid for r in landed], list(failed), fencing)
 
     def release(self, slots: Any) -> None:
         """The data plane copied these slots' rows out: they take new receives."""
-        self._table.release([int(s) for s in slots])
-        self._driver.submit_result(self._engine.pump)
+        self.front.release(slots, time.monotonic())
 
     def awaiting_release(self) -> bool:
         """A landed slot still waits for its rows to be copied out (``release``)."""
@@ -179,7 +143,7 @@ class Receiver:
 
     def failed(self) -> list[tuple[str, str]]:
         """The requests the last settle dropped as failed: (rid, reason)."""
-        return self._failed if self._failed is not None else self._table.failed()
+        return self.front.failed()
 
     def rows(self, slot: int, count: int) -> np.ndarray:
         """The first ``count`` rows of ``slot`` as a ``(count, row bytes)`` uint8 view (copy them out, then ``release``)."""

@@ -240,6 +240,47 @@ class PeerBase:
         """Peers whose data connection is up (a metric)."""
         return int(getattr(self._engine, "connected_peers", lambda: 0)())
 
+    def diagnostics(self) -> dict[str, Any]:
+        """A read-only snapshot of what this rank holds and has counted, for metrics, tools and tests.
+
+        Any thread may call it; it changes nothing and waits for nothing. Each figure is read once
+        (the driver's thread goes on meanwhile, so figures of different parts may be a moment apart):
+
+        - ``stats``: the peer's counters (``work_errors``, ``protocol_errors``, ``inputs``,
+          ``handoffs``, ``posts_parked``);
+        - ``queues``: inputs queued for the driver, I/O items, posts parked for full sinks, control
+          frames queued to send;
+        - ``engines``: per role engine, what it holds (rooms, requests, parked announcements,
+          look-ups waiting, revokes to retry, ...), its tombstones and connected peers;
+        - ``channel``: the control channel's counters; ``transport``: the data plane's;
+        - the role's own parts (``table``, ``front``, ``receiver``).
+        """
+        driver, channel, transport = self._driver, getattr(self, "_channel", None), getattr(self, "_transport", None)
+        out: dict[str, Any] = {"role": self.ROLE, "session_id": self.session_id, "epoch": self.epoch,
+                               "closed": self._closed, "stats": dict(self.stats)}
+        queues = {"inputs": 0, "io": 0, "parked_posts": 0, "control_out": 0}
+        engines: dict[str, Any] = {}
+        if driver is not None:
+            queues.update(driver.depths(), parked_posts=driver.parked())
+            engines = {engine.ROLE: _retry(engine.diagnostics) for engine in driver.engines}
+        if channel is not None:
+            queues["control_out"] = channel.queued()
+            out["channel"] = dict(vars(channel.stats))
+            faults = getattr(channel, "faults", None)
+            if faults is not None:  # a faulty plane (chaos): what it did, and corrupted frames that still decoded
+                out["control_faults"] = dict(faults)
+                out["control_samples"] = list(getattr(channel, "samples", ()))
+        out["queues"], out["engines"] = queues, engines
+        if transport is not None:
+            out["transport"] = {name: getattr(transport, name, 0) for name in (
+                "revoke_method", "auth_failures", "evicted_handshakes", "refused_connections", "accept_failures",
+                "windows_live")}
+            faults = getattr(transport, "stats", None)
+            if isinstance(faults, dict):
+                out["transport"]["faults"] = dict(faults)
+        self._diagnose(out)
+        return out
+
     # -- role hooks -----------------------------------------------------------------------
 
     def _init_state(self) -> None:
@@ -262,6 +303,9 @@ class PeerBase:
 
     def _deliver(self, kind: str, key: Any, value: Any) -> None:
         """A value an engine hands the scheduler's side (``Services.deliver``; the driver's thread)."""
+
+    def _diagnose(self, out: dict[str, Any]) -> None:
+        """Add the role's parts to ``diagnostics()``'s snapshot."""
 
     # -- control-plane callbacks (its I/O thread): hand over to the driver, never block ---------
 
@@ -310,3 +354,14 @@ class _Frame:
             self.__self__.message(sender, msg, now)
         finally:
             self._release()
+
+
+def _retry(read: Any) -> Any:
+    """``read()`` on this thread while the driver's thread may be changing what it reads: a dict that changed
+    size under an iteration is read again (a few times; then what it raised goes up)."""
+    for _ in range(4):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return read()

@@ -1,26 +1,24 @@
 """The prefill side: ``PrefillPeer`` (a ``TransferPeer``) and its ``PrefillOutbox``.
 
 The protocol is ``pdcore.protocol.prefill.PrefillEngine`` (its docstring tells a room's story),
-run on the peer's driver thread; this module is the scheduler's side: it validates each call,
-registers requests with the transfer table (on the scheduler's thread, in the same order on every
-rank), and hands the rest to the engine as inputs. A room is registered here once per live request.
+run on the peer's driver thread; the scheduler-side rules are ``pdcore.pd.front.PrefillFront``
+(validating each call, registering requests with the transfer table, the hand-over's usage). This
+module puts them on the real planes. A room is registered here once per live request.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..control import wire
-from .peer import PdPeer, check_logprob, wire_int
-from .config import PrefillConfig
 from ..core.deadline import Deadline
 from ..core.errors import LocalProtocolError, PeerError, StartError
-from ..core.events import BootstrapInfo, Failed, Succeeded
-from ..protocol.engine import Services
 from ..protocol.prefill import PrefillEngine
+from .config import PrefillConfig
+from .front import PrefillFront
+from .peer import PdPeer
 
 if TYPE_CHECKING:
     from ..epd.config import ReceiverConfig
@@ -35,19 +33,12 @@ class PrefillPeer(PdPeer):
     """A prefill rank's PD transfer peer."""
 
     ROLE = "prefill"
-    _TERMINAL = (Succeeded, Failed)
+    _FRONT = PrefillFront
+    _ENGINE = PrefillEngine
 
     def __init__(self, config: PrefillConfig) -> None:
         super().__init__(config)
-        self._rooms: dict[int, str] = {}  # room -> rid of the live requests (the scheduler's thread)
-        self._room_of: dict[str, int] = {}
-        # rid -> the usage recorded before its finishing hand-over, which carries it (one input, not two);
-        # None once that hand-over went (a later record goes as an input of its own). Live rids only.
-        self._usage: dict[str, tuple[int, float | None] | None] = {}
         self._receiver: Receiver | None = None
-
-    def _make_engine(self, services: Services) -> PrefillEngine:
-        return PrefillEngine(services)
 
     def _route(self, msg: wire.Message) -> Any:
         if type(msg) is wire.EmbedStatus and self._receiver is not None:
@@ -70,7 +61,7 @@ class PrefillPeer(PdPeer):
         except BaseException:
             peer.close()
             raise
-        return peer, PrefillOutbox(peer)
+        return peer, PrefillOutbox(peer.front)
 
     def embedding_receiver(self, config: ReceiverConfig) -> Receiver:
         """EPD: this rank's receiver of the encode nodes' embeddings, over this peer's planes (one per peer).
@@ -98,23 +89,6 @@ class PrefillPeer(PdPeer):
 
     # -- the scheduler's calls ------------------------------------------------------------
 
-    def register(self, rid: str, bootstrap: BootstrapInfo) -> None:
-        """Track an admitted request, before the scheduler can plan it; never blocks.
-
-        ``bootstrap.room`` joins this request to its decode side (decode registers the same
-        room): it must be unique among this rank's live requests (``LocalProtocolError``
-        otherwise). ``PeerError`` after ``close``.
-        """
-        self._check_open()
-        room = bootstrap.room
-        held = self._rooms.get(room)
-        if held is not None:
-            raise LocalProtocolError(f"room {room} is already held by rid {held!r}", rooms=(room,))
-        self._registered(rid)
-        self._rooms[room] = rid
-        self._room_of[rid] = room
-        self._input(rid, self._engine.register, rid, room)
-
     def record_usage(self, rid: str, cached_tokens: int, bootstrap_logprob: float | None) -> None:
         """A committed prompt's usage, sent to the decode node with the first token (``Status``).
 
@@ -123,17 +97,9 @@ class PrefillPeer(PdPeer):
         ``-inf`` or NaN (all reach decode's ``RemotePrefill.bootstrap_logprob``), or None.
         A value the status frame cannot carry (``+inf``, a count past 2**31-1) raises
         ``LocalProtocolError`` here, naming the field, and changes nothing. An unknown rid raises;
-        one that ended here within ``tombstone_ttl`` is ignored (see ``PdPeer._accepts``).
+        one that ended here within ``tombstone_ttl`` is ignored (see ``PdFront.accepts``).
         """
-        where = f"record_usage({rid!r})"
-        cached = wire_int(where, "cached_tokens", cached_tokens, wire.MAX_COUNT)
-        logprob = check_logprob(where, bootstrap_logprob)
-        if not self._accepts(rid, "record_usage"):
-            return
-        if self._usage.get(rid, ()) is None:  # after the hand-over's finish: the status may not have gone yet
-            self._input(rid, self._engine.usage, rid, cached, logprob)
-        else:
-            self._usage[rid] = (cached, logprob)
+        self.front.record_usage(rid, cached_tokens, bootstrap_logprob, time.monotonic())
 
     def abort_room(self, rid: str, room: int) -> None:
         """Fail the request holding ``room`` here (the prefill scheduler gave it up: EPD, its embeddings
@@ -144,26 +110,11 @@ class PrefillPeer(PdPeer):
         """
         self._check_open()
         try:
-            self._submit(self._engine.abort_room, rid, room)
+            self.front.abort_room(rid, room, time.monotonic())
         except PeerError:
             raise
         except Exception as e:
             log.warning("abort_room(%r, %d) dropped: %s", rid, room, e)
-
-    def _hand_over(self, rid: str, page_ids: Any, upto: int | None, finish: tuple[int, tuple[int, ...] | None] | None) -> None:
-        if finish is None:
-            self._input(rid, self._engine.hand_over, rid, page_ids, upto, finish)
-            return
-        usage, self._usage[rid] = self._usage.get(rid), None
-        self._input(rid, self._engine.hand_over_used, rid, page_ids, upto, finish, usage)
-
-    def _settle(self, events: list[Any], ended: list[str]) -> list[Any]:
-        for rid in ended:
-            self._usage.pop(rid, None)
-            room = self._room_of.pop(rid, None)
-            if room is not None:
-                del self._rooms[room]
-        return events
 
 
 class PrefillOutbox:
@@ -193,27 +144,20 @@ class PrefillOutbox:
     After ``close`` every call raises ``PeerError``.
     """
 
-    def __init__(self, peer: PrefillPeer) -> None:
-        self._peer = peer
+    def __init__(self, front: PrefillFront) -> None:
+        self._front = front
 
     def begin(self, rid: str, page_ids: Any) -> None:
         """Layer-wise: the pages (prompt order) the forward pass is filling for ``rid``. Never blocks."""
-        pages = _page_ids(page_ids)
-        if self._peer._accepts(rid, "begin"):
-            self._peer._hand_over(rid, pages, None, None)
+        self._front.begin(rid, page_ids, time.monotonic())
 
     def layers_done(self, rid: str, upto: int) -> None:
         """Layers ``[0, upto)`` of ``rid``'s pages are final: their writes may start. Never blocks."""
-        if isinstance(upto, bool) or not isinstance(upto, int) or upto < 0:
-            raise LocalProtocolError(f"layers_done({rid!r}): upto must be an int >= 0, got {upto!r}")
-        if self._peer._accepts(rid, "layers_done"):
-            self._peer._hand_over(rid, None, upto, None)
+        self._front.layers_done(rid, upto, time.monotonic())
 
     def finish(self, rid: str, first_token: int, spec_candidate_ids: Any = None) -> None:
         """The forward pass is done: the remaining layers go, then the first token. Never blocks."""
-        finish = _finish("finish", rid, first_token, spec_candidate_ids)
-        if self._peer._accepts(rid, "finish"):
-            self._peer._hand_over(rid, None, None, finish)
+        self._front.finish(rid, first_token, spec_candidate_ids, time.monotonic())
 
     def send(
         self, rid: str, page_ids: Any, first_token: int, spec_candidate_ids: Any = None
@@ -225,29 +169,4 @@ class PrefillOutbox:
         ``RemotePrefill.bootstrap_token``; ``spec_candidate_ids`` (None, or up to 256
         token ids) its ``spec_candidate_ids``.
         """
-        first, candidates = _finish("send", rid, first_token, spec_candidate_ids)
-        pages = _page_ids(page_ids)
-        if self._peer._accepts(rid, "send"):
-            self._peer._hand_over(rid, pages, None, (first, candidates))
-
-
-def _page_ids(page_ids: Any) -> np.ndarray:
-    return page_ids if isinstance(page_ids, np.ndarray) else np.fromiter(page_ids, np.int64)
-
-
-def _finish(call: str, rid: str, first_token: int, spec_candidate_ids: Any) -> tuple[int, tuple[int, ...] | None]:
-    where = f"{call}({rid!r})"
-    first = wire_int(where, "first_token", first_token, wire.MAX_TOKEN_ID)
-    if spec_candidate_ids is None:
-        return first, None
-    if isinstance(spec_candidate_ids, np.ndarray):
-        spec_candidate_ids = spec_candidate_ids.tolist()
-    if isinstance(spec_candidate_ids, (str, bytes)) or not hasattr(spec_candidate_ids, "__iter__"):
-        raise LocalProtocolError(f"{where}: spec_candidate_ids must be a sequence of token ids or None, "
-                                 f"got {type(spec_candidate_ids).__name__}")
-    candidates = tuple(spec_candidate_ids)
-    if len(candidates) > wire.MAX_CANDIDATES:
-        raise LocalProtocolError(f"{where}: spec_candidate_ids has {len(candidates)} ids, at most "
-                                 f"{wire.MAX_CANDIDATES} fit in the status frame")
-    return first, tuple(wire_int(where, f"spec_candidate_ids[{i}]", c, wire.MAX_TOKEN_ID)
-                        for i, c in enumerate(candidates))
+        self._front.send(rid, page_ids, first_token, spec_candidate_ids, time.monotonic())

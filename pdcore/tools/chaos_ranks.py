@@ -184,8 +184,9 @@ def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any
     is still there after its timeout is a leak. Every rank of the replica left its loop in the same
     round, so no collective waits meanwhile.
     """
-    def maps() -> dict[str, int]:
-        return peer._engine.held()  # as demo._leftovers counts them
+    def maps() -> dict[str, int]:  # as demo._leftovers counts them
+        held = peer.diagnostics()["engines"][peer.ROLE]
+        return {k: v for k, v in held.items() if k not in ("tombstones", "connected_peers")}
 
     peer.quiesce()  # the last round's ends reach the engine first
     result["maps_at_end"] = maps()
@@ -193,13 +194,12 @@ def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any
     while any(maps().values()) and time.monotonic() < until:
         time.sleep(0.05)
     result.update(_leftovers(peer, plan))
-    transport = getattr(peer, "_transport", None)
-    result["transport_faults"] = dict(getattr(transport, "stats", {}) or {})
-    channel = getattr(peer, "_channel", None)
-    result["control_faults"] = dict(getattr(channel, "faults", {}) or {})
-    result["corrupted_still_valid"] = list(getattr(channel, "samples", []))
-    result["control_stats"] = dict(vars(channel.stats)) if channel is not None else {}
-    result["peer_stats"] = dict(peer.stats)
+    d = peer.diagnostics()
+    result["transport_faults"] = d.get("transport", {}).get("faults", {})
+    result["control_faults"] = d.get("control_faults", {})
+    result["corrupted_still_valid"] = d.get("control_samples", [])
+    result["control_stats"] = d.get("channel", {})
+    result["peer_stats"] = d["stats"]
     peer.close()
     until = time.monotonic() + 3.0
     while True:

@@ -211,19 +211,23 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
     retry); with ``plan.await_tombstones`` the rank first waits for its tombstones' TTL to pass
     (no collective meanwhile: every rank of the replica left its loop in the same round).
     """
-    engine = peer._engine
+    def engine() -> dict[str, int]:
+        return peer.diagnostics()["engines"][peer.ROLE]
+
     peer.quiesce()  # the last round's ends reach the engine first
-    at_end = engine.tombstones()
+    at_end = engine()["tombstones"]
     if plan.await_tombstones:
         until = time.monotonic() + plan.tombstone_ttl + 2.0
-        while engine.tombstones() and time.monotonic() < until:
+        while engine()["tombstones"] and time.monotonic() < until:
             time.sleep(0.05)  # the driver expires tombstones on its own tick
+    d = peer.diagnostics()
+    maps = {k: v for k, v in d["engines"][peer.ROLE].items() if k not in ("tombstones", "connected_peers")}
     return {
         "in_flight": peer.has_in_flight(),
-        "tracked": len(peer._table),
+        "tracked": d["table"]["tracked"],
         "tombstones_at_end": at_end,
-        "tombstones": engine.tombstones(),
-        "maps": engine.held(),
+        "tombstones": d["engines"][peer.ROLE]["tombstones"],
+        "maps": maps,
         "handoffs": peer.handoffs(),
         "control_sends": peer.control_sends(),
     }
