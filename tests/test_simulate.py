@@ -92,6 +92,43 @@ def test_hand_overs_that_race_the_announcements_hold_every_invariant(seed: int) 
     Simulation(seed, shape=shape, faults=Faults(early_send=0.3, delay=0.003)).run(admit=0.5)
 
 
+# -- the unkind world, aimed: one scenario per defect found from outside (their mutants name these) -----------
+
+_H2 = KvLayout(order="hnd", kv_heads=2, head_bytes=4, page_tokens=2, layers=1)
+
+
+@pytest.mark.parametrize("seed", [10, 12])
+def test_one_dp_group_in_trouble_fails_no_request_toward_its_siblings(seed: int) -> None:
+    """Prefill DP groups tp 1 and tp 2 of one deployment; ranks pause (some long enough to be found dead). A
+    request no pause touched (neither its prefill group nor its decode replica) must land: a verdict
+    against one group's rank must not cost its sibling group's requests."""
+    shape = Shape(_H2, [1, 2], [1], [], layerwise=False, shard_rows=False, prefill_dp=True)
+    Simulation(seed, shape=shape, faults=Faults(pause=2.0)).run()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_refused_grants_never_outlive_the_fence(seed: int) -> None:
+    """Decode tp 1 takes its heads from two prefill ranks: two grants a request, some refused. A failed
+    request's pages go back only once every grant made for them was revoked."""
+    shape = Shape(_H2, [2], [1], [], layerwise=False, shard_rows=False)
+    Simulation(seed, shape=shape, faults=Faults(refuse_grant=0.3)).run(admit=0.5)
+
+
+def test_a_failed_data_connect_is_told_to_the_announcement_waiting_for_it() -> None:
+    """Prefill's data connects to decode fail half the time: a room whose announcement waited for a connect
+    that failed is told to that decode rank at once (it holds pages), not left to its waiting timeout."""
+    shape = Shape(_H2, [1], [1], [], layerwise=False, shard_rows=False)
+    Simulation(0, shape=shape, faults=Faults(connect_error=0.5)).run(admit=0.5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_full_and_stalled_sinks_never_make_a_driver_wait(seed: int) -> None:
+    """Connections that take one batch in flight, decode ranks that pause (their sinks stop taking bytes): no
+    driver ever posts with a wait (the simulator counts any write given a deadline at a full connection)."""
+    shape = Shape(_H2, [1], [1, 1], [1], layerwise=True, shard_rows=False)
+    Simulation(seed, shape=shape, faults=Faults(sink_full=1.0, pause=2.0)).run(admit=0.5)
+
+
 def test_a_seed_replays_exactly() -> None:
     first, second = run_seed(7), run_seed(7)
     assert first[1] == second[1] and list(first[0].world.trace) == list(second[0].world.trace)

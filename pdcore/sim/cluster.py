@@ -1,10 +1,12 @@
 """Simulated ranks and replicas: the real engines and tables, over the simulated planes.
 
 A ``SimRank`` is what a peer is in a real process, minus threads: its role's
-engine(s) (``pdcore.protocol``) with the real compiled table, a ``Performer``
-that performs their actions on a ``SimTransport`` and a ``SimChannel``, and its
-registered memory (numpy). Inputs reach the engines in event order; a paused
-rank keeps them until it resumes, a killed one drops them. A ``Replica`` is a
+front (``pdcore.pd.front``, ``pdcore.epd.front``: the scheduler's side, the same
+object a peer drives) and engine(s) (``pdcore.protocol``) with the real compiled
+table, a ``Performer`` that performs their actions on a ``SimTransport`` and a
+``SimChannel``, and its registered memory (numpy). Inputs reach the engines in
+event order; a paused rank keeps them until it resumes, a killed one drops them.
+Each rank reads its own clock: the world's plus a skew of its own, which may jump. A ``Replica`` is a
 rank's tp group: its round reduces the ranks' tables with MIN in one step (the
 same encode/decode the agreement runs, the same rule for failure reasons), so
 every rank of it gets the events of that round; the scheduler models
@@ -21,15 +23,19 @@ import numpy as np
 from transport.plan import Layout
 
 from ..control.bootstrap import RankRegistration, Registry
+from ..control.bootstrap_schema import ENCODER, parse_parallel_info
 from ..control.liveness import DeadPeer
 from ..core.agreement import pick_reasons
+from ..core.errors import CapacityError, PdError
 from ..core.events import Failed
 from ..core.table import StateTable
 from ..epd.config import EncodeConfig, ReceiverConfig
+from ..epd.front import EncodeFront, ReceiverFront
 from ..epd.recv_table import ReceiveTable
 from ..epd.sending import SendRooms
 from ..node.perform import Performer
 from ..pd.config import DecodeConfig, PrefillConfig
+from ..pd.front import DecodeFront, PrefillFront
 from ..protocol.actions import Connect, LookUp
 from ..protocol.decode import DecodeEngine
 from ..protocol.encode import EncodeEngine
@@ -38,11 +44,26 @@ from ..protocol.prefill import PrefillEngine
 from ..protocol.receiver import ReceiverEngine
 from .control import Network, SimChannel
 from .data import Fabric, SimTransport
-from .world import World
+from .world import Violation, World
 
 __all__ = ["SimRank", "Replica", "Planes"]
 
 TICK = 0.05  # simulated seconds between a rank's ticks
+
+
+class SimTable(StateTable):  # type: ignore[misc]
+    """The real transfer table, recording when this rank's engine first failed each request (by a frame, a
+    verdict, a refusal: anything but the table's own timers, which fire in ``encode``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed_at: dict[str, float] = {}
+
+    def update(self, rid: str, trigger: int, now: float, reason: str = "") -> Any:
+        state = super().update(rid, trigger, now, reason)
+        if state == 0 and rid not in self.failed_at:
+            self.failed_at[rid] = now
+        return state
 
 
 class Planes:
@@ -55,8 +76,11 @@ class Planes:
         self.registries: dict[tuple[str, int], Registry] = {}
         self.connect_delay = 0.001
         self.lookup_delay = 0.001
+        self.faults = PlaneFaults()
         self._ports = itertools.count(20000)
         self.work_errors = 0
+        self.stats = {"lookups_timed_out": 0, "lookups_partial": 0, "lookups_failed": 0, "lookups_garbled": 0,
+                      "connects_failed": 0, "inputs_refused": 0}
 
     def endpoint(self) -> str:
         port = next(self._ports)
@@ -66,11 +90,30 @@ class Planes:
         return self.registries.setdefault(server, Registry())
 
 
+class PlaneFaults:
+    """What the planes around the engines do wrong, by share of attempts: look-ups that time out, answer
+    for some ranks only, fail, or carry a garbled shape; data connects that fail; driver inputs refused."""
+
+    lookup_timeout = 0.0
+    lookup_partial = 0.0
+    lookup_error = 0.0
+    lookup_garbage = 0.0
+    connect_error = 0.0
+    refuse_inputs = 0.0
+
+    def any(self) -> bool:
+        return any(getattr(self, name) for name in ("lookup_timeout", "lookup_partial", "lookup_error",
+                                                    "lookup_garbage", "connect_error", "refuse_inputs"))
+
+
+LOOKUP_SLICE = 0.05  # simulated seconds a look-up that times out takes (the driver's slice, scaled down)
+
+
 class SimPerformer(Performer):
     """The simulator's performer: ``Connect`` and ``LookUp`` are answered after a simulated delay."""
 
     def __init__(self, rank: SimRank) -> None:
-        super().__init__(rank.name, transport=rank.transport, channel=rank.channel, clock=lambda: rank.world.now,
+        super().__init__(rank.name, transport=rank.transport, channel=rank.channel, clock=lambda: rank.now,
                          stats={})
         self._rank = rank
 
@@ -82,24 +125,47 @@ class SimPerformer(Performer):
             planes.world.after(planes.lookup_delay, self._look_up, engine, action)
 
     def _connect(self, engine: Any, action: Connect) -> None:
+        planes = self._rank.planes
         try:
+            if planes.faults.connect_error and planes.world.rng.random() < planes.faults.connect_error:
+                planes.stats["connects_failed"] += 1
+                raise ConnectionRefusedError("connection refused (simulated)")
             handle, error = self._transport.connect(action.endpoint), ""
         except Exception as e:
             handle, error = None, f"cannot connect the transport: {e}"
         self._rank.input(engine.connected, action.token, handle, error)
 
     def _look_up(self, engine: Any, action: LookUp) -> None:
-        registry = self._rank.planes.registries.get(action.server)
-        info, ranks, error = action.info, {}, None
-        if registry is not None:
-            try:
-                if info is None or not info.complete:
+        """As the driver's I/O thread: only what the server says (through the client's parsing), whatever
+        goes wrong on the way, answered; what the engine computes from it is its own business."""
+        planes = self._rank.planes
+        faults, rng, stats = planes.faults, planes.world.rng, planes.stats
+        if faults.lookup_timeout and rng.random() < faults.lookup_timeout:
+            stats["lookups_timed_out"] += 1  # the server did not answer within the slice: "not reachable yet"
+            planes.world.after(LOOKUP_SLICE, self._rank.input, engine.looked_up, action.server, None, {}, None)
+            return
+        registry = planes.registries.get(action.server)
+        info, ranks, error = None, {}, None
+        try:
+            if faults.lookup_error and rng.random() < faults.lookup_error:
+                stats["lookups_failed"] += 1
+                raise PdError("bootstrap GET /v1/parallel: 500 internal error (simulated)")
+            if registry is not None:
+                if action.shape:
                     info = registry.parallel_info()
-                if info is not None and info.complete:
-                    for key in set(action.keys(info)) - action.have:
+                    if info is not None and faults.lookup_garbage and rng.random() < faults.lookup_garbage:
+                        stats["lookups_garbled"] += 1
+                        info = _garbled(info, rng)
+                    if info is not None:  # what the client makes of the server's bytes
+                        info = parse_parallel_info(ENCODER.encode(info))
+                for key in action.keys:
+                    if faults.lookup_partial and rng.random() < faults.lookup_partial:
+                        stats["lookups_partial"] += 1
+                        ranks[key] = None  # "not registered" for this one
+                    else:
                         ranks[key] = registry.lookup(*key)
-            except Exception as e:  # a refusal of the keys (no such group): as the server's 4xx would
-                error = str(e)
+        except PdError as e:
+            error = str(e)
         self._rank.input(engine.looked_up, action.server, info, ranks, error)
 
     def _result(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -110,8 +176,8 @@ class SimRank:
     """One rank of one role (``"prefill"``, ``"decode"``, ``"encode"``) over the simulated planes."""
 
     def __init__(self, planes: Planes, role: str, name: str, config: Any, *, epoch: int,
-                 buffers: list[np.ndarray], receiver: ReceiverConfig | None = None,
-                 deliver: Callable[[str, Any, Any], None] | None = None) -> None:
+                 buffers: list[np.ndarray], receiver: ReceiverConfig | None = None, endpoint: str | None = None,
+                 skew: float = 0.0) -> None:
         self.planes = planes
         self.world: World = planes.world
         self.role = role
@@ -119,26 +185,35 @@ class SimRank:
         self.config = config
         self.session_id = f"{role}-{name}-{epoch}"
         self.epoch = epoch
-        self.endpoint = planes.endpoint()
+        self.skew = skew  # this process's monotonic clock minus the world's (jumps forward, never back)
+        self.endpoint = endpoint or planes.endpoint()  # a restart may come back on the same host:port
         self.transport = SimTransport(planes.fabric, name)
         self.channel = SimChannel(planes.network, self, self.endpoint)
         self.killed = self.paused = False
         self._backlog: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # scheduler calls made while paused
         self.buffers = buffers
         self.table: Any = None
         self.layout: Layout | None = None
         self.receiver: ReceiverEngine | None = None
         self.recv_table: Any = None
-        deliver = deliver or (lambda kind, key, value: None)
+        self.landed: set[str] = set()  # rids whose landing the engine delivered here (decode)
+        self.front: Any = None
+        self.recv_front: ReceiverFront | None = None
         regions = [self.transport.register(b, require_grant=role != "encode") for b in buffers]
         if role == "encode":
-            self.engine = EncodeEngine(self._services(SendRooms.of(config), deliver))
+            self.engine = EncodeEngine(self._services(SendRooms.of(config)))
+            self.front = EncodeFront(engine=self.engine, config=config, submit=self.submit, result=self.input,
+                                     regions=self.transport.regions())
         else:
-            self.table = StateTable(config.capacity, bootstrap_timeout=config.bootstrap_timeout,
-                                    waiting_timeout=config.waiting_timeout)
+            self.table = SimTable(config.capacity, bootstrap_timeout=config.bootstrap_timeout,
+                                  waiting_timeout=config.waiting_timeout)
             self.layout = Layout([r.addr for r in regions], config.page_bytes_per_buffer, config.num_pages)
-            services = self._services(self.table, deliver)
+            services = self._services(self.table)
             self.engine = PrefillEngine(services) if role == "prefill" else DecodeEngine(services)
+            front = PrefillFront if role == "prefill" else DecodeFront
+            self.front = front(table=self.table, engine=self.engine, config=config, submit=self.submit,
+                               result=self.input)
         self.performer = SimPerformer(self)
         self.performer.attach(self.engine)
         if receiver is not None:
@@ -152,14 +227,26 @@ class SimRank:
                          endpoint=self.transport.endpoint()),
                 tp_rank=config.tp_rank, tp_size=config.tp_size, slots_addr=region.addr)
             self.performer.attach(self.receiver)
+            self.recv_front = ReceiverFront(table=self.recv_table, engine=self.receiver, submit=self.submit,
+                                            result=self.input)
         self.world.after(TICK * self.world.rng.random(), self._tick)
 
-    def _services(self, table: Any, deliver: Any) -> Services:
+    def _services(self, table: Any) -> Services:
         from ..control import wire
 
         regions = tuple(wire.Region(addr=r.addr, length=r.length, key=r.key) for r in self.transport.regions())
         return Services(config=self.config, session_id=self.session_id, epoch=self.epoch, table=table,
-                        endpoint=self.transport.endpoint(), regions=regions, layout=self.layout, deliver=deliver)
+                        endpoint=self.transport.endpoint(), regions=regions, layout=self.layout, deliver=self._deliver)
+
+    def _deliver(self, kind: str, key: Any, value: Any) -> None:
+        if kind == "landed":
+            self.landed.add(key)
+        self.front.deliver(kind, key, value)
+
+    @property
+    def now(self) -> float:
+        """This rank's clock."""
+        return self.world.now + self.skew
 
     @property
     def running(self) -> bool:
@@ -169,13 +256,39 @@ class SimRank:
     def engines(self) -> list[Any]:
         return self.performer.engines
 
-    def register_with(self, server: tuple[str, int], layout: dict[str, Any]) -> None:
+    def register_with(self, server: tuple[str, int], layout: dict[str, Any], dp_rank: int = 0, dp_size: int = 1) -> None:
         cfg = self.config
         self.planes.registry(server).register(RankRegistration(
             session_id=self.session_id, epoch=self.epoch, endpoint=self.endpoint, tp_size=cfg.tp_size,
-            dp_size=1, tp_rank=cfg.tp_rank, dp_rank=0, layout=layout, transport=self.transport.instance.hex()))
+            dp_size=dp_size, tp_rank=cfg.tp_rank, dp_rank=dp_rank, layout=layout,
+            transport=self.transport.instance.hex()))
 
     # -- inputs --------------------------------------------------------------------------------
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A scheduler's call on this rank's front, at this rank's clock: what it returns (None if deferred:
+        a paused process's scheduler is stopped too, so the call runs, in order, when it resumes; a killed
+        one's never runs). A call that raises is a violation: schedulers make only calls the API takes."""
+        if self.killed:
+            return None
+        if self.paused:
+            self._calls.append((fn, args))
+            return None
+        try:
+            return fn(*args, self.now)
+        except Violation:
+            raise
+        except Exception as e:
+            raise Violation(f"api: {self.name}: {getattr(fn, '__qualname__', fn)}{args!r:.80} raised {e!r}") from e
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """An input a scheduler's call makes (a front's ``submit``): refused now and then when the planes
+        refuse inputs (as a full driver does: ``CapacityError``)."""
+        planes = self.planes
+        if planes.faults.refuse_inputs and planes.world.rng.random() < planes.faults.refuse_inputs:
+            planes.stats["inputs_refused"] += 1
+            raise CapacityError(f"{self.name}: inputs already queued (simulated)")
+        self.input(fn, *args)
 
     def input(self, fn: Callable[..., Any], *args: Any) -> None:
         """An engine input now (kept while paused, dropped once killed)."""
@@ -206,6 +319,8 @@ class SimRank:
     def _tick(self) -> None:
         if self.killed:
             return
+        if not self.paused:
+            self.performer.expire(self.now)
         for engine in self.engines:
             self.input(engine.tick)
         self.world.after(TICK, self._tick)
@@ -223,6 +338,9 @@ class SimRank:
         self.transport.paused = False
         self.channel.liveness.pardon(self.world.now)  # we were not listening: our silence proves nothing
         self.planes.fabric.resume(self.transport)
+        calls, self._calls = self._calls, []
+        for fn, args in calls:
+            self.call(fn, *args)
         backlog, self._backlog = self._backlog, []
         for fn, args in backlog:
             self.input(fn, *args)
@@ -230,7 +348,7 @@ class SimRank:
     def kill(self) -> None:
         self.killed = True
         self.transport.killed = True
-        self._backlog = []
+        self._backlog, self._calls = [], []
         self.planes.network.remove(self.endpoint)
 
 
@@ -253,7 +371,7 @@ class Replica:
     def round(self, now: float, recv: bool = False) -> list[list[Any]]:
         """Each rank's events of one agreed round (the PD table's, or the receive table's with ``recv``)."""
         tables = [r.recv_table if recv else r.table for r in self.ranks]
-        bufs = [t.encode(now) for t in tables]
+        bufs = [t.encode(r.now) for t, r in zip(tables, self.ranks)]  # each rank's own clock
         if len(bufs) > 1:
             agreed = np.minimum.reduce(bufs)
             for buf in bufs:
@@ -293,3 +411,17 @@ def configs(role: str, tp: int, buffers_for: Callable[[int], list[np.ndarray]], 
             out.append(EncodeConfig(send_buffers=buffers_for(rank), tp_size=tp, tp_rank=rank, bootstrap_host=server[0],
                                     bootstrap_port=server[1], **knobs))
     return out
+
+
+def _garbled(info: Any, rng: Any) -> Any:
+    """``info`` as a server with a bug (or an older one) might list it: a layout or shape no rank registers."""
+    import msgspec
+
+    how = rng.randrange(4)
+    if how == 0:
+        return msgspec.structs.replace(info, layout={**info.layout, "page_bytes": 4096})
+    if how == 1:
+        return msgspec.structs.replace(info, layout={**info.layout, "kv": "hnd"})
+    if how == 2:
+        return msgspec.structs.replace(info, dp_size=info.dp_size + 1)  # a group it lists no tp size for
+    return msgspec.structs.replace(info, layout={**info.layout, "num_pages": [1]})

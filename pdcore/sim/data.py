@@ -14,8 +14,13 @@ landing can be checked byte for byte.
 Faults (``Fabric.faults``): extra landing and completion delay, batches that
 fail at the sink, a source that pauses (its batches wait, still in flight, until
 it resumes: they then meet whatever grants hold then), a source killed (its
-batches never land). Every landing is reported to ``on_land`` before its bytes
-move, so the fence can be judged there.
+batches never land), a sink that pauses (batches to it wait, so its sources'
+connections fill up to ``max_inflight`` and ``write`` refuses more with
+``CapacityError``, as a real transport does), and posts, grants and revokes the
+transport refuses. A ``write`` given a deadline while the connection is full
+would wait on the sink: that is counted (``Fabric.blocked``), never done (the
+driver must never wait on a peer). Every landing is reported to ``on_land``
+before its bytes move, so the fence can be judged there.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from transport.base import Grant, GrantTable, Region, RegionTable, as_batch, byte_view
-from transport.errors import TransportError
+from transport.errors import CapacityError, TransportError
 
 from .world import World
 
@@ -39,6 +44,7 @@ class SimHandle:
     src: SimTransport
     dst: SimTransport
     closed: bool = False
+    inflight: int = 0  # batches posted and not completed
 
 
 @dataclass
@@ -46,6 +52,10 @@ class DataFaults:
     delay: float = 0.0005  # the landing delay's scale (seconds)
     jitter: float = 0.0  # extra random delay, up to this
     error: float = 0.0  # share of batches the sink refuses
+    refuse_post: float = 0.0  # share of writes the source's transport refuses at once
+    refuse_grant: float = 0.0  # share of grants refused
+    refuse_revoke: float = 0.0  # share of revokes that fail (the grant stays until one succeeds)
+    max_inflight: int = 64  # batches in flight per connection before ``write`` refuses
 
 
 class SimTransport:
@@ -82,6 +92,8 @@ class SimTransport:
         return b"sim:" + self.instance.hex().encode()
 
     def grant(self, source: bytes, ranges: Any) -> Grant:
+        if self._fabric.refused("refuse_grant"):
+            raise TransportError("grant refused (simulated)", op="grant")
         g = self._grants.add(source, ranges)
         bad = self._regions.outside(g.ranges)
         if bad is not None:
@@ -91,6 +103,8 @@ class SimTransport:
         return g
 
     def revoke(self, grant: Grant, *, deadline: Any = None, settled: bool = False) -> None:
+        if self._fabric.refused("refuse_revoke"):
+            raise TransportError("revoke failed (simulated)", op="revoke")
         if self._grants.get(grant.key) is grant:
             self._grants.pop(grant.key)
 
@@ -106,7 +120,15 @@ class SimTransport:
     def write(self, handle: SimHandle, batch: Any, on_done: Any = None, *, deadline: Any = None, grant: int = 0) -> int:
         if handle.closed:
             raise TransportError("the connection is closed", op="write")
+        fabric = self._fabric
+        if handle.inflight >= fabric.faults.max_inflight:
+            if deadline is not None:  # a real transport would wait here, on the sink, on the driver's thread
+                fabric.blocked += 1
+            raise CapacityError(f"{handle.inflight} batches still in flight to this peer")
+        if fabric.refused("refuse_post"):
+            raise TransportError("the write was refused (simulated)", op="write")
         rows = as_batch(batch)
+        handle.inflight += 1
         batch_id = next(self._fabric.ids)
         self._fabric.send(handle, rows, on_done, batch_id, grant)
         return batch_id
@@ -115,6 +137,10 @@ class SimTransport:
 
     def live_grants(self) -> int:
         return len(self._grants._grants)
+
+    def live_grant_keys(self) -> list[int]:
+        """The keys of the grants live now (what may still be written here)."""
+        return list(self._grants._grants)
 
     def check(self, source: bytes, rows: np.ndarray, grant: int) -> str:
         """'' if every write of ``rows`` may land here now through ``grant`` from ``source``; else why not."""
@@ -142,7 +168,17 @@ class Fabric:
         self._instances = itertools.count(1)
         self.on_land: Any = None  # (sink, rows, grant key, source) before the bytes move; may raise
         self.on_grant: Any = None  # (sink, grant) when a sink grants
-        self.stats = {"batches": 0, "landed": 0, "refused": 0, "lost": 0, "errors": 0, "frozen": 0}
+        self.stats = {"batches": 0, "landed": 0, "refused": 0, "lost": 0, "errors": 0, "frozen": 0, "full": 0,
+                      "posts_refused": 0, "grants_refused": 0, "revokes_refused": 0}
+        self.blocked = 0  # writes that would have waited for room at a full sink (a driver never may)
+
+    def refused(self, what: str) -> bool:
+        """Whether this attempt of ``what`` (a ``DataFaults`` share) is refused."""
+        share = getattr(self.faults, what)
+        if share and self.world.rng.random() < share:
+            self.stats[what.replace("refuse_", "") + "s_refused"] += 1
+            return True
+        return False
 
     def new_instance(self) -> bytes:
         return next(self._instances).to_bytes(16, "little")
@@ -171,7 +207,7 @@ class Fabric:
         self.world.after(self._delay(), self._land, handle, rows, on_done, batch_id, grant)
 
     def resume(self, transport: SimTransport) -> None:
-        """A paused source goes on: its batches in flight land now (or are refused now)."""
+        """A paused rank goes on: the batches it sent, and those sent to it, land now (or are refused now)."""
         frozen, transport.frozen = transport.frozen, []
         for args in frozen:
             self.world.after(self._delay(), self._land, *args)
@@ -181,9 +217,9 @@ class Fabric:
         if src.killed:
             self.stats["lost"] += 1
             return  # a killed process sends nothing more, and hears nothing
-        if src.paused:
+        if src.paused or dst.paused:  # a stopped process sends nothing, and receives nothing
             self.stats["frozen"] += 1
-            src.frozen.append((handle, rows, on_done, batch_id, grant))
+            (src if src.paused else dst).frozen.append((handle, rows, on_done, batch_id, grant))
             return
         if handle.closed or dst.killed:
             error = TransportError("the connection was lost", op="write")
@@ -202,5 +238,9 @@ class Fabric:
                     np.frombuffer(byte_view(remote, length), np.uint8)[:] = np.frombuffer(byte_view(local, length), np.uint8)
                 self.stats["landed"] += 1
                 error = None
-        if on_done is not None:
-            self.world.after(self._delay(), on_done, batch_id, error)
+        self.world.after(self._delay(), self._done, handle, on_done, batch_id, error)
+
+    def _done(self, handle: SimHandle, on_done: Any, batch_id: int, error: Any) -> None:
+        handle.inflight -= 1
+        if on_done is not None and not handle.src.killed:
+            on_done(batch_id, error)

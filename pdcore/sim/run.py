@@ -28,7 +28,8 @@ from collections import Counter
 from typing import Any
 
 from ..tools.cli import float_range, int_range
-from .workload import TIMERS, Faults, Shape, Simulation
+from .faults import TIMERS, Faults, Shape
+from .workload import Simulation
 from .world import Violation
 
 __all__ = ["main", "simulate", "scale"]
@@ -67,9 +68,10 @@ def simulate(*, seconds: float | None = None, seeds: list[int] | None = None, ad
         for name, n in sim.planes.network.stats.items():
             if name in ("dropped", "duplicated", "reordered", "cut") and n:
                 faults[name] += n
-        for name in ("errors", "refused", "frozen"):
+        for name in ("errors", "refused", "frozen", "posts_refused", "grants_refused", "revokes_refused"):
             if sim.planes.fabric.stats[name]:
                 faults[f"data_{name}"] += sim.planes.fabric.stats[name]
+        faults.update({k: v for k, v in sim.planes.stats.items() if v})
         if out is not None:
             lifecycles += out["lifecycles"]
         else:

@@ -1,38 +1,44 @@
 """One seeded simulation: deployments, schedulers that call the API in drawn orders, faults, invariants.
 
-A ``Shape`` (drawn per seed) says what runs: prefill and decode replicas of tp 1
-to 4 (with a ``KvLayout``: heterogeneous tp, MLA; without one: opaque pages and
-equal tp), layer-wise hand-overs or whole ones, and encode deployments feeding
-the prefill replicas' receivers (sharded or full copies). ``Faults`` (drawn per
-seed too: which kinds are on, and how often — swarm testing) say what goes
-wrong: control frames delayed, reordered, duplicated, dropped or cut by a
-partition; batches delayed or failed at the sink; ranks paused past
-``dead_after``; replicas killed and restarted with a newer epoch; schedulers
-that hand over before Bootstrapped, abort from either side, fail an image.
+A ``Shape`` (drawn per seed, ``pdcore.sim.faults``) says what runs: prefill and
+decode replicas of tp 1 to 4 (with a ``KvLayout``: heterogeneous tp, MLA;
+without one: opaque pages and equal tp), prefill replicas that are DP groups of
+one deployment or deployments of their own, layer-wise hand-overs or whole
+ones, and encode deployments feeding the prefill replicas' receivers (sharded
+or full copies). ``Faults`` (drawn per seed too) say what goes wrong.
 
-The scheduler models are what a serving engine does with the public API,
-applied straight to the engines and tables (the peers' scheduler-side rules, as
-``pdcore.pd`` and ``pdcore.epd`` apply them): every rank of a replica gets the
-same calls in the same order; decode announces the pages it allocated at
-``Bootstrapped``; prefill fills its pages and hands them over; both free their
-pages at the terminal event and reuse them at once.
+The schedulers are what a serving engine does with the public API, and they
+call it: every scheduler call goes to the rank's front (``pdcore.pd.front``,
+``pdcore.epd.front``), the object a real peer drives; every rank of a replica
+gets the same calls in the same order; decode announces the pages it allocated
+at ``Bootstrapped``; prefill fills each layer's pages just before it hands
+that layer over, and the rest of its pages hold poison until then; both free
+their pages at the terminal event and reuse them at once.
 
 Invariants (``Violation`` names what broke; the world's trace says what came
-before):
+before), judged on outcomes, never on a failure's wording:
 
-- **fence**: no write lands in a decode page or a receive slot that is not held,
-  right then, by the request whose grant the write came through (pages handed
-  back, reused, or of a request that ended);
+- **fence**: no write lands in a decode page that is not held, right then, by
+  the request whose grant the write came through, nor in a receive slot granted
+  to another item since; and when a failed request's pages are handed back, no
+  grant of that request is live;
 - **agreement**: every rank of a replica gets the same events in the same round;
 - **one end**: at most one ``Bootstrapped`` and exactly one terminal event per
   request per rank (none after it);
 - **bytes**: a landed request's pages hold exactly what prefill sent, rows what
   encode sent, with the first token, usage and logprob it sent;
+- **prompt**: once one side of a request ended, the other learns of it by a frame
+  (its engine fails it), not by its own timer, when nothing that carries such a
+  frame was lost;
+- **no collateral**: in a run whose only faults befall processes (pauses, kills,
+  stalls, clock jumps, exits), a request none of whose replicas was touched
+  during its life lands: one rank's trouble never fails its siblings' requests;
 - **liveness**: once faults stop, every request ends within its timeouts;
-- **no leak**: at the end, tables, engines, grants, slots, parked
-  announcements and (after their TTL) tombstones are empty;
+- **no leak**: at the end, fronts, tables, engines, grants, parked posts, slots,
+  parked announcements and (after their TTL) tombstones are empty;
 - **bounds**: parked announcements and tombstones within their bounds, no
-  engine input that raised; and in a run without faults every request lands.
+  engine input that raised, no driver that would have waited on a full sink, no
+  scheduler call the API refused; and in a run without faults every request lands.
 """
 
 from __future__ import annotations
@@ -45,20 +51,17 @@ from typing import Any
 
 import numpy as np
 
-from ..core.events import Bootstrapped, Failed
+from ..core.events import BootstrapInfo, Bootstrapped, Failed, RemotePrefillDone
 from ..epd.config import ReceiverConfig
 from ..epd.types import EmbeddingChunk, EmbeddingItem
-from ..kv.layout import KvLayout
 from ..kv.pattern import page_content
 from ..epd._recv_spec import shard
 from .cluster import Planes, Replica, SimRank, configs
+from .faults import PROCESS_FAULTS, TIMERS, Faults, Shape, draw
 from .world import Violation, World
 
-__all__ = ["Shape", "Faults", "Simulation", "draw"]
+__all__ = ["Shape", "Faults", "Simulation", "draw", "TIMERS"]
 
-# Timers (simulated seconds): short, so a request's every path ends quickly in simulated time.
-TIMERS = dict(heartbeat=0.1, dead_after=0.5, bootstrap=1.0, waiting=1.5, fence=0.5, tombstone=1.0, park=1.0,
-              receive=1.5)
 ROUND = 0.008  # a scheduler's round
 PAGES = 48  # pages per rank's cache
 HIDDEN = 4
@@ -67,96 +70,7 @@ ROW_BYTES = HIDDEN * 2
 SLOTS = 6
 SLOT_ROWS = 8
 SEND_SLOTS = 32  # an encode rank's send slots; its scheduler begins images first come, first served
-
-
-@dataclass
-class Shape:
-    layout: KvLayout | None
-    prefill_tp: list[int]
-    decode_tp: list[int]
-    encode_tp: list[int]  # one deployment each (dp 1); empty: no EPD
-    layerwise: bool
-    shard_rows: bool
-    page_bytes: int = 16  # opaque pages (no layout)
-
-    def describe(self) -> str:
-        lay = "opaque" if self.layout is None else f"{self.layout.order} H{self.layout.kv_heads}"
-        epd = f" E{self.encode_tp}{' sharded' if self.shard_rows else ' full'}" if self.encode_tp else ""
-        return f"P{self.prefill_tp} D{self.decode_tp} {lay}{' layerwise' if self.layerwise else ''}{epd}"
-
-
-@dataclass
-class Faults:
-    drop: float = 0.0
-    duplicate: float = 0.0
-    reorder: float = 0.0
-    delay: float = 0.0005
-    partition: float = 0.0  # partitions per simulated second
-    data_error: float = 0.0
-    data_jitter: float = 0.0
-    pause: float = 0.0  # pauses per simulated second
-    kill: float = 0.0  # replica kills (and restarts) per simulated second
-    stall: float = 0.0  # scheduler stalls per simulated second (a replica runs no round for a while; its peers go on)
-    exit: float = 0.0  # 1: once admission ends, prefill replicas exit when their requests ended, decode stalls
-    slow_lookups: float = 0.0  # bootstrap look-ups and connects take up to this long (seconds)
-    early_send: float = 0.0  # share of hand-overs before Bootstrapped
-    abort: float = 0.0  # share of requests aborted by a scheduler
-    image_fail: float = 0.0  # share of images an encode scheduler fails
-
-    def any(self) -> bool:
-        return any(v for k, v in vars(self).items() if k != "delay")
-
-    def kinds(self) -> list[str]:
-        return [k for k, v in vars(self).items() if v and k != "delay"]
-
-
-#: Each fault kind a seed may switch on, in the order the seed draws them: the chance it is on, and the
-#: rates it then draws one of (None: on at 1.0, no draw). Image failures need an encode stage.
-_FAULT_DRAWS: tuple[tuple[str, float, tuple[float, ...] | None], ...] = (
-    ("drop", 0.4, (0.001, 0.01, 0.05)),
-    ("duplicate", 0.3, (0.005, 0.05)),
-    ("reorder", 0.3, (0.01, 0.1)),
-    ("delay", 0.3, (0.002, 0.01)),
-    ("partition", 0.25, (0.5, 2.0)),
-    ("data_error", 0.3, (0.005, 0.05)),
-    ("data_jitter", 0.3, (0.002, 0.02)),
-    ("pause", 0.3, (0.5, 2.0)),
-    ("kill", 0.2, (0.3, 1.0)),
-    ("stall", 0.25, (1.0, 4.0)),
-    ("exit", 0.15, None),
-    ("slow_lookups", 0.3, (0.01, 0.05)),
-    ("early_send", 0.25, (0.01, 0.1)),
-    ("abort", 0.3, (0.01, 0.1)),
-    ("image_fail", 0.3, (0.02, 0.2)),
-)
-
-
-def draw(seed: int, world: World, *, scale: int = 0) -> tuple[Shape, Faults]:
-    """The seed's deployment and faults (each kind on with some chance, at a drawn rate)."""
-    rng = world.rng
-    layout: KvLayout | None = None
-    if rng.random() < 0.75:
-        order = rng.choice(["hnd", "nhd", "mla"])
-        heads = 1 if order == "mla" else rng.choice([1, 2, 4])
-        layout = KvLayout(order=order, kv_heads=heads, head_bytes=4, page_tokens=2, layers=rng.choice([1, 2]))
-    tps = [1, 2, 4] if layout is not None else [rng.choice([1, 2])]
-    n_p = scale or rng.choice([1, 1, 2])
-    n_d = scale or rng.choice([1, 1, 2])
-    prefill_tp = [rng.choice(tps) for _ in range(n_p)] if not scale else [1] * n_p
-    decode_tp = [rng.choice(tps) for _ in range(n_d)] if not scale else [1] * n_d
-    encode_tp: list[int] = []
-    if not scale and rng.random() < 0.5:
-        common = min(prefill_tp)
-        encode_tp = [rng.choice([t for t in (1, 2, 4) if t <= common and common % t == 0 and
-                                 all(p % t == 0 for p in prefill_tp)]) for _ in range(rng.choice([1, 2]))]
-    shape = Shape(layout, prefill_tp, decode_tp, encode_tp, layerwise=rng.random() < 0.3, shard_rows=rng.random() < 0.5)
-    f = Faults()
-    if rng.random() < 0.15:
-        return shape, f  # a clean run: every request must land
-    for name, chance, rates in _FAULT_DRAWS:
-        if rng.random() < chance and (name != "image_fail" or encode_tp):
-            setattr(f, name, 1.0 if rates is None else rng.choice(rates))
-    return shape, f
+POISON = 0xA5  # what a page or send slot holds before its bytes are written (never a page's content)
 
 
 def _seed_of(rid: str) -> int:
@@ -177,16 +91,17 @@ class PdRequest:
     seed: int
     p_pages: list[int] = field(default_factory=list)
     d_pages: list[int] = field(default_factory=list)
-    sent: bool = False
+    sent: bool = False  # a hand-over is scheduled
+    handed: bool = False  # the hand-over began (it runs once)
     announced: bool = False
     ends: dict[tuple[str, int], str] = field(default_factory=dict)  # (side, rank) -> event name
-    layer: int = 0
-    lost: set[str] = field(default_factory=set)  # sides whose replica was killed: no end owed there
+    layer: int = 0  # layers handed over so far
+    lost: set[str] = field(default_factory=set)  # sides whose replica was killed (or never held it): no end owed there
     early: bool = False
     aborted: bool = False
     faultless: bool = True
     counted: bool = False
-    ended_at: dict[str, tuple[float, str]] = field(default_factory=dict)  # side -> (when, reason) of its end
+    ended_at: dict[str, tuple[float, bool]] = field(default_factory=dict)  # side -> (when, learned by its own timer)
     usage: bool = True  # the scheduler recorded usage (it rides with the finishing hand-over)
 
 
@@ -213,6 +128,8 @@ class Simulation:
         self.rate = rate
         self.planes = Planes(self.world, heartbeat=TIMERS["heartbeat"], dead_after=TIMERS["dead_after"],
                              wire_check=wire_check)
+        if self.faults.sink_full:
+            self.planes.fabric.faults.max_inflight = self.world.rng.randint(1, 4)
         self._apply_faults(on=True)
         if self.faults.slow_lookups:
             self.planes.lookup_delay = self.planes.connect_delay = self.faults.slow_lookups * self.world.rng.random()
@@ -220,6 +137,7 @@ class Simulation:
         self.planes.fabric.on_grant = self._granted
         self._sinks: dict[Any, tuple[str, Replica, SimRank, int]] = {}  # transport -> (kind, replica, rank, index)
         self._grant_owner: dict[tuple[Any, int], Any] = {}
+        self._slot_grant: dict[tuple[Any, int], int] = {}  # (sink, receive slot) -> the last grant of it
         self.prefill: list[Replica] = []
         self.decode: list[Replica] = []
         self.encode: list[list[SimRank]] = []  # per deployment
@@ -242,6 +160,8 @@ class Simulation:
         self.counts: Counter[str] = Counter()
         self.fault_counts: Counter[str] = Counter()
         self.faults_until = 0.0
+        self._admit_until = 0.0
+        self._touched: dict[str, list[tuple[float, float]]] = {}  # replica name -> when a fault befell it
         self._build()
 
     # -- building ----------------------------------------------------------------------------
@@ -261,11 +181,19 @@ class Simulation:
     def _buffers(self, tp: int, n: int) -> Any:
         nbuf = 2 if self.shape.layout is None else self.shape.layout.buffers
         pb = self._page_bytes(tp)
-        return lambda rank: [np.zeros(n * pb, np.uint8) for _ in range(nbuf)]
+        return lambda rank: [np.full(n * pb, POISON, np.uint8) for _ in range(nbuf)]
 
-    def _make_replica(self, role: str, index: int, tp: int, epoch: int) -> Replica:
+    def _skew(self) -> float:
+        """A new process's clock against the world's (any offset: monotonic clocks of processes are unrelated)."""
+        return self.world.rng.uniform(0.0, 100.0) if self.faults.skew else 0.0
+
+    def _server(self, role: str, index: int) -> tuple[str, int]:
+        name = "P0" if role == "prefill" and self.shape.prefill_dp else f"{role[0].upper()}{index}"
+        return self.servers.setdefault(name, (f"10.9.{index}.{1 + 'pde'.index(role[0])}", 9000 + index))
+
+    def _make_replica(self, role: str, index: int, tp: int, epoch: int, endpoints: list[str] | None = None) -> Replica:
         name = f"{role[0].upper()}{index}"
-        server = self.servers.setdefault(name, (f"10.9.{index}.{1 + 'pde'.index(role[0])}", 9000 + index))
+        server = self._server(role, index)
         cfgs = configs(role, tp, self._buffers(tp, PAGES), page_bytes=self._page_bytes(tp), num_pages=PAGES,
                        kv_layout=self.shape.layout, knobs=self._knobs(role), server=server)
         receiver = None
@@ -274,19 +202,19 @@ class Simulation:
                                       shard_rows=self.shape.shard_rows, timeout=TIMERS["receive"])
         replica = Replica(name, role, [], server if role != "decode" else None, started=self.world.now)
         replica.epoch = epoch
+        replica.dp_rank = index if role == "prefill" and self.shape.prefill_dp else None  # type: ignore[attr-defined]
         for rank, cfg in enumerate(cfgs):
-            landed: dict[str, Any] = {}
             r = SimRank(self.planes, role, f"{name}.{rank}", cfg, epoch=epoch, buffers=cfg.kv_buffers,
-                        receiver=receiver, deliver=lambda kind, key, value, d=landed: d.__setitem__(key, value))
-            r.landed = landed  # type: ignore[attr-defined]
+                        receiver=receiver, endpoint=endpoints[rank] if endpoints else None, skew=self._skew())
             replica.ranks.append(r)
             self._sinks[r.transport] = ("kv", replica, r, rank)
         if role == "prefill":
             layout = {"page_bytes": list(replica.ranks[0].layout.page_bytes), "num_pages": PAGES}
             if self.shape.layout is not None:
                 layout["kv"] = self.shape.layout.to_json()
+            dp_size = len(self.shape.prefill_tp) if self.shape.prefill_dp else 1
             for r in replica.ranks:
-                r.register_with(server, layout)
+                r.register_with(server, layout, dp_rank=replica.dp_rank or 0, dp_size=dp_size)  # type: ignore[attr-defined]
             self._p_pool[replica] = list(range(PAGES))
             self._by_replica[replica] = {}
             self._epd_of[replica] = {}
@@ -297,7 +225,7 @@ class Simulation:
         self.world.after(ROUND * self.world.rng.random(), self._round, replica)
         return replica
 
-    def _make_encoders(self, index: int, tp: int, epoch: int) -> list[SimRank]:
+    def _make_encoders(self, index: int, tp: int, epoch: int, endpoints: list[str] | None = None) -> list[SimRank]:
         name = f"E{index}"
         server = self.servers.setdefault(name, (f"10.9.{index}.3", 9500 + index))
         ranks = []
@@ -305,10 +233,8 @@ class Simulation:
         cfgs = configs("encode", tp, lambda rank: [np.zeros(nbytes, np.uint8)], page_bytes=0, num_pages=0,
                        kv_layout=None, knobs=self._knobs("encode"), server=server)
         for rank, cfg in enumerate(cfgs):
-            concluded: list[int] = []
             r = SimRank(self.planes, "encode", f"{name}.{rank}", cfg, epoch=epoch, buffers=cfg.send_buffers,
-                        deliver=lambda kind, key, value, c=concluded: c.append(key))
-            r.concluded = concluded  # type: ignore[attr-defined]
+                        endpoint=endpoints[rank] if endpoints else None, skew=self._skew())
             r.register_with(server, {"role": "encode"})
             self._send_free[r] = list(range(SEND_SLOTS))
             self._to_begin[r] = deque()
@@ -326,9 +252,13 @@ class Simulation:
 
     def _apply_faults(self, on: bool) -> None:
         f = self.faults if on else Faults(delay=self.faults.delay)
-        net, fab = self.planes.network.faults, self.planes.fabric.faults
+        net, fab, planes = self.planes.network.faults, self.planes.fabric.faults, self.planes.faults
         net.drop, net.duplicate, net.reorder, net.delay = f.drop, f.duplicate, f.reorder, f.delay
         fab.error, fab.jitter = f.data_error, f.data_jitter
+        fab.refuse_post, fab.refuse_grant, fab.refuse_revoke = f.refuse_post, f.refuse_grant, f.refuse_revoke
+        for name in ("lookup_timeout", "lookup_partial", "lookup_error", "lookup_garbage", "connect_error",
+                     "refuse_inputs"):
+            setattr(planes, name, getattr(f, name))
         if not on:
             self.planes.network.cut.clear()
 
@@ -336,11 +266,12 @@ class Simulation:
 
     def _route(self) -> None:
         world = self.world
-        if world.now < self._admit_until:
-            if self.shape.encode_tp and world.rng.random() < 0.3:
-                self._new_epd()
-            else:
-                self._new_pd()
+        if world.now >= self._admit_until:
+            return
+        if self.shape.encode_tp and world.rng.random() < 0.3:
+            self._new_epd()
+        else:
+            self._new_pd()
         world.after(world.rng.expovariate(self.rate), self._route)
 
     def _new_pd(self) -> None:
@@ -366,20 +297,23 @@ class Simulation:
         self.counts["pd"] += 1
         order = rng.random()  # who registers first: prefill, decode, or both at once
         gap = rng.random() * 0.05
-        self.world.after(0.0 if order < 0.5 else gap, self._register, prefill, req)
+        if self.faults.unregistered_abort and rng.random() < self.faults.unregistered_abort:
+            self.fault_counts["unregistered_abort"] += 1  # it failed before prefill's scheduler got to it
+            self.world.after(gap, self._abort_unregistered, prefill, req)
+        else:
+            self.world.after(0.0 if order < 0.5 else gap, self._register, prefill, req)
         self.world.after(0.0 if order >= 0.5 else gap, self._register, decode, req)
+
+    def _bootstrap_info(self, req: PdRequest) -> BootstrapInfo:
+        host, port = self._server("prefill", int(req.prefill.name[1:]))
+        return BootstrapInfo(host, port, req.room, dp_rank=req.prefill.dp_rank)  # type: ignore[attr-defined]
 
     def _register(self, replica: Replica, req: PdRequest) -> None:
         if replica.killed or replica not in (req.prefill, req.decode):
             return
-        now = self.world.now
-        server = self.servers[req.prefill.name]
+        info = self._bootstrap_info(req)
         for r in replica.ranks:
-            r.table.register(req.rid, now)
-            if replica.role == "prefill":
-                r.input(r.engine.register, req.rid, req.room)
-            else:
-                r.input(r.engine.register, req.rid, req.room, server, None)
+            r.call(r.front.register, req.rid, info)
         rng = self.world.rng
         if replica.role == "prefill" and self.faults.early_send and rng.random() < self.faults.early_send:
             req.early = True
@@ -395,7 +329,19 @@ class Simulation:
         if replica.killed or req.rid not in self._by_replica[replica]:
             return
         for r in replica.ranks:
-            r.input(r.engine.abort_room, req.rid, req.room)
+            r.call(r.front.abort_room, req.rid, req.room)
+
+    def _abort_unregistered(self, replica: Replica, req: PdRequest) -> None:
+        """Prefill's scheduler gives up a request it never registered (EPD: its images failed first): it
+        aborts the room, so the decode side hears at once instead of at its timeouts."""
+        self._by_replica[replica].pop(req.rid, None)
+        self._p_pool[replica].extend(req.p_pages)
+        req.lost.add("prefill")
+        req.ended_at["prefill"] = (self.world.now, False)
+        if replica.killed:
+            return
+        for r in replica.ranks:
+            r.call(r.front.abort_room, req.rid, req.room)
 
     # -- PD schedulers ---------------------------------------------------------------------------
 
@@ -412,16 +358,11 @@ class Simulation:
                 replica.ranks[0].receiver is not None and any(len(r.recv_table) for r in replica.ranks)):
             pass  # nothing registered anywhere: the round would agree on nothing
         else:
-            events = replica.round(now)
+            agreed = replica.round(now)
+            events = [r.call(r.front.after_round, evs) for r, evs in zip(replica.ranks, agreed)]
             self._same_events(replica, events)
-            for rank, evs in zip(replica.ranks, events):
-                fencing = rank.table.take_fencing()
-                if fencing:
-                    rank.input(rank.engine.fence, fencing)
-                if any(type(e) is not Bootstrapped for e in evs):
-                    rank.input(rank.engine.settled, evs)
             for event in events[0]:
-                self._pd_event(replica, event)
+                self._pd_event(replica, event, events)
             if replica.role == "prefill" and replica.ranks[0].receiver is not None:
                 self._recv_round(replica, now)
             self._bounds(replica)
@@ -450,15 +391,15 @@ class Simulation:
                 else:
                     req.ends[key] = kind
 
-    def _pd_event(self, replica: Replica, event: Any) -> None:
+    def _pd_event(self, replica: Replica, event: Any, events: list[list[Any]]) -> None:
         req = self._pd[event.rid]
         kind = type(event)
         if kind is not Bootstrapped:
-            self._prompt(req, replica.role, getattr(event, "reason", ""))
-            if kind is Failed and replica.role == "decode" and "peer lost" in event.reason and \
-                    all(req.rid in r.landed for r in replica.ranks):  # type: ignore[attr-defined]
-                raise Violation(f"liveness: {req.rid} landed on {replica.name} and then failed because its prefill "
-                                f"rank went away: {event.reason}")
+            self._prompt(req, replica)
+            if kind is Failed and replica.role == "decode" and not req.aborted and \
+                    all(req.rid in r.landed for r in replica.ranks):
+                raise Violation(f"liveness: {req.rid} landed on every rank of {replica.name} and then failed: "
+                                f"{event.reason}")
         if replica.role == "prefill":
             if kind is Bootstrapped:
                 if not req.sent:  # after the forward pass: a few milliseconds in which anything may arrive
@@ -474,12 +415,13 @@ class Simulation:
             return
         owner = self._owner[replica]
         if kind is Failed:
-            for p in req.d_pages:
-                owner[p] = None
-        else:  # RemotePrefillDone (the table's Succeeded)
-            self._check_landed(req)
-            for p in req.d_pages:
-                owner[p] = None
+            self._fence_held(replica, req)
+        else:  # RemotePrefillDone
+            self._check_landed(req, events)
+        for p in req.d_pages:
+            owner[p] = None
+        for r in replica.ranks:
+            r.landed.discard(req.rid)
         self._d_pool[replica].extend(req.d_pages)
         req.d_pages = []
         self._by_replica[replica].pop(req.rid, None)
@@ -487,35 +429,62 @@ class Simulation:
 
     @property
     def lossless(self) -> bool:
-        """No frame is lost or held in this run (drops, partitions and pauses are what make a timer a fair
+        """Nothing that carries a request's end from one side to the other is lost or held in this run
+        (frames dropped or cut, processes paused, look-ups failing, inputs refused: then a timer is a fair
         way to learn of the other side's end)."""
-        return not (self.faults.drop or self.faults.partition or self.faults.pause)
+        f = self.faults
+        return not (f.drop or f.partition or f.pause or f.lookup_timeout or f.lookup_partial or f.lookup_error
+                    or f.lookup_garbage or f.refuse_inputs)
 
-    def _prompt(self, req: PdRequest, side: str, reason: str) -> None:
+    def _learned_by_timer(self, req: PdRequest, replica: Replica) -> bool:
+        """Whether ``replica``'s side of a failed request failed by the table's own timers: no rank's engine
+        failed it first (a frame, a verdict, a refusal all do)."""
+        return all(req.rid not in r.table.failed_at for r in replica.ranks)
+
+    def _prompt(self, req: PdRequest, replica: Replica) -> None:
         """A side's end; the other side learns of it by a frame, not by its own timer (when no frame is lost)."""
+        side = replica.role
         now = self.world.now
-        req.ended_at[side] = (now, reason)
+        timer = req.ends.get((side, 0)) == "Failed" and self._learned_by_timer(req, replica)
+        for r in replica.ranks:
+            r.table.failed_at.pop(req.rid, None)
+        req.ended_at[side] = (now, timer)
         other = req.ended_at.get("decode" if side == "prefill" else "prefill")
-        told = reason.startswith(("prefill failed the room", "aborted by decode"))  # by a frame, naming the cause
-        if other is None or not self.lossless or "timeout after" not in reason or told:
+        if other is None or not self.lossless or not timer or side in req.lost:
             return
-        if "peer lost" in other[1] or "found dead" in other[1]:
-            return  # the other side lost contact (a killed incarnation): there was nobody to tell it
         if side == "prefill" and req.prefill.epoch > 1 and \
                 other[0] < req.prefill.started + TIMERS["dead_after"] + TIMERS["heartbeat"]:
             return  # decode may still have known the killed incarnation (its verdict comes dead_after late): it told that one
         if side == "decode" and not req.announced:
             return  # decode never had pages to announce (its pool was full): its timer is its only way
         if now - other[0] > TIMERS["dead_after"] + 0.1:
-            raise Violation(f"liveness: {req.rid}'s {side} side learned only by its own timer ({reason}) that the "
-                            f"other side ended {now - other[0]:.3f} s earlier ({other[1]})")
+            raise Violation(f"prompt: {req.rid}'s {side} side learned only by its own timer that the other side "
+                            f"ended {now - other[0]:.3f} s earlier")
+
+    def _touch(self, name: str, start: float, end: float) -> None:
+        """A fault befell replica (or encode deployment) ``name`` from ``start``; its effects last until ``end``."""
+        self._touched.setdefault(name, []).append((start, end))
+
+    def _collateral(self, req: PdRequest) -> None:
+        """A failed request that no fault touched, in a run whose faults befall processes only, is collateral
+        damage: some rank's trouble failed another's request."""
+        if req.early or req.aborted or req.lost or not set(self.faults.kinds()) <= PROCESS_FAULTS:
+            return
+        until = self.world.now
+        for replica in (req.prefill, req.decode):
+            if any(start <= until and req.born <= end for start, end in self._touched.get(replica.name, ())):
+                return
+        raise Violation(f"collateral: {req.rid} ({req.prefill.name} -> {req.decode.name}) failed though no fault "
+                        f"touched its replicas during its life (born {req.born:.3f})")
 
     def _ended(self, req: PdRequest) -> None:
         if not req.counted and self._pd_done(req):
             req.counted = True
+            if req.ends.get(("decode", 0)) != "RemotePrefillDone":
+                self._collateral(req)
             self.counts["lifecycles"] += 1
-            self.counts["pd_landed" if req.ends.get(("decode", 0)) == "Succeeded" else "pd_failed"] += 1
-            if req.faultless and not self.faults.any() and req.ends.get(("decode", 0)) != "Succeeded":
+            self.counts["pd_landed" if req.ends.get(("decode", 0)) == "RemotePrefillDone" else "pd_failed"] += 1
+            if req.faultless and not self.faults.any() and req.ends.get(("decode", 0)) != "RemotePrefillDone":
                 raise Violation(f"liveness: {req.rid} failed in a run without faults")
 
     def _pd_done(self, req: PdRequest) -> bool:
@@ -539,43 +508,55 @@ class Simulation:
         for p in req.d_pages:
             owner[p] = req.rid
         req.announced = True
+        pages = tuple(req.d_pages)
         for r in replica.ranks:
-            r.input(r.engine.announce, req.rid, tuple(req.d_pages), 0)
+            r.call(r.front.announce, req.rid, pages, 0)
+
+    def _live_on_prefill(self, req: PdRequest) -> bool:
+        replica = req.prefill
+        return not replica.killed and req.rid in self._by_replica[replica]
 
     def _hand_over(self, req: PdRequest) -> None:
-        replica = req.prefill
-        if replica.killed or req.rid not in self._by_replica[replica] or replica.ranks[0].killed:
+        """The forward pass: each layer's pages are filled just before that layer is handed over (whole: all
+        at once, with the first token), so a write of a layer not handed over yet carries poison."""
+        if not self._live_on_prefill(req) or req.handed:
             return
-        req.sent = True
-        self._fill(req)
+        req.sent = req.handed = True
+        replica = req.prefill
         pages = np.asarray(req.p_pages, np.int64)
-        if not self.shape.layerwise:
-            self._finish(req, pages)
+        if not self.shape.layerwise or self._layers_of() == 1:
+            self._fill(req, 0, self._layers_of())
+            self._usage(req)
+            for r in replica.ranks:
+                r.call(r.front.send, req.rid, pages, req.first_token, None)
             return
         for r in replica.ranks:
-            r.input(r.engine.hand_over, req.rid, pages, None, None)
+            r.call(r.front.begin, req.rid, pages)
         self._layers(req)
 
+    def _layers_of(self) -> int:
+        return self.shape.layout.layers if self.shape.layout is not None else 1
+
     def _layers(self, req: PdRequest) -> None:
-        replica = req.prefill
-        if replica.killed or req.rid not in self._by_replica[replica]:
+        if not self._live_on_prefill(req):
             return
-        layers = self.shape.layout.layers if self.shape.layout is not None else 1
+        replica = req.prefill
+        layers = self._layers_of()
+        self._fill(req, req.layer, req.layer + 1)
         req.layer += 1
-        last = req.layer >= layers
-        if last:
-            self._finish(req, None)
+        if req.layer >= layers:
+            self._usage(req)
+            for r in replica.ranks:
+                r.call(r.front.finish, req.rid, req.first_token, None)
             return
         for r in replica.ranks:
-            r.input(r.engine.hand_over, req.rid, None, req.layer, None)
+            r.call(r.front.layers_done, req.rid, req.layer)
         self.world.after(ROUND, self._layers, req)
 
-    def _finish(self, req: PdRequest, pages: np.ndarray | None) -> None:
-        """The finishing hand-over as ``PrefillPeer`` makes it: one ``hand_over_used`` input carrying the usage
-        the scheduler recorded before it (None when it recorded none)."""
-        usage = (req.cached, req.logprob) if req.usage else None
-        for r in req.prefill.ranks:
-            r.input(r.engine.hand_over_used, req.rid, pages, None, (req.first_token, None), usage)
+    def _usage(self, req: PdRequest) -> None:
+        if req.usage:  # recorded before the finishing hand-over: it rides with it
+            for r in req.prefill.ranks:
+                r.call(r.front.record_usage, req.rid, req.cached, req.logprob)
 
     # -- what the pages hold -------------------------------------------------------------------
 
@@ -584,7 +565,7 @@ class Simulation:
         got = self._contents.get(key)
         if got is None:
             got = self._contents[key] = self._compute(req, rank, tp, pair)
-            if len(self._contents) > 4096:
+            if len(self._contents) > 1 << 15:
                 self._contents.clear()
         return got
 
@@ -596,23 +577,26 @@ class Simulation:
         first, count = layout.heads(rank, tp)
         return page_content(layout, req.seed, first, count, pair)
 
-    def _fill(self, req: PdRequest) -> None:
+    def _fill(self, req: PdRequest, lo: int, hi: int) -> None:
+        """Write layers ``[lo, hi)`` of the request's prefill pages."""
         replica = req.prefill
         tp = len(replica.ranks)
+        per_layer = len(replica.ranks[0].buffers) // self._layers_of()
         for rank, r in enumerate(replica.ranks):
             pb = r.layout.page_bytes[0]
             for pair, page in enumerate(req.p_pages):
                 content = self._content(req, rank, tp, pair)
-                for b, buf in enumerate(r.buffers):
-                    buf[page * pb : (page + 1) * pb] = content[b]
+                for b in range(lo * per_layer, hi * per_layer):
+                    r.buffers[b][page * pb : (page + 1) * pb] = content[b]
 
-    def _check_landed(self, req: PdRequest) -> None:
+    def _check_landed(self, req: PdRequest, events: list[list[Any]]) -> None:
         replica = req.decode
         tp = len(replica.ranks)
         for rank, r in enumerate(replica.ranks):
-            remote = r.landed.pop(req.rid, None)  # type: ignore[attr-defined]
-            if remote is None:
-                raise Violation(f"bytes: {req.rid} landed on {r.name} without its first token")
+            done = next(e for e in events[rank] if e.rid == req.rid)
+            if type(done) is not RemotePrefillDone:
+                raise Violation(f"bytes: {req.rid} landed on {r.name} as {type(done).__name__}, not RemotePrefillDone")
+            remote = done.remote
             lp = remote.bootstrap_logprob
             same_lp = (lp is None and req.logprob is None) or (lp is not None and req.logprob is not None and (
                 lp == req.logprob or (math.isnan(lp) and math.isnan(req.logprob))))
@@ -637,6 +621,7 @@ class Simulation:
         if rank.receiver is not None and rank.slots.ctypes.data <= addr < rank.slots.ctypes.data + rank.slots.nbytes:
             slot = (addr - rank.slots.ctypes.data) // (SLOT_ROWS * ROW_BYTES)
             self._grant_owner[(sink, grant.key)] = rank.receiver._slot_owner.get(slot)
+            self._slot_grant[(sink, slot)] = grant.key
         elif replica.role == "decode":
             self._grant_owner[(sink, grant.key)] = self._owner[replica][self._page_of(rank, addr)]
 
@@ -645,6 +630,14 @@ class Simulation:
             if base <= addr < base + pb * PAGES:
                 return (addr - base) // pb
         raise Violation(f"fence: address {addr:#x} is not in {rank.name}'s cache")
+
+    def _fence_held(self, replica: Replica, req: PdRequest) -> None:
+        """A failed request's pages go back to the scheduler: none of its grants may still be live."""
+        for r in replica.ranks:
+            for key in r.transport.live_grant_keys():
+                if self._grant_owner.get((r.transport, key)) == req.rid:
+                    raise Violation(f"fence: {req.rid}'s pages on {r.name} were handed back while its grant {key} "
+                                    "was still live")
 
     def _landed_check(self, sink: Any, rows: np.ndarray, grant: int, src: Any) -> None:
         entry = self._sinks.get(sink)
@@ -655,10 +648,13 @@ class Simulation:
         for _local, remote, _length in rows.tolist():
             if rank.receiver is not None and rank.slots.ctypes.data <= remote < rank.slots.ctypes.data + rank.slots.nbytes:
                 slot = (remote - rank.slots.ctypes.data) // (SLOT_ROWS * ROW_BYTES)
-                now_owner = rank.receiver._slot_owner.get(slot)
-                if now_owner is not owner or owner is None:
-                    raise Violation(f"fence: a write through grant {grant} landed in {rank.name}'s slot {slot}, held "
-                                    f"now by {getattr(now_owner, 'rid', None)}, granted to {getattr(owner, 'rid', None)}")
+                if self._slot_grant.get((sink, slot)) != grant or owner is None:
+                    # (a failed item's slot stays quarantined, held by nobody, until its grant's revoke is
+                    # confirmed: a late write may land there; never once the slot was granted again)
+                    now_owner = rank.receiver._slot_owner.get(slot)
+                    raise Violation(f"fence: a write through grant {grant} landed in {rank.name}'s slot {slot}, "
+                                    f"granted since by grant {self._slot_grant.get((sink, slot))} (held now by "
+                                    f"{getattr(now_owner, 'rid', None)}), granted to {getattr(owner, 'rid', None)}")
             elif replica.role == "decode":
                 page = self._page_of(rank, remote)
                 holder = self._owner[replica][page]
@@ -682,15 +678,13 @@ class Simulation:
         self._epd[rid] = req
         self._epd_of[prefill][rid] = req
         self.counts["epd"] += 1
-        now = self.world.now
         for room, rows, dep in images:  # the encode schedulers: before or after the prefill ranks ask
             self._image_of[room] = req
             self.world.after(rng.random() * 0.03, self._encode_begin, dep, room, rows)
         items = [EmbeddingItem(index=i, host=self.servers[f"E{dep}"][0], port=self.servers[f"E{dep}"][1], room=room,
                                rows=rows) for i, (room, rows, dep) in enumerate(images)]
         for r in prefill.ranks:
-            r.recv_table.stage(rid, items, now)
-            r.input(r.receiver.staged, rid, items)
+            r.call(r.recv_front.stage, rid, items)
 
     def _encode_begin(self, dep: int, room: int, rows: int) -> None:
         rng = self.world.rng
@@ -708,43 +702,45 @@ class Simulation:
         served: a scheduler that let a later image take a freed slot could starve an earlier one that
         prefill already asked for, past the encode rank's begin timeout)."""
         waiting, free = self._to_begin[r], self._send_free[r]
-        while waiting and free and not r.killed:
+        while waiting and free and r.running:  # a paused encoder's scheduler takes none
             self._encode_begin_one(r, *waiting.popleft())
 
     def _encode_begin_one(self, r: SimRank, room: int, rows: int) -> None:
         req = self._image_of.get(room)
         if req is None or req.lost or len(req.ends) == len(req.prefill.ranks):
-            return  # the router cancels the images of a request that ended before its encoder got to them
+            late = self.faults.late_image and self.world.rng.random() < self.faults.late_image
+            if not late:
+                return  # the router cancels the images of a request that ended before its encoder got to them
+            self.fault_counts["late_image"] += 1  # ...or it does not, and the room must still conclude
+        if not r.call(r.front.begin, room):
+            return  # held by another request, or the rank is full (or it is paused: its scheduler is too)
         slot = self._send_free[r].pop()
         self._room_slot[(r, room)] = slot
         buf = r.buffers[0]
         start = slot * SLOT_ROWS * ROW_BYTES
         buf[start : start + rows * ROW_BYTES] = _rows(room, 0, rows)
-        r.input(r.engine.begin, room)
         chunk = EmbeddingChunk(room=room, source=buf.ctypes.data + start, rows=rows, hidden=HIDDEN, dtype=DTYPE,
                                nbytes=rows * ROW_BYTES)
-        self.world.after(self.world.rng.random() * 0.01, r.input, r.engine.send, chunk)
+        self.world.after(self.world.rng.random() * 0.01, r.call, r.front.send, chunk)
 
     def _encode_fail(self, r: SimRank, room: int) -> None:
         if (r, room) in self._room_slot:
-            r.input(r.engine.fail, room, "the encoder could not read the image")
+            r.call(r.front.fail, room, "the encoder could not read the image")
 
     def _concluded_by_now(self, dep: int, room: int, rid: str) -> None:
         """A failed request's images are concluded on their encode ranks soon after (not at their park timeout)."""
         for r in self.encode[dep]:
-            if r.running and (r, room) in self._room_slot and r.engine._rooms.begun(room):
-                raise Violation(f"liveness: {rid} failed on prefill, yet {r.name} still holds its image's room {room} "
+            if r.running and (r, room) in self._room_slot:
+                raise Violation(f"prompt: {rid} failed on prefill, yet {r.name} still holds its image's room {room} "
                                 f"{TIMERS['dead_after'] + 0.1:g} s later")
 
     def _encode_round(self, dep: int) -> None:
         for r in self.encode[dep]:
-            concluded = r.concluded  # type: ignore[attr-defined]
-            while concluded:
-                room = concluded.pop()
+            for room in r.call(r.front.concluded) or ():
                 slot = self._room_slot.pop((r, room), None)
                 if slot is not None:
                     start = slot * SLOT_ROWS * ROW_BYTES
-                    r.buffers[0][start : start + SLOT_ROWS * ROW_BYTES] = 0xA5  # poison: reused at once
+                    r.buffers[0][start : start + SLOT_ROWS * ROW_BYTES] = POISON  # reused at once
                     self._send_free[r].append(slot)
             self._encode_next(r)
         self.world.after(ROUND, self._encode_round, dep)
@@ -760,9 +756,7 @@ class Simulation:
         if len({tuple(reason for _, reason in f) for f in failed}) > 1:
             raise Violation(f"agreement: {replica.name} ranks report different reasons: {failed}")
         for rank, r in enumerate(replica.ranks):
-            fencing = r.recv_table.take_fencing()
-            if landed[rank] or failed[rank] or fencing:
-                r.input(r.receiver.settled, [x.rid for x in landed[rank]], list(failed[rank]), fencing)
+            r.call(r.recv_front.after_round, landed[rank], failed[rank])
             released = []
             for landed_request in landed[rank]:
                 req = self._epd[landed_request.rid]
@@ -780,8 +774,7 @@ class Simulation:
                         raise Violation(f"bytes: {req.rid} item {item.index} on {r.name}: its rows are not encode's")
                     released.append(item.slot)
             if released:
-                r.recv_table.release(released)
-                r.input(r.receiver.pump)
+                r.call(r.recv_front.release, released)
         for kind, names in (("landed", first[0]), ("failed", first[1])):
             for rid in names:
                 req = self._epd[rid]
@@ -822,14 +815,36 @@ class Simulation:
             if not r.paused:
                 r.pause()
                 self.fault_counts["pause"] += 1
-                world.after(rng.choice([0.05, 0.3, 1.0]), r.resume)
+                length = rng.choice([0.05, 0.3, 1.0])
+                world.after(length, r.resume)
+                self._touch(r.name.split(".")[0], world.now, world.now + length + self._aftermath)
         if f.kill and rng.random() < f.kill * step:
             self._kill_one()
         if f.stall and rng.random() < f.stall * step:
             replica = rng.choice(self.prefill + self.decode)
             replica.stalled_until = world.now + rng.choice([0.2, 0.8])  # type: ignore[attr-defined]
             self.fault_counts["stall"] += 1
+            self._touch(replica.name, world.now, replica.stalled_until + self._aftermath)  # type: ignore[attr-defined]
+        if f.skew and rng.random() < f.skew * step and ranks:
+            r = rng.choice(ranks)
+            r.skew += rng.choice([0.05, 0.3, 1.0])  # its clock jumps forward (a VM paused, say)
+            self.fault_counts["clock_jump"] += 1
+            # every timer of a request alive now may fire that much early
+            self._touch(r.name.split(".")[0], world.now - TIMERS["bootstrap"] - TIMERS["waiting"], world.now)
         world.after(step, self._fault_loop)
+
+    @property
+    def _aftermath(self) -> float:
+        """How long a process's trouble may still fail requests after it ended: its peers' verdicts come
+        ``dead_after`` late, and are taken back once it is heard from again."""
+        return 2 * TIMERS["dead_after"] + TIMERS["heartbeat"] + 0.1
+
+    def _endpoints(self, ranks: list[SimRank]) -> list[str] | None:
+        """Where a restarted incarnation listens: the host:port of the one it replaces, or anew."""
+        if self.faults.same_endpoint and self.world.rng.random() < self.faults.same_endpoint:
+            self.fault_counts["same_endpoint"] += 1
+            return [r.endpoint for r in ranks]
+        return None
 
     def _kill_one(self) -> None:
         rng = self.world.rng
@@ -842,7 +857,7 @@ class Simulation:
                     r.kill()
                 self.fault_counts["kill"] += 1
                 later = rng.choice([0.2, 0.8])
-                self.world.after(later, self._restart_encoders, dep, ranks[0].epoch + 1)
+                self.world.after(later, self._restart_encoders, dep, ranks[0].epoch + 1, self._endpoints(ranks))
                 # (checked dead_after + 0.1 after a failure: the window is shifted by as much)
                 self._encode_kills[dep] = (self.world.now, self.world.now + later + 2 * TIMERS["dead_after"] +
                                            TIMERS["heartbeat"] + 0.1)
@@ -866,13 +881,15 @@ class Simulation:
             req.lost = True
         if replica in self._epd_of:
             self._epd_of[replica].clear()
-        self.world.after(rng.choice([0.2, 0.8]), self._restart, replica, replica.ranks[0].epoch + 1)
+        self.world.after(rng.choice([0.2, 0.8]), self._restart, replica, replica.ranks[0].epoch + 1,
+                         self._endpoints(replica.ranks))
 
     def _exit(self) -> None:
         """Admission is over: the decode replicas stall (a long batch) while each prefill replica exits once
         its own side of every request ended; requests that landed on decode must still land there."""
         for replica in self.decode:
             replica.stalled_until = self.world.now + TIMERS["dead_after"] * 2  # type: ignore[attr-defined]
+            self._touch(replica.name, self.world.now, replica.stalled_until + self._aftermath)  # type: ignore[attr-defined]
         self.fault_counts["exit"] += 1
         self._exiting()
 
@@ -893,10 +910,11 @@ class Simulation:
         if waiting:
             self.world.after(ROUND, self._exiting)
 
-    def _restart(self, old: Replica, epoch: int) -> None:
+    def _restart(self, old: Replica, epoch: int, endpoints: list[str] | None) -> None:
         index = int(old.name[1:])
         tp = len(old.ranks)
-        new = self._make_replica(old.role, index, tp, epoch)
+        new = self._make_replica(old.role, index, tp, epoch, endpoints)
+        self._touch(new.name, self.world.now, self.world.now + self._aftermath)  # its peers may still name the old one
         group = self.prefill if old.role == "prefill" else self.decode
         group[group.index(old)] = new
 
@@ -907,8 +925,8 @@ class Simulation:
         window = self._encode_kills.get(dep)
         return window is not None and window[0] <= self.world.now <= window[1]
 
-    def _restart_encoders(self, dep: int, epoch: int) -> None:
-        self.encode[dep] = self._make_encoders(dep, len(self.encode[dep]), epoch)
+    def _restart_encoders(self, dep: int, epoch: int, endpoints: list[str] | None) -> None:
+        self.encode[dep] = self._make_encoders(dep, len(self.encode[dep]), epoch, endpoints)
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -916,13 +934,16 @@ class Simulation:
         for r in replica.ranks:
             cfg = r.config
             if replica.role == "prefill":
-                if len(r.engine._pending) > cfg.max_pending or r.engine.tombstones() > 4 * cfg.max_pending:
-                    raise Violation(f"bounds: {r.name} holds {len(r.engine._pending)} parked, "
-                                    f"{r.engine.tombstones()} tombstones")
+                parked = r.engine.held()["parked"]
+                if parked > cfg.max_pending or r.engine.tombstones() > 4 * cfg.max_pending:
+                    raise Violation(f"bounds: {r.name} holds {parked} parked, {r.engine.tombstones()} tombstones")
 
     def _check(self) -> None:
         if self.planes.work_errors:
             raise Violation(f"bounds: an engine input raised ({self.planes.work_errors}; see the log)")
+        if self.planes.fabric.blocked:
+            raise Violation(f"bounds: a driver would have waited on a full sink ({self.planes.fabric.blocked} "
+                            "writes posted with a deadline to a connection at its bound)")
 
     def _liveness(self) -> None:
         late = [req for req in self._pd.values() if not self._pd_done(req)]
@@ -941,11 +962,14 @@ class Simulation:
                 continue
             for r in rep.ranks:
                 held = {k: v for k, v in r.engine.held().items() if v}
-                if len(r.table) or held or r.engine.tombstones():
+                front = {k: v for k, v in r.front.diagnostics().items() if v and k != "lately_ended"}
+                if len(r.table) or held or r.engine.tombstones() or front:
                     raise Violation(f"leak: {r.name} holds {len(r.table)} requests, {held}, "
-                                    f"{r.engine.tombstones()} tombstones")
+                                    f"{r.engine.tombstones()} tombstones; its front {front}")
                 if r.transport.live_grants():
                     raise Violation(f"leak: {r.name} still grants {r.transport.live_grants()} ranges")
+                if r.performer.parked():
+                    raise Violation(f"leak: {r.name} still has {r.performer.parked()} posts parked")
                 if r.receiver is not None:
                     held = {k: v for k, v in r.receiver.held().items() if v}
                     if r.receiver.stats["asks"] < r.receiver.stats["landed"]:
@@ -953,11 +977,10 @@ class Simulation:
                     if held or len(r.recv_table) or r.recv_table.free_slots() != SLOTS:
                         raise Violation(f"leak: {r.name}'s receiver holds {held}, {len(r.recv_table)} requests, "
                                         f"{SLOTS - r.recv_table.free_slots()} slots")
-
         for dep in self.encode:
             for r in dep:
-                if not r.killed and r.engine.held()["rooms"]:
-                    raise Violation(f"leak: {r.name} still holds {r.engine.held()} rooms")
+                if not r.killed and (r.engine.held()["rooms"] or r.front.diagnostics()["begun"]):
+                    raise Violation(f"leak: {r.name} still holds {r.engine.held()} rooms, {r.front.diagnostics()}")
 
     # -- running ------------------------------------------------------------------------------
 
@@ -979,13 +1002,15 @@ class Simulation:
         self._liveness()
         self.world.run(self.world.now + TIMERS["tombstone"] + TIMERS["park"] + 0.5, self._check)
         self._leaks()
-        return {"lifecycles": self.counts["lifecycles"], "counts": dict(self.counts),
+        counts = dict(self.counts)
+        return {"lifecycles": self.counts["lifecycles"], "counts": counts,
                 "faults": dict(self.fault_counts), "fault_kinds": self.faults.kinds(),
-                "network": dict(self.planes.network.stats), "fabric": dict(self.planes.fabric.stats)}
+                "network": dict(self.planes.network.stats), "fabric": dict(self.planes.fabric.stats),
+                "planes": dict(self.planes.stats)}
 
 
 def _rows(room: int, start: int, count: int) -> np.ndarray:
-    """The bytes of rows ``[start, start + count)`` of ``room``'s image (never 0xA5 in every byte)."""
+    """The bytes of rows ``[start, start + count)`` of ``room``'s image (never POISON in every byte)."""
     r = np.arange(start, start + count, dtype=np.int64)[:, None]
     c = np.arange(ROW_BYTES, dtype=np.int64)[None, :]
     return ((room * 13 + r * 7 + c * 3) % 251).astype(np.uint8).reshape(-1)
