@@ -64,15 +64,21 @@ class Performer:
         raise NotImplementedError
 
     def input(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.stats["inputs"] += 1
+        stats = self.stats
+        stats["inputs"] += 1
         try:
             fn(*args, self._clock())
         except Exception:  # a bug of ours or an unexpected failure: logged, counted, never fatal
-            self.stats["work_errors"] += 1
+            stats["work_errors"] += 1
             log.exception("%s: input %s failed", self._name, getattr(fn, "__qualname__", fn))
         engine = getattr(fn, "__self__", None)
-        for e in self._engines if engine is None or engine not in self._engines else (engine,):
-            self.perform(e)
+        if engine is not None and engine in self._engines:
+            if engine._out:
+                self.perform(engine)
+            return
+        for e in self._engines:
+            if e._out:
+                self.perform(e)
 
     def perform(self, engine: Any) -> None:
         """Perform ``engine``'s actions, and those its synchronous answers add, in order."""

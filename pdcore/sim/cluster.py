@@ -193,6 +193,7 @@ class SimRank:
         self._backlog: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         self._calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # scheduler calls made while paused
         self.buffers = buffers
+        self.views = [memoryview(b) for b in buffers]  # the same bytes: slices compare and take bytes cheaply
         self.table: Any = None
         self.layout: Layout | None = None
         self.receiver: ReceiverEngine | None = None
@@ -297,10 +298,16 @@ class SimRank:
         if self.paused:
             self._backlog.append((fn, args))
             return
-        before = self.performer.stats["work_errors"]
+        stats = self.performer.stats
+        before = stats["work_errors"]
         self.performer.input(fn, args)
-        if self.performer.stats["work_errors"] != before:
+        if stats["work_errors"] != before:
             self.planes.work_errors += 1
+            raise Violation(f"bounds: an engine input of {self.name} raised ({getattr(fn, '__qualname__', fn)}; "
+                            "see the log: --verbose)")
+        if self.planes.fabric.blocked:
+            raise Violation(f"bounds: {self.name}'s driver would have waited on a full sink (a write posted with a "
+                            "deadline to a connection at its bound)")
 
     def frame(self, sender: str, msg: Any) -> None:
         engine = self.receiver if self.receiver is not None and type(msg).__name__ == "EmbedStatus" else self.engine
@@ -317,12 +324,16 @@ class SimRank:
                 self.input(back, endpoint, session_id, epoch)
 
     def _tick(self) -> None:
+        """The driver's clock: the engines tick when one of their deadlines passed (as the real driver asks
+        them; a tick before that has nothing to do, by the engines' contract), parked posts expire."""
         if self.killed:
             return
+        now = self.now
         if not self.paused:
-            self.performer.expire(self.now)
+            self.performer.expire(now)
         for engine in self.engines:
-            self.input(engine.tick)
+            if engine.next_deadline() <= now or self.paused:
+                self.input(engine.tick)
         self.world.after(TICK, self._tick)
 
     # -- faults ----------------------------------------------------------------------------------

@@ -25,12 +25,13 @@ before its bytes move, so the fence can be judged there.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from transport.base import Grant, GrantTable, Region, RegionTable, as_batch, byte_view
+from transport.base import Grant, GrantTable, Region, RegionTable, as_batch
 from transport.errors import CapacityError, TransportError
 
 from .world import World
@@ -142,9 +143,10 @@ class SimTransport:
         """The keys of the grants live now (what may still be written here)."""
         return list(self._grants._grants)
 
-    def check(self, source: bytes, rows: np.ndarray, grant: int) -> str:
-        """'' if every write of ``rows`` may land here now through ``grant`` from ``source``; else why not."""
-        for _local, remote, length in rows.tolist():
+    def check(self, source: bytes, writes: list[list[int]], grant: int) -> str:
+        """'' if every write of ``writes`` (``[local, remote, length]``) may land here now through ``grant`` from
+        ``source``; else why not."""
+        for _local, remote, length in writes:
             region = self._regions.find(remote, length)
             if region is None:
                 return f"[{remote:#x}, +{length}) is outside every registered region"
@@ -166,7 +168,7 @@ class Fabric:
         self.transports: dict[bytes, SimTransport] = {}
         self.ids = itertools.count(1)
         self._instances = itertools.count(1)
-        self.on_land: Any = None  # (sink, rows, grant key, source) before the bytes move; may raise
+        self.on_land: Any = None  # (sink, writes, grant key, source) before the bytes move; may raise
         self.on_grant: Any = None  # (sink, grant) when a sink grants
         self.stats = {"batches": 0, "landed": 0, "refused": 0, "lost": 0, "errors": 0, "frozen": 0, "full": 0,
                       "posts_refused": 0, "grants_refused": 0, "revokes_refused": 0}
@@ -227,15 +229,16 @@ class Fabric:
             self.stats["errors"] += 1
             error = TransportError("the sink failed the batch (simulated)", op="write")
         else:
-            why = dst.check(src.instance, rows, grant)
+            writes = rows.tolist()
+            why = dst.check(src.instance, writes, grant)
             if why:
                 self.stats["refused"] += 1
                 error = TransportError(f"peer refused the batch: {why}", op="write")
             else:
                 if self.on_land is not None:
-                    self.on_land(dst, rows, grant, src)
-                for local, remote, length in rows.tolist():
-                    np.frombuffer(byte_view(remote, length), np.uint8)[:] = np.frombuffer(byte_view(local, length), np.uint8)
+                    self.on_land(dst, writes, grant, src)
+                for local, remote, length in writes:  # (both ends lie in registered, live numpy buffers)
+                    ctypes.memmove(remote, local, length)
                 self.stats["landed"] += 1
                 error = None
         self.world.after(self._delay(), self._done, handle, on_done, batch_id, error)

@@ -44,10 +44,10 @@ def run_seed(seed: int, *, admit: float = 1.0, rate: float = 800.0) -> tuple[Sim
         return sim, None, str(v)
 
 
-def simulate(*, seconds: float | None = None, seeds: list[int] | None = None, admit: float = 1.0,
-             rate: float = 800.0, first: int = 0, stop_at_violation: bool = False) -> dict[str, Any]:
-    """Seeds in turn, for ``seconds`` of wall time (or exactly ``seeds``); the report."""
-    started = time.perf_counter()
+def _seeds(*, seconds: float | None, seeds: list[int] | None, admit: float, rate: float, first: int, step: int,
+           stop_at_violation: bool, started: float) -> dict[str, Any]:
+    """One process's share: ``seeds`` in turn, or ``first``, ``first + step``, ... until ``seconds`` after
+    ``started``; its part of the report."""
     lifecycles, ran = 0, []
     faults: Counter[str] = Counter()
     roles: set[str] = set()
@@ -79,12 +79,43 @@ def simulate(*, seconds: float | None = None, seeds: list[int] | None = None, ad
                                "faults": sim.faults.kinds(), "trace": list(sim.world.trace)[-12:]})
             if stop_at_violation:
                 break
-        seed += 1
+        seed += step
+    return {"lifecycles": lifecycles, "ran": ran, "faults": faults, "roles": roles, "violations": violations}
+
+
+def simulate(*, seconds: float | None = None, seeds: list[int] | None = None, admit: float = 1.0,
+             rate: float = 800.0, first: int = 0, stop_at_violation: bool = False, jobs: int = 1) -> dict[str, Any]:
+    """Seeds in turn, for ``seconds`` of wall time (or exactly ``seeds``); the report.
+
+    ``jobs`` processes share the seeds (each seed is a world of its own: a process takes every
+    ``jobs``-th seed of a timed run, or of ``seeds``); their reports are merged, violations in seed order."""
+    started = time.perf_counter()
+    shares: list[dict[str, Any]]
+    kw = dict(seconds=seconds, admit=admit, rate=rate, stop_at_violation=stop_at_violation, started=started)
+    if jobs <= 1:
+        shares = [_seeds(seeds=seeds, first=first, step=1, **kw)]  # type: ignore[arg-type]
+    else:
+        import multiprocessing
+
+        parts = [dict(seeds=None if seeds is None else seeds[k::jobs], first=first + k, step=jobs, **kw)
+                 for k in range(jobs)]
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:  # forked: the same hash seed (set orders)
+            shares = pool.map(_share, parts)
     wall = time.perf_counter() - started
+    lifecycles = sum(s["lifecycles"] for s in shares)
+    ran = sorted(seed for s in shares for seed in s["ran"])
+    faults: Counter[str] = Counter()
+    for s in shares:
+        faults.update(s["faults"])
+    violations = sorted((v for s in shares for v in s["violations"]), key=lambda v: v["seed"])
     return {"lifecycles": lifecycles, "lifecycles_per_second": round(lifecycles / wall, 1) if wall else 0.0,
-            "seconds": round(wall, 2), "roles": sorted(roles), "seeds": ran if len(ran) <= 50 else
-            [ran[0], ran[-1]], "seeds_run": len(ran), "faults": dict(sorted(faults.items())),
-            "violations": violations}
+            "seconds": round(wall, 2), "roles": sorted(set().union(*(s["roles"] for s in shares))),
+            "seeds": ran if len(ran) <= 50 else [ran[0], ran[-1]], "seeds_run": len(ran), "jobs": max(1, jobs),
+            "faults": dict(sorted(faults.items())), "violations": violations}
+
+
+def _share(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return _seeds(**kwargs)
 
 
 def scale(prefill: int, decode: int, *, requests: int = 400) -> list[dict[str, Any]]:
@@ -139,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests per simulated second, in (0, 100000] (default 800)")
     p.add_argument("--prefill", type=int_range(1, 256), help="scale mode: this many prefill peers, 1..256")
     p.add_argument("--decode", type=int_range(1, 256), help="scale mode: this many decode peers, 1..256")
+    p.add_argument("--jobs", type=int_range(1, 256), default=os.cpu_count() or 1,
+                   help="processes sharing the seeds, 1..256 (default: one per core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="log the engines' warnings")
     args = p.parse_args(argv)
@@ -155,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['messages_per_request']:12.2f}  {r['engine_memory_per_peer_bytes']:17d}")
         return 0
     report = simulate(seconds=None if args.seed else args.seconds, seeds=args.seed, admit=args.admit,
-                      rate=args.rate, first=args.first_seed)
+                      rate=args.rate, first=args.first_seed, jobs=1 if args.seed else args.jobs)
     if args.json:
         print(json.dumps(report))
     else:
         print(f"simulate: {report['lifecycles']} lifecycles in {report['seconds']} s "
-              f"({report['lifecycles_per_second']}/s), {report['seeds_run']} seeds, roles {report['roles']}")
+              f"({report['lifecycles_per_second']}/s, {report['jobs']} processes), {report['seeds_run']} seeds, "
+              f"roles {report['roles']}")
         print(f"faults: {report['faults']}")
         for v in report["violations"]:
             print(f"VIOLATION seed {v['seed']} ({v['shape']}; faults {v['faults']}): {v['violation']}")
