@@ -84,7 +84,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -305,9 +304,7 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
 
 def _quiet(peer: Any) -> None:
     """Let the peer's driver finish the inputs of the requests just staged: the timed call is the scheduler's alone."""
-    done = threading.Event()
-    peer._driver.call(done.set)  # runs after every input queued before it
-    done.wait(5.0)
+    peer.quiesce(5.0)  # returns once every input queued before it ran
 
 
 def _landed_in_engine(engine: Any, rids: list[str]) -> None:

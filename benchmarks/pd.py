@@ -581,7 +581,9 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
                 i = (cursor + j) % n
                 for name, peer in peers.items():
                     rid = rids[name][i]
-                    peer._table.update(rid, Trigger.WRITES_LANDED if peer._table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED, time.monotonic())
+                    t = peer.front.table  # the I/O threads' updates, made here (the front's table: the peer's)
+                    t.update(rid, Trigger.WRITES_LANDED if t.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED,
+                             time.monotonic())
                 rid = rids["bare"][i]
                 table.update(rid, Trigger.WRITES_LANDED if table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED, time.monotonic())
             cursor += per_round
@@ -612,7 +614,7 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
             "bare_p90_us": float(np.percentile(t_bare, 90)) * 1e6,
             "events_per_round": events / rounds,
             "changing_per_round": per_round,
-            "in_flight": len(peers["peer"]._table),
+            "in_flight": peers["peer"].diagnostics()["table"]["tracked"],
         }
     finally:
         for peer in peers.values():

@@ -1,5 +1,6 @@
-"""The role engines are sans-IO: nothing under ``pdcore/protocol/`` imports a thread, socket, queue, clock or
-transport implementation, directly or through the pdcore modules it imports (read from the source: every
+"""The role engines and the fronts are sans-IO: nothing under ``pdcore/protocol/``, nor ``pdcore/pd/front.py`` or
+``pdcore/epd/front.py``, imports a thread, socket, queue, clock or transport implementation, directly or through
+the pdcore modules it imports (read from the source: every
 import of every module they reach, ``TYPE_CHECKING`` blocks aside)."""
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ def _file(module: str) -> Path | None:
     return None
 
 
-def test_the_engines_import_no_io() -> None:
-    # the engines, and the rules an engine is given as its table (the encode engine's SendRooms)
-    todo = [f"pdcore.protocol.{p.stem}" for p in (ROOT / "pdcore" / "protocol").glob("*.py")] + ["pdcore.epd.sending"]
+def _io_imports(todo: list[str]) -> tuple[list[str], set[str]]:
+    """What the modules ``todo`` reach, directly or through the pdcore modules they import, that does I/O."""
     seen: set[str] = set()
     bad: list[str] = []
     while todo:
@@ -69,8 +69,22 @@ def test_the_engines_import_no_io() -> None:
                 bad.append(f"{module} imports {name}")
             elif top in ("pdcore", "transport") and name not in ("pdcore", "transport"):
                 todo.append(name)
+    return bad, seen
+
+
+def test_the_engines_import_no_io() -> None:
+    # the engines, and the rules an engine is given as its table (the encode engine's SendRooms)
+    bad, seen = _io_imports([f"pdcore.protocol.{p.stem}" for p in (ROOT / "pdcore" / "protocol").glob("*.py")] +
+                            ["pdcore.epd.sending"])
     assert not bad, "\n".join(sorted(set(bad)))
     assert "pdcore.protocol.prefill" in seen and "pdcore.epd.sending" in seen
+
+
+def test_the_fronts_import_no_io() -> None:
+    """The scheduler's side of every role (what both the peers and the simulator drive) is sans-IO too."""
+    bad, seen = _io_imports(["pdcore.pd.front", "pdcore.epd.front"])
+    assert not bad, "\n".join(sorted(set(bad)))
+    assert "pdcore.control.wire" in seen and "pdcore.epd.types" in seen
 
 
 def test_the_engines_do_not_import_the_role_packages() -> None:
