@@ -1,10 +1,11 @@
 """The bootstrap API's values and its registry, sans-IO: what a rank registers, what a sink looks up.
 
 ``RankRegistration``, ``ParallelInfo``, ``RankInfo`` (msgspec structs: types, ranges
-and unknown fields checked in one pass, each error naming the field), the
-``parse_*`` functions of request bodies and paths, and ``Registry``, which decides
-every registration by the rules in ``pdcore/control/bootstrap.py``. Pure, so the
-fuzzers drive it without sockets.
+and unknown fields checked in one pass, each error naming the field), ``check_layout``
+(the keys of a layout that peers read, checked by type), the ``parse_*`` functions
+of request bodies and paths, and ``Registry``, which decides every registration by
+the rules in ``pdcore/control/bootstrap.py``. Pure, so the fuzzers drive it without
+sockets.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from ..core.errors import LocalProtocolError, RemoteProtocolError
+from ..kv.layout import KvLayout
 from .wire import MAX_SESSION_ID, MAX_TP_SIZE, check_endpoint, check_json_object
 
 
@@ -23,6 +25,9 @@ MAX_RESPONSE_BYTES: Final = 2 * MAX_BODY_BYTES
 DEFAULT_PORT: Final = 8998
 
 _U63 = (1 << 63) - 1
+MAX_LAYOUT_BUFFERS: Final = 4096  # entries of a layout's page_bytes: one per KV buffer of the rank
+MAX_LAYOUT_PAGES: Final = 1 << 40  # a layout's num_pages, and each of its page_bytes, is below this
+MAX_ROLE: Final = 64  # characters of a layout's role
 Size = Annotated[int, Meta(ge=1, le=MAX_TP_SIZE)]
 Rank = Annotated[int, Meta(ge=0, le=MAX_TP_SIZE - 1)]
 Epoch = Annotated[int, Meta(ge=0, le=_U63)]
@@ -103,20 +108,84 @@ def _relabel(what: str, fn: Any, *args: Any) -> Any:
         raise RemoteProtocolError(f"{what}.{e}") from None
 
 
+def _kind(value: Any) -> str:
+    """What a bad value is, for an error message: its JSON-ish type and (cut) repr."""
+    return f"{type(value).__name__} {_short(value)}"
+
+
+def _positive_int(value: Any, bound: int, path: str) -> None:
+    if type(value) is not int or not 0 < value < bound:  # type(): a bool is not an int here
+        raise LocalProtocolError(f"{path}: expected a positive int below 2**{bound.bit_length() - 1}, got {_kind(value)}")
+
+
+def check_layout(layout: object, field: str = "layout") -> dict[str, Any]:
+    """Check a registered layout: a bounded JSON object whose keys that peers read have their types.
+
+    What the project's ranks register: prefill ``{"page_bytes": [int, ...], "num_pages": int, "kv": {...}}``
+    (``kv`` optional), encode ``{"role": "encode"}``. The checks, by type (a bool is never an int):
+
+    - ``page_bytes``: a list of 1..``MAX_LAYOUT_BUFFERS`` positive ints below ``MAX_LAYOUT_PAGES`` (bytes per
+      page of each KV buffer); ``num_pages``: a positive int below ``MAX_LAYOUT_PAGES``. Either needs the other.
+    - ``kv``: an object ``KvLayout.from_json`` accepts (null is refused: a rank without a KV layout omits it).
+    - ``role``: a string of 1..``MAX_ROLE`` printable ASCII characters.
+
+    Other keys are accepted, as before, as opaque JSON (``check_json_object``: finite numbers, bounded depth):
+    no peer reads them, so they cannot trip one, and they take part in the registry's layout comparison
+    like the rest. Raises ``LocalProtocolError`` naming the path (``layout.page_bytes[2]: ...``); the doors
+    relabel it as the sender's fault.
+    """
+    check_json_object(layout, field)
+    assert isinstance(layout, dict)
+    pages, count = layout.get("page_bytes", _ABSENT), layout.get("num_pages", _ABSENT)
+    if (pages is _ABSENT) != (count is _ABSENT):
+        missing, present = ("num_pages", "page_bytes") if count is _ABSENT else ("page_bytes", "num_pages")
+        raise LocalProtocolError(f"{field}.{missing}: missing beside {present} (a rank with pages registers both)")
+    if pages is not _ABSENT:
+        if type(pages) is not list or not 0 < len(pages) <= MAX_LAYOUT_BUFFERS:
+            got = f"a list of {len(pages)}" if type(pages) is list else _kind(pages)
+            raise LocalProtocolError(
+                f"{field}.page_bytes: expected a list of 1..{MAX_LAYOUT_BUFFERS} positive ints (bytes per page "
+                f"of each KV buffer), got {got}"
+            )
+        for i, size in enumerate(pages):
+            _positive_int(size, MAX_LAYOUT_PAGES, f"{field}.page_bytes[{i}]")
+        _positive_int(count, MAX_LAYOUT_PAGES, f"{field}.num_pages")
+    kv = layout.get("kv", _ABSENT)
+    if kv is not _ABSENT:
+        try:
+            KvLayout.from_json(kv)
+        except LocalProtocolError as e:  # "KvLayout.order: ..." -> "layout.kv.order: ...", "kv_layout: ..." -> "layout.kv: ..."
+            text = str(e)
+            text = f".{text[9:]}" if text.startswith("KvLayout.") else f": {text.removeprefix('kv_layout: ')}"
+            raise LocalProtocolError(f"{field}.kv{text}") from None
+        except (TypeError, ValueError) as e:  # from_json raises LocalProtocolError; anything else is still the value's
+            raise LocalProtocolError(f"{field}.kv: not a KV layout: {e}") from None
+    role = layout.get("role", _ABSENT)
+    if role is not _ABSENT and (
+        type(role) is not str or not 0 < len(role) <= MAX_ROLE or not all("!" <= c <= "~" for c in role)
+    ):
+        raise LocalProtocolError(
+            f"{field}.role: expected a string of 1..{MAX_ROLE} printable ASCII characters, got {_kind(role)}"
+        )
+    return layout
+
+
 def parse_registration(body: bytes) -> RankRegistration:
-    """Validate a PUT /v1/ranks body. Raises ``RemoteProtocolError`` naming the field."""
+    """Validate a PUT /v1/ranks body (the layout by ``check_layout``). Raises ``RemoteProtocolError`` naming
+    the field (the server answers it with 400)."""
     reg: RankRegistration = _decode_json(_REG_DECODER, body, "registration")
     if reg.tp_rank >= reg.tp_size:
         raise RemoteProtocolError(f"registration.tp_rank: {reg.tp_rank} is not below tp_size {reg.tp_size}")
     if reg.dp_rank >= reg.dp_size:
         raise RemoteProtocolError(f"registration.dp_rank: {reg.dp_rank} is not below dp_size {reg.dp_size}")
     _relabel("registration", check_endpoint, reg.endpoint)
-    _relabel("registration", check_json_object, reg.layout, "layout")
+    _relabel("registration", check_layout, reg.layout, "layout")
     return reg
 
 
 def parse_parallel_info(body: bytes) -> ParallelInfo:
-    """Validate a GET /v1/parallel response (the client's door)."""
+    """Validate a GET /v1/parallel response (the client's door): the layout by ``check_layout``, as the server
+    checks registrations, so an answer a peer's pairing would trip over is a ``RemoteProtocolError`` here."""
     info: ParallelInfo = _decode_json(_PAR_DECODER, body, "parallel_info")
     if len(info.tp_sizes) != info.dp_size:
         raise RemoteProtocolError(f"parallel_info.tp_sizes: {len(info.tp_sizes)} groups, dp_size {info.dp_size}")
@@ -124,7 +193,7 @@ def parse_parallel_info(body: bytes) -> ParallelInfo:
         raise RemoteProtocolError(f"parallel_info.registered: {info.registered} exceeds the groups' tp sizes")
     if info.complete != (all(info.tp_sizes) and info.registered == sum(info.tp_sizes)):
         raise RemoteProtocolError("parallel_info.complete: disagrees with registered")
-    _relabel("parallel_info", check_json_object, info.layout, "layout")
+    _relabel("parallel_info", check_layout, info.layout, "layout")
     return info
 
 
