@@ -198,3 +198,28 @@ def test_decode_refuses_a_second_live_request_on_one_room() -> None:
     with pytest.raises(LocalProtocolError, match="room 3 is already held by rid 'a'"):
         front.register("b", BootstrapInfo(*SERVER, 3), 0.0)
     assert len(table) == 1 and front.diagnostics()["live"] == 1
+
+
+def _landed(engine: DecodeEngine, rid: str, room: int) -> None:
+    """``rid`` bootstrapped toward prefill tp 1, announced, granted, and its source's success status in."""
+    _bootstrapped(engine, rid, room, _info((1,)))
+    engine.announce(rid, (1,), 0, 0.1)
+    (grant,) = [a for a in engine.take_actions() if type(a) is GrantAction]
+    engine.granted(grant.token, Grant(1, grant.source, tuple(grant.ranges)), None, 0.1)
+    engine.take_actions()
+    engine.message(_rank(0, 0).endpoint, wire.Status(room=room, state=State.SUCCESS, rank=0, first_token=3), 0.2)
+    assert engine.services.table.state(rid) == State.SUCCESS
+
+
+def test_a_landed_room_stays_landed_whatever_its_prefill_rank_says_or_does_after() -> None:
+    """Every byte and the first token are here: prefill's late word (it failed the room after a pause cost it
+    another decode rank) and its death before decode's next round change nothing."""
+    engine = _decode()
+    _landed(engine, "late-word", 20)
+    engine.message(_rank(0, 0).endpoint, wire.Status(room=20, state=State.FAILED, rank=0, reason="decode peer lost"),
+                   0.3)
+    _landed(engine, "lost-source", 21)
+    engine.peer_dead(_rank(0, 0).endpoint, None, 1, "no traffic for 5 s", 0.4)
+    assert engine.services.table.state("late-word") == State.SUCCESS
+    assert engine.services.table.state("lost-source") == State.SUCCESS
+    assert not [e for e in _round(engine, 0.5) if type(e) is Failed]

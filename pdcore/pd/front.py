@@ -133,14 +133,16 @@ class PdFront:
         if self.counts is not None:
             self.counts.born(rid)
 
-    def _input(self, rid: str, fn: Any, *args: Any, now: float) -> None:
-        """Hand a scheduler call for ``rid`` to the engine; one it cannot take fails the request."""
+    def _input(self, rid: str, fn: Any, *args: Any, now: float) -> bool:
+        """Hand a scheduler call for ``rid`` to the engine; one it cannot take fails the request (False)."""
         try:
             self._submit(fn, *args)
+            return True
         except PeerError:
             raise
         except PdError as e:
             self.table.update(rid, Trigger.FAIL, now, f"{self.ROLE} peer overloaded: {e}")
+            return False
 
     # -- the round ---------------------------------------------------------------------------
 
@@ -206,7 +208,10 @@ class PrefillFront(PdFront):
         self._register(rid, now)
         self._rooms[room] = rid
         self._room_of[rid] = room
-        self._input(rid, self.engine.register, rid, room, now=now)
+        if not self._input(rid, self.engine.register, rid, room, now=now):
+            # the engine never heard of the room: it hears of its end (never refused), so the decode side of it
+            # is answered at once, not when its own timers fire
+            self._result(self.engine.abort_room, rid, room)
 
     def record_usage(self, rid: str, cached_tokens: Any, bootstrap_logprob: Any, now: float) -> None:
         where = f"record_usage({rid!r})"
@@ -220,10 +225,15 @@ class PrefillFront(PdFront):
             self._usage[rid] = (cached, logprob)
 
     def abort_room(self, rid: str, room: int, now: float) -> None:
-        """Best effort: the engine fails the room it holds, or answers its decode side from a tombstone.
-        ``CapacityError`` if the engine cannot take it now (the caller logs it: nothing else is lost)."""
+        """The engine fails the room it holds, or answers its decode side from a tombstone. Never refused: an
+        abort the driver cannot take now goes as the round's inputs do (bounded by the scheduler's requests)."""
         self.check_open()
-        self._submit(self.engine.abort_room, rid, room)
+        try:
+            self._submit(self.engine.abort_room, rid, room)
+        except PeerError:
+            raise
+        except PdError:
+            self._result(self.engine.abort_room, rid, room)
 
     # -- the hand-over (the model executor's side) ------------------------------------------------
 

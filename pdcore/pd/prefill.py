@@ -8,13 +8,12 @@ module puts them on the real planes. A room is registered here once per live req
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..control import wire
 from ..core.deadline import Deadline
-from ..core.errors import LocalProtocolError, PeerError, StartError
+from ..core.errors import LocalProtocolError, StartError
 from ..protocol.prefill import PrefillEngine
 from .config import PrefillConfig
 from .front import PrefillFront
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["PrefillPeer", "PrefillOutbox"]
 
-log = logging.getLogger("pdcore.prefill")
 
 
 class PrefillPeer(PdPeer):
@@ -109,12 +107,7 @@ class PrefillPeer(PdPeer):
         answered from the tombstone.
         """
         self._check_open()
-        try:
-            self.front.abort_room(rid, room, time.monotonic())
-        except PeerError:
-            raise
-        except Exception as e:
-            log.warning("abort_room(%r, %d) dropped: %s", rid, room, e)
+        self.front.abort_room(rid, room, time.monotonic())
 
 
 class PrefillOutbox:

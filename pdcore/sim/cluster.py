@@ -359,6 +359,7 @@ class SimRank:
     def kill(self) -> None:
         self.killed = True
         self.transport.killed = True
+        self.planes.fabric.killed(self.transport)
         self._backlog, self._calls = [], []
         self.planes.network.remove(self.endpoint)
 

@@ -208,6 +208,14 @@ class Fabric:
         self.stats["batches"] += 1
         self.world.after(self._delay(), self._land, handle, rows, on_done, batch_id, grant)
 
+    def killed(self, transport: SimTransport) -> None:
+        """A rank's process is gone: batches held for it while it was paused fail at their sources now (their
+        connection breaks); those it sent itself are gone with it."""
+        frozen, transport.frozen = transport.frozen, []
+        for args in frozen:
+            if args[0].src is not transport:
+                self.world.after(self._delay(), self._land, *args)
+
     def resume(self, transport: SimTransport) -> None:
         """A paused rank goes on: the batches it sent, and those sent to it, land now (or are refused now)."""
         frozen, transport.frozen = transport.frozen, []
@@ -219,8 +227,8 @@ class Fabric:
         if src.killed:
             self.stats["lost"] += 1
             return  # a killed process sends nothing more, and hears nothing
-        if src.paused or dst.paused:  # a stopped process sends nothing, and receives nothing
-            self.stats["frozen"] += 1
+        if (src.paused or dst.paused) and not (handle.closed or dst.killed):  # a stopped process sends nothing,
+            self.stats["frozen"] += 1  # and receives nothing (a dead one breaks the connection)
             (src if src.paused else dst).frozen.append((handle, rows, on_done, batch_id, grant))
             return
         if handle.closed or dst.killed:

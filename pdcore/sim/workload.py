@@ -500,11 +500,11 @@ class Simulation:
 
     def _announce(self, req: PdRequest) -> None:
         replica = req.decode
+        if req.rid not in self._by_replica[replica] or replica.killed:
+            return
         pool = self._d_pool[replica]
         if len(pool) < req.npages:
             self.world.after(ROUND, self._announce, req)  # full: it waits (its waiting timeout bounds it)
-            return
-        if req.rid not in self._by_replica[replica] or replica.killed:
             return
         req.d_pages = [pool.pop() for _ in range(req.npages)]
         owner = self._owner[replica]
@@ -896,8 +896,11 @@ class Simulation:
     def _exit(self) -> None:
         """Admission is over: the decode replicas stall (a long batch) while each prefill replica exits once
         its own side of every request ended; requests that landed on decode must still land there."""
+        # long enough that a prefill replica still waiting for its unannounced requests' bootstrap timers
+        # exits, and is found dead, while decode has yet to agree on what landed meanwhile
+        stall = TIMERS["bootstrap"] + TIMERS["dead_after"] * 2 + 0.2
         for replica in self.decode:
-            replica.stalled_until = self.world.now + TIMERS["dead_after"] * 2  # type: ignore[attr-defined]
+            replica.stalled_until = self.world.now + stall  # type: ignore[attr-defined]
             self._touch(replica.name, self.world.now, replica.stalled_until + self._aftermath)  # type: ignore[attr-defined]
         self.fault_counts["exit"] += 1
         self._exiting()
