@@ -22,6 +22,13 @@ that silently replace each other, and an unknown rank answered with a 500):
 - Same slot, same epoch: identical data is an idempotent 200 ``unchanged``,
   anything else 409. A larger epoch replaces the slot (a restarted rank); a
   smaller one is stale (409).
+- A registration's ``layout`` is a JSON object whose keys that peers read are
+  checked by type (``check_layout``): ``page_bytes`` a list of positive ints
+  and ``num_pages`` a positive int, together; ``kv`` what ``KvLayout.from_json``
+  accepts; ``role`` a short string. Anything else in it stays opaque JSON. A
+  malformed one is a 400 naming the field (``registration.layout.page_bytes:
+  ...``), and a look-up answer carrying one is a ``RemoteProtocolError`` at the
+  client, so no peer is handed a layout its pairing would trip over.
 - Validation is pure (``parse_registration``, ``parse_rank_path``,
   ``parse_parallel_info``, ``parse_rank_info``, ``Registry``) so the fuzzers
   drive it without sockets; each raises ``RemoteProtocolError`` naming the field.

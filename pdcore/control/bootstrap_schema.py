@@ -115,7 +115,8 @@ def _kind(value: Any) -> str:
 
 def _positive_int(value: Any, bound: int, path: str) -> None:
     if type(value) is not int or not 0 < value < bound:  # type(): a bool is not an int here
-        raise LocalProtocolError(f"{path}: expected a positive int below 2**{bound.bit_length() - 1}, got {_kind(value)}")
+        below = f"2**{bound.bit_length() - 1}"
+        raise LocalProtocolError(f"{path}: expected a positive int below {below}, got {_kind(value)}")
 
 
 def check_layout(layout: object, field: str = "layout") -> dict[str, Any]:
@@ -154,9 +155,10 @@ def check_layout(layout: object, field: str = "layout") -> dict[str, Any]:
     if kv is not _ABSENT:
         try:
             KvLayout.from_json(kv)
-        except LocalProtocolError as e:  # "KvLayout.order: ..." -> "layout.kv.order: ...", "kv_layout: ..." -> "layout.kv: ..."
+        except LocalProtocolError as e:  # "KvLayout.order: x" -> "layout.kv.order: x", "kv_layout: x" -> "layout.kv: x"
             text = str(e)
-            text = f".{text[9:]}" if text.startswith("KvLayout.") else f": {text.removeprefix('kv_layout: ')}"
+            text = f".{text.removeprefix('KvLayout.')}" if text.startswith("KvLayout.") else \
+                f": {text.removeprefix('kv_layout: ')}"
             raise LocalProtocolError(f"{field}.kv{text}") from None
         except (TypeError, ValueError) as e:  # from_json raises LocalProtocolError; anything else is still the value's
             raise LocalProtocolError(f"{field}.kv: not a KV layout: {e}") from None
