@@ -559,3 +559,127 @@ def test_a_mixed_layout_is_refused_naming_the_field_and_both_values() -> None:
     with pytest.raises(RemoteProtocolError) as e:  # a key one side lacks
         r.register(reg(1, tp_size=2, layout={"page_bytes": [64]}))
     assert "registration.layout.kv: (absent) differs from {" in str(e.value), e.value
+
+
+# --------------------------------------------------------------------------- layouts checked by type
+
+KV = {"order": "hnd", "kv_heads": 4, "head_bytes": 8, "page_tokens": 4, "layers": 1}
+PREFILL_LAYOUT = {"page_bytes": [64, 64], "num_pages": 8, "kv": KV}  # what a prefill rank registers
+
+
+def test_a_numeric_page_bytes_is_400_naming_it_and_costs_nothing(server: BootstrapServer, client: BootstrapClient) -> None:
+    """The reported defect: ``"page_bytes": 4096`` was stored and served to decode ranks, whose pairing then
+    raised TypeError. It is refused at the door; the server stores nothing, keeps serving, and the same
+    slot registers once the rank sends what a prefill rank sends."""
+    bad = reg(0, layout={"page_bytes": 4096, "num_pages": 8})
+    status, payload = put(server.port, msgspec.json.encode(bad))
+    assert status == 400, payload
+    assert payload["error"].startswith("registration.layout.page_bytes: expected a list of 1..4096 positive ints"), payload
+    assert "got int 4096" in payload["error"]
+    with pytest.raises(LocalProtocolError, match=r"400 registration\.layout\.page_bytes: .* got int 4096"):
+        client.register(bad, soon())  # the client's view of the same refusal
+    assert server.registered_ranks == 0
+    assert client.parallel_info(soon()) is None and client.rank(0, 0, soon()) is None
+    assert client.health(soon())
+    good = reg(0, layout={"page_bytes": [4096], "num_pages": 8})  # the same slot, epoch, session and endpoint
+    assert client.register(good, soon()) == "created"
+    info = client.parallel_info(soon())
+    assert info is not None and info.layout == {"page_bytes": [4096], "num_pages": 8}
+    rank = client.rank(0, 0, soon())
+    assert rank is not None and rank.session_id == good.session_id
+
+
+@pytest.mark.parametrize(
+    ("layout", "named"),
+    [
+        ({"page_bytes": [64]}, "registration.layout.num_pages: missing beside page_bytes"),
+        ({"num_pages": 8}, "registration.layout.page_bytes: missing beside num_pages"),
+        ({"page_bytes": [], "num_pages": 8}, "registration.layout.page_bytes: expected"),
+        ({"page_bytes": "64", "num_pages": 8}, "registration.layout.page_bytes: expected"),
+        ({"page_bytes": [64] * 4097, "num_pages": 8}, "got a list of 4097"),
+        ({"page_bytes": [64, True], "num_pages": 8}, "registration.layout.page_bytes[1]: expected a positive int below 2**40, got bool True"),
+        ({"page_bytes": [64, 0], "num_pages": 8}, "registration.layout.page_bytes[1]: expected"),
+        ({"page_bytes": [64, 1.5], "num_pages": 8}, "registration.layout.page_bytes[1]: expected"),
+        ({"page_bytes": [64], "num_pages": [1]}, "registration.layout.num_pages: expected a positive int below 2**40, got list [1]"),
+        ({"page_bytes": [64], "num_pages": 1 << 40}, "registration.layout.num_pages: expected"),
+        ({"page_bytes": [64], "num_pages": 8.0}, "registration.layout.num_pages: expected"),
+        ({**PREFILL_LAYOUT, "kv": "hnd"}, "registration.layout.kv: expected an object, got str"),
+        ({**PREFILL_LAYOUT, "kv": None}, "registration.layout.kv: expected an object, got NoneType"),
+        ({**PREFILL_LAYOUT, "kv": {**KV, "order": "xyz"}}, "registration.layout.kv.order: 'xyz' is not one of"),
+        ({**PREFILL_LAYOUT, "kv": {**KV, "layers": True}}, "registration.layout.kv.layers: must be a positive int"),
+        ({**PREFILL_LAYOUT, "kv": {**KV, "extra": 1}}, "registration.layout.kv: unknown field 'extra'"),
+        ({**PREFILL_LAYOUT, "kv": {"order": "hnd"}}, "registration.layout.kv: missing field 'kv_heads'"),
+        ({"role": 1}, "registration.layout.role: expected a string of 1..64 printable ASCII characters, got int 1"),
+        ({"role": ""}, "registration.layout.role: expected"),
+        ({"role": "x" * 65}, "registration.layout.role: expected"),
+        ({"role": "en code"}, "registration.layout.role: expected"),
+    ],
+)
+def test_a_malformed_layout_is_400_naming_the_field(
+    server: BootstrapServer, client: BootstrapClient, layout: dict[str, Any], named: str
+) -> None:
+    status, payload = put(server.port, msgspec.json.encode(reg(0, layout=layout)))
+    assert status == 400 and named in payload["error"], payload
+    assert server.registered_ranks == 0 and client.rank(0, 0, soon()) is None
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        PREFILL_LAYOUT,
+        {"page_bytes": [4096], "num_pages": 8},  # opaque pages: no KV layout
+        {**PREFILL_LAYOUT, "kv": {**KV, "fused_kv": True}},
+        {"role": "encode"},
+        {},
+        {**PREFILL_LAYOUT, "note": {"any": ["json", 1.5, None]}},  # keys no peer reads stay opaque JSON
+    ],
+)
+def test_the_layouts_ranks_register_are_accepted(client: BootstrapClient, layout: dict[str, Any]) -> None:
+    assert client.register(reg(0, layout=layout), soon()) == "created"
+    info = client.parallel_info(soon())
+    assert info is not None and info.layout == layout
+
+
+def parallel_body(layout: Any) -> bytes:
+    return msgspec.json.encode({"tp_sizes": [2], "dp_size": 1, "layout": layout, "registered": 1, "complete": False})
+
+
+def test_parse_parallel_info_refuses_a_layout_a_peer_would_trip_over() -> None:
+    """The shapes the simulator's garbling server lists (``pdcore/sim/cluster.py``), and more: each is a
+    RemoteProtocolError naming the field at the client's door, not a TypeError in a peer's pairing later."""
+    assert parse_parallel_info(parallel_body(PREFILL_LAYOUT)).layout == PREFILL_LAYOUT
+    assert parse_parallel_info(parallel_body({"role": "encode"})).layout == {"role": "encode"}
+    for layout, named in [
+        ({**PREFILL_LAYOUT, "page_bytes": 4096}, "parallel_info.layout.page_bytes: expected a list"),
+        ({**PREFILL_LAYOUT, "kv": "hnd"}, "parallel_info.layout.kv: expected an object"),
+        ({**PREFILL_LAYOUT, "num_pages": [1]}, "parallel_info.layout.num_pages: expected a positive int"),
+        ({"page_bytes": [64, "64"], "num_pages": 8}, "parallel_info.layout.page_bytes[1]: expected a positive int"),
+        ({"page_bytes": [64]}, "parallel_info.layout.num_pages: missing"),
+        ({**PREFILL_LAYOUT, "kv": {**KV, "kv_heads": 0}}, "parallel_info.layout.kv.kv_heads: must be a positive int"),
+        ({"role": ["encode"]}, "parallel_info.layout.role: expected a string"),
+    ]:
+        with pytest.raises(RemoteProtocolError) as e:
+            parse_parallel_info(parallel_body(layout))
+        assert named in str(e.value), (layout, e.value)
+
+
+def test_the_client_refuses_a_served_malformed_layout() -> None:
+    """A server that lists a malformed layout (an older one, or a bug): ``parallel_info`` raises
+    RemoteProtocolError naming the field, over real HTTP."""
+    body = parallel_body({"page_bytes": 4096, "num_pages": 8})
+    answer = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with pytest.raises(RemoteProtocolError, match=r"parallel_info\.layout\.page_bytes: .* got int 4096"):
+            BootstrapClient("127.0.0.1", port).parallel_info(soon())
+        thread.join(5)
+        assert not thread.is_alive()
