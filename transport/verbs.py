@@ -234,6 +234,9 @@ class _SinkConn:
     windows: dict[int, list[Window]] = field(default_factory=dict)  # grant -> its windows bound on this QP
     reader: FrameReader = field(default_factory=FrameReader)
     stopped: set[int] = field(default_factory=set)  # grants the source answered ``s`` for (under ``_lock``)
+    # A cut of it failed (under ``_lock``): its QP was neither moved to the error state nor destroyed, and
+    # its windows are forgotten, invalidated or not. Every revoke of its source's grants cuts it again.
+    uncut: bool = False
 
 
 class VerbsTransport(Transport):
@@ -495,7 +498,8 @@ class VerbsTransport(Transport):
         connection without windows (module docstring). Other grants and connections stay.
         Revoking a grant that is not live (revoked already, or not this transport's) does nothing.
         ``TransportError(op="revoke")`` if a queue pair could be neither moved to the error state nor
-        destroyed; calling ``revoke`` again tries again.
+        destroyed (its windows' invalidation failed too, or it had none); calling ``revoke`` again
+        tries again, that queue pair included, and raises until it is stopped. ``settled`` too.
         """
         with self._grant_lock:
             live = self._grants.get(grant.key)
@@ -505,17 +509,8 @@ class VerbsTransport(Transport):
                 return
             self._grants.pop(grant.key)
         if settled:
-            with self._mw_lock:
-                with self._lock:
-                    sinks = [c for c in self._sinks.values() if grant.key in c.windows]
-                for c in sinks:  # every write through it completed: nothing to wait for; the source
-                    _send_frame(c.sock, encode_stop(grant.key))  # forgets the windows (its answer is ignored)
-                    if self._close_windows(c, grant.key):
-                        self._cut([c], say=b"")
-            with self._grant_lock:
-                self._unconfirmed.pop(grant.key, None)
-            return
-        if self._windows:
+            failures = self._revoke_settled(live)
+        elif self._windows:
             failures = self._revoke_windows(live, deadline or Deadline.after(1.0))
         else:
             failures = self._revoke_by_qp(live)
@@ -529,11 +524,30 @@ class VerbsTransport(Transport):
                 f"revoke: {len(failures)} QP(s) of the source could not be stopped: {failures[0]}", op="revoke"
             )
 
+    def _revoke_settled(self, g: Grant) -> list[str]:
+        """Every write through ``g`` completed: invalidate its windows without waiting for an answer
+        (the source forgets them on ``S``; its answer is ignored); cut a connection whose invalidation
+        failed, and any of the source's a cut failed for before."""
+        with self._mw_lock:
+            with self._lock:
+                sinks = [c for c in self._sinks.values() if g.key in c.windows]
+                uncut = self._uncut_of(g.source, sinks) if self._windows else []  # without: QPs stay
+            for c in sinks:
+                _send_frame(c.sock, encode_stop(g.key))
+            failed = [c for c in sinks if self._close_windows(c, g.key)]
+            return self._cut([*failed, *uncut], say=b"")
+
+    def _uncut_of(self, source: bytes, besides: list[_SinkConn]) -> list[_SinkConn]:
+        """The connections of ``source`` a cut failed for (not in ``besides``): a revoke cuts them again,
+        since what they may still land through is unknown. Under ``_lock``."""
+        return [c for c in self._sinks.values() if c.uncut and c.src == source and c not in besides]
+
     def _revoke_windows(self, g: Grant, deadline: Deadline) -> list[str]:
         key = g.key
         with self._mw_lock:
             with self._lock:
                 sinks = [c for c in self._sinks.values() if key in c.windows]
+                uncut = self._uncut_of(g.source, sinks)  # their windows are gone from c.windows: not asked
                 for c in sinks:
                     c.stopped.discard(key)
             mute = [c for c in sinks if not _send_frame(c.sock, encode_stop(key))]
@@ -548,7 +562,7 @@ class VerbsTransport(Transport):
                 for c in sinks:
                     c.stopped.discard(key)
             failed = [c for c in sinks if self._close_windows(c, key)]
-            cut = list({c.key: c for c in (*mute, *unanswered, *failed)}.values())
+            cut = list({c.key: c for c in (*mute, *unanswered, *failed, *uncut)}.values())
             if unanswered:
                 log.warning("verbs transport: revoke of grant %d: %d source connection(s) did not answer within the "
                             "deadline; their queue pairs are cut", key, len(unanswered))
@@ -563,8 +577,8 @@ class VerbsTransport(Transport):
     def _cut(self, sinks: list[_SinkConn], *, say: bytes) -> list[str]:
         """Kill each connection's QP (to the error state, its windows freed, destroyed), tell the source
         ``say``, hang up. ``ibv_destroy_qp`` returns once the device stopped using the QP, so nothing
-        more lands through it. Returns why a QP could not be stopped (that connection stays, so the
-        next revoke tries again)."""
+        more lands through it. Returns why a QP could not be stopped (that connection stays, marked
+        ``uncut``, so the next revoke of its source's grants tries again)."""
         failures: list[str] = []
         victims = []
         with self._lock:  # the cm thread drops connections under this lock too: one owner per connection
@@ -574,6 +588,7 @@ class VerbsTransport(Transport):
                     continue  # dropped meanwhile
                 why = self._kill_sink_qp(c)
                 if why:
+                    c.uncut = True
                     failures.append(why)
                     continue
                 del self._sinks[c.key]
