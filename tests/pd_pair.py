@@ -207,9 +207,9 @@ def through_worker(peer: Any, timeout: float = 10.0) -> None:
 
 def frames_in(peer: Any, n: int, what: str, timeout: float = 10.0) -> None:
     """Return once ``peer``'s control channel received ``n`` more frames (and handled all but the last)."""
-    target = peer._channel.stats.received + n
+    target = peer.diagnostics()["channel"]["received"] + n
     deadline = Deadline.after(timeout)
-    while peer._channel.stats.received < target:
+    while peer.diagnostics()["channel"]["received"] < target:
         assert not deadline.expired(), f"no {n} frames in {timeout} s: {what}"
         time.sleep(0.005)
 

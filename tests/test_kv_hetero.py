@@ -94,7 +94,7 @@ class Hetero:
         """Prefill rank ``p``'s worker handled every Register and Announce its decode ranks send it."""
         peer = self.prefill[p][0]
         senders = len(routing(self.layout, self.p_tp, self.d_tp).expects(p))
-        if peer._channel.stats.delivered < senders * (1 + len(self._rids)):
+        if peer.diagnostics()["channel"]["delivered"] < senders * (1 + len(self._rids)):
             return False
         through_worker(peer)
         return True

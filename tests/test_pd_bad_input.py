@@ -85,7 +85,7 @@ def test_malformed_control_frames_fail_only_what_they_name(pair: Pair, side: str
     pair.register(victim, room=2999)
     pair.pump(lambda: all(pair.seen("decode", "Bootstrapped", rid) for rid in [*rids, victim]), "decode to bootstrap")
     peer = getattr(pair, side)
-    before = (peer._channel.stats.protocol_errors, peer.stats["protocol_errors"])
+    before = (peer.diagnostics()["channel"]["protocol_errors"], peer.stats["protocol_errors"])
     frames = _bad_frames(live_room=2999)
     if side == "decode":  # decode takes no announcements: a bad status for its live room instead
         frames[-1] = ("status naming a live room, state out of range",
@@ -99,13 +99,13 @@ def test_malformed_control_frames_fail_only_what_they_name(pair: Pair, side: str
         junk = _dealer(ctx, peer.control_endpoint, b"\xffnot an endpoint")
         junk.send(wire.encode(wire.Abort(room=2998, reason="spoof")))
         expected = len(frames) + 1
-        _wait(lambda: peer._channel.stats.protocol_errors - before[0] >= expected, "every bad frame counted", pair)
+        _wait(lambda: peer.diagnostics()["channel"]["protocol_errors"] - before[0] >= expected, "every bad frame counted", pair)
         # ... while a real transfer runs on the same peers
         pair.drive(rids)
     finally:
         ctx.destroy(linger=0)
-    assert peer._channel.stats.protocol_errors - before[0] == expected
-    assert peer._channel.stats.internal_errors == 0 and peer._channel.stats.callback_errors == 0
+    assert peer.diagnostics()["channel"]["protocol_errors"] - before[0] == expected
+    assert peer.diagnostics()["channel"]["internal_errors"] == 0 and peer.diagnostics()["channel"]["callback_errors"] == 0
     naming = sum(1 for _, _, rooms in frames if rooms) + 1  # + the spoofed sender's
     assert peer.stats["protocol_errors"] - before[1] == naming, "each frame naming a room reaches the peer once"
     assert peer.stats["work_errors"] == 0
@@ -229,13 +229,13 @@ def test_a_malformed_frame_from_a_registered_peer_fails_only_the_room_it_names(p
         bad = wire.seal(_body(type="status", room=5999, state=17, rank=0))
     with pytest.raises(Exception):
         wire.decode(bad)  # it really is malformed
-    errors, dead = to._channel.stats.protocol_errors, (to._channel.stats.peers_dead, frm._channel.stats.peers_dead)
+    errors, dead = to.diagnostics()["channel"]["protocol_errors"], (to.diagnostics()["channel"]["peers_dead"], frm.diagnostics()["channel"]["peers_dead"])
     frm._channel._enqueue(to.control_endpoint, bad, ())  # raw bytes on the sender's own connection
-    _wait(lambda: to._channel.stats.protocol_errors > errors, "the malformed frame to be counted", pair)
+    _wait(lambda: to.diagnostics()["channel"]["protocol_errors"] > errors, "the malformed frame to be counted", pair)
     pair.drive(rids)
     pair.drive([victim], hold=[victim], timeout=10.0)  # X: nobody sends it; its failure ends it on both sides
-    assert to._channel.stats.protocol_errors == errors + 1
-    assert (to._channel.stats.peers_dead, frm._channel.stats.peers_dead) == dead, "a peer was declared dead"
+    assert to.diagnostics()["channel"]["protocol_errors"] == errors + 1
+    assert (to.diagnostics()["channel"]["peers_dead"], frm.diagnostics()["channel"]["peers_dead"]) == dead, "a peer was declared dead"
     assert pair.ended("prefill", victim) == "Failed" and pair.ended("decode", victim) == "Failed"
     for rid in rids:
         assert pair.ended("prefill", rid) == "Succeeded" and pair.ended("decode", rid) == "RemotePrefillDone", rid
@@ -244,7 +244,7 @@ def test_a_malformed_frame_from_a_registered_peer_fails_only_the_room_it_names(p
     pair.register("after", room=6000)
     pair.drive(["after"])
     assert pair.ended("decode", "after") == "RemotePrefillDone" and pair.landed_intact("after")
-    assert (to._channel.stats.peers_dead, frm._channel.stats.peers_dead) == dead
+    assert (to.diagnostics()["channel"]["peers_dead"], frm.diagnostics()["channel"]["peers_dead"]) == dead
     # the receiver failed X for what was wrong with the frame, not for a lost peer
     assert ("page appears twice" if receiver == "prefill" else "bad status frame") in pair.reasons[(receiver, victim)]
 

@@ -98,8 +98,8 @@ def test_control_sends_count_the_frames_and_the_messages_that_carried_them(make_
     for i, rid in enumerate(rids):
         pair.register(rid, room=2000 + i)
     pair.drive(rids)
-    beats = {peer: peer._channel.stats.heartbeats_sent for peer in (pair.prefill, pair.decode)}
-    pair.pump(lambda: all(peer._channel.stats.heartbeats_sent >= n + 2 for peer, n in beats.items()),
+    beats = {peer: peer.diagnostics()["channel"]["heartbeats_sent"] for peer in (pair.prefill, pair.decode)}
+    pair.pump(lambda: all(peer.diagnostics()["channel"]["heartbeats_sent"] >= n + 2 for peer, n in beats.items()),
               "heartbeats on both sides (every 50 ms here)")
     sent = {side: tuple(n - b for n, b in zip(peer.control_sends(), before[side]))
             for side, peer in (("prefill", pair.prefill), ("decode", pair.decode))}
@@ -191,7 +191,7 @@ def test_prefill_abort_of_an_unregistered_room_answers_the_later_announcement(ma
     pair.announce(rid)
     pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to hear of the abort")
     assert pair.ended("decode", rid) == "Failed"
-    assert len(pair.prefill._engine._tombstones) == 1 and not pair.prefill._engine._pending
+    assert pair.prefill.diagnostics()["engines"]["prefill"]["tombstones"] == 1 and not pair.prefill.diagnostics()["engines"]["prefill"]["parked"]
 
 
 def test_tombstones_expire_after_their_ttl(make_pair: Any) -> None:
@@ -199,8 +199,8 @@ def test_tombstones_expire_after_their_ttl(make_pair: Any) -> None:
     for i in range(5):
         pair.prefill.abort_room(f"gone{i}", 500 + i)
     through_worker(pair.prefill)
-    assert len(pair.prefill._engine._tombstones) == 5
-    pair.pump(lambda: len(pair.prefill._engine._tombstones) == 0, "the tombstones to expire", timeout=5.0)
+    assert pair.prefill.diagnostics()["engines"]["prefill"]["tombstones"] == 5
+    pair.pump(lambda: pair.prefill.diagnostics()["engines"]["prefill"]["tombstones"] == 0, "the tombstones to expire", timeout=5.0)
 
 
 def test_decode_failure_before_announcing_is_heard_by_prefill(make_pair: Any) -> None:

@@ -37,7 +37,7 @@ def test_a_deployment_with_one_secret_moves_kv_intact() -> None:
             pair.register(rid, room=100 + i)
         pair.drive(rids)
         assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
-        assert pair.decode._channel.stats.auth_failures == 0 and pair.prefill._channel.stats.auth_failures == 0
+        assert pair.decode.diagnostics()["channel"]["auth_failures"] == 0 and pair.prefill.diagnostics()["channel"]["auth_failures"] == 0
     finally:
         pair.close()
 
@@ -111,7 +111,7 @@ def test_forged_control_frames_during_transfers_change_nothing() -> None:
         assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
         channels = (pair.decode._channel, pair.prefill._channel)
         pair.pump(lambda: all(ch.stats.auth_failures >= 1 for ch in channels), "both intruders refused")
-        assert pair.decode._channel.stats.protocol_errors == 0
+        assert pair.decode.diagnostics()["channel"]["protocol_errors"] == 0
     finally:
         for sock in socks:
             sock.close(0)

@@ -85,7 +85,7 @@ def test_a_room_that_landed_settles_landed_after_its_prefill_rank_went_away() ->
                   sides=())  # no scheduler runs a round meanwhile
         assert not pair.events["decode"][1:]  # landed here, not yet settled by a round
         pair.prefill.close()  # the prefill rank is done: it exits
-        pair.pump(lambda: pair.decode._channel.stats.peers_dead > 0, "decode to declare the silent prefill rank dead",
+        pair.pump(lambda: pair.decode.diagnostics()["channel"]["peers_dead"] > 0, "decode to declare the silent prefill rank dead",
                   sides=())
         through_worker(pair.decode)  # the loss reached decode's worker
         pair.pump(lambda: pair.ended("decode", "done") is not None, "decode to settle the room", sides=("decode",))

@@ -73,12 +73,10 @@ class Performer:
             log.exception("%s: input %s failed", self._name, getattr(fn, "__qualname__", fn))
         engine = getattr(fn, "__self__", None)
         if engine is not None and engine in self._engines:
-            if engine._out:
-                self.perform(engine)
+            self.perform(engine)
             return
         for e in self._engines:
-            if e._out:
-                self.perform(e)
+            self.perform(e)
 
     def perform(self, engine: Any) -> None:
         """Perform ``engine``'s actions, and those its synchronous answers add, in order."""

@@ -97,9 +97,6 @@ class PdFront:
         """Every later call raises ``PeerError``."""
         self.closed = True
 
-    def live(self, rid: str) -> bool:
-        return rid in self._live
-
     def lately_ended(self, rid: str) -> bool:
         """``rid`` ended here within ``tombstone_ttl`` (a scheduler call for it is a no-op)."""
         return rid in self._ended

@@ -111,9 +111,12 @@ class Engine:
 
     def take_actions(self) -> list[Action]:
         """Every action emitted since the last call, in order (the caller performs them)."""
-        out = self._out[:]
-        self._out.clear()  # the same list: helpers (look-ups) hold its append
-        return out
+        out = self._out
+        if not out:
+            return []
+        actions = out[:]
+        out.clear()  # the same list: helpers (look-ups) hold its append
+        return actions
 
     def next_deadline(self) -> float:
         """When ``tick`` has work (inf: none until another input)."""
