@@ -83,6 +83,8 @@ class PdFront:
         self.counts = counts
         self.closed = False
         self._live: set[str] = set()  # registered and not yet ended
+        self._rooms: dict[int, str] = {}  # room -> rid of the live requests
+        self._room_of: dict[str, int] = {}
         # rids that ended here lately (tombstone_ttl, the last 4 * max_pending): a late scheduler call is a no-op
         self._ended: OrderedDict[str, float] = OrderedDict()
         self._ended_limit = 4 * config.max_pending
@@ -121,10 +123,17 @@ class PdFront:
             f"more than tombstone_ttl = {self.config.tombstone_ttl:g} s ago)"
         )
 
-    def _register(self, rid: str, now: float) -> None:
-        """The table takes ``rid`` (in registration order on every rank)."""
+    def _register(self, rid: str, room: int, now: float) -> None:
+        """The table takes ``rid`` (in registration order on every rank) for ``room``, which must be unique among
+        the live requests (the room, not the rid, joins the two sides: two requests on one room would take
+        each other's frames)."""
         self.check_open()
+        held = self._rooms.get(room)
+        if held is not None:
+            raise LocalProtocolError(f"room {room} is already held by rid {held!r}", rooms=(room,))
         self.table.register(rid, now)
+        self._rooms[room] = rid
+        self._room_of[rid] = room
         self._live.add(rid)
         self._ended.pop(rid, None)  # a rid used again: its next end goes to the back
         if self.counts is not None:
@@ -157,6 +166,10 @@ class PdFront:
         ended = [event.rid for event in events if type(event) in _ENDS]
         if ended:
             self._live.difference_update(ended)
+            for rid in ended:
+                room = self._room_of.pop(rid, None)
+                if room is not None:
+                    del self._rooms[room]
             recent.update(dict.fromkeys(ended, now + self.config.tombstone_ttl))
             for _ in range(len(recent) - self._ended_limit):
                 recent.popitem(last=False)
@@ -173,8 +186,8 @@ class PdFront:
         """A value the engine hands the scheduler's side at once (``Services.deliver``; the driver's thread)."""
 
     def diagnostics(self) -> dict[str, int]:
-        """What the front holds: live requests, rids that ended lately, and the role's own maps."""
-        return {"live": len(self._live), "lately_ended": len(self._ended), **self._held()}
+        """What the front holds: live requests and their rooms, rids that ended lately, the role's own maps."""
+        return {"live": len(self._live), "rooms": len(self._rooms), "lately_ended": len(self._ended), **self._held()}
 
     def _held(self) -> dict[str, int]:
         return {}
@@ -189,22 +202,14 @@ class PrefillFront(PdFront):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._rooms: dict[int, str] = {}  # room -> rid of the live requests
-        self._room_of: dict[str, int] = {}
         # rid -> the usage recorded before its finishing hand-over, which carries it (one input, not two);
         # None once that hand-over went (a later record goes as an input of its own). Live rids only.
         self._usage: dict[str, tuple[int, float | None] | None] = {}
 
     def register(self, rid: str, bootstrap: BootstrapInfo, now: float) -> None:
         """Track an admitted request; ``bootstrap.room`` must be unique among the live requests."""
-        self.check_open()
         room = bootstrap.room
-        held = self._rooms.get(room)
-        if held is not None:
-            raise LocalProtocolError(f"room {room} is already held by rid {held!r}", rooms=(room,))
-        self._register(rid, now)
-        self._rooms[room] = rid
-        self._room_of[rid] = room
+        self._register(rid, room, now)
         if not self._input(rid, self.engine.register, rid, room, now=now):
             # the engine never heard of the room: it hears of its end (never refused), so the decode side of it
             # is answered at once, not when its own timers fire
@@ -264,14 +269,11 @@ class PrefillFront(PdFront):
         self._input(rid, self.engine.hand_over_used, rid, page_ids, upto, finish, usage, now=now)
 
     def _held(self) -> dict[str, int]:
-        return {"rooms": len(self._rooms), "usage": len(self._usage)}
+        return {"usage": len(self._usage)}
 
     def _settle(self, events: list[Event], ended: list[str]) -> list[Event]:
         for rid in ended:
             self._usage.pop(rid, None)
-            room = self._room_of.pop(rid, None)
-            if room is not None:
-                del self._rooms[room]
         return events
 
 
@@ -284,21 +286,12 @@ class DecodeFront(PdFront):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._rooms: dict[int, str] = {}  # room -> rid of the live requests
-        self._room_of: dict[str, int] = {}
         self._landed: dict[str, RemotePrefill] = {}  # what the engine delivered before the table could agree
 
     def register(self, rid: str, bootstrap: BootstrapInfo, now: float) -> None:
-        """Track an admitted request; ``bootstrap.room`` must be unique among the live requests (the room,
-        not the rid, joins the two sides: two requests on one room would take each other's frames)."""
-        self.check_open()
+        """Track an admitted request; ``bootstrap.room`` must be unique among the live requests."""
         room = bootstrap.room
-        held = self._rooms.get(room)
-        if held is not None:
-            raise LocalProtocolError(f"room {room} is already held by rid {held!r}", rooms=(room,))
-        self._register(rid, now)
-        self._rooms[room] = rid
-        self._room_of[rid] = room
+        self._register(rid, room, now)
         self._input(rid, self.engine.register, rid, room, (bootstrap.host, bootstrap.port), bootstrap.dp_rank, now=now)
 
     def abort_room(self, rid: str, room: int, now: float) -> None:
@@ -316,7 +309,7 @@ class DecodeFront(PdFront):
             self._input(rid, self.engine.announce, rid, pages, index, now=now)
 
     def _held(self) -> dict[str, int]:
-        return {"rooms": len(self._rooms), "landed": len(self._landed)}
+        return {"landed": len(self._landed)}
 
     def deliver(self, kind: str, key: Any, value: Any) -> None:
         if kind == "landed":
@@ -325,10 +318,6 @@ class DecodeFront(PdFront):
     def _settle(self, events: list[Event], ended: list[str]) -> list[Event]:
         if not ended:
             return events
-        for rid in ended:
-            room = self._room_of.pop(rid, None)
-            if room is not None:
-                del self._rooms[room]
         out: list[Event] = []
         for event in events:
             kind = type(event)
