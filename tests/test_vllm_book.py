@@ -91,10 +91,45 @@ def test_decode_loads_once_into_the_blocks_of_its_prompt_and_aborts_a_request_gi
     book.allocated("b", T, 34, [3, 4], 33)
     assert not book.finished("b", [3, 4], None)  # vLLM keeps the blocks of a request still loading itself
     assert book.take_plan().aborts == [("b", 5)]
-    with pytest.raises(RuntimeError, match="prefix caching"):
-        book.matched("c", T, 70, 32)
     with pytest.raises(RuntimeError, match="2 blocks for 69 tokens, 3 needed"):
         book.allocated("d", T, 70, [1, 2], 69)
+
+
+def test_decode_with_prefix_caching_loads_only_the_blocks_it_lacks_and_releases_a_prompt_it_holds() -> None:
+    """Decode's prefix cache holds the first block of a 70-token prompt: it loads the other two (prefill writes
+    the tail of its three into them). A prompt it holds whole but its last token loads nothing, and its room
+    is released (prefill holds the request until decode's word). A one-token prompt has no room to release."""
+    book = SchedulerBook(producer=False, block_size=BS)
+    assert book.matched("a", T, 70, 32) == (37, True)
+    book.allocated("a", T, 70, [11, 12, 13], 37)
+    assert book.take_plan().loads == [Load("a", T, (12, 13))]
+    assert book.matched("b", T, 65, 64) == (0, False)
+    assert book.matched("one", T, 1, 0) == (0, False)
+    plan = book.take_plan()
+    assert plan.releases == [Register("b", T)] and not plan.loads
+    assert book.matched("b", T, 65, 64) == (0, False) and not book.take_plan()  # released once
+
+
+def test_prefill_neither_holds_a_one_token_prompt_nor_more_than_max_transfers() -> None:
+    """A one-token prompt has nothing for decode to fetch: not registered, never held. Past
+    ``max_transfers`` held, a request is served here alone and its room refused (decode hears at once); once
+    a transfer ends, the next is taken again."""
+    book = SchedulerBook(producer=True, block_size=BS, max_transfers=2)
+    book.admitted("one", T, 1)
+    assert not book.take_plan() and book.matched("one", T, 1, 0) == (0, False)
+    t = [Transfer(10 + i, "127.0.0.1", 8998) for i in range(4)]
+    for i in range(3):
+        book.admitted(f"r{i}", t[i], 70)
+    plan = book.take_plan()
+    assert [r.rid for r in plan.registers] == ["r0", "r1"] and plan.refusals == [Register("r2", t[2])]
+    assert book.matched("r2", t[2], 70, 0) == (0, False)  # not held: it runs at once
+    book.worker_output(None, None, {"r0"})
+    assert book.finished("r0", [1, 2, 3], 5)  # its blocks wait for the transfer: still held
+    book.admitted("r3", t[3], 70)
+    assert book.take_plan().refusals == [Register("r3", t[3])]
+    book.worker_output({"r0"}, None)  # r0's transfer ended
+    book.admitted("r3", t[3], 70)
+    assert [r.rid for r in book.take_plan().registers] == ["r3"]
 
 
 def test_prefill_waits_until_ready_then_keeps_its_blocks_until_the_transfer_ended() -> None:
@@ -120,7 +155,7 @@ class _Peers:
 
     PAGE, PAGES = 1024, 16
 
-    def __init__(self, layerwise_min_pages: int = 16) -> None:
+    def __init__(self, layerwise_min_pages: int = 16, prefill_capacity: int = 4096) -> None:
         knobs = dict(page_bytes=self.PAGE, num_pages=self.PAGES, heartbeat_interval=0.05, dead_after=30.0,
                      bootstrap_timeout=30.0, waiting_timeout=30.0, tombstone_ttl=30.0)
         self.server = BootstrapServer()
@@ -128,7 +163,8 @@ class _Peers:
         self.p_cache = [np.zeros(self.PAGES * self.PAGE, np.uint8) for _ in range(2)]
         self.d_cache = [np.zeros(self.PAGES * self.PAGE, np.uint8) for _ in range(2)]
         self.ppeer, outbox = PrefillPeer.start(PrefillConfig(kv_buffers=self.p_cache, bootstrap_host="127.0.0.1",
-                                                             bootstrap_port=self.port, layerwise_min_pages=1, **knobs))
+                                                             bootstrap_port=self.port, layerwise_min_pages=1,
+                                                             capacity=prefill_capacity, **knobs))
         self.dpeer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=self.d_cache, **knobs))
         self.prefill = ProducerWorker(self.ppeer, outbox, layerwise_min_pages=layerwise_min_pages)
         self.decode = ConsumerWorker(self.dpeer, inbox)
@@ -213,7 +249,7 @@ def test_long_prompts_stream_layer_by_layer_and_short_ones_go_whole(peers) -> No
     pp.prefill.layer_saved(1)
     pp.prefill.take(StepPlan(finishes=[Finish("long", long_src, 1), Finish("short", short_src, 2)]))
     pp.steps(lambda s, r, e: r == {"dl", "ds"}, finished={"long", "short"})
-    assert pp.prefill.counts == {"succeeded": 2, "failed": 0, "layer_by_layer": 1, "whole": 1}
+    assert pp.prefill.counts == {"succeeded": 2, "failed": 0, "layer_by_layer": 1, "whole": 1, "refused": 0}
     assert all(np.array_equal(a, b) for a, b in zip(pp.pages_of_decode((10, 11, 12)), data))
     assert all(np.array_equal(a, b) for a, b in zip(pp.pages_of_decode((13,)), short))
 
@@ -241,3 +277,69 @@ def test_a_decode_abort_reports_received_without_load_errors(peers) -> None:
     pp.prefill.take(StepPlan(finishes=[Finish("p", (1, 2), 3)]))  # prefill finished meanwhile: nothing to send
     sent, _, _ = pp.steps(lambda s, r, e: bool(s), finished={"p"})
     assert sent == {"p"}
+
+
+def test_a_room_refused_or_pdcore_refuses_is_served_by_prefill_alone_and_decode_hears_at_once(peers) -> None:
+    """Past ``max_transfers`` (a refusal in the plan) or past pdcore's own capacity (``register`` raises
+    ``CapacityError``: the engine must not die of it): prefill reports the request ready at once, and the
+    decode copy fails within a step or so (its blocks as load errors: vLLM recomputes), not at its timeouts
+    (30 s here). A second request on a room already held is served alone too, and the first goes on."""
+    pp = peers(prefill_capacity=2)
+    t = [Transfer(30 + i, "127.0.0.1", pp.port) for i in range(4)]
+    pp.prefill.take(StepPlan(registers=[Register("held0", t[0]), Register("held1", t[1]), Register("over", t[2])],
+                             refusals=[Register("refused", t[3])]))
+    assert pp.prefill.take_ready() == {"over"} and pp.prefill.counts["refused"] == 1
+    pp.decode.take(StepPlan(loads=[Load("d-over", t[2], (4,)), Load("d-refused", t[3], (5,)),
+                                   Load("d-held0", t[0], (6,))]))
+    _, received, errors = pp.steps(lambda s, r, e: {"d-over", "d-refused"} <= r, deadline=10.0)
+    assert errors == {4, 5} and "d-held0" not in received
+    pp.prefill.take(StepPlan(registers=[Register("twin", t[0])]))  # a room already held (by held0)
+    ready = pp.prefill.take_ready()
+    assert "twin" in ready
+    pp.steps(lambda s, r, e: ready.update(pp.prefill.take_ready()) or "held0" in ready)  # decode announced it
+    src = (1,)
+    data = pp.fill(src, seed=9)
+    pp.prefill.take(StepPlan(finishes=[Finish("held0", src, 4)]))
+    pp.steps(lambda s, r, e: "d-held0" in r)
+    assert all(np.array_equal(a, b) for a, b in zip(pp.pages_of_decode((6,)), data))
+
+
+def test_decode_with_a_prefix_cached_loads_the_tail_and_releases_what_it_holds_whole(peers) -> None:
+    """Real peers: prefill hands over its three pages, decode announces the two it lacks and gets the last two;
+    a request decode holds whole is released: prefill's copy is ready at once (its room failed: nothing to
+    write), and decode reports nothing of it to vLLM."""
+    pp = peers()
+    t, t2 = pp.transfer, Transfer(1, "127.0.0.1", pp.port)
+    src = (3, 4, 5)
+    data = pp.fill(src, seed=4)
+    pp.prefill.take(StepPlan(registers=[Register("p", t), Register("cached", t2)]))
+    pp.decode.take(StepPlan(loads=[Load("d", t, (13, 14))], releases=[Register("d-cached", t2)]))
+    ready: set[str] = set()
+    pp.steps(lambda s, r, e: ready.update(pp.prefill.take_ready()) or ready == {"p", "cached"})
+    assert pp.prefill.counts["failed"] == 1  # the released room
+    pp.prefill.take(StepPlan(finishes=[Finish("p", src, 8), Finish("cached", (6,), 9)]))
+    sent, received, errors = pp.steps(lambda s, r, e: len(s) == 2, finished={"p", "cached"})
+    assert received == {"d"} and not errors and pp.decode.counts["released"] == 1
+    assert all(np.array_equal(a[1 * pp.PAGE:], b) for a, b in zip(data, pp.pages_of_decode((13, 14))))
+
+
+def test_a_request_preempted_mid_stream_is_aborted_and_one_preempted_before_it_streamed_is_not(peers) -> None:
+    """vLLM preempts two prefill requests: one whose layers began to stream from its first pass's blocks (gone
+    now): its room is aborted, decode recomputes it (load errors); one that had not streamed yet runs again
+    and its finish sends the blocks of the pass that completed."""
+    pp = peers(layerwise_min_pages=1)
+    t, t2 = pp.transfer, Transfer(1, "127.0.0.1", pp.port)
+    pp.prefill.take(StepPlan(registers=[Register("streamed", t), Register("later", t2)]))
+    pp.decode.take(StepPlan(loads=[Load("d1", t, (10, 11)), Load("d2", t2, (12,))]))
+    ready: set[str] = set()
+    pp.steps(lambda s, r, e: ready.update(pp.prefill.take_ready()) or ready == {"streamed", "later"})
+    pp.prefill.take(StepPlan(streams={"streamed": (1, 2)}))
+    pp.prefill.layer_saved(0)  # its first layer went from blocks 1, 2
+    pp.prefill.take(StepPlan(preempted=["streamed", "later"]))
+    _, received, errors = pp.steps(lambda s, r, e: "d1" in r, deadline=10.0)
+    assert errors == {10, 11}
+    second = (7,)
+    data = pp.fill(second, seed=5)
+    pp.prefill.take(StepPlan(finishes=[Finish("later", second, 3)]))
+    pp.steps(lambda s, r, e: "d2" in r)
+    assert all(np.array_equal(a, b) for a, b in zip(pp.pages_of_decode((12,)), data))

@@ -57,13 +57,38 @@ def test_the_supported_release_is_installed_and_another_is_refused(vc: ModuleTyp
 @pytest.mark.parametrize(("cfg", "groups", "match"), [
     (dict(role="kv_both"), 1, "kv_role 'kv_both' is not supported"),
     (dict(pp=2), 1, "pipeline parallelism"),
-    (dict(role="kv_consumer", prefix=True), 1, "without prefix caching"),
     (dict(), 2, "hybrid KV caches"),
     (dict(extra={"bootstrap_prot": 1}), 1, "unknown key.*bootstrap_prot"),
 ])
 def test_unsupported_setups_are_refused_at_start(vc: ModuleType, cfg: dict, groups: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make(vc, config(**cfg), groups=groups)
+
+
+def test_a_decode_instance_may_run_with_prefix_caching(vc: ModuleType) -> None:
+    conn = make(vc, config(role="kv_consumer", prefix=True))
+    t = {"pdcore_room": 7, "pdcore_bootstrap": "127.0.0.1:8998"}
+    request = SimpleNamespace(request_id="a", kv_transfer_params=t, num_prompt_tokens=70)
+    assert conn.get_num_new_matched_tokens(request, 32) == (37, True)  # the block its cache holds is not loaded
+
+
+def test_a_preemption_reaches_the_workers_plan(vc: ModuleType) -> None:
+    """The scheduler side driven through a preemption, as vLLM's scheduler calls it: the request arrives, its
+    workers report it ready, the step that completes its prompt streams its blocks, then vLLM preempts it:
+    the next plan tells the workers (which abort a transfer whose layers streamed from the blocks now gone)."""
+    conn = make(vc, config())
+    t = {"pdcore_room": 9, "pdcore_bootstrap": "127.0.0.1:8998"}
+    request = SimpleNamespace(request_id="p", kv_transfer_params=t, num_prompt_tokens=100, num_computed_tokens=0)
+    conn.on_new_request(request)
+    assert [r.rid for r in conn.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).plan.registers] == ["p"]
+    conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=vc.PdcoreWorkerReport({"p"}),
+                                                 finished_sending=None, finished_recving=None))
+    assert conn.get_num_new_matched_tokens(request, 0) == (0, False)  # ready: it runs
+    conn._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([4, 5, 6, 7],))
+    plan = conn.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p": 100})).plan
+    assert plan.streams == {"p": (4, 5, 6, 7)}
+    plan = conn.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids={"p"})).plan
+    assert plan.preempted == ["p"]
 
 
 def test_layer_caches_pdcore_cannot_serve_are_refused(vc: ModuleType) -> None:

@@ -1,5 +1,7 @@
 """``pdcore.vllm.router`` against two stand-in servers (no vLLM): what each copy of a request carries,
-that decode's stream comes back whole, and that a client going away cancels both copies."""
+that decode's stream comes back whole, that a client going away cancels both copies (and one that
+closes after its answer does not count as cancelled), and that a prefill that cannot serve a room
+fails fast: decode's copy is sent again without it."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ class Upstream:
     """A stand-in vLLM server: records bodies; decode streams three chunks, or holds (``hold``) until
     its client (the router) goes away, which it records."""
 
-    def __init__(self, name: str, hold: bool = False) -> None:
+    def __init__(self, name: str, hold: bool = False, status: int = 200, hold_rooms: bool = False) -> None:
+        """``hold``: every request waits for its client to go away; ``hold_rooms``: those with a room do (a
+        decode waiting for a transfer that never comes); ``status``: what the others answer."""
         self.bodies: list[dict] = []
         self.got = threading.Event()
         self.cancelled = threading.Event()
@@ -37,7 +41,7 @@ class Upstream:
             def do_POST(self) -> None:  # noqa: N802
                 up.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 up.got.set()
-                if hold:
+                if hold or (hold_rooms and "pdcore_room" in up.bodies[-1].get("kv_transfer_params", {})):
                     ready, _, _ = select.select([self.connection], [], [], WAIT)
                     if ready and self.connection.recv(1) == b"":
                         up.cancelled.set()
@@ -52,7 +56,7 @@ class Upstream:
                     self.wfile.write(b"0\r\n\r\n")
                 else:
                     data = json.dumps({"who": name}).encode()
-                    self.send_response(200)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -72,9 +76,13 @@ class Upstream:
 def setup():
     made = []
 
-    def make(hold: bool = False):
-        prefill, decode = Upstream("prefill"), Upstream("decode", hold=hold)
-        router = Router(prefill.url, decode.url, "10.1.2.3:8998", timeout=WAIT)
+    def make(hold: bool = False, prefill_status: int = 200, prefill_down: bool = False):
+        prefill, decode = Upstream("prefill", status=prefill_status), Upstream("decode", hold=hold,
+                                                                                hold_rooms=prefill_status != 200 or prefill_down)
+        url = prefill.url
+        if prefill_down:
+            prefill.close()  # nothing listens there any more: connections are refused
+        router = Router(url, decode.url, "10.1.2.3:8998", timeout=WAIT)
         server = serve(router, "127.0.0.1", 0)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
         made.append((prefill, decode, server))
@@ -84,8 +92,9 @@ def setup():
     for prefill, decode, server in made:
         server.shutdown()
         server.server_close()
-        prefill.close()
-        decode.close()
+        for up in (prefill, decode):
+            if up.server.socket.fileno() != -1:
+                up.close()
 
 
 def post(port: int, body: dict) -> tuple[int, bytes]:
@@ -139,3 +148,32 @@ def test_bad_requests_and_addresses_are_refused_naming_them(setup) -> None:
     with pytest.raises(ValueError, match="--bootstrap"):
         Router("http://h:1", "http://h:2", "h")
     assert prefill_body({"max_completion_tokens": 9, "n": 3}, {})["max_completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("how", ["down", "error"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_that_cannot_serve_the_room_fails_fast(setup, how: str, stream: bool) -> None:
+    """Prefill is down (its connections refused) or answers an error: decode's copy, which would wait for a
+    transfer that never comes (here: until its client goes away), is cut at once and sent again without the
+    room; the client gets that one answer, whole, long before any of decode's transfer timeouts."""
+    prefill, decode, router, port = setup(prefill_status=500, prefill_down=how == "down")
+    status, data = post(port, {"model": "m", "prompt": [1, 2], "max_tokens": 4, "stream": stream,
+                               "kv_transfer_params": {"mine": 7}})
+    assert status == 200
+    assert data == (b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n" if stream else json.dumps({"who": "decode"}).encode())
+    *first, again = decode.bodies  # (a prefill refused at once may cut decode's first copy before it went)
+    assert again["kv_transfer_params"] == {"mine": 7} and len(first) <= 1
+    if first:
+        assert "pdcore_room" in first[0]["kv_transfer_params"]
+        assert decode.cancelled.wait(WAIT), "decode's first copy was not cut"
+    assert router.stats["local"] == 1 and router.stats["prefill_errors"] == 1 and router.stats["cancelled"] == 0
+
+
+def test_a_client_closing_after_its_whole_answer_is_not_a_cancellation(setup) -> None:
+    """Clients close their connection once the answer is in: that is no cancellation (the router counted
+    those, so its ``cancelled`` read 4-5 where 2 clients went away)."""
+    _, _, router, port = setup()
+    for stream in (False, True):
+        for _ in range(5):
+            assert post(port, {"model": "m", "prompt": [1], "stream": stream})[0] == 200
+    assert router.stats["cancelled"] == 0 and router.stats["routed"] == 10

@@ -8,8 +8,11 @@ be wrong; here they are plain code over a ``PrefillPeer``/``DecodePeer``, tested
 One request, Mooncake-style (the router gives both instances the same room at once):
 
 - decode, scheduler: ``matched`` declares the prompt but its last token as external and async
-  (vLLM recomputes the last token and samples the first itself); ``allocated`` puts the blocks
-  allocated for them into the next ``StepPlan`` as a ``Load``.
+  (vLLM recomputes the last token and samples the first itself), less the blocks decode's prefix
+  cache holds already; ``allocated`` puts the blocks allocated for the rest into the next
+  ``StepPlan`` as a ``Load`` (prefill writes the tail of its pages into them). A prompt decode holds
+  whole (but its last token) loads nothing: its room is released (``Release``: registered and
+  aborted at once, so prefill hears and runs it without waiting for an announcement).
 - decode, worker: ``take`` registers the load with the peer; at its ``Bootstrapped`` the blocks
   are announced; ``RemotePrefillDone`` reports it received, ``Failed`` reports it received *and*
   its blocks as load errors (vLLM's ``kv_load_failure_policy`` recomputes or fails it). A request
@@ -17,7 +20,12 @@ One request, Mooncake-style (the router gives both instances the same room at on
 - prefill, scheduler: ``admitted`` registers the request (``Register``) when it arrives, and
   ``matched`` holds it back ("ask again later") until the workers report it ready: every decode
   rank announced its blocks (pdcore's ``Bootstrapped``; a hand-over before it would fail the
-  room), or it failed (then it runs, its transfer ended). ``scheduled`` marks the step that
+  room), or it failed (then it runs, its transfer ended). Admission is bounded
+  (``max_transfers`` held at once): a request past the bound is not held, and its room is
+  refused (``Refuse``: the workers abort it, so decode hears at once and computes the prompt
+  itself); a prompt of one token (nothing for decode to fetch) is neither held nor told. A
+  request vLLM preempts after its layers began to stream is aborted (its first pass's blocks
+  are gone): decode hears and recomputes. ``scheduled`` marks the step that
   completes its prompt (``streams``: its layers go as they are saved, for prompts of at least
   ``layerwise_min_pages`` pages, so the writes overlap the forward pass); ``finished`` hands over
   the first token (``Finish``) and keeps the blocks (delayed free) until the worker reports the
@@ -40,6 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.errors import CapacityError, PdError
 from ..core.events import BootstrapInfo, Bootstrapped, Failed, RemotePrefillDone, Succeeded
 from .params import Transfer
 
@@ -91,23 +100,29 @@ class StepPlan:
     streams: dict[str, tuple[int, ...]] = field(default_factory=dict)
     finishes: list[Finish] = field(default_factory=list)
     aborts: list[tuple[str, int]] = field(default_factory=list)  # decode: (rid, room) given up while loading
+    refusals: list[Register] = field(default_factory=list)  # prefill: rooms not taken (past max_transfers)
+    preempted: list[str] = field(default_factory=list)  # prefill: requests vLLM preempted
+    releases: list[Register] = field(default_factory=list)  # decode: rooms it needs nothing of (cached)
 
     def __bool__(self) -> bool:
-        return bool(self.registers or self.loads or self.streams or self.finishes or self.aborts)
+        return bool(self.registers or self.loads or self.streams or self.finishes or self.aborts or self.refusals
+                    or self.preempted or self.releases)
 
 
 class SchedulerBook:
     """The scheduler side's state: requests with a room, by vLLM request id (unique while live)."""
 
-    def __init__(self, producer: bool, block_size: int) -> None:
+    def __init__(self, producer: bool, block_size: int, max_transfers: int = 1024) -> None:
         self.producer = producer
         self.block_size = block_size
+        self.max_transfers = max_transfers
         self._plan = StepPlan()
         self._transfers: dict[str, Transfer] = {}  # producer: registered; consumer: loading
         self._prompt: dict[str, int] = {}  # producer: prompt tokens of registered requests
         self._attempted: set[str] = set()  # consumer: loaded once (a failed load is recomputed, not retried)
         self._delayed: set[str] = set()  # producer: blocks kept until the worker reports the transfer ended
         self._ready: set[str] = set()  # producer: registered requests the workers reported ready to run
+        self._cached: dict[str, int] = {}  # consumer: tokens of a loading request decode's prefix cache held
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -119,11 +134,14 @@ class SchedulerBook:
             return (None, False) if rid in self._transfers and rid not in self._ready else (0, False)
         if transfer is None or rid in self._attempted:
             return 0, False
-        if computed_tokens:
-            raise RuntimeError(f"pdcore connector: request {rid!r} has {computed_tokens} tokens cached locally; a "
-                               "decode instance must run without prefix caching (--no-enable-prefix-caching)")
-        external = prompt_tokens - 1
-        return (external, True) if external > 0 else (0, False)
+        external = prompt_tokens - 1 - computed_tokens  # (prefix-cache hits are whole blocks)
+        if external > 0:
+            self._cached[rid] = computed_tokens
+            return external, True
+        if pages_for(prompt_tokens, self.block_size):  # all cached: prefill, which holds it, hears at once
+            self._attempted.add(rid)
+            self._plan.releases.append(Register(rid, transfer))
+        return 0, False
 
     def allocated(self, rid: str, transfer: Transfer | None, prompt_tokens: int, block_ids: Sequence[int],
                   external_tokens: int) -> None:
@@ -132,22 +150,37 @@ class SchedulerBook:
             return
         if external_tokens <= 0 or rid in self._attempted:
             return
-        n = pages_for(external_tokens + 1, self.block_size)
+        cached = self._cached.pop(rid, 0)
+        n = pages_for(cached + external_tokens + 1, self.block_size)
         if len(block_ids) < n:
             raise RuntimeError(f"pdcore connector: request {rid!r} got {len(block_ids)} blocks for {external_tokens} "
                                f"tokens, {n} needed")
         self._attempted.add(rid)
         self._transfers[rid] = transfer
-        self._plan.loads.append(Load(rid, transfer, tuple(int(b) for b in block_ids[:n])))
+        self._plan.loads.append(Load(rid, transfer, tuple(int(b) for b in block_ids[cached // self.block_size : n])))
 
     # -- prefill --------------------------------------------------------------------------
 
     def admitted(self, rid: str, transfer: Transfer | None, prompt_tokens: int) -> None:
-        """``on_new_request``: prefill registers a request with a room at once (it runs once ready)."""
-        if self.producer and transfer is not None and rid not in self._transfers:
-            self._transfers[rid] = transfer
-            self._prompt[rid] = prompt_tokens
-            self._plan.registers.append(Register(rid, transfer))
+        """``on_new_request``: prefill registers a request with a room at once (it runs once ready), unless
+        there is nothing to send (a one-token prompt) or ``max_transfers`` are held (refused: decode hears)."""
+        if not self.producer or transfer is None or rid in self._transfers:
+            return
+        if not pages_for(prompt_tokens, self.block_size):
+            return  # decode holds the whole prompt but its last token already: no page to send, nobody waits
+        if len(self._transfers) + len(self._delayed) >= self.max_transfers:
+            log.warning("pdcore: %d transfers held (max_transfers): request %s (room %d) is served here alone",
+                        self.max_transfers, rid, transfer.room)
+            self._plan.refusals.append(Register(rid, transfer))
+            return
+        self._transfers[rid] = transfer
+        self._prompt[rid] = prompt_tokens
+        self._plan.registers.append(Register(rid, transfer))
+
+    def preempted(self, rids: Iterable[str]) -> None:
+        """Prefill: vLLM preempted these requests (their blocks went back; they run again from scratch)."""
+        if self.producer:
+            self._plan.preempted += [rid for rid in rids if rid in self._transfers]
 
     def scheduled(self, rid: str, block_ids: Sequence[int]) -> None:
         """Prefill: this step computes the last of ``rid``'s prompt: its layers may go as they are saved."""
@@ -169,6 +202,7 @@ class SchedulerBook:
         transfer = self._transfers.get(rid)
         if not self.producer:
             self._attempted.discard(rid)  # it leaves vLLM: a reused id may load again
+            self._cached.pop(rid, None)
             if transfer is not None:  # still loading
                 del self._transfers[rid]
                 self._plan.aborts.append((rid, transfer.room))
@@ -230,16 +264,32 @@ class ProducerWorker:
         self._streams: dict[str, tuple[int, ...]] = {}
         self._vllm_finished: set[str] = set()
         self._ready: set[str] = set()  # to report to the scheduler side (WorkerReport)
-        self.counts = {"succeeded": 0, "failed": 0, "layer_by_layer": 0, "whole": 0}
+        self.counts = {"succeeded": 0, "failed": 0, "layer_by_layer": 0, "whole": 0, "refused": 0}
 
     def take(self, plan: StepPlan) -> None:
         """A step's plan: register new requests, note the prompts that complete, hand over finishes."""
+        for reg in plan.refusals:  # not held here: decode hears at once (a tombstone answers its announcement)
+            self._peer.abort_room(reg.rid, reg.transfer.room)
         for reg in plan.registers:
             if reg.rid in self._reqs:
                 continue
             t = reg.transfer
-            self._reqs[reg.rid] = _Sending(t)
-            self._peer.register(reg.rid, BootstrapInfo(t.host, t.port, t.room))
+            st = self._reqs[reg.rid] = _Sending(t)
+            try:
+                self._peer.register(reg.rid, BootstrapInfo(t.host, t.port, t.room))
+            except PdError as e:  # (never an error of the engine: this request is served here alone)
+                log.warning("pdcore: prefill request %s (room %d) is served without a transfer: %s", reg.rid, t.room, e)
+                st.ended = True
+                self._ready.add(reg.rid)
+                self.counts["refused"] += 1
+                if isinstance(e, CapacityError):  # (a room held by another request is that one's to end)
+                    self._peer.abort_room(reg.rid, t.room)
+        for rid in plan.preempted:
+            st = self._reqs.get(rid)
+            if st is not None and st.begun and not st.ended:  # what streamed came from blocks vLLM took back
+                log.warning("pdcore: prefill request %s (room %d) was preempted mid-transfer: aborted",
+                            rid, st.transfer.room)
+                self._peer.abort_room(rid, st.transfer.room)
         self._streams = {rid: pages for rid, pages in plan.streams.items()
                          if rid in self._reqs and len(pages) >= self._layerwise_min_pages}
         for fin in plan.finishes:
@@ -337,16 +387,33 @@ class ConsumerWorker:
         self._inbox = inbox
         self._replica = replica
         self._reqs: dict[str, _Loading] = {}
+        self._refused: list[str] = []  # loads pdcore would not take: reported failed at the next step's end
+        self._releases: set[str] = set()  # rooms released (nothing to load): their ends are nobody's business
         self._next_index = 0
-        self.counts = {"landed": 0, "failed": 0}
+        self.counts = {"landed": 0, "failed": 0, "released": 0}
 
     def take(self, plan: StepPlan) -> None:
-        """A step's plan: register the new loads, abort the ones vLLM gave up."""
+        """A step's plan: register the new loads, release the rooms decode needs nothing of, abort the loads
+        vLLM gave up."""
         for load in plan.loads:
             t = load.transfer
             self._reqs[load.rid] = _Loading(t, load.pages, self._next_index)
             self._next_index = (self._next_index + 1) % (1 << 31)
-            self._peer.register(load.rid, BootstrapInfo(t.host, t.port, t.room))
+            try:
+                self._peer.register(load.rid, BootstrapInfo(t.host, t.port, t.room))
+            except PdError as e:  # (never an error of the engine: vLLM recomputes it, by its policy)
+                log.warning("pdcore: decode request %s (room %d) cannot load: %s", load.rid, t.room, e)
+                self._refused.append(load.rid)
+        for reg in plan.releases:
+            key = f"release:{reg.rid}"
+            try:
+                self._peer.register(key, BootstrapInfo(reg.transfer.host, reg.transfer.port, reg.transfer.room))
+            except PdError as e:  # prefill's own timer ends it then
+                log.warning("pdcore: room %d of request %s cannot be released: %s", reg.transfer.room, reg.rid, e)
+                continue
+            self._releases.add(key)
+            self.counts["released"] += 1
+            self._peer.abort_room(key, reg.transfer.room)
         for rid, room in plan.aborts:
             st = self._reqs.get(rid)
             if st is not None and not st.aborted:
@@ -358,7 +425,16 @@ class ConsumerWorker:
         of the failed ones (load errors: vLLM recomputes or fails them)."""
         received: set[str] = set()
         errors: set[int] = set()
+        for rid in self._refused:
+            received.add(rid)
+            errors.update(self._reqs[rid].pages)
+            self.counts["failed"] += 1
+        self._refused = []
         for event in self._peer.poll(self._replica):
+            if event.rid in self._releases:
+                if not isinstance(event, Bootstrapped):
+                    self._releases.discard(event.rid)
+                continue
             st = self._reqs.get(event.rid)
             if st is None:
                 continue

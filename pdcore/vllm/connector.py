@@ -15,8 +15,9 @@ Every worker polls its peer once per step (``get_finished``), also on steps with
 pass; nothing here waits on the network. The cache is described to pdcore as a ``KvLayout``
 (HND, K and V in one buffer per layer), so prefill and decode of different tp sizes pair through
 pdcore's planner, each decode rank getting its heads. What is refused at start, each with the
-reason: ``kv_both``, pipeline parallelism, prefix caching on a decode instance, hybrid KV caches
-(several KV cache groups), layers sharing one cache tensor, a cache not in vLLM's CPU layout.
+reason: ``kv_both``, pipeline parallelism, hybrid KV caches (several KV cache groups), layers sharing
+one cache tensor, a cache not in vLLM's CPU layout. A decode instance may run with prefix caching: it
+loads only the blocks its cache lacks (prefill writes the tail of the prompt's).
 """
 
 from __future__ import annotations
@@ -113,10 +114,6 @@ class PdcoreConnector(KVConnectorBase_V1):
         if parallel.pipeline_parallel_size != 1:
             raise ValueError(f"PdcoreConnector: pipeline parallelism (pipeline_parallel_size="
                              f"{parallel.pipeline_parallel_size}) is not supported yet")
-        if not self._producer and vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError("PdcoreConnector: a kv_consumer (decode) instance must run without prefix caching "
-                             "(--no-enable-prefix-caching, LLM(enable_prefix_caching=False)): decode announces every "
-                             "block of a request's prompt and prefill writes all of them")
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(f"PdcoreConnector: hybrid KV caches ({len(kv_cache_config.kv_cache_groups)} KV cache "
                              "groups: sliding window, mamba, ...) are not supported yet")
@@ -129,7 +126,7 @@ class PdcoreConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._book = SchedulerBook(self._producer, self._block_size)
+            self._book = SchedulerBook(self._producer, self._block_size, self._options.max_transfers)
 
     # -- the scheduler side -------------------------------------------------------------------
 
@@ -163,6 +160,9 @@ class PdcoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._book is not None
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted:
+            self._book.preempted(preempted)
         if self._producer and self._requests:
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 request = self._requests.get(rid)

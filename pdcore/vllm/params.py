@@ -66,7 +66,8 @@ def transfer_params(room: int, bootstrap_host: str, bootstrap_port: int) -> dict
 
 
 _SECONDS = ("bootstrap_timeout", "waiting_timeout", "dead_after", "start_timeout")
-_KEYS = {"bootstrap_host", "bootstrap_port", "bootstrap", "host", "secret_file", "layerwise_min_pages", *_SECONDS}
+_KEYS = {"bootstrap_host", "bootstrap_port", "bootstrap", "host", "secret_file", "layerwise_min_pages",
+         "max_transfers", *_SECONDS}
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class ConnectorOptions:
       planes run unauthenticated (pdcore warns once).
     - ``layerwise_min_pages`` (16): prefill: prompts of at least this many blocks are written layer
       by layer during their forward pass (``save_kv_layer``), shorter ones whole after it.
+    - ``max_transfers`` (1024): prefill: transfers held at once (a request is held from its arrival
+      until its transfer ended). A request that arrives past the bound is served by prefill alone and
+      its decode copy is told at once (decode then computes the prompt itself, by its
+      ``kv_load_failure_policy``); so is one pdcore refuses. Never an error of the engine.
     - ``bootstrap_timeout``, ``waiting_timeout``, ``dead_after``, ``start_timeout`` (seconds):
       pdcore's knobs of the same names (``pdcore.PeerConfig``).
     """
@@ -91,6 +96,7 @@ class ConnectorOptions:
     host: str = "127.0.0.1"
     secret_file: str | None = None
     layerwise_min_pages: int = 16
+    max_transfers: int = 1024
     timeouts: tuple[tuple[str, float], ...] = ()
 
     def secret(self) -> bytes | None:
@@ -130,6 +136,9 @@ def options_from(extra: Mapping[str, Any] | None) -> ConnectorOptions:
     layerwise = extra.get("layerwise_min_pages", 16)
     if isinstance(layerwise, bool) or not isinstance(layerwise, int) or layerwise < 0:
         raise ValueError(f"{where}['layerwise_min_pages'] must be an int >= 0, got {layerwise!r}")
+    bound = extra.get("max_transfers", 1024)
+    if isinstance(bound, bool) or not isinstance(bound, int) or not 1 <= bound <= 1 << 20:
+        raise ValueError(f"{where}['max_transfers'] must be an int in 1..{1 << 20}, got {bound!r}")
     timeouts = []
     for name in _SECONDS:
         if name in extra:
@@ -140,5 +149,5 @@ def options_from(extra: Mapping[str, Any] | None) -> ConnectorOptions:
     return ConnectorOptions(
         bootstrap_host=extra.get("bootstrap_host", "127.0.0.1"), bootstrap_port=port, bootstrap=mode,
         host=extra.get("host", "127.0.0.1"), secret_file=None if secret_file is None else str(secret_file),
-        layerwise_min_pages=layerwise, timeouts=tuple(timeouts),
+        layerwise_min_pages=layerwise, max_transfers=bound, timeouts=tuple(timeouts),
     )

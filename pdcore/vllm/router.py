@@ -7,9 +7,15 @@ copy runs with one output token and no stream; the decode copy is the client's r
 answer (a stream or one body) is what the client gets. Both are sent at once (Mooncake-style):
 decode announces its blocks and waits, prefill writes them after its forward pass.
 
+A prefill copy that cannot be served (prefill down: its connection refused; or it answers an
+error) fails fast: unless decode's answer has begun, decode's copy is cut (vLLM aborts it, pdcore
+fences its blocks) and sent again without the room, so decode computes the prompt itself at once
+instead of waiting out its transfer timeouts; ``/stats`` counts them (``local``).
+
 A client that goes away is noticed while the answer is awaited, not only when it is written:
 both upstream connections are closed then, which makes each vLLM abort its copy, so pdcore fails
-the room on both sides and every block is handed back after the fence. Standard library only
+the room on both sides and every block is handed back after the fence. A client that closes its
+connection after its answer was whole is not counted as cancelled. Standard library only
 (threads, ``http.client``); every wait has a timeout.
 """
 
@@ -32,7 +38,7 @@ from urllib.parse import urlsplit
 
 from .params import BOOTSTRAP_KEY, ROOM_KEY, split_address, transfer_params
 
-__all__ = ["Router", "main", "prefill_body", "decode_body", "room_params", "serve"]
+__all__ = ["Router", "main", "prefill_body", "decode_body", "local_body", "room_params", "serve"]
 
 log = logging.getLogger("pdcore.vllm.router")
 
@@ -61,6 +67,19 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def local_body(body: dict[str, Any]) -> dict[str, Any]:
+    """Decode's copy when prefill cannot serve the room: the client's request without a room (decode computes
+    the prompt itself); the client's own ``kv_transfer_params`` keys are kept."""
+    out = dict(body)
+    client = body.get("kv_transfer_params")
+    keep = {k: v for k, v in client.items() if k not in (ROOM_KEY, BOOTSTRAP_KEY)} if isinstance(client, dict) else {}
+    if keep:
+        out["kv_transfer_params"] = keep
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
 def room_params(body: dict[str, Any], room: int, bootstrap: tuple[str, int]) -> dict[str, Any]:
     """The room's ``kv_transfer_params``: the client's own keys kept, the room and bootstrap address set."""
     client = body.get("kv_transfer_params")
@@ -78,6 +97,13 @@ class _Upstream:
 
     def post(self, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
         data = json.dumps(body).encode()
+        if self._cut:  # cut before it was sent (its prefill failed at once): never sent
+            raise ConnectionAbortedError("cut before it was sent")
+        self.conn.connect()
+        with self._lock:  # a cut while it connected found no socket to shut: this one is not sent either
+            if self._cut:
+                self.conn.close()
+                raise ConnectionAbortedError("cut before it was sent")
         self.conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
         return self.conn.getresponse()
 
@@ -109,7 +135,7 @@ class Router:
         # failure: a counter from a random start (63 bits) gives both, also across router restarts
         self._rooms = itertools.count(secrets.randbits(62))
         self._lock = threading.Lock()
-        self.stats = {"routed": 0, "cancelled": 0, "prefill_errors": 0}
+        self.stats = {"routed": 0, "cancelled": 0, "prefill_errors": 0, "local": 0}
 
     def next_room(self) -> int:
         with self._lock:
@@ -134,6 +160,47 @@ def _client_gone(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+class _Exchange:
+    """One client request's state, shared by the handler's thread, its prefill thread and its watcher."""
+
+    def __init__(self, decode: _Upstream) -> None:
+        self._lock = threading.Lock()
+        self.decode = decode  # the decode copy being answered (a fallback replaces it)
+        self.relayed = 0  # bytes of decode's answer written to the client
+        self.answered = threading.Event()  # decode's answer was read whole: a close after it is no cancel
+        self.done = threading.Event()  # the handler is through (answered, failed or cancelled)
+        self.prefill_failed = threading.Event()
+        self.client_gone = False
+        self.chunked_out: bool | None = None  # how the answer goes to the client, once its headers went
+
+    def cut_decode_for_prefill(self) -> bool:
+        """Prefill could not serve the room: cut decode's copy if its answer has not begun (True)."""
+        with self._lock:
+            self.prefill_failed.set()
+            if self.relayed or self.done.is_set():
+                return False
+            decode = self.decode
+        decode.cut()
+        return True
+
+    def fallback(self, base: tuple[str, int], timeout: float) -> _Upstream | None:
+        """A fresh decode copy to send without the room, if the cut one was cut for prefill's failure."""
+        with self._lock:
+            if not self.prefill_failed.is_set() or self.relayed or self.client_gone:
+                return None
+            self.decode = _Upstream(base, timeout)
+            return self.decode
+
+    def wrote(self, n: int) -> None:
+        with self._lock:
+            self.relayed += n
+
+    def client_went(self) -> _Upstream:
+        with self._lock:
+            self.client_gone = True
+            return self.decode
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -180,75 +247,108 @@ class _Handler(BaseHTTPRequestHandler):
         room = router.next_room()
         params = room_params(body, room, router.bootstrap)
         prefill = _Upstream(router.prefill, router.timeout)
-        decode = _Upstream(router.decode, router.timeout)
-        done = threading.Event()
-        threading.Thread(target=self._prefill, args=(prefill, body, params, done), daemon=True,
+        ex = _Exchange(_Upstream(router.decode, router.timeout))
+        threading.Thread(target=self._prefill, args=(prefill, body, params, ex), daemon=True,
                          name=f"prefill-{room}").start()
-        threading.Thread(target=self._watch, args=(prefill, decode, done, room), daemon=True,
-                         name=f"watch-{room}").start()
+        threading.Thread(target=self._watch, args=(prefill, ex, room), daemon=True, name=f"watch-{room}").start()
         router.count("routed")
         try:
-            self._relay(decode, decode_body(body, params))
+            self._answer(ex, decode_body(body, params), local_body(body), room)
         except _CUT as e:
-            if not done.is_set():
+            if not ex.done.is_set():
                 log.info("room %d: ended early: %s", room, e)
             prefill.cut()
-            decode.cut()
+            ex.decode.cut()
             self.close_connection = True
         finally:
-            done.set()
-            decode.conn.close()
+            ex.done.set()
+            ex.decode.conn.close()
 
-    def _prefill(self, up: _Upstream, body: dict[str, Any], params: dict[str, Any], done: threading.Event) -> None:
+    def _answer(self, ex: _Exchange, body: dict[str, Any], local: dict[str, Any], room: int) -> None:
+        """Relay decode's answer; if its copy is cut because prefill failed before it began, send it again
+        without the room and relay that one instead (the client sees one answer)."""
+        router = self.server.router
+        up = ex.decode
+        while True:
+            resp = None
+            try:
+                resp = up.post(self.path, body)
+                self._relay(resp, ex)
+                return
+            except _CUT:
+                fresh = ex.fallback(router.decode, router.timeout)
+                if fresh is None:
+                    raise
+                router.count("local")
+                log.warning("room %d: prefill could not serve it: decode computes the prompt itself", room)
+                up, body = fresh, local
+            finally:
+                if resp is not None:
+                    resp.close()  # (a cut answer holds its socket until closed)
+
+    def _prefill(self, up: _Upstream, body: dict[str, Any], params: dict[str, Any], ex: _Exchange) -> None:
+        room = params["pdcore_room"]
         try:
             resp = up.post(self.path, prefill_body(body, params))
             data = resp.read()
-            if resp.status != 200:
-                self.server.router.count("prefill_errors")
-                log.warning("room %d: prefill answered %d: %s", params["pdcore_room"], resp.status, data[:300])
+            if resp.status == 200:
+                return
+            self.server.router.count("prefill_errors")
+            log.warning("room %d: prefill answered %d: %s", room, resp.status, data[:300])
         except _CUT as e:
-            if not done.is_set():
-                self.server.router.count("prefill_errors")
-                log.warning("room %d: prefill request failed: %s", params["pdcore_room"], e)
+            if ex.done.is_set():
+                return
+            self.server.router.count("prefill_errors")
+            log.warning("room %d: prefill request failed: %s", room, e)
         finally:
             up.conn.close()
+        ex.cut_decode_for_prefill()
 
-    def _watch(self, prefill: _Upstream, decode: _Upstream, done: threading.Event, room: int) -> None:
+    def _watch(self, prefill: _Upstream, ex: _Exchange, room: int) -> None:
         """Until the answer is relayed: a client that closed its connection cancels both copies."""
         sock = self.connection
-        while not done.is_set():
+        while not ex.done.is_set():
             try:
                 readable, _, _ = select.select([sock], [], [], 0.2)
             except (OSError, ValueError):
                 return
             if readable and _client_gone(sock):
-                if not done.is_set():
+                if not ex.done.is_set() and not ex.answered.is_set():
                     log.info("room %d: the client went away: cancelling prefill and decode", room)
                     self.server.router.count("cancelled")
-                    decode.cut()
+                    ex.client_went().cut()
                     prefill.cut()
                 return
 
-    def _relay(self, up: _Upstream, body: dict[str, Any]) -> None:
-        resp = up.post(self.path, body)
+    def _relay(self, resp: http.client.HTTPResponse, ex: _Exchange) -> None:
+        """Copy one upstream answer to the client: its status and headers, unless a copy cut before it began
+        sent them already (its framing then stays: a body comes as one chunk of a chunked answer)."""
         chunked = resp.getheader("Transfer-Encoding", "").lower() == "chunked" or resp.getheader("Content-Length") is None
-        self.send_response(resp.status)
-        self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
-        if chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.send_header("Content-Length", resp.getheader("Content-Length", "0"))
-        self.end_headers()
-        while True:
-            chunk = resp.read1(65536) if chunked else resp.read(65536)
-            if not chunk:
-                break
+        data = b""
+        if not chunked:  # one body: read it whole first, so the client cannot have it all before it counts as answered
+            data = resp.read()
+            ex.answered.set()
+        if ex.chunked_out is None:
+            ex.chunked_out = chunked
+            self.send_response(resp.status)
+            self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
             if chunked:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.send_header("Transfer-Encoding", "chunked")
             else:
-                self.wfile.write(chunk)
-            self.wfile.flush()
-        if chunked:
+                self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+        while True:
+            if chunked:
+                data = resp.read1(65536)
+                if not data:
+                    ex.answered.set()
+            if data:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if ex.chunked_out else data)
+                self.wfile.flush()
+                ex.wrote(len(data))
+            if not chunked or not data:
+                break
+        if ex.chunked_out:
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
 
