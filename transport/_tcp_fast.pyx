@@ -21,6 +21,7 @@ from libc.errno cimport EAGAIN, EINTR, ENOMEM, ETIMEDOUT, errno
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
+from posix.mman cimport MAP_ANONYMOUS, MAP_FAILED, MAP_POPULATE, MAP_PRIVATE, PROT_READ, PROT_WRITE, mmap, munmap
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport time_t
 from posix.uio cimport iovec
@@ -98,6 +99,12 @@ cdef enum:
     _HEAD = 24  # seq u64, count u32, 0 u32, grant u64
     _PAIR = 16  # addr u64, length u64
     _ACK = 20  # seq u64, status u32, errno i32, message length u32
+    # The most a sink connection keeps in each of its buffers between frames (64 KiB and a little): a
+    # frame of more writes (up to max_writes, 16 MiB of descriptors at the transport's default) gets a
+    # header buffer of its own for as long as it is read and checked, unmapped once the frame is done,
+    # so what many connections hold does not grow with the largest batch each ever received. Frames of
+    # up to 4096 writes use the usual buffer and allocate nothing.
+    _KEEP = 65600  # _HEAD + _AHEAD + 4096 * _PAIR
 
 
 cdef inline int _array(cnp.ndarray a, int typenum, int ndim, const void** data, Py_ssize_t* n) except -1:
@@ -283,6 +290,7 @@ cdef struct _Conn:
     uint64_t* used  # ... into the regions of these keys
     Py_ssize_t nused
     Py_ssize_t capused
+    size_t held  # bytes its buffers hold, as its loop last said (``Sink.retained``)
     _Conn* prev
     _Conn* next
 
@@ -512,6 +520,22 @@ cdef class Sink:
             return code, index, 0
         return _LAND_OK, 0, _total(<const unsigned char*>desc, len(desc) // _PAIR)
 
+    def retained(self):
+        """The bytes each attached connection holds in its own buffers (a frame's header and descriptors,
+        gathered acks, a refused payload's scratch, its landing marks), as its loop last said: between
+        frames, once its acks went out, at most ``_KEEP`` (64 KiB) in each, whatever the frames were;
+        more only while a frame of more writes is read and checked. A list, one per connection
+        (diagnostics)."""
+        cdef _Conn* c
+        out = []
+        _lock(&self.mu)
+        c = self.conns
+        while c != NULL:
+            out.append(c.held)
+            c = c.next
+        pthread_mutex_unlock(&self.mu)
+        return out
+
     def stop(self):
         """The transport is closing: every loop ends at its next tick."""
         _lock(&self.mu)
@@ -641,6 +665,7 @@ cdef enum:
     _AHEAD = 40  # bytes a sink may read past a payload: the next frame's header and first descriptor
     _ACK_GATHER = 16  # acks gathered at most under load
     _DISCARD = 65536
+    _BUF = 4096  # a connection's header and ack buffers to begin with
     _TICKED = -1  # a blocking call waited one kernel timeout (not a SERVE_* result)
     _GONE = -3  # the peer failed while a send was under way
 cdef uint64_t _ACK_GATHER_BYTES = 1 << 20
@@ -669,6 +694,8 @@ cdef class SinkConn:
     cdef double stall
     cdef unsigned char* hb  # the current frame's header and descriptors, as read so far
     cdef size_t hcap
+    cdef unsigned char* spare  # the usual header buffer while a frame of more writes has one of its own (mapped)
+    cdef size_t sparecap
     cdef size_t hlen
     cdef unsigned char tail[_AHEAD]
     cdef unsigned char* acks
@@ -699,13 +726,14 @@ cdef class SinkConn:
         self.ack_fd = acks.fileno()
         memcpy(self.source, <const char*>source, 16)
         self.max_writes, self.stall = max_writes, stall
-        self.hcap = 4096
+        self.hcap = _BUF
         self.hb = <unsigned char*>malloc(self.hcap)
-        self.acap = 4096
+        self.acap = _BUF
         self.acks = <unsigned char*>malloc(self.acap)
         if self.hb == NULL or self.acks == NULL:
             raise MemoryError()
         _lock(&sink.mu)
+        self.c.held = _held(self)
         self.c.next = sink.conns
         if sink.conns != NULL:
             sink.conns.prev = &self.c
@@ -715,7 +743,11 @@ cdef class SinkConn:
 
     def __dealloc__(self):
         self._detach()
-        free(self.hb)
+        if self.spare != NULL:  # ended in a big frame: hb is its mapping
+            munmap(self.hb, self.hcap)
+            free(self.spare)
+        else:
+            free(self.hb)
         free(self.acks)
         free(self.scratch)
         free(self.c.used)
@@ -740,6 +772,13 @@ cdef class SinkConn:
     def close(self):
         """Leave the table (call before closing the socket: a revoke cuts only attached connections)."""
         self._detach()
+
+    def retained(self):
+        """The bytes this connection's buffers hold, as its loop last said (see ``Sink.retained``)."""
+        _lock(&self.sink.mu)
+        n = self.c.held
+        pthread_mutex_unlock(&self.sink.mu)
+        return n
 
     def serve(self):
         """Land frames until one is refused or the connection ends. Returns ``(SERVE_REFUSED, seq, code,
@@ -766,6 +805,38 @@ cdef class SinkConn:
             raise MemoryError()
         self.discard = nbytes
         self.acked_bytes += nbytes  # counted as landed bytes are: the gather bound
+
+
+cdef inline size_t _held(SinkConn s) noexcept nogil:
+    return (s.hcap + s.sparecap + s.acap + (_DISCARD if s.scratch != NULL else 0)
+            + <size_t>s.c.capused * sizeof(uint64_t))
+
+
+cdef void _tell(SinkConn s) noexcept nogil:
+    """Say what the buffers hold now (after they grew or shrank: not per frame)."""
+    pthread_mutex_lock(&s.sink.mu)
+    s.c.held = _held(s)
+    pthread_mutex_unlock(&s.sink.mu)
+
+
+cdef inline void _trim(SinkConn s) noexcept nogil:
+    """Between frames (``hb`` holds at most ``_AHEAD`` bytes, of the next frame; no landing mark):
+    free the header buffer of a frame of more writes than the usual one holds (``_grow``), back to
+    the usual one, and the landing marks' array if a frame into very many regions grew it past
+    ``_KEEP`` bytes; say what the buffers hold if that changed (the marks' array may have grown).
+    Neither allocates nor takes the mutex unless something changed."""
+    if s.spare != NULL:
+        memcpy(s.spare, s.hb, s.hlen)
+        munmap(s.hb, s.hcap)  # back to the system at once, not cached by the allocator's arenas
+        s.hb, s.hcap = s.spare, s.sparecap
+        s.spare, s.sparecap = NULL, 0
+    if <size_t>s.c.capused * sizeof(uint64_t) > _KEEP:
+        pthread_mutex_lock(&s.sink.mu)  # (others read the marks under it, of a connection landing)
+        free(s.c.used)
+        s.c.used, s.c.capused = NULL, 0
+        pthread_mutex_unlock(&s.sink.mu)
+    if s.c.held != _held(s):  # only this connection's loop writes held and what it counts
+        _tell(s)
 
 
 cdef int _ack(SinkConn s, uint64_t seq, uint32_t status, int32_t err, const unsigned char* msg, size_t n) noexcept nogil:
@@ -836,6 +907,7 @@ cdef int _read(SinkConn s, unsigned char* into, size_t n, bint idle) noexcept no
 
 cdef int _flush(SinkConn s) noexcept nogil:
     """Send the gathered acks."""
+    cdef unsigned char* grown
     cdef size_t sent = 0
     cdef ssize_t k
     cdef int r
@@ -854,6 +926,12 @@ cdef int _flush(SinkConn s) noexcept nogil:
     s.alen = 0
     s.nacks = 0
     s.acked_bytes = 0
+    if s.acap > _KEEP:  # long refusal messages gathered: back to the usual size
+        grown = <unsigned char*>malloc(_BUF)
+        if grown != NULL:
+            free(s.acks)
+            s.acks, s.acap = grown, _BUF
+            _tell(s)
     return 0
 
 
@@ -867,6 +945,7 @@ cdef int _drop(SinkConn s) noexcept nogil:
         if s.scratch == NULL:
             s.err = ENOMEM
             return _SERVE_CLOSED
+        _tell(s)
     while s.discard:
         k = recv(s.c.fd, s.scratch, <size_t>(s.discard if s.discard < _DISCARD else _DISCARD), 0)
         if k <= 0:
@@ -950,14 +1029,30 @@ cdef int _payload(SinkConn s, const unsigned char* d, Py_ssize_t count) noexcept
 
 
 cdef int _grow(SinkConn s, size_t need) noexcept nogil:
+    """Room for ``need`` bytes of header and descriptors in ``hb`` (``hlen`` of them read). Up to
+    ``_KEEP``, the usual buffer grows and stays; past it the frame gets a mapping of its own, with what
+    was read, and the usual one waits aside (``spare``) until ``_trim`` unmaps the big one. (Freed
+    malloc memory of that size stays cached in the allocator's per-thread arenas: one big frame's
+    worth for each, and there is a sink thread per connection. The mapping is populated at once:
+    cheaper than faulting its pages in one by one as the descriptors arrive.)"""
     cdef unsigned char* grown
+    cdef void* mapped
     if need <= s.hcap:
         return 0
-    grown = <unsigned char*>realloc(s.hb, need)
+    if need <= _KEEP:
+        grown = <unsigned char*>realloc(s.hb, need)
+    else:
+        mapped = mmap(NULL, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
+        grown = NULL if mapped == MAP_FAILED else <unsigned char*>mapped
+        if grown != NULL:
+            memcpy(grown, s.hb, s.hlen)
     if grown == NULL:
         s.err = ENOMEM
         return _SERVE_CLOSED
+    if need > _KEEP:
+        s.spare, s.sparecap = s.hb, s.hcap
     s.hb, s.hcap = grown, need
+    _tell(s)  # (a big frame: what it holds until it is done)
     return 0
 
 
@@ -970,6 +1065,7 @@ cdef int _serve(SinkConn s) noexcept nogil:
     cdef const unsigned char* d
     s.err = 0
     while True:
+        _trim(s)  # before the acks go out: a source that has them sees what the connection keeps
         if s.discard:
             r = _drop(s)
             if r:

@@ -188,6 +188,11 @@ _AHEAD = 40  # bytes a sink may read past a payload: the next frame's header and
 _ACK_GATHER = 16  # acks gathered at most under load
 _ACK_GATHER_BYTES = 1 << 20
 _DISCARD = 65536
+# The most a sink connection keeps in its header buffer between frames: a frame of more writes (up to
+# max_writes, 16 MiB of descriptors at the transport's default) grows it while it is read and checked,
+# and it shrinks back once the frame is done, as does all else of the frame (the compiled twin's rule;
+# see its _KEEP).
+_KEEP = 24 + _AHEAD + 4096 * 16  # 64 KiB and a little: a frame of up to 4096 writes
 _U64_TOP = 1 << 64
 _TICK = (BlockingIOError, TimeoutError)  # a read or send that waited one kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO)
 
@@ -341,6 +346,14 @@ class Sink:
                 out.append(views[j][off : off + length])
         return LAND_OK, 0, out
 
+    def retained(self) -> list[int]:
+        """The bytes each attached connection holds in its own buffers (a frame's header and descriptors,
+        gathered acks, its landing marks), in no particular order (diagnostics): between frames, once
+        its acks went out, at most ``_KEEP`` (64 KiB) in each, whatever the frames were. As each twin
+        allocates them: the figures differ between the twins, the bound does not."""
+        with self._cond:
+            return [c._held() for c in self._conns]
+
     def stop(self) -> None:
         """The transport is closing: every loop ends at its next tick."""
         with self._cond:
@@ -412,6 +425,14 @@ class SinkConn:
                 self._landing = False
                 self._sink._cond.notify_all()
 
+    def retained(self) -> int:
+        """The bytes this connection's buffers hold (see ``Sink.retained``)."""
+        with self._sink._cond:
+            return self._held()
+
+    def _held(self) -> int:
+        return self._hb.__alloc__() + sum(map(len, list(self._acks))) + 8 * len(self._used)
+
     def refuse(self, seq: int, err: int, message: bytes, nbytes: int) -> None:
         """Queue the error ack of a refused frame and drop its ``nbytes`` of payload (on the next ``serve()``)."""
         seq = _u64(seq, "seq")
@@ -441,6 +462,10 @@ class SinkConn:
     def _serve(self) -> tuple[int, ...]:
         sock, hb = self._sock, self._hb
         while True:
+            if hb.__alloc__() > _KEEP:  # between frames: at most _AHEAD bytes, of the next frame, are in it
+                ahead = bytes(hb)
+                hb.clear()  # gives the buffer back (a bytearray emptied is shrunk)
+                hb += ahead
             if self._discard:
                 self._drop()
                 if len(self._acks) >= _ACK_GATHER or self._acked_bytes >= _ACK_GATHER_BYTES:
@@ -490,6 +515,9 @@ class SinkConn:
             else:
                 self._landed()
                 del hb[:FRAME_SIZE]  # what came after the header is the next frame's
+            # done with the frame: its descriptors and views (some 200 bytes a write) must not stay
+            # alive while the loop waits for the next one
+            desc = views = None
             self._acks.append(_ACK.pack(seq, 0, 0, 0))
             self._acked_bytes += total
             if len(self._acks) >= _ACK_GATHER or self._acked_bytes >= _ACK_GATHER_BYTES:

@@ -472,6 +472,15 @@ class TcpTransport(Transport):
         return self._backoff.count
 
     @property
+    def sink_buffers(self) -> list[int]:
+        """The bytes each data connection this sink serves holds in its own buffers now (a frame's
+        header and descriptors, gathered acks, a refused payload's scratch), one figure per
+        connection (diagnostics). Between frames each stays within a small bound (its header buffer
+        64 KiB), however many writes the batches it received held: a batch of ``max_batch_writes``
+        writes (16 MiB of descriptors at the default) is held only while it is read and checked."""
+        return list(self._table.retained())
+
+    @property
     def revoke_method(self) -> str:
         """How ``revoke`` enforces: ``"sink check"`` (the sink checks every write against its grant)."""
         return "sink check"

@@ -8,12 +8,14 @@ writes nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import queue
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+import tracemalloc
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -158,6 +160,60 @@ def test_grants_are_checked_per_frame_and_a_revoked_one_refuses(loops: Any) -> N
     result = loop.result()
     assert result[:3] == (loop.impl.SERVE_REFUSED, 6, loop.impl.LAND_GRANT_NOT_LIVE)
     assert int(loop.mem.astype(bool).sum()) == 2 and (loop.mem[8190:8192] == 5).all()
+
+
+KEEP = 1 << 16  # what a sink connection keeps in its header buffer between frames (_KEEP, both twins)
+HELD = 4 * KEEP  # its header, ack and refused-payload buffers and landing marks: each within KEEP
+
+
+@contextlib.contextmanager
+def _python_allocations() -> Iterator[Callable[[], int]]:
+    """Bytes of Python objects allocated since entering and still alive (``tracemalloc``): what the pure
+    twin keeps of a frame, which ``retained()`` (its buffers) does not count. The compiled twin's
+    buffers are ``malloc``'d and not traced: its ``retained()`` counts them."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        yield lambda: tracemalloc.get_traced_memory()[0] - start
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+
+
+def test_a_frame_of_many_writes_is_not_held_once_it_is_done(loops: Any) -> None:
+    """Regression: a connection's header buffer grew to a frame's descriptors (16 bytes a write: 16 MiB
+    at the transport's max_batch_writes) and never shrank, so every connection that once received a
+    big batch held it for good (the pure twin: its descriptors and a view per write, some 200 bytes a
+    write, until the next frame came). Once the frame is done (landed, or refused and its ack
+    worded), what the connection holds is back within a small bound, before its ack goes out."""
+    n = 1 << 15  # 512 KiB of descriptors, 64 KiB of payload
+    loop = loops(max_writes=n)
+    assert loop.sink.retained() == [loop.served.retained()] and loop.served.retained() <= HELD
+    writes = [(loop.addr + 2 * i, bytes([1 + i % 251]) * 2) for i in range(n)]
+    assert 16 * n > HELD
+    landed = _frame(1, writes)
+    writes[-1] = (loop.addr + (1 << 16) - 1, b"\x05\x05")  # its last write runs past the region: refused
+    refused = _frame(2, writes)
+    with _python_allocations() as allocated:
+        loop.src.sendall(landed)
+        assert loop.ack() == (1, 0, 0, b"")
+        assert loop.mem[-1] == 1 + (n - 1) % 251
+        held = loop.served.retained()
+        assert held <= HELD, f"a connection holds {held} bytes after a frame of {n} writes"
+        assert allocated() <= HELD, f"{allocated()} bytes of Python objects stay alive after a frame of {n} writes"
+        loop.src.sendall(refused)
+        result = loop.result()
+        assert result[:5] == (loop.impl.SERVE_REFUSED, 2, loop.impl.LAND_OUTSIDE_REGIONS, n - 1, n)
+        loop.served.refuse(2, errno.EFAULT, b"why", result[8])
+        loop.serve()
+        assert loop.ack() == (2, 1, errno.EFAULT, b"why")
+        held = loop.served.retained()
+        assert held <= HELD, f"a connection holds {held} bytes after a refused frame of {n} writes"
+        assert allocated() <= HELD, f"{allocated()} bytes of Python objects stay alive after a refused frame"
+    loop.src.sendall(_frame(3, [(loop.addr, b"\x09")]))  # and lands the next frame as before
+    assert loop.ack() == (3, 0, 0, b"") and loop.mem[0] == 9
 
 
 def _landing(loop: Loop, grant: int) -> bytes:

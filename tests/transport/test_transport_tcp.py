@@ -249,6 +249,33 @@ def test_an_empty_batch_on_an_idle_peer_completes() -> None:
         dst_t.close(deadline=Deadline.after(5))
 
 
+def test_a_sink_connection_gives_back_what_a_big_batch_took() -> None:
+    """Regression: a sink connection's buffer of write descriptors grew to the biggest batch it received
+    (16 bytes a write: 16 MiB at the default max_batch_writes) and kept it, so 1,024 connections that
+    once took such a batch held 16 GiB. Once the batch completed, the sink connection holds a small
+    bound again (``sink_buffers``; on the twin in use: this file runs under PDCORE_PURE_PYTHON=1 too)."""
+    src_t, dst_t = transport.create("tcp", peer_timeout=5.0), transport.create("tcp", peer_timeout=5.0)
+    try:
+        n = 1 << 16  # 1 MiB of descriptors, 1 MiB of payload
+        dst = np.zeros(16 * n, np.uint8)
+        dst_t.register(dst)
+        src = np.full(16 * n, 7, np.uint8)
+        r = src_t.register(src)
+        peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+        d = peer.remote.regions[0].addr
+        offsets = np.arange(n, dtype=np.uint64) * np.uint64(16)
+        batch = np.stack([r.addr + offsets, d + offsets, np.full(n, 16, np.uint64)], axis=1)
+        src_t.write(peer, batch, deadline=Deadline.after(10))
+        (completion,) = src_t.completions(deadline=Deadline.after(10))
+        assert completion.error is None and (dst == 7).all()
+        held = dst_t.sink_buffers
+        assert len(held) == 1  # the data connection (the ack connection has no loop)
+        assert held[0] <= 4 * (1 << 16) < 16 * n, f"the sink connection holds {held[0]} bytes after {n} writes"
+    finally:
+        src_t.close(deadline=Deadline.after(5))
+        dst_t.close(deadline=Deadline.after(5))
+
+
 def _ack(s: _Raw) -> tuple[int, int, int, str]:
     assert s.acks is not None
     seq, status, err, n = tcp._ACK.unpack(_recv(s.acks, tcp._ACK.size))
