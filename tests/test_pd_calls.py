@@ -371,3 +371,24 @@ def test_a_page_size_mismatch_names_both_sides_on_prefill(pair: Pair) -> None:
         assert "prefill rank 0/1 expects [4096, 4096]" in reason, reason
     finally:
         ctx.destroy(linger=0)
+
+
+def test_diagnostics_say_what_a_peer_holds_while_a_request_is_held_and_that_nothing_is_left_after(pair: Pair) -> None:
+    """``diagnostics()`` is the read-only snapshot the metrics, demo, chaos and tests read: while decode's pages
+    are granted and prefill holds the room, both sides say so; once the request ended, nothing is held."""
+    pair.register("held", room=61)
+    pair.pump(lambda: pair.seen("decode", "Bootstrapped", "held"), "decode to bootstrap")
+    pair.announce("held")
+    pair.pump(lambda: pair.seen("prefill", "Bootstrapped", "held"), "prefill to hear the announcement")
+    pair.decode.quiesce()
+    d, p = pair.decode.diagnostics(), pair.prefill.diagnostics()
+    assert d["engines"]["decode"]["grants"] == 1 and d["front"]["live"] == 1 and d["table"]["tracked"] == 1
+    assert p["engines"]["prefill"]["rooms"] == 1 and p["front"]["rooms"] == 1 and p["role"] == "prefill"
+    assert d["queues"]["parked_posts"] == 0 and p["channel"]["protocol_errors"] == 0
+    pair.drive(["held"])
+    _lands(pair, "held")
+    for peer in (pair.prefill, pair.decode):
+        peer.quiesce()
+        snap = peer.diagnostics()
+        held = {k: v for k, v in snap["engines"][peer.ROLE].items() if v and k not in ("tombstones", "connected_peers")}
+        assert not held and snap["front"]["live"] == 0 and snap["table"]["tracked"] == 0, (peer.ROLE, snap)

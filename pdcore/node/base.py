@@ -250,8 +250,9 @@ class PeerBase:
           ``handoffs``, ``posts_parked``);
         - ``queues``: inputs queued for the driver, I/O items, posts parked for full sinks, control
           frames queued to send;
-        - ``engines``: per role engine, what it holds (rooms, requests, parked announcements,
-          look-ups waiting, revokes to retry, ...), its tombstones and connected peers;
+        - ``engines``: per role engine, what it holds (rooms, requests, the grants it made and has not
+          revoked, parked announcements, look-ups waiting, revokes to retry, ...), its tombstones and
+          connected peers;
         - ``channel``: the control channel's counters; ``transport``: the data plane's;
         - the role's own parts (``table``, ``front``, ``receiver``).
         """

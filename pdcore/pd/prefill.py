@@ -79,6 +79,11 @@ class PrefillPeer(PdPeer):
             raise StartError(f"embedding_receiver: the transport refused the receive buffers: {e}") from e
         return self._receiver
 
+    def _diagnose(self, out: dict[str, Any]) -> None:
+        super()._diagnose(out)
+        if self._receiver is not None:
+            out["receiver"] = self._receiver.front.diagnostics()
+
     def close(self) -> None:
         """As ``PeerBase.close``; the receiver's agreement goes too."""
         super().close()

@@ -124,7 +124,9 @@ class DecodeEngine(Engine):
         self._landed_grants: RetryRevokes[Any] = RetryRevokes(limit=4 * self._config.max_pending)
 
     def held(self) -> dict[str, int]:
-        return {"requests": len(self._requests), "sources": len(self._by_source), "unrevoked": len(self._unrevoked),
+        return {"requests": len(self._requests), "sources": len(self._by_source),
+                "grants": sum(1 for r in list(self._requests.values()) for link in r.links if link.grant is not None),
+                "unrevoked": len(self._unrevoked),
                 "landed_grants": len(self._landed_grants), "lookups": self._lookups.waiting()}
 
     def next_deadline(self) -> float:

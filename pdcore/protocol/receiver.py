@@ -91,6 +91,7 @@ class ReceiverEngine(Engine):
 
     def held(self) -> dict[str, int]:
         return {"items": len(self._items), "requests": len(self._by_rid), "sources": len(self._by_source),
+                "grants": sum(1 for record in list(self._items.values()) if record.grant is not None),
                 "early": len(self._early),
                 "slot_owners": len(self._slot_owner), "unrevoked": len(self._unrevoked),
                 "landed_grants": len(self._landed_grants),
