@@ -8,7 +8,12 @@ scheduler and the workers may be different processes).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import pickle
+import signal
+import threading
+import time
 import warnings
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -137,3 +142,59 @@ def test_the_cpu_cache_is_described_as_fused_hnd_so_other_tp_sizes_pair(vc: Modu
     assert layout.page_bytes(1) == 2 * layout.page_bytes(2)  # a tp 1 rank's block holds both heads
     with pytest.raises(StartError, match="2 KV heads over tp 1"):  # the shape disagrees with the model's heads
         conn._kv_layout(one_head, 2, 1, one_head[0].numel() * 4)
+
+
+def _engine_core(report: Any) -> None:
+    """Stands in for vLLM's engine-core process: a multiprocessing child that makes the scheduler's connector."""
+    from types import SimpleNamespace as NS
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdcore.vllm import connector
+
+    cfg = NS(kv_transfer_config=NS(kv_role="kv_consumer", kv_connector_extra_config={}, is_kv_producer=False),
+             parallel_config=NS(pipeline_parallel_size=1), cache_config=NS(enable_prefix_caching=False, block_size=32))
+    connector.PdcoreConnector(cfg, KVConnectorRole.SCHEDULER, NS(kv_cache_groups=[object()]))
+    report.send(os.getpid())
+    threading.Event().wait(120.0)  # the engine's loop: until the server's end ends it
+
+
+def _api_server(report: Any) -> None:
+    """Stands in for vLLM's API server: starts the engine core the way it does (multiprocessing), then waits."""
+    ctx = multiprocessing.get_context("spawn")
+    ctx.Process(target=_engine_core, args=(report,), daemon=False).start()
+    threading.Event().wait(120.0)
+
+
+def test_the_engine_core_ends_with_its_server(vc: ModuleType) -> None:
+    """Real processes, a real signal: SIGKILL of the API server's PID alone (as an operator does) ends the engine
+    core it started, whose connector holds the pdcore rank and the bootstrap port (they stayed, before)."""
+    ctx = multiprocessing.get_context("spawn")
+    theirs, ours = ctx.Pipe(duplex=False)
+    server = ctx.Process(target=_api_server, args=(ours,))
+    server.start()
+    core = None
+    try:
+        assert theirs.poll(120.0), "the engine core did not start"
+        core = theirs.recv()
+        os.kill(server.pid, signal.SIGKILL)
+        server.join(10.0)
+        end = time.monotonic() + 30.0
+        while os.path.exists(f"/proc/{core}") and _state(core) != "Z" and time.monotonic() < end:
+            time.sleep(0.05)  # polling the process's state against a deadline
+        assert not os.path.exists(f"/proc/{core}") or _state(core) == "Z", "the engine core outlived its server"
+    finally:
+        for pid in (server.pid, core):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -177,3 +177,14 @@ def test_a_client_closing_after_its_whole_answer_is_not_a_cancellation(setup) ->
         for _ in range(5):
             assert post(port, {"model": "m", "prompt": [1], "stream": stream})[0] == 200
     assert router.stats["cancelled"] == 0 and router.stats["routed"] == 10
+
+
+def test_a_burst_of_clients_is_served_not_reset(setup) -> None:
+    """64 clients connect at once (a load run's first burst): each gets its answer (the listen backlog of
+    socketserver's default, 5, reset the connections it could not hold)."""
+    import concurrent.futures
+
+    _, _, router, port = setup()
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        statuses = list(pool.map(lambda i: post(port, {"model": "m", "prompt": [i]})[0], range(64)))
+    assert statuses == [200] * 64 and router.stats["routed"] == 64

@@ -157,7 +157,11 @@ class SchedulerBook:
                                f"tokens, {n} needed")
         self._attempted.add(rid)
         self._transfers[rid] = transfer
-        self._plan.loads.append(Load(rid, transfer, tuple(int(b) for b in block_ids[cached // self.block_size : n])))
+        first = cached // self.block_size
+        if first:
+            log.info("pdcore: request %s (room %d): %d of its %d blocks cached here, %d to load", rid, transfer.room,
+                     first, n, n - first)
+        self._plan.loads.append(Load(rid, transfer, tuple(int(b) for b in block_ids[first:n])))
 
     # -- prefill --------------------------------------------------------------------------
 

@@ -22,8 +22,13 @@ loads only the blocks its cache lacks (prefill writes the tail of the prompt's).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
+import os
 import re
+import signal
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +72,24 @@ def _log_like_vllm() -> None:
         ours.propagate = False
 
 _DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_the_server() -> bool:
+    """In vLLM's engine-core process (a child the API server started): ask the kernel for SIGTERM when the
+    server goes, so killing the server's PID ends the engine too, and with it this rank (its peer, its
+    bootstrap port). A process nobody started through ``multiprocessing`` (the server itself, an engine
+    run in the server's process) is left alone. True if it is set up."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("pdcore: cannot ask to end with the vLLM server (prctl: errno %d)", ctypes.get_errno())
+        return False
+    if os.getppid() != parent.pid:  # it went before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 class PdcoreMetadata(KVConnectorMetadata):
@@ -125,8 +148,9 @@ class PdcoreConnector(KVConnectorBase_V1):
         self._server: Any = None
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
-        if role == KVConnectorRole.SCHEDULER:
+        if role == KVConnectorRole.SCHEDULER:  # (the engine core holds the scheduler: it ends with the server)
             self._book = SchedulerBook(self._producer, self._block_size, self._options.max_transfers)
+            end_with_the_server()
 
     # -- the scheduler side -------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ class _Upstream:
 
     def __init__(self, base: tuple[str, int], timeout: float) -> None:
         self.conn = http.client.HTTPConnection(base[0], base[1], timeout=timeout)
+        self.conn.auto_open = 0  # connected once, by ``post``: a cut connection is never opened again behind it
         self._lock = threading.Lock()
         self._cut = False
 
@@ -355,6 +356,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: socketserver's 5 reset connections of a burst of clients
 
     def __init__(self, address: tuple[str, int], router: Router) -> None:
         self.router = router

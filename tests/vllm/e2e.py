@@ -3,7 +3,7 @@
 What runs (separate processes; every wait has a deadline, a process that dies fails the run
 with its log's tail):
 
-1. the tiny model with seeded weights (``tiny_model.py``); one instance alone for the
+1. the tiny model with seeded weights and a tokenizer (``python -m pdcore.vllm.tiny_model``); one instance alone for the
    reference tokens (``instance.py reference``), while the servers start;
 2. a prefill server (``kv_producer``) and a decode server (``kv_consumer``, no prefix caching,
    ``kv_load_failure_policy=recompute``) joined over TCP with a secret (the prefill side reads it
@@ -11,7 +11,9 @@ with its log's tail):
    (``python -m pdcore.vllm.router``) in front;
 3. the batch: prompts of lengths that are not multiples of the block size (32), up to 7 blocks,
    all at once through the router, half of them streamed: decode's tokens must equal the
-   reference's for every one;
+   reference's for every one; then a one-token prompt (nothing to transfer: both servers idle at
+   once after it) and a chat request (the tiny model's tokenizer and chat template) whose tokens
+   equal those of the same chat computed by decode alone;
 4. the negative control: one request gets one transferred page overwritten on purpose
    (``negative_control.py``): its tokens must differ;
 5. cancellations: a request waiting for its KV whose client goes away, and a streamed one
@@ -20,12 +22,18 @@ with its log's tail):
 6. a request whose transfer cannot happen (no bootstrap server at its address) is recomputed
    (``kv_load_failure_policy=recompute``): its tokens equal the reference's;
 7. heterogeneous tp: the same prefill server (tp 1) feeds a decode server of tp 2 (two workers,
-   one KV head each) through pdcore's planner, behind a second router: the batch again, every
-   request's tokens equal to the reference's (the tp 1 decode server is stopped first: six vLLM
-   processes on two cores starve pdcore's handshakes past their 5 s deadlines);
+   one KV head each, prefix caching on) through pdcore's planner, behind a second router: the
+   batch again, every request's tokens equal to the reference's (the tp 1 decode server is
+   stopped first: six vLLM processes on two cores starve pdcore's handshakes past their 5 s
+   deadlines); prompts that share prefixes: decode loads only the blocks its cache lacks (its
+   log says how many) and the tokens equal the reference's; then the load: 200 requests, 32 at a
+   time, mixed lengths, some sharing prefixes, streamed, through the router and then at decode
+   alone (one instance): tokens identical, throughput and time to first token (p50, p99) of both;
 8. the prefill server killed (SIGKILL) while two requests wait for their KV on the tp 2 decode
    server (``kv_load_failure_policy=fail``): both end with an error within ``dead_after`` and
-   a margin, and decode holds no block afterwards;
+   a margin, and decode holds no block afterwards; a request sent through the router while
+   prefill is down fails fast: decode computes it (tokens as the reference's) in about a local
+   prefill, not after its transfer timeouts;
 9. the offline pair (``pdcore.vllm.offline``): a prefill and a decode ``LLM`` in two processes.
 
 Its closing line: ``vllm pd: N requests, M identical to one instance (...)``.
@@ -50,13 +58,15 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import tiny_model  # noqa: E402
+from pdcore.vllm import tiny_model  # noqa: E402
 
 BLOCK = 32
 MAX_TOKENS = 8
 LENGTHS = [5, 17, 31, 33, 47, 63, 65, 100, 130, 200]  # none a multiple of 32; 200 spans 7 blocks
 START_DEADLINE = 420.0  # vLLM imports in 20-60 s and initialises in 10-30 s on a loaded 2-core machine
 REQUEST_TIMEOUT = 120.0
+LOAD = 200  # requests of the load run, CONCURRENCY at a time
+CONCURRENCY = 32
 DEAD_AFTER = 15.0  # decode's pdcore dead_after: how soon a killed prefill is noticed (5 s was missed under load: six vLLM processes on two cores starve the heartbeats)
 BOOTSTRAP_TIMEOUT = 20.0  # decode's: how long a request whose prefill cannot be found waits for it
 
@@ -231,6 +241,66 @@ def batch_through(port: int, model: str, prompts: list[list[int]]) -> list[tuple
         return [f.result(timeout=REQUEST_TIMEOUT + 30) for f in futures]
 
 
+def timed(port: int, b: dict) -> tuple[list[int], float, float]:
+    """One streamed completion: its tokens, seconds to its first token and to its end."""
+    started = time.monotonic()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
+    try:
+        c.request("POST", "/v1/completions", body=json.dumps({**b, "stream": True}),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        check(r.status == 200, f"a load request answered {r.status}")
+        tokens: list[int] = []
+        first = 0.0
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                check("choices" in event, f"a load request's stream carried {line[:300]}")
+                got = event["choices"][0].get("token_ids") or []
+                if got and not first:
+                    first = time.monotonic() - started
+                tokens += got
+        return tokens, first, time.monotonic() - started
+    finally:
+        c.close()
+
+
+def load(port: int, model: str, prompts: list[list[int]], params: dict | None = None) -> dict[str, Any]:
+    """``prompts`` streamed through ``port``, CONCURRENCY at a time: tokens, throughput, TTFT p50/p99."""
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
+        out = list(pool.map(lambda p: timed(port, body(model, p, params=params)), prompts))
+    wall = time.monotonic() - started
+    firsts = sorted(f for _, f, _ in out)
+    pick = lambda q: firsts[min(len(firsts) - 1, int(q * len(firsts)))]  # noqa: E731
+    return {"tokens": [t for t, _, _ in out], "seconds": wall, "rps": len(prompts) / wall,
+            "tps": sum(len(t) for t, _, _ in out) / wall, "p50": pick(0.5), "p99": pick(0.99)}
+
+
+def load_prompts(rng: random.Random) -> list[list[int]]:
+    """LOAD prompts of 2..200 tokens; a quarter extend one of 8 stems of 64 tokens (they share prefixes)."""
+    stems = [[rng.randrange(3, tiny_model.VOCAB) for _ in range(64)] for _ in range(8)]
+    out = []
+    for i in range(LOAD):
+        tail = [rng.randrange(3, tiny_model.VOCAB) for _ in range(rng.randrange(2, 137))]
+        out.append((rng.choice(stems) + tail) if i % 4 == 0 else tail)
+    return out
+
+
+def chat_text(port: int, b: dict) -> str:
+    """A chat completion's message text."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
+    try:
+        c.request("POST", "/v1/chat/completions", body=json.dumps(b), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        check(r.status == 200, f"a chat answered {r.status}: {data[:300]!r}")
+        return str(json.loads(data)["choices"][0]["message"]["content"])
+    finally:
+        c.close()
+
+
 def start_router(python: str, prefill: int, decode: int, boot: int, port: int, log: Path, env: dict[str, str],
                  procs: list[Proc]) -> Proc:
     router = Proc(log.stem, [python, "-m", "pdcore.vllm.router", "--prefill", f"http://127.0.0.1:{prefill}",
@@ -270,7 +340,12 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     corrupt = [rng.randrange(3, tiny_model.VOCAB) for _ in range(45)]
     waiting = [[rng.randrange(3, tiny_model.VOCAB) for _ in range(n)] for n in (40, 70, 50)]
     offline = [[rng.randrange(3, tiny_model.VOCAB) for _ in range(n)] for n in (9, 38, 77)]
-    everything = batch + [corrupt] + waiting + offline
+    one = [rng.randrange(3, tiny_model.VOCAB)]  # a one-token prompt: nothing for decode to fetch
+    stem = [rng.randrange(3, tiny_model.VOCAB) for _ in range(100)]
+    prefixed = [stem, stem[:64] + [rng.randrange(3, tiny_model.VOCAB) for _ in range(40)]]  # 2 of 4 blocks shared
+    down = [rng.randrange(3, tiny_model.VOCAB) for _ in range(60)]  # sent while prefill is down
+    loads = [load_prompts(rng) for _ in range(2)]  # through pdcore; at decode alone (disjoint: no cache between)
+    everything = batch + [corrupt] + waiting + offline + [one] + prefixed + [down] + loads[0] + loads[1]
     (work / "prompts.json").write_text(json.dumps(everything))
     (work / "offline.json").write_text(json.dumps(offline))
     say(f"model and secret in {work}; {len(everything)} prompts")
@@ -279,8 +354,7 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
                              str(work / "reference.json")], work / "reference.log", env)
     procs.append(ref)
     p_http, d_http, boot, r_port = free_port(8100), free_port(8200), free_port(8998), free_port(8000)
-    server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-              "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--block-size", str(BLOCK),
+    server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--block-size", str(BLOCK),
               "--host", "127.0.0.1"]
     prefill_cfg = {"kv_connector": "PdcoreConnector", "kv_connector_module_path": "pdcore.vllm.connector",
                    "kv_role": "kv_producer",
@@ -321,6 +395,19 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     streamed = (work / "prefill.log").read_text(errors="replace").count("sent (layer by layer)")
     check(streamed >= 1, "no request was written layer by layer (layerwise_min_pages=2)")
     say(f"batch: {identical}/{len(batch)} identical to one instance ({streamed} written layer by layer)")
+
+    # 3b. a one-token prompt: nothing to transfer, nothing held (prefill held it, and a slot, for its
+    # bootstrap timeout); a chat through the router: as decode alone computes it
+    single, _ = post(r_port, body(model, one))
+    check(single == ref_of[tuple(one)], f"the one-token prompt gave {single}, one instance {ref_of[tuple(one)]}")
+    wait_for(lambda: idle(p_http) and idle(d_http), 15, "both servers to hold nothing after a one-token prompt",
+             [prefill, decode])
+    chat = {"model": model, "messages": [{"role": "user", "content": "tell me about transfers"}], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    via = chat_text(r_port, chat)
+    alone = chat_text(d_http, chat)
+    check(bool(via) and via == alone, f"a chat through the router gave {via!r}, decode alone {alone!r}")
+    say(f"a one-token prompt as one instance, nothing held after it; a chat through the router as decode alone ({via!r})")
 
     # 4. the negative control
     bad, _ = post(r_port, body(model, corrupt, params={"test_corrupt_page": True}))
@@ -371,7 +458,7 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
                    "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
                    "kv_connector_extra_config": {"dead_after": DEAD_AFTER}}
     d2_http, r2_port = free_port(8300), free_port(8001)
-    decode2 = Proc("decode-tp2", server + ["--port", str(d2_http), "--no-enable-prefix-caching",
+    decode2 = Proc("decode-tp2", server + ["--port", str(d2_http), "--enable-prefix-caching",
                                            "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
                                            "--kv-transfer-config", json.dumps(decode2_cfg)],
                    work / "decode-tp2.log", {**env, "PDCORE_SECRET_FILE": str(secret)})
@@ -385,6 +472,27 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     check(hetero == len(batch), f"tp 1 -> tp 2: only {hetero} of {len(batch)} requests equal the reference")
     say(f"prefill tp 1 -> decode tp 2 (pdcore's planner, one KV head per decode rank): {hetero}/{len(batch)} "
         "identical to one instance")
+
+    # 7b. prefix caching on decode: the second prompt shares 2 of its 4 blocks with the first
+    cached = [post(r2_port, body(model, p))[0] for p in prefixed]
+    same_prefixed = sum(t == ref_of[tuple(p)] for t, p in zip(cached, prefixed))
+    check(same_prefixed == len(prefixed), f"prefix-cached requests: {same_prefixed}/{len(prefixed)} identical")
+    partial = (work / "decode-tp2.log").read_text(errors="replace").count("2 of its 4 blocks cached here, 2 to load")
+    check(partial >= 1, "decode loaded the whole prompt although its cache held half of it")
+    say(f"prefix caching on decode: {same_prefixed}/{len(prefixed)} identical; the second loaded only the 2 blocks "
+        "its cache lacked")
+
+    # 7c. the load: through pdcore, then at decode alone (one instance), the same kind of requests
+    pd_load = load(r2_port, model, loads[0])
+    one_load = load(d2_http, model, loads[1])
+    same_load = sum(t == ref_of[tuple(p)] for t, p in zip(pd_load["tokens"], loads[0]))
+    same_one = sum(t == ref_of[tuple(p)] for t, p in zip(one_load["tokens"], loads[1]))
+    check(same_load == LOAD and same_one == LOAD, f"load: {same_load}/{LOAD} through pdcore and {same_one}/{LOAD} "
+          "at decode alone identical to one instance")
+    say(f"load ({LOAD} requests, {CONCURRENCY} at a time): through pdcore {pd_load['rps']:.1f} req/s, "
+        f"{pd_load['tps']:.0f} tokens/s, TTFT p50 {pd_load['p50']:.2f} s p99 {pd_load['p99']:.2f} s; one instance "
+        f"{one_load['rps']:.1f} req/s, {one_load['tps']:.0f} tokens/s, TTFT p50 {one_load['p50']:.2f} s p99 "
+        f"{one_load['p99']:.2f} s; all {2 * LOAD} identical to one instance")
 
     # 8. the prefill server killed while two decode requests wait for their KV: policy fail, no hang
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -400,6 +508,15 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     check(all(e == 500 for e in errors), f"requests waiting on a killed prefill ended with {errors}, not an error")
     wait_for(lambda: idle(d2_http), 30, "the tp 2 decode server to hold no request and no block", [decode2])
     say(f"prefill killed: the 2 requests waiting for it failed (policy fail) in {took:.1f} s; decode holds nothing")
+
+    # 8b. a request through the router while prefill is down: decode computes it at once
+    started = time.monotonic()
+    alone, _ = post(r2_port, body(model, down), timeout=60)
+    fast = time.monotonic() - started
+    check(alone == ref_of[tuple(down)], f"a request while prefill was down gave {alone}")
+    check(json.loads(get(r2_port, "/stats")[1]).get("local", 0) >= 1, "the router did not send it again without a room")
+    say(f"a request while prefill is down: computed by decode alone in {fast:.1f} s (its transfer timeouts not "
+        "waited out), tokens as one instance's")
 
     # 9. the offline pair: two LLM objects in two processes
     for p in (router2, decode2):
@@ -418,13 +535,19 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
     check(offline_same == len(offline), f"offline pair: {offline_same}/{len(offline)} identical")
     say(f"offline LLM pair: {offline_same}/{len(offline)} identical")
 
-    n = 2 * len(batch) + others + 1 + len(offline)
-    m = identical + hetero + others + (recomputed == ref_of[tuple(waiting[1])]) + offline_same
+    n = 2 * len(batch) + others + 1 + len(offline) + 1 + len(prefixed) + 2 * LOAD + 1
+    m = identical + hetero + others + (recomputed == ref_of[tuple(waiting[1])]) + offline_same + \
+        (single == ref_of[tuple(one)]) + same_prefixed + same_load + same_one + (alone == ref_of[tuple(down)])
     print(f"vllm pd: {n} requests, {m} identical to one instance ({len(batch)} through the router and pdcore, "
           f"{streamed} of them layer by layer, {len(batch)} from prefill tp 1 to decode tp 2, "
           f"{others} beside the negative control and the cancellations, "
-          f"1 recomputed after its transfer failed, {len(offline)} through the offline pair; negative control "
-          f"changed its tokens; 2 waiting on a killed prefill failed; {time.monotonic() - T0:.0f} s)", flush=True)
+          f"1 recomputed after its transfer failed, {len(offline)} through the offline pair, 1 of one token, "
+          f"{len(prefixed)} with decode's prefix cache (the second loading 2 of 4 blocks), the load: {LOAD} through "
+          f"pdcore at {pd_load['rps']:.1f} req/s TTFT p50 {pd_load['p50']:.2f} s p99 {pd_load['p99']:.2f} s and "
+          f"{LOAD} at one instance at {one_load['rps']:.1f} req/s TTFT p50 {one_load['p50']:.2f} s p99 "
+          f"{one_load['p99']:.2f} s, 1 served by decode alone while prefill was down ({fast:.1f} s); a chat through "
+          f"the router as decode alone; negative control changed its tokens; 2 waiting on a killed prefill failed; "
+          f"{time.monotonic() - T0:.0f} s)", flush=True)
     return 0 if m == n else 1
 
 
