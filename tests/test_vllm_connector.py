@@ -198,3 +198,24 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_tiny_model_command_writes_a_model_vllm_can_tokenize_and_chat_with(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "tiny"
+    run = subprocess.run([sys.executable, "-m", "pdcore.vllm.tiny_model", str(folder)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert {p.name for p in folder.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                                   "tokenizer_config.json"}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    assert len(tok) == config["vocab_size"] and tok.eos_token_id == config["eos_token_id"]
+    assert tok.decode(tok("transfers")["input_ids"]) == "transfers"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("assistant: ")
