@@ -20,6 +20,10 @@ from pdcore.vllm.router import Router, prefill_body, serve
 WAIT = 20.0
 
 
+class _Listening(ThreadingHTTPServer):
+    request_queue_size = 1024  # a burst's connections, as vLLM's server takes them (socketserver's default: 5)
+
+
 class Upstream:
     """A stand-in vLLM server: records bodies; decode streams three chunks, or holds (``hold``) until
     its client (the router) goes away, which it records."""
@@ -62,7 +66,7 @@ class Upstream:
                     self.end_headers()
                     self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server = _Listening(("127.0.0.1", 0), H)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
@@ -188,3 +192,10 @@ def test_a_burst_of_clients_is_served_not_reset(setup) -> None:
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         statuses = list(pool.map(lambda i: post(port, {"model": "m", "prompt": [i]})[0], range(64)))
     assert statuses == [200] * 64 and router.stats["routed"] == 64
+
+
+def test_a_decode_server_that_cannot_be_reached_is_a_502_not_a_dropped_connection(setup) -> None:
+    prefill, decode, router, port = setup()
+    decode.close()  # nothing listens at decode's address any more
+    status, data = post(port, {"model": "m", "prompt": [1]})
+    assert status == 502 and b"decode server did not answer" in data and router.stats["decode_errors"] == 1

@@ -136,7 +136,7 @@ class Router:
         # failure: a counter from a random start (63 bits) gives both, also across router restarts
         self._rooms = itertools.count(secrets.randbits(62))
         self._lock = threading.Lock()
-        self.stats = {"routed": 0, "cancelled": 0, "prefill_errors": 0, "local": 0}
+        self.stats = {"routed": 0, "cancelled": 0, "prefill_errors": 0, "decode_errors": 0, "local": 0}
 
     def next_room(self) -> int:
         with self._lock:
@@ -260,6 +260,12 @@ class _Handler(BaseHTTPRequestHandler):
                 log.info("room %d: ended early: %s", room, e)
             prefill.cut()
             ex.decode.cut()
+            if ex.chunked_out is None and not ex.client_gone:  # decode failed before it answered: say so
+                router.count("decode_errors")
+                try:
+                    self._reply(502, {"error": f"the decode server did not answer: {e!r}"})
+                except OSError:
+                    pass
             self.close_connection = True
         finally:
             ex.done.set()
