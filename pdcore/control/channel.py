@@ -73,8 +73,34 @@ channel cut is not counted as a failed authentication. Not covered: a flood
 whose connections each send part of a handshake and stall is cut by age only;
 libzmq may accept a burst between two passes of the I/O thread (the next pass
 cuts it); an accept that fails for want of descriptors libzmq retries at once.
-``start`` raises the process's soft limit of open files to its hard limit,
-once per process and logged: headroom, not a bound.
+
+Answers through a flood (issue #42): a channel answers a peer on a connection
+of its own, a DEALER to the peer's endpoint, and making it takes descriptors:
+three for its sockets (made in this thread) and one for its TCP connection
+(opened by libzmq's I/O thread when it takes the connect). At the limit, that
+thread accepts the flood into every descriptor the moment one is freed, so a
+flood faster than this thread kept a proven peer's answers waiting for a
+descriptor until they failed. So the process keeps ``FD_RESERVE`` (64)
+descriptors under its hard limit that only a channel's own sockets and
+connects use (``_FdReserve``): ``start`` sets the soft limit of open files to
+the hard limit less the reserve (once per process, logged; from a lower soft
+limit that is a raise: headroom, not a bound), and a channel raises it to the
+hard limit just for the moment of its connect, until the DEALER's monitor
+reports the connection's socket open or its try failed. libzmq takes the
+connect within a pass or two of its I/O thread and accepts at most one
+connection a pass, so the reserve outlasts it; what the flood took of it
+meanwhile is cut as idle (``stats.reserve_cuts``), and nothing takes it back
+while it is closed. ``_SPARES`` (2) DEALERs are made ahead, so that a connect
+costs one call while the reserve is open. A new DEALER whose connect still
+found no descriptor is closed and made again on the channel's next pass (on
+its clock, not libzmq's 100 to 200 ms retries; ``stats.connects_remade``), its
+frames held meanwhile (up to ``_CONNECT_WAIT``), so none is lost; a connection
+that libzmq reopens later (the peer restarted) gets the reserve just before
+each retry while the peer is heard from. The channel's own connections are
+never accepted by its ROUTER, so never pending, never cut. Not covered: a
+newcomer's connect to a flooded channel may wait out a SYN retransmission
+(1 s, then 3 s) when the flood keeps the listen backlog full; other parts of
+the process may take some of the reserve while it is open.
 
 Authentication (``secret``): ZeroMQ's own CURVE mechanism with one key pair
 derived from the deployment secret (``auth.derive_key(secret,
@@ -153,6 +179,18 @@ _NOBLOCK: Final = int(zmq.NOBLOCK)  # recv_multipart's flags and RCVMORE cost en
 _DONTWAIT: Final = int(zmq.DONTWAIT)
 _MONITOR_RCVHWM: Final = 1 << 14  # events queued for the I/O thread: libzmq never waits on a full monitor pipe
 _TCPI_BYTES_RECEIVED: Final = 128  # offset of tcpi_bytes_received (u64) in Linux's struct tcp_info (4.1 and later)
+FD_RESERVE: Final = 64  # descriptors kept under the hard limit, for the channels' own sockets and connections
+_WINDOW: Final = 0.2  # seconds the reserve stays open for one connect at most (it closes when the connect reports)
+_RETRY_LEAD: Final = 0.002  # seconds before libzmq's retry of a connect that the reserve opens for it
+_SPARES: Final = 2  # DEALERs made ahead (three descriptors each): a connect then costs one call in the window
+_SPARE_RETRY: Final = 0.01  # seconds between two tries to make a spare that found no descriptor
+_CONNECT_WAIT: Final = 5.0  # seconds a new DEALER whose connection found no descriptor is made again, its frames held
+# a DEALER's monitor: its handshake's outcome, and whether its connection got a socket (see _FdReserve)
+_DEALER_EVENTS: Final = (
+    _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED
+    | zmq.EVENT_CONNECT_RETRIED
+)
+_OPENED: Final = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED  # the connection has its socket
 
 
 def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
@@ -191,29 +229,78 @@ def _handshake_failure(event: dict[str, object], *, server: bool = False) -> str
 _PEER_CLOSED: Final = "the peer closed the connection during the handshake: a different secret, or none"
 
 
-_fd_limit_lock = threading.Lock()
-_fd_limit_checked = False
+class _FdReserve:
+    """The process's soft limit of open files, kept ``FD_RESERVE`` under its hard limit and raised to it
+    only while a channel makes a socket or connects (see "Answers through a flood" above): the kernel
+    keeps the descriptors over the soft limit from every thread, libzmq's accepts included, so the
+    reserve is not a race to win. One per process, shared by its channels (it counts who opened it)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._checked = False
+        self.low = 0  # the soft limit while the reserve is closed; 0: no reserve (an infinite or a tiny limit)
+        self._high = 0
+        self._open = 0
 
-def _raise_fd_limit() -> None:
-    """Once per process: raise the soft limit of open files to the hard limit, and log it.
+    def setup(self) -> None:
+        """Once per process: the soft limit to ``FD_RESERVE`` under the hard limit (a raise from
+        a lower one: headroom, not a bound), logged."""
+        with self._lock:
+            if self._checked:
+                return
+            self._checked = True
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if hard == resource.RLIM_INFINITY or hard < 4 * FD_RESERVE:
+                self._raise(soft, hard)
+                return
+            low = hard - FD_RESERVE
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+            except (OSError, ValueError) as e:
+                log.info("control channel: cannot set the soft limit of open files from %d to %d: %s", soft, low, e)
+                return
+            self.low, self._high = low, hard
+        log.info(
+            "control channel: this process's soft limit of open files is %d (was %d): its hard limit %d less "
+            "%d kept for the control channels' own connections", low, soft, hard, FD_RESERVE,
+        )
 
-    Headroom, not a bound: a process at its limit can accept no connection, open no socket, load
-    no file. The bounds are ``max_pending`` here and the transports' own handshake caps."""
-    global _fd_limit_checked
-    with _fd_limit_lock:
-        if _fd_limit_checked:
-            return
-        _fd_limit_checked = True
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft >= hard:
+    @staticmethod
+    def _raise(soft: int, hard: int) -> None:
+        if soft == resource.RLIM_INFINITY or soft >= hard:
             return
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (OSError, ValueError) as e:
             log.info("control channel: cannot raise the soft limit of open files from %d to %d: %s", soft, hard, e)
             return
-    log.info("control channel: raised this process's soft limit of open files from %d to its hard limit %d", soft, hard)
+        log.info("control channel: raised this process's soft limit of open files from %d to its hard limit %d", soft, hard)
+
+    def open(self) -> bool:
+        """Open the reserve (True), or say there is none (False)."""
+        with self._lock:
+            if not self.low:
+                return False
+            self._open += 1
+            if self._open == 1:
+                self._set(self._high)
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                self._set(self.low)
+
+    @staticmethod
+    def _set(soft: int) -> None:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        except (OSError, ValueError) as e:  # the hard limit was lowered under us: the reserve is gone
+            log.warning("control channel: cannot set the soft limit of open files to %d: %s", soft, e)
+
+
+_fd_reserve = _FdReserve()
 
 
 @dataclass
@@ -242,6 +329,9 @@ class ChannelStats:
     pending_peak: int = 0  # the most accepted connections at once that no frame had come on yet
     proven: int = 0  # accepted connections that a frame then came on (no longer pending)
     pending_evicted: int = 0  # of those: cut to keep at most max_pending (the oldest idle one first)
+    reserve_cuts: int = 0  # pending connections whose client sent nothing, cut to give the fd reserve back
+    connect_retries: int = 0  # connects to peers libzmq tries again (refused, or no descriptor was free)
+    connects_remade: int = 0  # of those: a new DEALER's first, made again by the channel (see _dealer_handshakes)
 
 
 class _Pending:
@@ -268,6 +358,11 @@ def _spoke(sock: socket.socket) -> bool:
 def _shut(sock: socket.socket) -> bool:
     sock.shutdown(socket.SHUT_RDWR)
     return True
+
+
+def _shut_if_silent(sock: socket.socket) -> bool:
+    """Shut the connection down if its client sent no byte (True), else leave it (False)."""
+    return not _spoke(sock) and _shut(sock)
 
 
 class _Release:
@@ -382,6 +477,14 @@ class ControlChannel:
         self._max_queue = max_queue
         # frames whose peer's socket could not be made for want of descriptors: (first try, frames), tried each pass
         self._short_of_fds: dict[str, tuple[float, list[tuple[bytes, tuple[int, ...]]]]] = {}
+        self._windows: dict[str, float] = {}  # endpoint -> until when the fd reserve is open for its connect
+        self._retries: dict[str, float] = {}  # endpoint -> when libzmq tries again a connect that found no descriptor
+        self._opened: set[str] = set()  # endpoints whose latest connect has its socket
+        self._connecting: dict[str, float] = {}  # endpoint -> first try of a new DEALER whose connect has no socket yet
+        self._remake: set[str] = set()  # those whose DEALER was closed to be made again (its connect found no socket)
+        self._spares: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []  # DEALERs made ahead, with monitors
+        self._spare_retry = 0.0  # when the next try to make a spare may be
+        self._reserve_taken = False  # the flood may hold descriptors of the reserve: cut them (_refill_reserve)
         self.stats = ChannelStats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._router: zmq.Socket[bytes] | None = None
@@ -412,7 +515,7 @@ class ControlChannel:
             raise StartError("control channel: start() may be called once")
         if self._advertise in ("0.0.0.0", "::", ""):
             raise StartError(f"control channel: bound to wildcard {self._host!r}; pass advertise_host")
-        _raise_fd_limit()
+        _fd_reserve.setup()
         try:
             self._null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             self._slot_fd = os.dup(self._null_fd)
@@ -588,10 +691,14 @@ class ControlChannel:
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
         next_beat = last_tick = time.monotonic()
+        self._make_spares()
         while not self._stopping:
             timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000) + 1)
-            if self._short_of_fds:
-                timeout_ms = min(timeout_ms, 10)  # frames wait for a descriptor: try again soon
+            if self._short_of_fds or self._windows or self._reserve_taken or self._remake or len(self._spares) < _SPARES:
+                timeout_ms = min(timeout_ms, 10)  # something waits for a descriptor: come back soon
+            if self._retries:
+                due = min(self._retries.values()) - _RETRY_LEAD - time.monotonic()
+                timeout_ms = min(timeout_ms, max(0, int(due * 1000)))
             ready = dict(poller.poll(timeout_ms))
             woken = self._wake_r.fileno() in ready
             if woken:
@@ -612,6 +719,10 @@ class ControlChannel:
                 self._receive()
             if len(self._pending) > self._max_pending:
                 self._evict()
+            if self._windows or self._retries or self._reserve_taken or self._remake:
+                self._watch_reserve()
+            if len(self._spares) < _SPARES and time.monotonic() >= self._spare_retry:
+                self._make_spares()
             if self._checked == self._recorded:
                 self._pending_seen = len(self._pending)
             now = time.monotonic()
@@ -657,7 +768,9 @@ class ControlChannel:
         """Send ``gathered`` to ``endpoint`` in messages of at most ``_MAX_PARTS`` frames. Where the socket to
         it cannot be made for want of file descriptors (a flood of connections holds them, and cuts free
         some every moment), the frames wait for a later pass, up to ``_FD_WAIT`` seconds from ``since``
-        (their first try), before they fail: one unlucky instant must not cost a peer its frames."""
+        (their first try), before they fail: one unlucky instant must not cost a peer its frames. While a new
+        DEALER's connection has no socket yet (``_connecting``), they wait for it in the same way, and go
+        into its queue once it has one, or once it is no longer made again."""
         if endpoint not in self._dealers:
             try:
                 self._dealer(endpoint)
@@ -668,44 +781,93 @@ class ControlChannel:
                     return
             except CapacityError:
                 pass  # _send_now names it
+        if endpoint in self._connecting:  # its DEALER may be made again (_dealer_handshakes): they would go with it
+            now = time.monotonic()
+            if len(gathered) < self._max_queue and now - (since or now) < _CONNECT_WAIT:
+                self._short_of_fds[endpoint] = (since or now, gathered)
+                return
+            del self._connecting[endpoint]  # into its queue after all: that DEALER stays (libzmq tries again)
         for start in range(0, len(gathered), _MAX_PARTS):
             part = gathered[start : start + _MAX_PARTS]
             self._send_now(endpoint, [frame for frame, _ in part], tuple(r for _, rooms in part for r in rooms))
 
     def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+        """The DEALER to ``endpoint``, connecting one if there is none: a spare (see ``_make_spares``), else
+        one made now with the fd reserve open (see ``_FdReserve``). The reserve opens again just before
+        the connect, for the socket libzmq's I/O thread opens when it takes it, and closes when the
+        DEALER's monitor says it was taken; until its connection has a socket the DEALER is
+        ``_connecting``, and one whose connect found none is made again (``_dealer_handshakes``)."""
         sock = self._dealers.get(endpoint)
         if sock is not None:
             return sock
         if len(self._dealers) >= self._max_peers:
             raise CapacityError(f"already connected to {self._max_peers} peers")
-        assert self._ctx is not None and self._endpoint is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self._endpoint.encode())
-        sock.setsockopt(zmq.SNDHWM, self._sndhwm)
-        sock.setsockopt(zmq.RCVHWM, 16)  # peers never answer on this socket
-        sock.setsockopt(zmq.LINGER, self._linger_ms)
+        if self._spares:
+            sock, mon = self._spares.pop()
+        else:
+            self._open_window("")
+            try:
+                sock, mon = self._new_dealer()
+            finally:
+                self._close_window("")
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
-        if self._curve is not None:
-            public, secret = self._curve
-            sock.setsockopt(zmq.CURVE_SERVERKEY, public)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        # with or without a secret: a mismatch is named; a success is answered with a heartbeat (the proof)
-        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._monitors[mon] = endpoint
         self._monitor_of[endpoint] = mon
         self._poller.register(mon, zmq.POLLIN)
+        self._open_window(endpoint)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError:
             self._close_dealer(endpoint, sock)
             raise
         self._dealers[endpoint] = sock
+        self._remake.discard(endpoint)
+        self._connecting.setdefault(endpoint, time.monotonic())
         self._liveness.track(endpoint, time.monotonic())
         return sock
 
+    def _new_dealer(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A DEALER not connected yet, and its monitor: three descriptors (the two sockets' mailboxes and
+        libzmq's end of the monitor). Raises ``zmq.ZMQError`` (EMFILE: none), leaving nothing open."""
+        assert self._ctx is not None and self._endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.ROUTING_ID, self._endpoint.encode())
+            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+            sock.setsockopt(zmq.RCVHWM, 16)  # peers never answer on this socket
+            sock.setsockopt(zmq.LINGER, self._linger_ms)
+            if self._curve is not None:
+                public, secret = self._curve
+                sock.setsockopt(zmq.CURVE_SERVERKEY, public)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            # with or without a secret: a mismatch is named; a success is answered with a heartbeat (the proof);
+            # and when the connect was taken (the reserve closes then)
+            return sock, sock.get_monitor_socket(_DEALER_EVENTS)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+
+    def _make_spares(self) -> None:
+        """Make the spare DEALERs that were taken, with the fd reserve open; a try that finds no descriptor
+        is made again ``_SPARE_RETRY`` later."""
+        while len(self._spares) < _SPARES:
+            self._open_window("")
+            try:
+                self._spares.append(self._new_dealer())
+            except zmq.ZMQError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE):
+                    log.warning("control channel %s: cannot make a spare socket: %s", self._endpoint, e)
+                self._spare_retry = time.monotonic() + _SPARE_RETRY
+                return
+            finally:
+                self._close_window("")
+
     def _close_dealer(self, endpoint: str, sock: zmq.Socket[bytes], linger: int = 0) -> None:
+        self._close_window(endpoint)
+        self._retries.pop(endpoint, None)
+        self._opened.discard(endpoint)
         mon = self._monitor_of.pop(endpoint, None)
         if mon is not None:
             self._poller.unregister(mon)
@@ -718,6 +880,9 @@ class ControlChannel:
         sock = self._dealers.pop(endpoint, None)
         if sock is not None:
             self._close_dealer(endpoint, sock)
+        self._connecting.pop(endpoint, None)
+        self._remake.discard(endpoint)
+        self._short_of_fds.pop(endpoint, None)  # discarded, as the frames in its DEALER's queue are
         self._liveness.forget(endpoint)
 
     # ------------------------------------------------------------------ authentication
@@ -830,6 +995,82 @@ class ControlChannel:
                 self._endpoint, self._max_pending, self.stats.pending_evicted, self.stats.accepted,
             )
 
+    # ------------------------------------------------------------------ the fd reserve
+
+    def _open_window(self, endpoint: str) -> None:
+        if self._reserve_taken and not self._windows:
+            self._refill_reserve()  # what the flood holds of it first: cut now, closed by libzmq before the connect
+        if endpoint not in self._windows and _fd_reserve.open():
+            self._windows[endpoint] = time.monotonic() + _WINDOW
+
+    def _close_window(self, endpoint: str) -> None:
+        if self._windows.pop(endpoint, None) is not None:
+            _fd_reserve.close()
+            self._reserve_taken = True
+
+    def _watch_reserve(self) -> None:
+        """A pass's care of the reserve: close windows whose connect never reported (bounded), open one
+        for each connect libzmq is about to try again while this process is short of descriptors (a
+        connection that found none, or one to a peer that went away), and give back what the flood took."""
+        now = time.monotonic()
+        for endpoint, until in list(self._windows.items()):
+            if now >= until:
+                self._close_window(endpoint)
+        for endpoint, when in list(self._retries.items()):
+            if now >= when - _RETRY_LEAD:
+                del self._retries[endpoint]
+                heard = self._liveness.heard_at(endpoint)
+                if heard is not None and now - heard < 2 * self._interval and self._short():  # a live peer's
+                    self._open_window(endpoint)  # closed by that try's report
+        if self._reserve_taken and not self._windows:
+            self._refill_reserve()
+            if self._checked != self._recorded:  # accepted in the window, perhaps, and not read yet
+                self._reserve_taken = True
+        for endpoint in list(self._remake):
+            self._remake.discard(endpoint)
+            if endpoint not in self._dealers:
+                try:
+                    self._dealer(endpoint)
+                except (zmq.ZMQError, CapacityError) as e:
+                    log.warning("control channel: cannot connect to %s: %s", endpoint, e)
+
+    def _refill_reserve(self) -> None:
+        """Cut the pending connections on descriptors of the reserve whose client sent nothing: the flood's,
+        accepted while the reserve was open. Done when none is left that the monitor was read past."""
+        low = _fd_reserve.low
+        if not low:
+            self._reserve_taken = False
+            return
+        left = False
+        cut = 0
+        for fd, conn in list(self._pending.items()):
+            if fd < low:
+                continue
+            if conn.seq > self._checked:
+                left = True
+                continue
+            if conn.spoke:
+                continue
+            silent = self._through(fd, conn.inode, _shut_if_silent)
+            if silent is None:  # not the socket it was: that connection is gone
+                del self._pending[fd]
+            elif silent:
+                del self._pending[fd]
+                self._cut_fds.add(fd)
+                cut += 1
+            else:
+                conn.spoke = True
+        self.stats.reserve_cuts += cut
+        self._reserve_taken = left
+
+    def _short(self) -> bool:
+        """Whether no file descriptor under the soft limit is free now."""
+        try:
+            os.close(os.dup(self._null_fd))
+        except OSError:
+            return True
+        return False
+
     def _cut(self, fd: int, inode: int) -> bool:
         """Shut the connection at libzmq's ``fd`` down if it is still the socket ``inode`` names (see
         ``_through``); True if it was. libzmq then reads the end of the stream and closes ``fd``."""
@@ -876,10 +1117,29 @@ class ControlChannel:
         succeeded = False
         while mon.poll(0):
             event = monitor.recv_monitor_message(mon)
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 failure, succeeded = None, True
-            else:
+            elif kind & _HANDSHAKE_FAILED:
                 failure = _handshake_failure(event)
+            else:  # the connect was taken: it has its socket (opened), or it is tried again in `value` ms
+                self._close_window(endpoint)
+                if kind & _OPENED:
+                    self._opened.add(endpoint)
+                    self._retries.pop(endpoint, None)
+                    self._connecting.pop(endpoint, None)
+                else:
+                    self.stats.connect_retries += 1
+                    if endpoint in self._opened:  # that try had its socket: refused, or its connection ended
+                        self._opened.discard(endpoint)
+                    elif endpoint in self._connecting:  # a new one's connect found no descriptor
+                        if time.monotonic() - self._connecting[endpoint] < _CONNECT_WAIT:
+                            self._remade(endpoint)  # on our clock, not libzmq's: nothing is in its queue
+                            return
+                        self._connecting.pop(endpoint)  # libzmq tries again; held frames go into its queue
+                    else:  # its socket found no descriptor: the reserve opens for the next try
+                        assert isinstance(event["value"], int)
+                        self._retries[endpoint] = time.monotonic() + event["value"] / 1000
         if failure is None:
             if succeeded and self._send_now(endpoint, [self._heartbeat()], ()):
                 self.stats.heartbeats_sent += 1
@@ -894,6 +1154,15 @@ class ControlChannel:
             self._peer_dead(DeadPeer(endpoint, *self._liveness.known(endpoint), reason), drop=True)
         else:
             self._auth_failed(endpoint, failure, dead=True)
+
+    def _remade(self, endpoint: str) -> None:
+        """Close the DEALER of ``endpoint`` whose first connect found no descriptor (nothing of ours is in
+        its queue but heartbeats: its frames wait in ``_short_of_fds``); the next pass makes another."""
+        sock = self._dealers.pop(endpoint, None)
+        if sock is not None:
+            self._close_dealer(endpoint, sock)
+        self._remake.add(endpoint)
+        self.stats.connects_remade += 1
 
     def _auth_failed(self, peer: str, why: str, *, dead: bool) -> None:
         self.stats.auth_failures += 1
@@ -1121,6 +1390,13 @@ class ControlChannel:
         for endpoint, sock in list(self._dealers.items()):
             self._close_dealer(endpoint, sock, linger)
         self._dealers.clear()
+        for sock, mon in self._spares:
+            sock.disable_monitor()
+            mon.close(0)
+            sock.close(0)
+        self._spares.clear()
+        for endpoint in list(self._windows):
+            self._close_window(endpoint)
         if self._router is not None:
             if self._router_monitor is not None:
                 self._router_events()  # room in its pipe: libzmq is not waiting on it while we disable it

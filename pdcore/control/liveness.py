@@ -88,6 +88,11 @@ class PeerLiveness:
             )
         return out
 
+    def heard_at(self, endpoint: str) -> float | None:
+        """When the peer at ``endpoint`` was last heard (or began to be tracked); None if it is not tracked."""
+        entry = self._peers.get(endpoint)
+        return None if entry is None else entry[2]  # type: ignore[return-value]
+
     def known(self, endpoint: str) -> tuple[str | None, int | None]:
         """The session and epoch the peer at ``endpoint`` introduced (None, None if it never did)."""
         entry = self._peers.get(endpoint)
