@@ -3,9 +3,10 @@
 - ``run_flood`` (a child): keeps ``count`` idle TCP connections to one port open, sending nothing
   (a client that never starts its handshake), and redials each one the other side drops, so the
   pressure lasts as long as the flood does.
-- ``run_channel`` (a child): a ``ControlChannel`` (with the deployment secret) that echoes every
-  ``Abort`` back to its sender, in a process whose open-file limit is lowered to ``nofile`` first:
-  the limit a flood of idle connections would exhaust.
+- ``run_channel`` (a child): a control plane (``"zmq"``: a ``ControlChannel``, with the deployment
+  secret) that echoes every ``Abort`` back to its sender, in a process whose open-file limit is
+  lowered to ``nofile`` first: the limit a flood of idle connections would exhaust. With ``slow``
+  its I/O thread is slowed (see ``slow_thread``): a flood faster than the channel, on two cores.
 - ``run_exhausted_sink`` (a child): a TCP sink in a process with a low open-file limit that uses
   up its last file descriptors on command, so its acceptor meets EMFILE, and frees them on command.
 - ``Child``: the test's handle on one of them (spawned; commands and answers over a pipe).
@@ -138,24 +139,39 @@ def run_flood(conn: Connection, host: str, port: int, count: int) -> None:
         sel.close()
 
 
-def run_channel(conn: Connection, nofile: int, secret: bytes, options: dict[str, Any]) -> None:
-    """A control channel that echoes each ``Abort`` to its sender (reason ``"echo"``), in a process
-    limited to ``nofile`` open files. Commands: ``("stats",)`` -> the channel's stats, its pending
-    connections and this process's open fds; ``("stop",)``."""
+def slow_thread(native_id: int) -> None:
+    """Make one thread of this process slow: niceness 19 (the lowest weight), on one CPU only.
+
+    On a machine with many cores a flood and libzmq's I/O thread, which accepts its connections, run
+    at full speed beside a channel's Python I/O thread; on two cores the same balance comes from
+    slowing that one thread, not its process (libzmq's thread would slow with it)."""
+    os.setpriority(os.PRIO_PROCESS, native_id, 19)
+    os.sched_setaffinity(native_id, {min(os.sched_getaffinity(0))})
+
+
+def run_channel(
+    conn: Connection, nofile: int, secret: bytes, options: dict[str, Any], plane: str = "zmq", slow: bool = False
+) -> None:
+    """A control plane (``plane``, by name) that echoes each ``Abort`` to its sender (reason
+    ``"echo"``), in a process limited to ``nofile`` open files; with ``slow`` its I/O thread is slowed
+    (``slow_thread``). Commands: ``("stats",)`` -> the channel's stats, its pending connections and
+    this process's open fds; ``("stop",)``."""
     _lower_nofile(nofile)
     from dataclasses import asdict
 
+    from pdcore.control import plane as control_plane
     from pdcore.control import wire
-    from pdcore.control.channel import ControlChannel
-
-    channel: ControlChannel
 
     def on_message(sender: str, msg: wire.Message) -> None:
         if isinstance(msg, wire.Abort):
             channel.send(sender, wire.Abort(room=msg.room, reason="echo"))
 
-    channel = ControlChannel(on_message, session_id="flooded-0", secret=secret, **options)
+    channel = control_plane.create(plane, on_message, session_id="flooded-0", secret=secret, **options)
     endpoint = channel.start()
+    if slow:
+        [io_thread] = [t for t in threading.enumerate() if t.name.startswith("pdcore-control-")]
+        assert io_thread.native_id is not None
+        slow_thread(io_thread.native_id)
     conn.send(("endpoint", endpoint))
 
     def answer(cmd: str) -> Any:

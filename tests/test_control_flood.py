@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import statistics
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from pdcore.control import plane as control_plane
 from pdcore.control import wire
 from pdcore.core.deadline import Deadline
 
@@ -28,6 +32,11 @@ ROUNDS = 10  # frames each way per peer while the flood lasts
 PEERS = 5  # peers, each connecting anew through the flood
 CHURN = 2000  # connections the flood has had cut before the peers come
 EXCHANGE = 15.0  # seconds for all of them: well inside libzmq's default 30 s handshake interval
+FAST_FLOODS = 4  # flood processes at once, against a channel whose I/O thread is slowed: a faster attacker
+FAST_PEERS = 16  # peers one after the other through it, each a new connection
+FAST_ROUNDS = 5  # pings each, one at a time
+FAST_CHURN = 5000  # connections it has had cut before they come
+ECHO_WAIT = 10.0  # seconds one echo may take (liveness, not speed: a peer's first may wait out a SYN retransmission)
 
 
 def _port(endpoint: str) -> int:
@@ -96,6 +105,98 @@ def test_authenticated_peers_get_in_and_are_answered_during_a_flood_of_idle_conn
     assert stats["pending_evicted"] > 0 and stats["accepted"] > FLOOD, stats
     assert isinstance(stats["fds"], int) and stats["fds"] <= NOFILE, stats
     assert stats["internal_errors"] == stats["callback_errors"] == 0, stats
+    assert control_threads() == []
+
+
+def _spread(seconds: list[float]) -> str:
+    ms = sorted(1000 * s for s in seconds)
+    return f"min/median/max {ms[0]:.1f}/{statistics.median(ms):.1f}/{ms[-1]:.1f} ms ({len(ms)} exchanges)"
+
+
+def _echoes(plane: str, endpoint: str, peers: int, rounds: int, child: Child, during: str) -> list[list[float]]:
+    """``peers`` peers of the control plane ``plane`` (heartbeats every second, as deployed), one after
+    the other, each a new connection; each sends ``rounds`` pings one at a time and waits for each
+    echo (at most ``ECHO_WAIT``). Returns each peer's latencies, ping to echo, in seconds; its first
+    exchange includes its connects."""
+    latencies: list[list[float]] = []
+    for n in range(peers):
+        inbox = Inbox()
+        peer: Any = control_plane.create(
+            plane, lambda sender, msg: inbox.messages.put((sender, msg)), session_id=f"prefill-{n}", secret=SECRET,
+            on_rooms_failed=lambda rooms, reason: inbox.failed.put((rooms, reason)), on_peer_dead=inbox.dead.put,
+        )
+        peer.start()
+        mine: list[float] = []
+        latencies.append(mine)
+        try:
+            for room in range(rounds):
+                sent = time.monotonic()
+                peer.send(endpoint, wire.Abort(room=room, reason="ping"))
+                deadline = Deadline.after(ECHO_WAIT)
+                while True:
+                    try:
+                        sender, msg = inbox.messages.get(timeout=max(deadline.remaining(), 0.01))
+                    except queue.Empty:
+                        assert not deadline.expired(), (
+                            f"{during}: peer {n} had no echo of ping {room} within {ECHO_WAIT} s (echoes so far: "
+                            f"{_spread([x for xs in latencies for x in xs]) if mine or n else 'none'}); "
+                            f"the channel: {child.call('stats')}"
+                        )
+                        continue
+                    assert sender == endpoint and msg == wire.Abort(room=room, reason="echo"), (sender, msg)
+                    mine.append(time.monotonic() - sent)
+                    break
+            assert inbox.failed.empty(), inbox.failed.get_nowait()
+            assert inbox.dead.empty(), inbox.dead.get_nowait()  # its handshake was not cut, nor the channel silent
+        finally:
+            peer.close(Deadline.after(WAIT))
+    return latencies
+
+
+@pytest.mark.parametrize("plane", ["zmq"])
+def test_a_proven_peer_is_answered_through_a_flood_faster_than_its_channel(plane: str) -> None:
+    """Issue #42: on a 16-core host the flood outran the channel, and a peer that proved itself got
+    none of its echoes: the channel answers a peer on a connection of its own (a DEALER to the
+    peer's endpoint), whose sockets and TCP connection need descriptors, and libzmq's I/O thread
+    accepted the flood into every descriptor the moment one was freed. The same balance on two cores:
+    ``FAST_FLOODS`` flood processes, and the channel's I/O thread at niceness 19 on one CPU
+    (``_flood.slow_thread``; libzmq's I/O thread, which accepts, keeps its speed). ``FAST_PEERS`` peers,
+    each a new connection through the flood, exchange ``FAST_ROUNDS`` pings and echoes one at a time:
+    every echo must come within ``ECHO_WAIT`` (liveness; the latencies are printed, with the flood's
+    rate and a run without the flood for comparison) and no frame of the channel's may fail."""
+    child = Child(run_channel, NOFILE, SECRET, {}, plane, True)
+    floods: list[Child] = []
+    try:
+        endpoint = child.wait("endpoint", 30)
+        calm = [x for xs in _echoes(plane, endpoint, 1, 2 * FAST_ROUNDS, child, "without a flood") for x in xs]
+        floods = [Child(run_flood, "127.0.0.1", _port(endpoint), FLOOD) for _ in range(FAST_FLOODS)]
+        deadline = Deadline.after(30)
+        while (live := sum(f.call("stats").get("live", 0) for f in floods)) < NOFILE:
+            assert not deadline.expired(), f"the floods hold only {live} connections"
+        going = Deadline.after(5)
+        while sum(f.call("stats").get("dropped", 0) for f in floods) < FAST_CHURN and not going.expired():
+            pass  # polling the floods' count against a deadline
+        before, start = child.call("stats"), time.monotonic()
+        latencies = _echoes(plane, endpoint, FAST_PEERS, FAST_ROUNDS, child, "during the flood")
+        after, elapsed = child.call("stats"), time.monotonic() - start
+    finally:
+        for flood in floods:
+            flood.close()
+        child.close()
+    rate = (after["accepted"] - before["accepted"]) / elapsed
+    report = (
+        f"flood of {FAST_FLOODS} x {FLOOD} idle connections: {rate:.0f} connections/s accepted, "
+        f"{after['pending_evicted'] - before['pending_evicted']} cut, over {elapsed:.1f} s; echo latency "
+        f"without the flood {_spread(calm)}; during it, a peer's first exchange (its connects too) "
+        f"{_spread([xs[0] for xs in latencies])}, the later ones {_spread([x for xs in latencies for x in xs[1:]])}; "
+        f"the channel's connects retried {after.get('connect_retries')}, made again {after.get('connects_remade')}, "
+        f"reserve cuts {after.get('reserve_cuts')}"
+    )
+    print(report)
+    assert after["send_failures"] == 0, f"{report}: {after}"  # no answer of the channel's was given up
+    # the flood was faster than the channel: it held the process at its descriptor limit and was cut all along
+    assert after["pending_evicted"] - before["pending_evicted"] > 1000, f"{report}: {after}"
+    assert after["pending"] <= 64 and after["internal_errors"] == after["callback_errors"] == 0, after
     assert control_threads() == []
 
 
