@@ -7,6 +7,9 @@
   secret) that echoes every ``Abort`` back to its sender, in a process whose open-file limit is
   lowered to ``nofile`` first: the limit a flood of idle connections would exhaust. With ``slow``
   its I/O thread is slowed (see ``slow_thread``): a flood faster than the channel, on two cores.
+- ``run_granting_sink`` (a child): a TCP sink (with the deployment secret) whose region needs a
+  grant, in a process limited to ``nofile`` open files and slowed (``slow_process``); it grants a
+  source on command and says whether a byte pattern landed.
 - ``run_exhausted_sink`` (a child): a TCP sink in a process with a low open-file limit that uses
   up its last file descriptors on command, so its acceptor meets EMFILE, and frees them on command.
 - ``Child``: the test's handle on one of them (spawned; commands and answers over a pipe).
@@ -194,6 +197,44 @@ def run_channel(
 
     _serve(conn, answer)
     channel.close()
+
+
+def slow_process() -> None:
+    """Make this process slow (niceness 10, one CPU), its threads to come too (they inherit both)."""
+    os.nice(10)
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def run_granting_sink(conn: Connection, nofile: int, secret: bytes, size: int) -> None:
+    """A TCP sink in a slowed process (``slow_process``) limited to ``nofile`` open files, with one
+    region of ``size`` zero bytes registered with ``require_grant``. Sends ``("endpoint", bytes)``
+    first. Commands: ``("grant", source instance)`` -> ``(grant key, region address)`` for the
+    whole region; ``("landed", byte)`` -> whether every byte of the region is ``byte``;
+    ``("stats",)`` -> the sink's counters; ``("stop",)``."""
+    _lower_nofile(nofile)
+    slow_process()
+    import numpy as np
+
+    import transport
+
+    sink = transport.create("tcp", secret=secret, peer_timeout=5.0)
+    dst = np.zeros(size, np.uint8)
+    region = sink.register(dst, require_grant=True)
+    conn.send(("endpoint", sink.endpoint()))
+
+    def answer(cmd: str, *args: Any) -> Any:
+        if cmd == "grant":
+            return sink.grant(args[0], [(region.addr, size)]).key, region.addr
+        if cmd == "landed":
+            return bool((dst == args[0]).all())
+        if cmd == "stats":
+            return {name: getattr(sink, name) for name in
+                    ("evicted_handshakes", "refused_connections", "auth_failures", "accept_failures")}
+        sink.close()
+        return None
+
+    _serve(conn, answer)
+    sink.close()
 
 
 def run_exhausted_sink(conn: Connection, nofile: int, secret: bytes | None) -> None:
