@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import errno as errno_mod
 import logging
-
+import socket
+import struct
 
 from .loglimit import LogLimit
 
@@ -12,6 +13,20 @@ from .loglimit import LogLimit
 #: ``accept()`` errors that mean "no descriptor or memory now", not "this connection failed": the
 #: connection stays queued and the listener readable, so an acceptor that retries at once spins.
 OUT_OF_RESOURCES = frozenset({errno_mod.EMFILE, errno_mod.ENFILE, errno_mod.ENOBUFS, errno_mod.ENOMEM})
+
+
+_TCPI_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in Linux's struct tcp_info (4.1 and later)
+
+
+def client_spoke(sock: socket.socket) -> bool:
+    """Whether the client sent this server-side TCP socket any byte yet (True where the kernel cannot
+    tell). A flood of idle connections never speaks; a real client sends its hello as soon as its
+    connect returns, so a cap on handshakes cuts silent connections first."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES_RECEIVED + 8)
+    except (OSError, AttributeError):
+        return True
+    return len(info) < _TCPI_BYTES_RECEIVED + 8 or struct.unpack_from("=Q", info, _TCPI_BYTES_RECEIVED)[0] > 0
 
 
 class AcceptBackoff:

@@ -55,14 +55,20 @@ and checked by pure functions (``decode_hello``, ``check_challenge``,
 move their bytes. A handshake has ``min(peer_timeout, 5 s)`` to finish, and
 until it has, the connection holds none of the ``max_sinks`` places: at most
 ``_MAX_HELLOS`` (64) connections are in their handshake at once. A newcomer
-past that takes the place of the oldest one, which is cut without a word
-(``evicted_handshakes``; the bootstrap server's rule for its connection cap);
+past that takes the place of the oldest one whose client sent no byte yet (the
+kernel's ``tcp_info`` says; the oldest of all if every one spoke), which is cut
+without a word (``evicted_handshakes``; the control channel's rule too);
 only while ``_MAX_HELLOS`` cut ones are still ending is a newcomer refused with
 status 6 (``refused_connections``, which counts the ``max_sinks`` refusals
 too). So an idle or unauthenticated socket holds a thread for at most that
 long, and a flood of them that redials what it loses (a few thousand
-connections a second in the tests) keeps no authenticated source out: its
-handshake is over long before 64 newer ones push it out. Threads of the sink side stay
+connections a second in the tests) keeps no authenticated source out: it
+sends its hello as its connect returns, so it is cut only by 64 newer
+connections that all spoke. A data connection past its handshake waits
+``min(peer_timeout, 5 s)`` more for its ack connection, whose SYN may wait out
+retransmissions in a listen backlog the flood keeps full; a source whose
+handshake was cut, refused as busy, or whose ack connection came too late
+opens its pair again (three pairs at most, within its connect's deadline). Threads of the sink side stay
 within ``max_sinks + 2 * _MAX_HELLOS``, and sockets within ``2 * max_sinks + 2 * _MAX_HELLOS``
 (a data connection's ack connection is served by its thread).
 
@@ -202,6 +208,7 @@ from .base import (
     encode_endpoint,
     new_instance_id,
 )
+from .accepting import client_spoke
 from .deadline import Deadline
 from .errors import CapacityError, StartError, TransportError
 from .tcp_hello import (
@@ -253,6 +260,7 @@ __all__ = [
 log = logging.getLogger("transport.tcp")
 
 _MAX_HELLOS = 64
+_CONNECT_TRIES = 3  # pairs a connect opens at most when a flood makes the sink cut or refuse them (_Crowded)
 _PAIR_POLL = 0.05  # seconds: how often a data connection waiting for its ack connection looks for its end
 _FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
 _ACK = struct.Struct("<QIiI")
@@ -282,6 +290,13 @@ def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class _Crowded(TransportError):
+    """A connect the sink cut or refused for want of room, as a flood of connections makes it do: its
+    handshake cut without a word, ``_MAX_HELLOS`` handshakes in progress, or the ack connection late
+    for its data connection (its SYN waited in a full listen backlog). ``connect`` opens the pair
+    again, ``_CONNECT_TRIES`` times at most within its deadline; the last one is raised as it is."""
 
 
 class _PeerGone(Exception):
@@ -446,7 +461,7 @@ class TcpTransport(Transport):
         self._closed = False
         self._done = _fast.Completions(Completion, _refused)  # bounded by the in-flight slots, which it holds
         try:
-            self._listener = socket.create_server((host, port), backlog=128)
+            self._listener = socket.create_server((host, port), backlog=4096)
         except OSError as e:
             raise StartError(f"tcp transport: cannot listen on {host}:{port}: {e}") from e
         self._address = f"{advertise_host or host}:{self._listener.getsockname()[1]}".encode()
@@ -572,13 +587,19 @@ class TcpTransport(Transport):
             port = int(port_s)
         except ValueError:
             raise TransportError(f"tcp endpoint address {remote.address!r} is not host:port", op="connect") from None
-        pair = os.urandom(PAIR_BYTES)  # names this source's two connections to each other at the sink
-        sock = self._open(host, port, remote.instance, DATA, pair, deadline)
-        try:
-            ack_sock = self._open(host, port, remote.instance, ACKS, pair, deadline)
-        except BaseException:
-            sock.close()
-            raise
+        for tries_left in range(_CONNECT_TRIES - 1, -1, -1):
+            pair = os.urandom(PAIR_BYTES)  # names this source's two connections to each other at the sink
+            try:
+                sock = self._open(host, port, remote.instance, DATA, pair, deadline)
+                try:
+                    ack_sock = self._open(host, port, remote.instance, ACKS, pair, deadline)
+                except BaseException:
+                    sock.close()
+                    raise
+                break
+            except _Crowded:
+                if not tries_left or deadline.expired():
+                    raise
         peer = _TcpPeer(next(self._peer_ids), remote, RegionTable(remote.regions), sock=sock, ack_sock=ack_sock)
         peer.remote_ranges = _ranges(remote.regions)
         peer.src = _fast.Source(sock, ack_sock, self._max_inflight, self._max_batch_writes, _refused)
@@ -607,7 +628,10 @@ class TcpTransport(Transport):
             _kernel_timeouts(sock, self._poll)
         except (_PeerGone, OSError) as e:  # OSError: a send to a sink that already hung up
             sock.close()
-            raise TransportError(f"handshake with {host}:{port} failed: {e}", op="connect", errno=e.errno) from e
+            hung_up = e.errno in (errno_mod.ECONNRESET, errno_mod.EPIPE)  # a sink cuts a handshake without a word
+            raise (_Crowded if hung_up else TransportError)(
+                f"handshake with {host}:{port} failed: {e}", op="connect", errno=e.errno
+            ) from e
         except BaseException:
             sock.close()
             raise
@@ -637,13 +661,13 @@ class TcpTransport(Transport):
                 f"{where} refused the connection: it is at its cap of data connections", op="connect", errno=errno_mod.ECONNREFUSED
             )
         if status == BUSY:
-            raise TransportError(
+            raise _Crowded(
                 f"{where} refused the connection: {_MAX_HELLOS} handshakes are in progress there", op="connect", errno=errno_mod.ECONNREFUSED
             )
         if status == WRONG_INSTANCE:
             raise TransportError(f"{where} is another transport instance than the endpoint names (restarted?)", op="connect")
         if status == NO_PAIR:
-            raise TransportError(
+            raise _Crowded(
                 f"{where} refused the ack connection: no data connection of this source waits for it (it gave up waiting?)",
                 op="connect", errno=errno_mod.ECONNREFUSED,
             )
@@ -881,9 +905,14 @@ class TcpTransport(Transport):
             sel.close()
 
     def _evict(self) -> None:
-        """Make room for a newcomer (holds ``_lock``): cut the oldest handshake. Its thread reads the
-        end of the stream and goes; until then it counts in ``_evicting``."""
-        victim = next(iter(self._hellos))
+        """Make room for a newcomer (holds ``_lock``): cut the oldest handshake whose client sent no
+        byte yet, else the oldest. A source sends its hello as its connect returns, so a flood of idle
+        connections faster than the hello threads cuts its own, not a source's whose thread has not
+        run yet. The victim's thread reads the end of the stream and goes; until then it counts in
+        ``_evicting``."""
+        victim = next((sid for sid, conn in self._hellos.items() if not client_spoke(conn)), None)
+        if victim is None:
+            victim = next(iter(self._hellos))
         conn = self._hellos.pop(victim)
         self._evicting.add(victim)
         self.evicted_handshakes += 1
@@ -1018,7 +1047,10 @@ class TcpTransport(Transport):
             if hello.kind == ACKS:
                 handed = True
                 return
-            acks = self._await_acks(conn, (hello.source, hello.pair), waiter, deadline)
+            # a window of its own: the ack connection's SYN may wait out retransmissions in a listen
+            # backlog a flood keeps full (1 s, then 3 s more)
+            pair_deadline = Deadline.after(min(self._peer_timeout, HELLO_TIMEOUT))
+            acks = self._await_acks(conn, (hello.source, hello.pair), waiter, pair_deadline)
             if acks is None:
                 return
             served = self._table.connection(conn, acks, hello.source, self._max_batch_writes, self._peer_timeout)

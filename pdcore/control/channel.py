@@ -140,7 +140,6 @@ import os
 import resource
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -150,6 +149,7 @@ from typing import Final
 import zmq
 from zmq.utils import monitor, z85
 
+from transport.accepting import client_spoke
 from transport.loglimit import LogLimit
 
 from . import auth, wire
@@ -178,7 +178,6 @@ _POLLIN: Final = int(zmq.POLLIN)
 _NOBLOCK: Final = int(zmq.NOBLOCK)  # recv_multipart's flags and RCVMORE cost enum conversions per message: recv, Frame.more
 _DONTWAIT: Final = int(zmq.DONTWAIT)
 _MONITOR_RCVHWM: Final = 1 << 14  # events queued for the I/O thread: libzmq never waits on a full monitor pipe
-_TCPI_BYTES_RECEIVED: Final = 128  # offset of tcpi_bytes_received (u64) in Linux's struct tcp_info (4.1 and later)
 FD_RESERVE: Final = 64  # descriptors kept under the hard limit, for the channels' own sockets and connections
 _WINDOW: Final = 0.2  # seconds the reserve stays open for one connect at most (it closes when the connect reports)
 _RETRY_LEAD: Final = 0.002  # seconds before libzmq's retry of a connect that the reserve opens for it
@@ -346,15 +345,6 @@ class _Pending:
         self.spoke = False
 
 
-def _spoke(sock: socket.socket) -> bool:
-    """Whether the client sent this server-side TCP socket any byte (True where the kernel cannot tell)."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES_RECEIVED + 8)
-    except (OSError, AttributeError):
-        return True
-    return len(info) < _TCPI_BYTES_RECEIVED + 8 or struct.unpack_from("=Q", info, _TCPI_BYTES_RECEIVED)[0] > 0
-
-
 def _shut(sock: socket.socket) -> bool:
     sock.shutdown(socket.SHUT_RDWR)
     return True
@@ -362,7 +352,7 @@ def _shut(sock: socket.socket) -> bool:
 
 def _shut_if_silent(sock: socket.socket) -> bool:
     """Shut the connection down if its client sent no byte (True), else leave it (False)."""
-    return not _spoke(sock) and _shut(sock)
+    return not client_spoke(sock) and _shut(sock)
 
 
 class _Release:
@@ -970,7 +960,7 @@ class ControlChannel:
                     break
                 if conn.spoke:
                     continue
-                spoke = self._through(fd, conn.inode, _spoke)
+                spoke = self._through(fd, conn.inode, client_spoke)
                 if spoke is None:  # not the socket it was: that connection is gone
                     del self._pending[fd]
                 elif spoke:

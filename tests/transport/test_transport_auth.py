@@ -396,6 +396,31 @@ def test_handshakes_in_progress_are_bounded_and_the_oldest_is_cut(make: MakeTran
             s.close()
 
 
+def test_the_oldest_silent_handshake_is_cut_not_an_older_one_whose_client_spoke(make: MakeTransport) -> None:
+    """A flood of idle connections faster than the hello threads must cut its own connections, not
+    a source's whose hello has come and not been read yet: with the oldest handshake place held by a
+    client that sent part of a hello and the rest by idle ones, a newcomer cuts the oldest idle one,
+    and the talker's connection stays open."""
+    sink = make(secret=SECRET, peer_timeout=5.0)
+    sink.register(np.zeros(64, np.uint8))
+    talker = _dial(sink)
+    talker.sendall(tcp.MAGIC[:3])  # a hello begun: the sink's thread waits for the rest
+    idle = [_dial(sink) for _ in range(tcp._MAX_HELLOS - 1)]
+    late = None
+    try:
+        _wait(lambda: _sink_threads(sink) == tcp._MAX_HELLOS, "the sink took every connection")
+        late = _dial(sink)
+        _wait(lambda: sink.evicted_handshakes == 1, "one handshake cut for the newcomer")
+        assert _until_eof(idle[0]) == b""  # the oldest silent one, cut without a word
+        talker.setblocking(False)
+        with pytest.raises(BlockingIOError):  # open, nothing sent to it: not cut
+            talker.recv(1, socket.MSG_PEEK)
+        assert sink.evicted_handshakes == 1
+    finally:
+        for s in [talker, *idle, *([late] if late else [])]:
+            s.close()
+
+
 def test_a_flood_of_idle_sockets_keeps_no_authenticated_source_out(make: MakeTransport) -> None:
     """More idle sockets than there are handshake places, from another process and redialled as the
     sink drops them: every one of ``CONNECTS`` authenticated connects gets in within its deadline
