@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from typing import Annotated, Any, Final, Union
+from typing import Annotated, Any, Final, TypeGuard, Union
 
 import msgspec
 from msgspec import Meta
@@ -119,10 +119,14 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
-    """Base of the control messages: frozen, keyword-only, never subclassed further."""
+    """Base of the control messages: frozen, keyword-only, never subclassed further.
+
+    Each message says ``frozen=True`` again: it inherits it, but a type checker reads msgspec through
+    ``dataclass_transform``, which does not (a frozen base with a subclass it takes for mutable is an error).
+    """
 
 
-class Register(_Msg, tag="register"):
+class Register(_Msg, tag="register", frozen=True):
     """Sink rank → source rank, once per (session, epoch): where and how to write."""
 
     session_id: SessionId
@@ -134,7 +138,7 @@ class Register(_Msg, tag="register"):
     tp_rank: Rank
 
 
-class Announce(_Msg, tag="announce"):
+class Announce(_Msg, tag="announce", frozen=True):
     """Sink rank → source rank: the destination pages of one request (room)."""
 
     room: Room
@@ -145,7 +149,7 @@ class Announce(_Msg, tag="announce"):
     grant: U64 = 0  # the sink's transport grant for these pages: the source writes through it
 
 
-class Status(_Msg, tag="status"):
+class Status(_Msg, tag="status", frozen=True):
     """Source rank → sink rank: this rank's part of a room reached ``state``."""
 
     room: Room
@@ -159,14 +163,14 @@ class Status(_Msg, tag="status"):
     register_again: bool = False  # the source does not know this sink (any more): send Register again
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", frozen=True):
     """Either side: fail this room now. A source answers with ``AbortAck``."""
 
     room: Room
     reason: Reason = ""
 
 
-class AbortAck(_Msg, tag="abort_ack"):
+class AbortAck(_Msg, tag="abort_ack", frozen=True):
     """Source rank → sink: no write of ``rank`` to this room is in flight or will be posted.
 
     Informational: the sink frees a room's pages once it revoked the room's
@@ -177,7 +181,7 @@ class AbortAck(_Msg, tag="abort_ack"):
     rank: Rank
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     """Liveness; a larger ``epoch`` for the same session means the peer restarted."""
 
     session_id: SessionId
@@ -185,7 +189,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
     seq: U64
 
 
-class EmbedRegister(_Msg, tag="embed_register"):
+class EmbedRegister(_Msg, tag="embed_register", frozen=True):
     """EPD, prefill rank → encode rank, once per (session, epoch): where its receive slots are."""
 
     session_id: SessionId
@@ -195,7 +199,7 @@ class EmbedRegister(_Msg, tag="embed_register"):
     tp_rank: Rank
 
 
-class EmbedAsk(_Msg, tag="embed_ask"):
+class EmbedAsk(_Msg, tag="embed_ask", frozen=True):
     """EPD, prefill rank → encode rank: write rows ``[row_start, row_start + row_count)`` of the
     image of ``room`` into ``addr`` (and its deepstack rows into ``deepstack_addr``) through ``grant``.
 
@@ -221,7 +225,7 @@ class EmbedAsk(_Msg, tag="embed_ask"):
     grant: U64 = 0
 
 
-class EmbedStatus(_Msg, tag="embed_status"):
+class EmbedStatus(_Msg, tag="embed_status", frozen=True):
     """EPD, encode rank → prefill rank: the room's rows for this rank landed (``ok``), or the room failed."""
 
     room: Room
@@ -253,7 +257,7 @@ def rooms_of(msg: object) -> tuple[int, ...]:
     return (room,) if _is_room(room) else ()
 
 
-def _is_room(value: object) -> bool:
+def _is_room(value: object) -> TypeGuard[int]:
     return type(value) is int and 0 <= value <= U64_MAX
 
 
@@ -304,15 +308,15 @@ def check_json_object(value: object, field: str) -> dict[str, Any]:
         if depth > MAX_JSON_DEPTH:
             raise LocalProtocolError(f"{path}: nested deeper than {MAX_JSON_DEPTH}")
         kind = type(node)
-        if kind is dict:
-            for k, v in node.items():  # type: ignore[attr-defined]
+        if type(node) is dict:  # type(node) rather than kind: the checker narrows node on it
+            for k, v in node.items():
                 if type(k) is not str:
                     raise LocalProtocolError(f"{path}: object key {k!r} is not a string")
                 stack.append((v, f"{path}.{k}", depth + 1))
-        elif kind is list or kind is tuple:
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))  # type: ignore[arg-type]
-        elif kind is float:
-            if not math.isfinite(node):  # type: ignore[arg-type]
+        elif type(node) is list or type(node) is tuple:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+        elif type(node) is float:
+            if not math.isfinite(node):
                 raise LocalProtocolError(f"{path}: {node!r} is not a finite number")
         elif node is not None and kind not in (str, int, bool):
             raise LocalProtocolError(f"{path}: {kind.__name__} is not a JSON value")
