@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 from ..core.errors import StartError
-from ..core.events import FAILED_ELSEWHERE, Event, Failed
+from ..core.events import FAILED_ELSEWHERE, Event, Failed, RemotePrefillDone, Succeeded
 
 __all__ = ["Counts", "Buckets", "failure_cause", "PeerCollector", "BootstrapCollector", "check_registry"]
 
@@ -91,7 +91,7 @@ class Counts:
     def born(self, rid: str) -> None:
         self._born[rid] = time.monotonic()
 
-    def ended(self, events: Iterable[Event], terminal: tuple[type, ...]) -> None:
+    def ended(self, events: Iterable[Event], terminal: tuple[type[Succeeded | RemotePrefillDone | Failed], ...]) -> None:
         """Count the requests ``events`` end (``terminal``: the role's success events, and Failed)."""
         now = time.monotonic()
         for event in events:

@@ -41,10 +41,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .errors import CollectiveError
-from .events import FAILED_ELSEWHERE, Event, Failed
+from .events import FAILED_ELSEWHERE, Failed
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["Agreement", "AGREEMENT_MODES", "pick_reasons"]
 
@@ -53,8 +56,20 @@ AGREEMENT_MODES = ("auto", "shm", "group")
 
 _MAX_REASON = 1024  # characters of each reason exchanged (the wire's bound on a reason too)
 
+_Out = TypeVar("_Out")
 
-class Agreement:
+
+class _Table(Protocol[_Out]):
+    """What a round needs of a table: a ``StateTable`` (its rounds give ``Event``s) or an EPD ``ReceiveTable``
+    (``LandedRequest``s)."""
+
+    @property
+    def buffer(self) -> np.ndarray: ...
+    def encode(self, now: float) -> np.ndarray: ...
+    def decode(self) -> list[_Out]: ...
+
+
+class Agreement(Generic[_Out]):
     """Runs rounds of one ``StateTable`` across a replica.
 
     ``replica`` is a ``torch.distributed`` process group (gloo, CPU) or ``None``
@@ -72,7 +87,7 @@ class Agreement:
 
     __slots__ = ("_table", "_tensor", "_group", "_world", "_dist", "_mode", "_want", "_timeout", "_shm")
 
-    def __init__(self, table: Any, *, agreement: str = "auto", shm_timeout: float = 5.0) -> None:
+    def __init__(self, table: _Table[_Out], *, agreement: str = "auto", shm_timeout: float = 5.0) -> None:
         if agreement not in AGREEMENT_MODES:
             raise ValueError(f"agreement must be one of {AGREEMENT_MODES}, got {agreement!r}")
         if not (isinstance(shm_timeout, (int, float)) and shm_timeout > 0 and math.isfinite(shm_timeout)):
@@ -211,7 +226,7 @@ class Agreement:
         self._world = 1
         self._mode = "single"
 
-    def round(self, now: float, replica: object = None) -> list[Event]:
+    def round(self, now: float, replica: object = None) -> list[_Out]:
         """One agreement round; identical events in identical order on every rank."""
         buf = self._table.encode(now)
         if self._world_size(replica) > 1:
@@ -223,7 +238,7 @@ class Agreement:
                     dist.all_reduce(self._tensor, op=dist.ReduceOp.MIN, group=replica)
                 except RuntimeError as exc:  # gloo reports peer loss and timeouts this way
                     raise CollectiveError(f"all-reduce MIN over the replica failed: {exc}") from exc
-            events = self._table.decode()
+            events: list[Any] = self._table.decode()  # a StateTable's events may hold Failed ones
             failed = [i for i, event in enumerate(events) if type(event) is Failed]
             if failed:
                 reasons = self.agree_reasons(replica, [events[i].reason for i in failed])

@@ -131,7 +131,7 @@ class Receiver:
             reasons = self._agreement.agree_reasons(replica, [reason for _, reason in failed])
             agreed = [(rid, reason) for (rid, _), reason in zip(failed, reasons)]
         self.front.after_round(landed, agreed, time.monotonic())
-        return landed  # type: ignore[no-any-return]
+        return landed
 
     def release(self, slots: Any) -> None:
         """The data plane copied these slots' rows out: they take new receives."""

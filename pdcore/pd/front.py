@@ -71,7 +71,7 @@ class PdFront:
     ``counts`` the metrics (None: none)."""
 
     ROLE = "pd"
-    _TERMINAL: tuple[type, ...] = ()
+    _TERMINAL: tuple[type[Succeeded | RemotePrefillDone | Failed], ...] = ()
 
     def __init__(self, *, table: Any, engine: Any, config: Any, submit: Callable[..., None],
                  result: Callable[..., None], counts: Any = None) -> None:
@@ -163,7 +163,7 @@ class PdFront:
             recent.popitem(last=False)
         if not events:
             return events
-        ended = [event.rid for event in events if type(event) in _ENDS]
+        ended = [event.rid for event in events if isinstance(event, _ENDS)]  # events are never subclassed
         if ended:
             self._live.difference_update(ended)
             for rid in ended:
@@ -320,10 +320,9 @@ class DecodeFront(PdFront):
             return events
         out: list[Event] = []
         for event in events:
-            kind = type(event)
-            if kind is Succeeded:
+            if type(event) is Succeeded:
                 event = RemotePrefillDone(self._landed.pop(event.rid))  # delivered before the table could land
-            elif kind is Failed:
+            elif type(event) is Failed:
                 self._landed.pop(event.rid, None)
             out.append(event)
         return out
