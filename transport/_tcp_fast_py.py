@@ -517,7 +517,7 @@ class SinkConn:
                 del hb[:FRAME_SIZE]  # what came after the header is the next frame's
             # done with the frame: its descriptors and views (some 200 bytes a write) must not stay
             # alive while the loop waits for the next one
-            desc = views = None
+            del desc, views
             self._acks.append(_ACK.pack(seq, 0, 0, 0))
             self._acked_bytes += total
             if len(self._acks) >= _ACK_GATHER or self._acked_bytes >= _ACK_GATHER_BYTES:

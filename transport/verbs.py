@@ -641,7 +641,7 @@ class VerbsTransport(Transport):
     def _close_windows(self, c: _SinkConn, key: int) -> bool:
         """Invalidate grant ``key``'s windows on ``c`` and free them; True if that failed (cut ``c``)."""
         made = c.windows.pop(key, None)
-        return bool(made) and self._mw.invalidate(c.qp, key, made)
+        return bool(made and self._mw.invalidate(c.qp, key, made))
 
     def endpoint(self) -> bytes:
         """With memory windows a region that requires a grant travels with key 0: no source learns its rkey."""
@@ -832,10 +832,11 @@ class VerbsTransport(Transport):
         out = []
         for i, (la, lkey, ra, rkey, n) in enumerate(wrs):
             if key:
-                rkey = win.rkey(key, ra, n)
-                if rkey is None:
+                windowed = win.rkey(key, ra, n)
+                if windowed is None:
                     return [], TransportError(f"write {i} of {len(wrs)}: [{ra:#x}, +{n}) is outside grant {key}",
                                               op="write", errno=errno_mod.EACCES)
+                rkey = windowed
             elif rkey == 0:
                 return [], TransportError(f"write {i} of {len(wrs)} targets [{ra:#x}, +{n}) without a grant; its "
                                           f"region requires one", op="write", errno=errno_mod.EACCES)
@@ -928,8 +929,7 @@ class VerbsTransport(Transport):
         """
         with p.deliver:
             with p.lock:
-                first = p.error is None
-                if first:
+                if p.error is None:
                     p.error = error
                 p.closed = True
                 sq, sock = p.sq, p.sock
@@ -1265,10 +1265,10 @@ def _rows(batch: Batch) -> list[tuple[int, int, int]] | list[list[int]]:
                 type(la) is int and type(ra) is int and type(n) is int and la >= 0 and ra >= 0 and n > 0
                 for la, ra, n in batch
             ):
-                return list(batch)  # type: ignore[arg-type]
+                return list(batch)
         except (TypeError, ValueError):
             pass  # not triples: as_batch says what is wrong
-    return as_batch(batch).tolist()  # type: ignore[no-any-return]
+    return as_batch(batch).tolist()
 
 
 def _receiver(sock: socket.socket, deadline: Deadline) -> Callable[[int], bytes]:

@@ -158,7 +158,7 @@ def holder_gone(fd: int, offset: int) -> bool:
 def sweep_stale(now: float | None = None) -> list[str]:
     """Unlink ``pdcore-agree-*`` entries no rank holds any more (a rank 0 died before unlinking)."""
     now = time.time() if now is None else now
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
     except OSError:

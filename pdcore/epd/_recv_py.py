@@ -48,7 +48,7 @@ class Ask(NamedTuple):
     """
 
     rid: str
-    index: int
+    index: int  # type: ignore[assignment]  # a field where tuple has a method: Ask.index is the item's position
     slot: int | None
     row_start: int
     row_count: int

@@ -40,7 +40,7 @@ class Routing:
         self.prefill_tp = prefill_tp
         self.decode_tp = decode_tp
         if layout is None:
-            self._sources = tuple((d,) for d in range(decode_tp))
+            self._sources: tuple[tuple[int, ...], ...] = tuple((d,) for d in range(decode_tp))
         else:
             self._sources = tuple(layout.sources(prefill_tp, decode_tp, d) for d in range(decode_tp))
         targets: list[list[int]] = [[] for _ in range(prefill_tp)]

@@ -175,7 +175,7 @@ class Driver(Performer):
             self._io_items.put_nowait((fn, (engine, action)))
         except queue.Full:
             why = f"{self._io_items.maxsize} I/O items already queued"
-            if type(action) is Connect:
+            if isinstance(action, Connect):  # (not type() is: the checker narrows the else branch on isinstance)
                 engine.connected(action.token, None, why, time.monotonic())
             else:
                 engine.looked_up(action.server, None, {}, None, time.monotonic())

@@ -326,7 +326,7 @@ class PrefillEngine(Engine):
         sink = self._sinks.get(sender)
         me = self._config.tp_rank
         owed = sink is not None and sink.route is not None and sink.route.owes(me, sink.rank)
-        if owed and not sink.error and not sink.ready:  # Bootstrapped means the data path is up
+        if owed and sink is not None and not sink.error and not sink.ready:  # Bootstrapped means the data path is up
             self._when_connected(sender, sink, entry, self._adopt, (entry, sender, msg), sender)
             return
         if sender in entry.dsts:
@@ -405,6 +405,7 @@ class PrefillEngine(Engine):
             if not dst.owed:
                 continue
             sink = self._sinks[endpoint]
+            assert sink.layout is not None  # an owed rank registered without error: its layout is known
             if len(pages) < len(dst.pages):
                 self._fail(entry, f"decode rank {dst.rank} announced {len(dst.pages)} pages, prefill handed over only "
                            f"{len(pages)}", now)
