@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure test-long mutants fuzz wheel rdma mooncake nixl vllm bench bench-quick clean
+.PHONY: demo test test-pure test-long lint mutants fuzz wheel rdma mooncake nixl vllm bench bench-quick clean
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard pdcore/*/*.pyx transport/*.pyx) pdc
 	@echo "setup: torch 2.13.0 (CPU)"
 	@$(PY) -m pip install -qq --disable-pip-version-check torch==2.13.0
 	@echo "setup: pdcore and its extras; compiling the Cython state tables (~1 min)"
-	@$(PY) -m pip install -qq --disable-pip-version-check -e '.[test,fuzz,cli,metrics]'
+	@$(PY) -m pip install -qq --disable-pip-version-check -e '.[test,fuzz,cli,metrics,lint]'
 	@touch $@
 	@echo "setup: done"
 
@@ -41,6 +41,13 @@ test-pure: $(STAMP)
 		tests/test_epd_types.py tests/test_epd_table.py tests/test_kv_plan.py tests/test_events.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --epd --requests 40
+
+# The type check (mypy over pdcore/core, pdcore/protocol, pdcore/node and transport, and what they import) and the
+# lint (ruff check: pyflakes and pycodestyle's errors); pyproject.toml configures both. Neither needs the compiled
+# modules: stubs/ holds what the type checker needs of Cython.
+lint: $(STAMP)
+	$(PY) -m ruff check pdcore transport tests benchmarks fuzz stubs
+	$(PY) -m mypy
 
 # Each planted bug in tests/mutants/ must fail the tests its patch names (MUTANTS=all: the slow ones too).
 mutants: $(STAMP)
@@ -108,4 +115,4 @@ bench: $(STAMP) mooncake nixl
 	$(PY) benchmarks/epd.py
 
 clean:
-	rm -rf build $(VENV) pdcore/*/*.c pdcore/*/*.so transport/*.c transport/*.so
+	rm -rf build $(VENV) pdcore/*/*.c pdcore/*/*.so transport/*.c transport/*.so .mypy_cache .ruff_cache

@@ -130,7 +130,7 @@ def test_a_stopped_decode_rank_does_not_delay_rooms_to_a_healthy_one() -> None:
     to_done = {rid: succeeded[rid] - sent[rid] for rid in ok_rids}
     to_landed = {rid: landed[rid]["at"] - sent[rid] for rid in ok_rids}
     summary = (
-        f"rooms to the healthy decode rank while the other was stopped, hand-over -> Succeeded: "
+        "rooms to the healthy decode rank while the other was stopped, hand-over -> Succeeded: "
         + ", ".join(f"{rid} {to_done[rid]:.3f} s" for rid in ok_rids)
         + "; -> RemotePrefillDone: " + ", ".join(f"{rid} {to_landed[rid]:.3f} s" for rid in ok_rids)
         + f" (bound {BOUND:g} s, prefill's fence_timeout {FENCE_TIMEOUT:g} s); "

@@ -204,7 +204,7 @@ class BootstrapClient:
             outcome = None
         if outcome not in ("created", "unchanged", "replaced"):
             raise RemoteProtocolError(f"bootstrap PUT /v1/ranks: bad answer {data[:128]!r}")
-        return outcome  # type: ignore[no-any-return]
+        return outcome
 
     def parallel_info(self, deadline: Deadline) -> ParallelInfo | None:
         """The replica's parallel info; None while no rank registered (retry later)."""

@@ -43,7 +43,7 @@ def _int(owner: str, name: str, value: object, lo: int, hi: int, what: str) -> N
     """``value`` is an ``int`` (not a bool) in ``lo..hi``, or raise naming ``owner.name``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
-    if not lo <= value <= hi:  # type: ignore[operator]
+    if not lo <= value <= hi:
         raise ValueError(f"{owner}.{name} {value!r} is not {what}")
 
 
@@ -155,7 +155,7 @@ class LandedRequest:
                     f"(strictly increasing index), got {a.index} then {b.index}"
                 )
         if cython.compiled:
-            self.items = items  # the extension type's own slot: frozen only against outside assignment
+            self.items = items  # type: ignore[misc]  # the extension type's own slot: frozen only against outside assignment
         else:
             object.__setattr__(self, "items", items)
 

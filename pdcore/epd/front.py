@@ -168,7 +168,7 @@ class ReceiverFront:
 
     def poll(self, now: float) -> list[int]:
         buf = self.table.encode(now)
-        return buf[: len(self.table)].tolist()  # type: ignore[no-any-return]
+        return buf[: len(self.table)].tolist()
 
     def settle(self, codes: Any) -> list[LandedRequest]:
         """One rank's settle of agreed ``codes`` (``poll`` order, or the reduced buffer of ``table.encode``)."""
@@ -179,7 +179,7 @@ class ReceiverFront:
                 codes = np.asarray(codes, dtype=np.int64)
         landed = self.table.settle(codes)
         self.after_round(landed, None, 0.0)
-        return landed  # type: ignore[no-any-return]
+        return landed
 
     def after_round(self, landed: list[LandedRequest], failed: list[tuple[str, str]] | None, now: float) -> None:
         """The table settled a round: ``landed`` came out of it, ``failed`` are its failures with the reasons

@@ -132,7 +132,7 @@ class EncodeEngine(Engine):
                     reason=f"prefill session {msg.session_id} (epoch {msg.epoch}) asked before it registered here",  # type: ignore[union-attr]
                 ))
                 return
-            self._act(self._rooms.ask(sender, msg, now), now)  # type: ignore[arg-type]
+            self._act(self._rooms.ask(sender, msg, now), now)
         elif kind is wire.Abort:
             sink = self._sinks.get(sender)
             if sink is not None and not self._rooms.begun(msg.room):  # type: ignore[union-attr]

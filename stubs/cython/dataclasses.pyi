@@ -1,0 +1,1 @@
+from dataclasses import dataclass as dataclass, field as field
