@@ -32,6 +32,7 @@ _EXPORTS = {
     "IMPLEMENTATION": "core.table",
     "DecodeConfig": "pd.config",
     "PeerConfig": "pd.config",
+    "TransferConfig": "pd.config",
     "PrefillConfig": "pd.config",
     "DecodeInbox": "pd.decode",
     "DecodePeer": "pd.decode",
@@ -85,7 +86,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .pd.peer import TransferPeer
     from .control.auth import AuthenticationError
-    from .pd.config import DecodeConfig, PeerConfig, PrefillConfig
+    from .pd.config import DecodeConfig, PeerConfig, PrefillConfig, TransferConfig
     from .pd.decode import DecodeInbox, DecodePeer
     from .epd.config import EncodeConfig, ReceiverConfig
     from .epd.encode import EncodePeer

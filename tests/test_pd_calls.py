@@ -91,7 +91,7 @@ def test_usage_recorded_before_the_hand_over_rides_with_it_and_a_later_one_still
     pair.prefill.record_usage("whole", cached_tokens=11, bootstrap_logprob=-1.5)
     assert handed == []
     pair.outbox.send("whole", pair.pages("whole", "prefill"), 5)
-    assert handed == ["hand_over_used"]
+    assert handed == ["hand_over"]
 
     handed.clear()
     pages = pair.pages("layers", "prefill")
@@ -99,7 +99,7 @@ def test_usage_recorded_before_the_hand_over_rides_with_it_and_a_later_one_still
     pair.outbox.begin("layers", pages)
     pair.outbox.layers_done("layers", 1)
     pair.outbox.finish("layers", 6)
-    assert handed == ["hand_over", "hand_over", "hand_over_used"]
+    assert handed == ["hand_over", "hand_over", "hand_over"]
 
     pair.outbox.send("late", pair.pages("late", "prefill"), 7)
     handed.clear()

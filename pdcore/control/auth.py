@@ -1,7 +1,7 @@
 """The deployment secret: where it comes from, the keys derived from it, one MAC rule.
 
 One secret (bytes, ``MIN_SECRET_BYTES``..``MAX_SECRET_BYTES``) is shared by every
-rank of a deployment and its bootstrap server. It comes from ``PeerConfig.secret``,
+rank of a deployment and its bootstrap server. It comes from ``TransferConfig.secret``,
 else from the file named by ``PDCORE_SECRET_FILE``. It is never logged: configs
 keep it out of their repr, errors name the peer, never a key.
 
@@ -146,7 +146,7 @@ def warn_unauthenticated(component: str) -> None:
             return
         _warned = True
     log.warning(
-        "%s: no deployment secret (PeerConfig.secret or $%s): the bootstrap, control and data planes "
+        "%s: no deployment secret (TransferConfig.secret or $%s): the bootstrap, control and data planes "
         "are unauthenticated, anyone who reaches their ports can steer transfers",
         component,
         SECRET_FILE_ENV,

@@ -1,7 +1,7 @@
 """Prometheus metrics for the peers and the bootstrap server, read at scrape time.
 
 Nothing global: the caller passes a ``prometheus_client.CollectorRegistry``
-(``PeerConfig.metrics``, ``BootstrapServer(metrics=...)``); the library adds
+(``TransferConfig.metrics``, ``BootstrapServer(metrics=...)``); the library adds
 one collector per peer or server to it and removes it on close. The hot paths
 bump plain integers and a few bucket counts (``Counts``); only a scrape calls
 into ``prometheus_client``, so a peer without a registry pays nothing more.

@@ -31,7 +31,7 @@ class Routing:
         if layout is None and prefill_tp != decode_tp:
             raise LocalProtocolError(
                 f"prefill tp {prefill_tp} and decode tp {decode_tp} differ: pairing them needs a KV layout "
-                "(PeerConfig.kv_layout) on both sides"
+                "(TransferConfig.kv_layout) on both sides"
             )
         if layout is not None:
             layout.check_tp(prefill_tp, "prefill tp")

@@ -17,11 +17,11 @@ from ..core.twin_common import MAX_CAPACITY
 from ..kv.layout import KvLayout
 from ..node.config import NodeConfig, check_registration, check_seconds, check_writable_buffer, config_error
 
-__all__ = ["PeerConfig", "PrefillConfig", "DecodeConfig"]
+__all__ = ["TransferConfig", "PeerConfig", "PrefillConfig", "DecodeConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PeerConfig(NodeConfig):
+class TransferConfig(NodeConfig):
     """What both PD peers need: the KV cache memory and the transfer table's knobs (and ``NodeConfig``'s).
 
     ``kv_buffers`` are the cache's buffers: writable, contiguous numpy arrays or
@@ -124,8 +124,11 @@ class PeerConfig(NodeConfig):
         return tuple(int(b) for b in self.page_bytes)
 
 
+PeerConfig = TransferConfig  # its name before EPD had configs of its own (PD only, as now)
+
+
 @dataclass(frozen=True, kw_only=True)
-class PrefillConfig(PeerConfig):
+class PrefillConfig(TransferConfig):
     """A prefill rank: it registers with its deployment's bootstrap server (``bootstrap_host``,
     ``bootstrap_port``) as rank ``tp_rank`` of DP group ``dp_rank`` (of ``dp_size``); decode ranks
     find it there by the room (``room % dp_size``, or ``BootstrapInfo.dp_rank``)."""
@@ -147,6 +150,6 @@ class PrefillConfig(PeerConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecodeConfig(PeerConfig):
+class DecodeConfig(TransferConfig):
     """A decode rank: it finds each request's prefill ranks through the request's bootstrap info
     (``BootstrapInfo``: the prefill deployment's bootstrap server and the room); it registers nowhere."""

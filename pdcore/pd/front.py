@@ -67,7 +67,7 @@ def check_logprob(where: str, value: Any) -> float | None:
 class PdFront:
     """What both PD roles' fronts share: live and lately ended rids, inputs that may be refused, the round.
 
-    ``table`` is the rank's transfer table, ``engine`` its role engine, ``config`` its ``PeerConfig``;
+    ``table`` is the rank's transfer table, ``engine`` its role engine, ``config`` its ``TransferConfig``;
     ``counts`` the metrics (None: none)."""
 
     ROLE = "pd"
@@ -262,11 +262,10 @@ class PrefillFront(PdFront):
             self._hand_over(rid, pages, None, finish, now)
 
     def _hand_over(self, rid: str, page_ids: Any, upto: int | None, finish: Finish | None, now: float) -> None:
-        if finish is None:
-            self._input(rid, self.engine.hand_over, rid, page_ids, upto, finish, now=now)
-            return
-        usage, self._usage[rid] = self._usage.get(rid), None
-        self._input(rid, self.engine.hand_over_used, rid, page_ids, upto, finish, usage, now=now)
+        usage = None
+        if finish is not None:
+            usage, self._usage[rid] = self._usage.get(rid), None
+        self._input(rid, self.engine.hand_over, rid, page_ids, upto, finish, usage, now=now)
 
     def _held(self) -> dict[str, int]:
         return {"usage": len(self._usage)}

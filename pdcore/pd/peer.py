@@ -18,7 +18,7 @@ from ..core.replica import check_replica
 from ..core.table import StateTable
 from ..node.base import PeerBase
 from ..protocol.engine import Services
-from .config import PeerConfig
+from .config import TransferConfig
 from .front import PdFront, check_logprob, wire_int
 
 __all__ = ["TransferPeer", "PdPeer", "wire_int", "check_logprob"]
@@ -67,7 +67,7 @@ class TransferPeer(Protocol):
         ...
 
 
-def kv_layout(regions: list[Any], config: PeerConfig) -> Layout:
+def kv_layout(regions: list[Any], config: TransferConfig) -> Layout:
     return Layout([r.addr for r in regions], config.page_bytes_per_buffer, config.num_pages)
 
 
@@ -83,7 +83,7 @@ class PdPeer(PeerBase):
 
     def _init_state(self) -> None:
         config = self._config
-        assert isinstance(config, PeerConfig)
+        assert isinstance(config, TransferConfig)
         self._table = StateTable(
             config.capacity, bootstrap_timeout=config.bootstrap_timeout, waiting_timeout=config.waiting_timeout
         )

@@ -150,14 +150,6 @@ class PrefillEngine(Engine):
         if entry is not None:
             entry.cached_tokens, entry.logprob = cached_tokens, logprob
 
-    def hand_over_used(self, rid: str, page_ids: Any, upto: int | None, finish: Finish, usage: tuple[int, float | None] | None,
-                       now: float) -> None:
-        """The finishing ``hand_over`` with the ``usage`` (cached tokens, logprob) recorded before it, if any:
-        one input where the scheduler's two calls would take two."""
-        if usage is not None:
-            self.usage(rid, *usage, now)
-        self.hand_over(rid, page_ids, upto, finish, now)
-
     def abort_room(self, rid: str, room: int, now: float) -> None:
         """The prefill scheduler gave up ``rid`` (EPD: its embeddings failed): fail the room it holds,
         or answer the decode side of a room never registered here from a tombstone."""
@@ -171,12 +163,17 @@ class PrefillEngine(Engine):
         for sender, _ in pending:
             self._status_failed(sender, room, reason)
 
-    def hand_over(self, rid: str, page_ids: Any, upto: int | None, finish: Finish | None, now: float) -> None:
+    def hand_over(self, rid: str, page_ids: Any, upto: int | None, finish: Finish | None,
+                  usage: tuple[int, float | None] | None, now: float) -> None:
         """Post ``rid``'s writes of the buffers of layers ``[0, upto)`` not posted yet, or of every buffer
-        with ``finish``, which ends the hand-over; ``page_ids`` (not None) names the source pages."""
+        with ``finish``, which ends the hand-over; ``page_ids`` (not None) names the source pages. The
+        finishing one carries the ``usage`` (cached tokens, logprob) the scheduler recorded before it, if
+        any: one input where two calls would take two."""
         entry = self._by_rid.get(rid)
         if entry is None:
             return  # the request ended meanwhile
+        if usage is not None:
+            entry.cached_tokens, entry.logprob = usage
         route = entry.route
         if route is None or len(entry.dsts) < len(route.expects(self._config.tp_rank)):
             # before Bootstrapped: with several decode ranks to a room, writing to the ones that announced

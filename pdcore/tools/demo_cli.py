@@ -27,7 +27,7 @@ __all__ = ["parser", "main"]
 
 PROGRESS_HELP = ("live progress: auto (a rich bar on a terminal, plain lines every few seconds otherwise), "
                  "rich, plain or none (default: %(default)s)")
-MAX_REQUESTS = 1 << 20  # PeerConfig.capacity's bound (a demo's capacity is max(64, requests))
+MAX_REQUESTS = 1 << 20  # TransferConfig.capacity's bound (a demo's capacity is max(64, requests))
 
 
 def parser() -> CliParser:

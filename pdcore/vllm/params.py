@@ -87,7 +87,7 @@ class ConnectorOptions:
       its decode copy is told at once (decode then computes the prompt itself, by its
       ``kv_load_failure_policy``); so is one pdcore refuses. Never an error of the engine.
     - ``bootstrap_timeout``, ``waiting_timeout``, ``dead_after``, ``start_timeout`` (seconds):
-      pdcore's knobs of the same names (``pdcore.PeerConfig``).
+      pdcore's knobs of the same names (``pdcore.TransferConfig``).
     """
 
     bootstrap_host: str = "127.0.0.1"
