@@ -71,8 +71,10 @@ rdma: $(STAMP)
 	bash ci/link-pyverbs.sh $(VENV)
 	bash ci/rxe-vm.sh bash ci/rdma-tests.sh
 
-# Mooncake's TCP transport runs beside ours in benchmarks/transport.py when it installs.
+# Mooncake's TCP transport runs beside ours in benchmarks/transport.py when it installs. Its engine loads
+# libibverbs.so.1 even for TCP: the rdma-core libraries come first (apt-get, as for the RDMA suite).
 mooncake: $(STAMP)
+	bash ci/link-pyverbs.sh $(VENV) || echo "rdma-core did not install: mooncake's rows are left out"
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda || echo "mooncake did not install: its rows are left out"
 
 # NIXL beside them, in its own venv: PyPI's `nixl` 1.5.1 requires nixl-cu12 AND nixl-cu13, and with them torch and
