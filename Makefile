@@ -44,10 +44,9 @@ test-pure: $(STAMP)
 
 # The type check (mypy over pdcore/core, pdcore/protocol, pdcore/node and transport, and what they import) and the
 # lint (ruff check: pyflakes and pycodestyle's errors); pyproject.toml configures both. Neither needs the compiled
-# modules: stubs/ holds what the type checker needs of Cython.
+# modules: stubs/ holds what the type checker needs of Cython. Both run, whichever fails.
 lint: $(STAMP)
-	$(PY) -m ruff check pdcore transport tests benchmarks fuzz stubs
-	$(PY) -m mypy
+	$(PY) -m ruff check pdcore transport tests benchmarks fuzz stubs; ruff=$$?; $(PY) -m mypy && exit $$ruff
 
 # Each planted bug in tests/mutants/ must fail the tests its patch names (MUTANTS=all: the slow ones too).
 mutants: $(STAMP)
