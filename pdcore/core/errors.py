@@ -14,6 +14,9 @@ same classes: ``PdError is transport.errors.TransportBaseError``, and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from transport.errors import CapacityError, StartError, TransportError
 from transport.errors import TransportBaseError as PdError
 
@@ -27,6 +30,7 @@ __all__ = [
     "LocalProtocolError",
     "RemoteProtocolError",
     "TransportError",
+    "refusal",
 ]
 
 
@@ -54,3 +58,16 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """A peer sent something malformed; only ``rooms`` are affected."""
+
+
+def refusal(submit: Callable[..., object], fn: Callable[..., object], *args: Any) -> PdError | None:
+    """Hand ``fn(*args)`` to ``submit`` (a driver's inbox): None once it took it, else the error it was
+    refused with (its inbox full: the caller fails the request or room and goes on). A ``PeerError``
+    (the peer closed) is raised: nothing can take a call after it."""
+    try:
+        submit(fn, *args)
+    except PeerError:
+        raise
+    except PdError as e:
+        return e
+    return None

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import LocalProtocolError, PdError, PeerError
+from ..core.errors import LocalProtocolError, PdError, PeerError, refusal
 from .types import EmbeddingChunk, EmbeddingItem, LandedRequest
 
 __all__ = ["EncodeFront", "ReceiverFront"]
@@ -61,15 +61,10 @@ class EncodeFront:
 
     def _call(self, call: str, room: int, fn: Any, *args: Any) -> bool:
         """Hand a call for a room to the engine; False if it could not take it (the room then fails there)."""
-        try:
-            self._submit(fn, *args)
-            return True
-        except PeerError:
-            raise
-        except PdError as e:
-            if call != "begin":  # the engine holds the room: it fails, and concludes
-                self._result(self.engine.fail, room, f"{call}: the encode peer is overloaded: {e}")
-            return False
+        refused = refusal(self._submit, fn, *args)
+        if refused is not None and call != "begin":  # the engine holds the room: it fails, and concludes
+            self._result(self.engine.fail, room, f"{call}: the encode peer is overloaded: {refused}")
+        return refused is None
 
     def _held(self, call: str, room: int, now: float) -> bool:
         """True for a room begun here and not yet handed back; False for one ``concluded`` handed back
@@ -156,13 +151,10 @@ class ReceiverFront:
         self.table.stage(rid, items, now)
         self._staged.add(rid)
         records = [item for item in items if isinstance(item, EmbeddingItem)]
-        try:
-            self._submit(self.engine.staged, rid, records)
-        except PeerError:
-            raise
-        except PdError as e:  # the driver is full: the request fails, its slots are fenced as any other
+        refused = refusal(self._submit, self.engine.staged, rid, records)
+        if refused is not None:  # the driver is full: the request fails, its slots are fenced as any other
             try:
-                self.table.fail(rid, f"receiver overloaded: {e}", now)
+                self.table.fail(rid, f"receiver overloaded: {refused}", now)
             except PdError:
                 pass
 

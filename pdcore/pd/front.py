@@ -32,7 +32,7 @@ import numpy as np
 
 from ..control import wire
 from ..core._spec import Trigger
-from ..core.errors import LocalProtocolError, PdError, PeerError
+from ..core.errors import LocalProtocolError, PeerError, refusal
 from ..core.events import BootstrapInfo, Event, Failed, RemotePrefill, RemotePrefillDone, Succeeded
 
 __all__ = ["PdFront", "PrefillFront", "DecodeFront", "wire_int", "check_logprob"]
@@ -141,14 +141,10 @@ class PdFront:
 
     def _input(self, rid: str, fn: Any, *args: Any, now: float) -> bool:
         """Hand a scheduler call for ``rid`` to the engine; one it cannot take fails the request (False)."""
-        try:
-            self._submit(fn, *args)
-            return True
-        except PeerError:
-            raise
-        except PdError as e:
-            self.table.update(rid, Trigger.FAIL, now, f"{self.ROLE} peer overloaded: {e}")
-            return False
+        refused = refusal(self._submit, fn, *args)
+        if refused is not None:
+            self.table.update(rid, Trigger.FAIL, now, f"{self.ROLE} peer overloaded: {refused}")
+        return refused is None
 
     # -- the round ---------------------------------------------------------------------------
 
@@ -230,11 +226,7 @@ class PrefillFront(PdFront):
         """The engine fails the room it holds, or answers its decode side from a tombstone. Never refused: an
         abort the driver cannot take now goes as the round's inputs do (bounded by the scheduler's requests)."""
         self.check_open()
-        try:
-            self._submit(self.engine.abort_room, rid, room)
-        except PeerError:
-            raise
-        except PdError:
+        if refusal(self._submit, self.engine.abort_room, rid, room) is not None:
             self._result(self.engine.abort_room, rid, room)
 
     # -- the hand-over (the model executor's side) ------------------------------------------------
