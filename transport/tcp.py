@@ -515,8 +515,7 @@ class TcpTransport(Transport):
     def _resnap(self) -> None:
         """Rebuild ``_snap`` and the sink table's regions from the region table (holds ``_table_lock``):
         a deregistered region takes no frame checked after this."""
-        regions = [(r, self._locals.get(r.key)) for r in self._regions.snapshot()]
-        regions = [(r, local) for r, local in regions if local is not None]
+        regions = [(r, local) for r in self._regions.snapshot() if (local := self._locals.get(r.key)) is not None]
         starts, lengths = _ranges(tuple(r for r, _ in regions))
         guarded = np.array([r.key in self._guarded for r, _ in regions], np.uint8)
         keys = [r.key for r, _ in regions]
@@ -982,6 +981,7 @@ class TcpTransport(Transport):
                 self._live.add(sid)
                 self._pairs[pair] = waiter
         if status == OK and hello.kind == ACKS:
+            assert waiting is not None  # OK for an ack connection: its data connection waits
             replied = False
             try:
                 reply(OK)  # before the hand-over: once the data connection has it, only acks go out on it

@@ -142,7 +142,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -211,7 +211,7 @@ def zap_reply(request: list[bytes], public_key: bytes) -> tuple[list[bytes], str
     return [b"1.0", request_id, b"400", b"not of this deployment", b"", b""], address
 
 
-def _handshake_failure(event: dict[str, object], *, server: bool = False) -> str:
+def _handshake_failure(event: Mapping[str, object], *, server: bool = False) -> str:
     """Why a handshake failed, in words (from a monitor event)."""
     kind, value = event["event"], event["value"]
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -438,7 +438,7 @@ class ControlChannel:
         self._pending: dict[int, _Pending] = {}  # fd -> accepted, no frame from it yet; oldest first
         self._proven: set[int] = set()  # fds of accepted connections a frame came on
         self._cut_fds: set[int] = set()  # fds this channel cut, until libzmq reports them gone
-        self._failed_handshake: dict[str, object] | None = None  # a failure event, until its DISCONNECTED
+        self._failed_handshake: Mapping[str, object] | None = None  # a failure event, until its DISCONNECTED
         self._recorded = 0  # sequence number of the last pending connection recorded
         self._checked = 0  # ... of the last one the monitor was read to its end after: one that may be cut
         self._pending_seen = 0  # len(_pending) after the last pass that read the monitor to its end
@@ -1093,7 +1093,7 @@ class ControlChannel:
         finally:
             os.dup2(self._null_fd, self._slot_fd, inheritable=False)
 
-    def _handshake_failed(self, event: dict[str, object]) -> None:
+    def _handshake_failed(self, event: Mapping[str, object]) -> None:
         """A handshake on our bound socket failed: counted and logged (the monitor cannot name the peer)."""
         if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # our own handler's refusals are counted there
             self._auth_failed(f"a client of {self._endpoint}", _handshake_failure(event, server=True), dead=False)
@@ -1210,7 +1210,7 @@ class ControlChannel:
                 except Exception:  # a bug of ours: logged and counted, the channel keeps serving
                     self.stats.internal_errors += 1
                     log.exception("control channel %s: failed to handle a frame", self._endpoint)
-            if not router.get(_EVENTS) & _POLLIN:  # asked, not tried: a refused read costs an exception
+            if not router.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option; asked, not tried: a refused read costs an exception
                 return
 
     def _handle(self, ident: bytes, data: bytes) -> None:
@@ -1398,6 +1398,6 @@ class ControlChannel:
         if self._ctx is not None:
             self._ctx.term()
         self._close_slots()
-        for sock in (self._wake_r, self._wake_w):
-            if sock is not None:
-                sock.close()  # a late send() then finds PeerError, a late wake-up an OSError it ignores
+        for wake in (self._wake_r, self._wake_w):
+            if wake is not None:
+                wake.close()  # a late send() then finds PeerError, a late wake-up an OSError it ignores

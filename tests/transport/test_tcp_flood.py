@@ -14,7 +14,6 @@ import statistics
 import time
 
 import numpy as np
-import pytest
 
 import transport
 from pdcore.core.deadline import Deadline
