@@ -15,12 +15,15 @@ The package is layered, each layer importing only those below it:
 - ``kv``: KV layouts across tp sizes and the write planner;
 - ``control``: the control plane: wire codec, control channel, bootstrap
   server and client, authentication, deployment lookups, metrics;
+- ``protocol``: each role's per-request protocol as a sans-IO engine;
 - ``node``: what every role's rank runs on: its configuration and peer base
-  (threads, transport, control channel, bootstrap registration);
+  (the driver thread, transport, control channel, bootstrap registration);
 - ``epd``: the encode peer and the prefill rank's embedding receiver;
 - ``pd``: the prefill and decode peers and their configuration (a prefill
   peer hosts its EPD receiver: ``PrefillPeer.embedding_receiver``);
-- ``tools``: the command line (``python -m pdcore``): demo, bootstrap, chaos.
+- ``sim``: the seeded simulator (``python -m pdcore simulate``);
+- ``tools``: the command line (``python -m pdcore``): demo, bootstrap, chaos;
+- ``vllm``: the vLLM connector and router (never imported by ``import pdcore``).
 """
 
 from __future__ import annotations
