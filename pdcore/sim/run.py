@@ -3,7 +3,7 @@
 Each seed draws a deployment (prefill, decode and encode replicas of tp 1 to 4;
 heterogeneous tp, MLA, layer-wise, EPD shards and full copies) and a mix of
 faults, runs the real engines and tables over the simulated planes, and checks
-the invariants after every step (``pdcore.sim.workload`` lists them). A
+the invariants after every step (``pdcore.sim.invariants`` lists them). A
 violation prints its seed and the last steps before it; ``--seed N`` replays
 that seed exactly. ``--json`` prints one object: ``lifecycles``,
 ``lifecycles_per_second``, ``roles``, ``seeds``, ``faults`` (counts by kind),
