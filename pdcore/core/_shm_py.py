@@ -371,18 +371,37 @@ class ShmReducer:
         if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.shape != (seg.nbytes,):
             raise ValueError(f"buf must be a uint8 array of {seg.nbytes} bytes")
         self._gen += 1
-        g = self._gen & GEN_MASK
-        prev = (self._gen - 1) & GEN_MASK
         parity = self._gen & 1
         base = seg.data + parity * seg.world * seg.stride
         n = seg.nbytes
         mine = base + seg.rank * seg.stride
         seg.map[mine : mine + n] = buf.tobytes()
-        bit = 1 << seg.rank
-        status = OK
-        missing = 0
+        status, missing = self._round()
+        if status != OK:
+            self._broken = round_error(seg, status, self._gen, missing, self._timeout)
+            raise self._broken
+        # every rank's slot of this parity is written and stays so until every rank arrived at the next
+        # round; the word was read under the mutex, after the writers' swaps
+        slots = np.frombuffer(seg.map, dtype=np.uint8, count=seg.world * seg.stride, offset=base)
+        slots = slots.reshape(seg.world, seg.stride)[:, :n]
+        np.minimum.reduce(slots, axis=0, out=buf)
+        del slots
+
+    def _round(self) -> tuple[int, int]:
+        """Arrive at this round's word, then wait for every rank: (status, the missing ranks' bits)."""
+        g = self._gen & GEN_MASK
+        bit = 1 << self._seg.rank
         started = time.monotonic()
         deadline = started + self._timeout
+        status, missing = self._arrive(g, bit, deadline)
+        if status != OK:
+            return status, missing
+        return self._wait_for_all(g, bit, started, deadline)
+
+    def _arrive(self, g: int, bit: int, deadline: float) -> tuple[int, int]:
+        """Set this rank's bit in round ``g``'s word, or open round ``g`` if the previous one is complete; a word
+        in neither state means this rank came late (the round was aborted) or out of step."""
+        prev = (self._gen - 1) & GEN_MASK
 
         def arrive(w: int) -> int | None:
             if w >> GEN_SHIFT == g and not w & ABORTED:
@@ -393,26 +412,28 @@ class ShmReducer:
 
         swapped = self._swap(arrive, deadline)
         if swapped is None:
-            status, missing = TIMED_OUT, self._full & ~bit
-        else:
-            old, new = swapped
-            if old == new:
-                status = LATE if old >> GEN_SHIFT == g and old & ABORTED else OUT_OF_STEP
-                missing = self._full & ~(old & ARRIVED_MASK)
+            return TIMED_OUT, self._full & ~bit
+        old, new = swapped
+        if old == new:
+            status = LATE if old >> GEN_SHIFT == g and old & ABORTED else OUT_OF_STEP
+            return status, self._full & ~(old & ARRIVED_MASK)
+        return OK, 0
+
+    def _wait_for_all(self, g: int, bit: int, started: float, deadline: float) -> tuple[int, int]:
+        """Read the word until every rank arrived at round ``g`` (OK), or it was aborted; abort it ourselves when
+        an absent rank's process is gone or the deadline passed. Spin, then yield, then nap, doubling."""
+        seg = self._seg
         next_liveness = started + LIVENESS_EVERY
         nap = 0.0
-        while status == OK:
+        while True:
             read = self._swap(lambda x: None, deadline + 1.0)  # under the mutex: plain reads raced with it
             if read is None:
-                status, missing = TIMED_OUT, self._full & ~bit
-                break
+                return TIMED_OUT, self._full & ~bit
             w = read[0]
             if w >> GEN_SHIFT != g or w & ARRIVED_MASK == self._full:
-                break  # everyone arrived (or the word already moved on to the next round)
+                return OK, 0  # everyone arrived (or the word already moved on to the next round)
             if w & ABORTED:
-                status = EXITED if w & DEAD else TIMED_OUT
-                missing = self._full & ~(w & ARRIVED_MASK)
-                break
+                return (EXITED if w & DEAD else TIMED_OUT), self._full & ~(w & ARRIVED_MASK)
             now = time.monotonic()
             gone = 0
             if now >= next_liveness:
@@ -428,7 +449,7 @@ class ShmReducer:
                     return None
 
                 if self._swap(abort, now + 0.2 if now >= deadline else deadline) is None:
-                    status, missing = TIMED_OUT, self._full & ~(w & ARRIVED_MASK)
+                    return TIMED_OUT, self._full & ~(w & ARRIVED_MASK)
                 continue  # the next pass reads the outcome: aborted by us or another, or completed
             if now - started < SPIN_SECONDS:
                 continue
@@ -437,12 +458,3 @@ class ShmReducer:
                 continue
             nap = min(MAX_NAP, nap * 2 or 20e-6)
             time.sleep(nap)
-        if status != OK:
-            self._broken = round_error(seg, status, self._gen, missing, self._timeout)
-            raise self._broken
-        # every rank's slot of this parity is written and stays so until every rank arrived at the next
-        # round; the word was read under the mutex, after the writers' swaps
-        slots = np.frombuffer(seg.map, dtype=np.uint8, count=seg.world * seg.stride, offset=base)
-        slots = slots.reshape(seg.world, seg.stride)[:, :n]
-        np.minimum.reduce(slots, axis=0, out=buf)
-        del slots
