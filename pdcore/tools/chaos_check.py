@@ -11,14 +11,24 @@ from .chaos_plan import ChaosPlan
 from .chaos_runner import ChaosOutcome
 
 
-def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
+Row = tuple[str, str, bool, list[str]]
+
+
+def check(outcome: ChaosOutcome) -> list[Row]:
     """``(invariant, figure, holds, details)`` rows."""
-    rows: list[tuple[str, str, bool, list[str]]] = []
     survivors = [i for i in outcome.incarnations if not i.killed]
+    return [
+        ("no hang (every process ended in time)", f"{len(outcome.hung)} hung", not outcome.hung, outcome.hung),
+        ("no rank raised", f"{len(outcome.errors)} errors", not outcome.errors, outcome.errors),
+        *_ends_and_agreement(outcome, survivors),
+        *_decode_checks(outcome, survivors),
+        _leftovers(survivors),
+    ]
 
-    rows.append(("no hang (every process ended in time)", f"{len(outcome.hung)} hung", not outcome.hung, outcome.hung))
-    rows.append(("no rank raised", f"{len(outcome.errors)} errors", not outcome.errors, outcome.errors))
 
+def _ends_and_agreement(outcome: ChaosOutcome, survivors: list[Any]) -> list[Row]:
+    """Every request ends exactly once per rank, after its ``Bootstrapped``; every rank of a replica logs the same
+    events in the same order (a rank's own view checked alone, then the ranks against each other)."""
     once: list[str] = []
     agree: list[str] = []
     missing: list[str] = []
@@ -27,22 +37,7 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
         for rank in sorted(inc.done):
             result = inc.done[rank]
             registered = [rid for kind, rid, _ in result["log"] if kind == "Registered"]
-            ends = Counter(rid for kind, rid, _ in result["log"] if kind not in ("Registered", "Bootstrapped"))
-            boots = Counter(rid for kind, rid, _ in result["log"] if kind == "Bootstrapped")
-            for rid in registered:
-                if ends[rid] != 1:
-                    once.append(f"{inc.name} rank {rank}: {rid} ended {ends[rid]} times")
-            for rid in set(ends) - set(registered):
-                once.append(f"{inc.name} rank {rank}: {rid} ended but was never registered")
-            for rid, n in boots.items():
-                if n > 1:
-                    once.append(f"{inc.name} rank {rank}: {rid} Bootstrapped {n} times")
-            seen_boot: set[str] = set()
-            for kind, rid, _ in result["log"]:  # a success comes after its Bootstrapped, even if the state jumped
-                if kind == "Bootstrapped":
-                    seen_boot.add(rid)
-                elif kind in ("Succeeded", "RemotePrefillDone") and rid not in seen_boot:
-                    once.append(f"{inc.name} rank {rank}: {rid} {kind} without Bootstrapped before it")
+            once += _ends_of_one_rank(f"{inc.name} rank {rank}", result["log"], registered)
             if result.get("abandoned"):
                 once.append(f"{inc.name} rank {rank}: {len(result['unfinished'])} requests had not ended "
                             f"{outcome.plan.drain:g} s after stop: {result['unfinished'][:5]}")
@@ -55,10 +50,38 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
             at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             agree.append(f"{inc.name}: rank 0 and rank {first} differ at event {at}: "
                          f"{a[at:at + 3]} vs {b[at:at + 3]}")
-    rows.append(("every request ends exactly once per rank (in order)", f"{len(once) + len(missing)} violations",
-                 not once and not missing, once + missing))
-    rows.append(("same events (payload too), same order on every rank", f"{len(agree)} replicas differ", not agree, agree))
+    return [("every request ends exactly once per rank (in order)", f"{len(once) + len(missing)} violations",
+             not once and not missing, once + missing),
+            ("same events (payload too), same order on every rank", f"{len(agree)} replicas differ", not agree, agree)]
 
+
+def _ends_of_one_rank(who: str, log: list[Any], registered: list[str]) -> list[str]:
+    """One rank's log: each registered request ends once, none ends unregistered, none is ``Bootstrapped`` twice,
+    and a success comes after its ``Bootstrapped``."""
+    out: list[str] = []
+    ends = Counter(rid for kind, rid, _ in log if kind not in ("Registered", "Bootstrapped"))
+    boots = Counter(rid for kind, rid, _ in log if kind == "Bootstrapped")
+    for rid in registered:
+        if ends[rid] != 1:
+            out.append(f"{who}: {rid} ended {ends[rid]} times")
+    for rid in set(ends) - set(registered):
+        out.append(f"{who}: {rid} ended but was never registered")
+    for rid, n in boots.items():
+        if n > 1:
+            out.append(f"{who}: {rid} Bootstrapped {n} times")
+    seen_boot: set[str] = set()
+    for kind, rid, _ in log:  # a success comes after its Bootstrapped, even if the state jumped
+        if kind == "Bootstrapped":
+            seen_boot.add(rid)
+        elif kind in ("Succeeded", "RemotePrefillDone") and rid not in seen_boot:
+            out.append(f"{who}: {rid} {kind} without Bootstrapped before it")
+    return out
+
+
+def _decode_checks(outcome: ChaosOutcome, survivors: list[Any]) -> list[Row]:
+    """What the surviving decode ranks found: the landed pages' bytes and first tokens, that anything landed at
+    all, and the canary pages (handed back, yet written into)."""
+    rows: list[Row] = []
     decode_done = [(i, r, i.done[r]) for i in survivors if i.role == "decode" for r in sorted(i.done)]
     mism = [f"{i.name} rank {r}: {rid}" for i, r, d in decode_done for rid in d["mismatched"]]
     landed = sum(1 for _, _, d in decode_done for kind, _, _ in d["log"] if kind == "RemotePrefillDone")
@@ -79,7 +102,12 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
             canary.append(f"{i.name} rank {r}: page {v['page']} (handed back: {v['how']}) had {v['bytes']} bytes "
                           f"overwritten, found {v['when']} at {v['t'] - outcome.t0:.1f} s{whose}")
     rows.append(("0 bytes written into pages handed back", f"{len(canary)} pages", not canary, canary))
+    return rows
 
+
+def _leftovers(survivors: list[Any]) -> Row:
+    """Nothing in flight, tracked or running once the timeouts were waited out (what was still there at the end
+    and went within its timeout is a note, not a leak)."""
     left = []
     expired = []
     for inc in survivors:
@@ -93,8 +121,7 @@ def check(outcome: ChaosOutcome) -> list[tuple[str, str, bool, list[str]]]:
                 expired.append(f"{inc.name} rank {rank}: at the end {at_end}, gone within its timeout (not a leak)")
             if d["threads_after_close"]:
                 left.append(f"{inc.name} rank {rank}: threads alive after close(): {d['threads_after_close']}")
-    rows.append(("nothing in flight, tracked or left running at the end", f"{len(left)} ranks", not left, left + expired))
-    return rows
+    return ("nothing in flight, tracked or left running at the end", f"{len(left)} ranks", not left, left + expired)
 
 
 def _reasons(survivors: list[Any]) -> Counter[str]:

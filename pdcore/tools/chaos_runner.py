@@ -300,81 +300,19 @@ class _Runner:
                             start_failure=why)
 
     def run(self) -> ChaosOutcome:
+        """Start every replica, run the faulty phase, stop and drain the survivors; the outcome."""
         plan = self.plan
-        progress = self.progress
-        if progress is not None:
-            ranks = plan.replicas * (plan.prefill_tp + plan.decode_tp)
-            progress.starting(f"{ranks} ranks ({plan.replicas} prefill and {plan.replicas} decode replicas of tp "
-                              f"{plan.prefill_tp})", ranks)
-        for role in ("prefill", "decode"):
-            for index in range(plan.replicas):
-                self.spawn(role, index)
-        start_by = time.monotonic() + plan.start_timeout
-        while not all(i.up for i in self.current.values()) and time.monotonic() < start_by:
-            self.receive(0.1)
-            if progress is not None:
-                progress.ranks_ready(*self.ranks_ready())
-            why = self.start_failure()
-            if why is not None:
-                return self.abort(why)
+        why = self._start_replicas()
+        if why is not None:
+            return self.abort(why)
         self.m0 = time.monotonic()
         self.t0 = time.time()
         self.started = True
-        if progress is not None:
-            progress.running(plan.requests)
+        if self.progress is not None:
+            self.progress.running(plan.requests)
         self.note(f"all replicas up; seed {plan.seed}")
-        phase_end = self.m0 + (plan.seconds if plan.seconds is not None else plan.max_seconds)
-        next_fault = self.m0 + plan.warmup
-        while True:
-            now = time.monotonic()
-            if now >= phase_end:
-                break
-            if plan.requests is not None and self.n >= plan.requests:
-                if not any(i.live for i in self.current.values() if i.role == "decode" and not i.killed):
-                    break
-            self.receive(0.02)
-            if progress is not None:
-                progress.update(*self.ended)
-            self.run_timers()
-            if self.armed is not None and (now >= self.armed[3] or self.armed[0].killed):
-                inc, ranks, seconds, _ = self.armed  # no big handover came: pause the rest from outside
-                self.armed = None
-                if not inc.killed:
-                    self.send(inc, ("selfstop", 0))
-                    self.pause(inc, sorted(ranks), seconds, "(no big handover came within 2 s)")
-            self.dispatch(plan.requests)
-            if now >= next_fault and not self.timers and self.armed is None:
-                end = self.fault()
-                next_fault = end + self.fault_rng.uniform(*plan.fault_gap)
-        if self.armed is not None:
-            self.send(self.armed[0], ("selfstop", 0))
-            self.armed = None
-        self.run_timers(final=True)  # resume every paused process; no more restarts
-        self.note(f"stop: {self.n} requests dispatched")
-        stopping = [i for i in self.current.values() if not i.killed]
-        for inc in stopping:
-            inc.stopping = True
-            self.send(inc, ("stop",))
-        # every surviving rank reports within the drain plus the time it takes to start and to close
-        deadline = time.monotonic() + plan.drain + plan.start_timeout + 15.0
-        pending = lambda: [(i, r) for i in stopping for r in range(len(i.procs)) if r not in i.done and r not in i.errors and r not in i.exited]  # noqa: E731
-        while pending() and time.monotonic() < deadline:
-            self.receive(0.1)
-            if progress is not None:
-                progress.update(*self.ended)
-            self.run_timers(final=True)  # a rank that stopped itself late is resumed at once
-        hung: list[str] = []
-        for inc, rank in pending():
-            p = inc.procs[rank]
-            hung.append(f"{inc.name} rank {rank} (pid {p.pid}) did not report by its deadline{self._stacks(inc, rank)}")
-        for inc in stopping:  # reported: each process must also exit
-            for rank, p in enumerate(inc.procs):
-                p.join(timeout=max(0.1, min(10.0, deadline + 10 - time.monotonic())))
-                if p.is_alive():
-                    if not any(h.startswith(f"{inc.name} rank {rank} ") for h in hung):
-                        hung.append(f"{inc.name} rank {rank} (pid {p.pid}) did not exit after reporting{self._stacks(inc, rank)}")
-                    p.kill()
-                    p.join(5)
+        self._faulty_phase()
+        stopping, hung = self._stop_and_drain()
         for inc in stopping:
             for rank, p in enumerate(inc.procs):
                 if rank not in inc.done and rank not in inc.errors and not any(h.startswith(f"{inc.name} rank {rank} ") for h in hung):
@@ -392,6 +330,91 @@ class _Runner:
         causes = [f"{i.name} rank {r}: {c}" for i in self.incs for r, c in i.causes.items()] + self.errors
         return ChaosOutcome(plan, self.incs, self.actions, hung, errors, time.monotonic() - self.m0, self.t0, self.n,
                             causes=causes)
+
+    def _start_replicas(self) -> str | None:
+        """Spawn every replica and wait (up to ``start_timeout``) for them to be up; why the run cannot start, if
+        a rank raised or exited first."""
+        plan = self.plan
+        progress = self.progress
+        if progress is not None:
+            ranks = plan.replicas * (plan.prefill_tp + plan.decode_tp)
+            progress.starting(f"{ranks} ranks ({plan.replicas} prefill and {plan.replicas} decode replicas of tp "
+                              f"{plan.prefill_tp})", ranks)
+        for role in ("prefill", "decode"):
+            for index in range(plan.replicas):
+                self.spawn(role, index)
+        start_by = time.monotonic() + plan.start_timeout
+        while not all(i.up for i in self.current.values()) and time.monotonic() < start_by:
+            self.receive(0.1)
+            if progress is not None:
+                progress.ranks_ready(*self.ranks_ready())
+            why = self.start_failure()
+            if why is not None:
+                return why
+        return None
+
+    def _faulty_phase(self) -> None:
+        """Dispatch requests and strike faults until the phase ends (its seconds, or its requests all ended);
+        then no process stays paused and nothing restarts."""
+        plan = self.plan
+        phase_end = self.m0 + (plan.seconds if plan.seconds is not None else plan.max_seconds)
+        next_fault = self.m0 + plan.warmup
+        while True:
+            now = time.monotonic()
+            if now >= phase_end:
+                break
+            if plan.requests is not None and self.n >= plan.requests:
+                if not any(i.live for i in self.current.values() if i.role == "decode" and not i.killed):
+                    break
+            self.receive(0.02)
+            if self.progress is not None:
+                self.progress.update(*self.ended)
+            self.run_timers()
+            if self.armed is not None and (now >= self.armed[3] or self.armed[0].killed):
+                inc, ranks, seconds, _ = self.armed  # no big handover came: pause the rest from outside
+                self.armed = None
+                if not inc.killed:
+                    self.send(inc, ("selfstop", 0))
+                    self.pause(inc, sorted(ranks), seconds, "(no big handover came within 2 s)")
+            self.dispatch(plan.requests)
+            if now >= next_fault and not self.timers and self.armed is None:
+                end = self.fault()
+                next_fault = end + self.fault_rng.uniform(*plan.fault_gap)
+        if self.armed is not None:
+            self.send(self.armed[0], ("selfstop", 0))
+            self.armed = None
+        self.run_timers(final=True)  # resume every paused process; no more restarts
+        self.note(f"stop: {self.n} requests dispatched")
+
+    def _stop_and_drain(self) -> tuple[list[_Incarnation], list[str]]:
+        """Tell every surviving replica to stop and wait for each rank's report and exit; the replicas told, and
+        one line per rank that did not report or exit in time (with its threads' stacks)."""
+        plan = self.plan
+        stopping = [i for i in self.current.values() if not i.killed]
+        for inc in stopping:
+            inc.stopping = True
+            self.send(inc, ("stop",))
+        # every surviving rank reports within the drain plus the time it takes to start and to close
+        deadline = time.monotonic() + plan.drain + plan.start_timeout + 15.0
+        pending = lambda: [(i, r) for i in stopping for r in range(len(i.procs)) if r not in i.done and r not in i.errors and r not in i.exited]  # noqa: E731
+        while pending() and time.monotonic() < deadline:
+            self.receive(0.1)
+            if self.progress is not None:
+                self.progress.update(*self.ended)
+            self.run_timers(final=True)  # a rank that stopped itself late is resumed at once
+        hung: list[str] = []
+        for inc, rank in pending():
+            p = inc.procs[rank]
+            hung.append(f"{inc.name} rank {rank} (pid {p.pid}) did not report by its deadline{self._stacks(inc, rank)}")
+        for inc in stopping:  # reported: each process must also exit
+            for rank, p in enumerate(inc.procs):
+                p.join(timeout=max(0.1, min(10.0, deadline + 10 - time.monotonic())))
+                if p.is_alive():
+                    if not any(h.startswith(f"{inc.name} rank {rank} ") for h in hung):
+                        hung.append(f"{inc.name} rank {rank} (pid {p.pid}) did not exit after reporting{self._stacks(inc, rank)}")
+                    p.kill()
+                    p.join(5)
+        return stopping, hung
 
     def _stacks(self, inc: _Incarnation, rank: int) -> str:
         p = inc.procs[rank]

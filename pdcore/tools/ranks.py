@@ -111,104 +111,150 @@ def supervise(
     ``stop``: an event set once every rank whose role is not in ``stopped_roles`` finished
     (the encode ranks serve until then), and on the way out.
     """
-    pipes: dict[Any, tuple[str, int, int]] = {}
-    procs: dict[tuple[str, int], list[Any]] = {}
-    results: dict[str, dict[tuple[int, int], dict[str, Any]]] = {role: {} for role, *_ in layout}
-    errors: list[str] = []
-    causes: list[str] = []
-    start_failure: str | None = None
-    killed_at: dict[tuple[str, int], float] = {}
-    expected = len(layout)
-    serving = sum(role in stopped_roles for role, *_ in layout)  # ranks that run until ``stop``
-    started = time.monotonic()
-    ready = finished = stopped_finished = 0
-    reported: set[tuple[str, int, int]] = set()
-    done_total = {index: (0, 0, 0) for index in range(len(decode_tp))}  # (ok, failed, bytes) per replica
+    return _Supervisor(layout, requests=requests, decode_tp=decode_tp, progress=progress, kill=kill, stop=stop,
+                       stopped_roles=stopped_roles).run(ctx, timeout)
 
-    def finish(role: str) -> None:
-        nonlocal finished, stopped_finished
-        finished += 1
-        stopped_finished += role in stopped_roles
 
-    def counts(index: int, ok: int, failed: int, nbytes: int) -> None:
-        done_total[index] = (ok, failed, nbytes * decode_tp[index])
-        if progress is not None:
-            progress.update(*(sum(t[i] for t in done_total.values()) for i in range(3)))
+class _Supervisor:
+    """One run of ``supervise``: what the ranks reported so far, and how many are ready, finished, killed."""
 
-    try:
-        for role, index, rank, args in layout:
+    def __init__(self, layout: Layout, *, requests: int, decode_tp: list[int], progress: RunProgress | None,
+                 kill: dict[tuple[str, int], int] | None, stop: Any, stopped_roles: frozenset[str]) -> None:
+        self.layout = layout
+        self.requests = requests
+        self.decode_tp = decode_tp
+        self.progress = progress
+        self.kill = kill or {}
+        self.stop = stop
+        self.stopped_roles = stopped_roles
+        self.pipes: dict[Any, tuple[str, int, int]] = {}
+        self.procs: dict[tuple[str, int], list[Any]] = {}
+        self.results: dict[str, dict[tuple[int, int], dict[str, Any]]] = {role: {} for role, *_ in layout}
+        self.errors: list[str] = []
+        self.causes: list[str] = []
+        self.start_failure: str | None = None
+        self.killed_at: dict[tuple[str, int], float] = {}
+        self.expected = len(layout)
+        self.serving = sum(role in stopped_roles for role, *_ in layout)  # ranks that run until ``stop``
+        self.started = time.monotonic()
+        self.ready = self.finished = self.stopped_finished = 0
+        self.reported: set[tuple[str, int, int]] = set()
+        self.done_total = {index: (0, 0, 0) for index in range(len(decode_tp))}  # (ok, failed, bytes) per replica
+
+    def run(self, ctx: Any, timeout: float) -> Reports:
+        """Start the ranks, gather until each finished or the deadline, and always stop and join them."""
+        try:
+            self._start(ctx)
+            self._gather(self.started + timeout + 60.0)
+        finally:
+            self._shut_down()
+        if self.start_failure is None and self.finished < self.expected:
+            self.errors.append(f"only {self.finished} of {self.expected} ranks reported within the deadline")
+            self.causes.append(self.errors[-1])
+        return Reports(self.results, self.errors, self.causes, time.monotonic() - self.started, self.start_failure,
+                       self.killed_at)
+
+    def _start(self, ctx: Any) -> None:
+        for role, index, rank, args in self.layout:
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=rank_main, args=(*args, RankPipe(writer)), daemon=True)
             p.start()
             writer.close()  # the rank holds the only writer: its exit is our EOF
-            pipes[reader] = (role, index, rank)
-            procs.setdefault((role, index), []).append(p)
-        hard_deadline = started + timeout + 60.0
+            self.pipes[reader] = (role, index, rank)
+            self.procs.setdefault((role, index), []).append(p)
+
+    def _gather(self, hard_deadline: float) -> None:
+        """Take the ranks' reports one at a time until every rank finished, the run failed to start, every pipe
+        closed, or the deadline; after each, kill the replicas whose turn came."""
         inbox: deque[Any] = deque()
-        while finished < expected and time.monotonic() < hard_deadline:
-            if stop is not None and finished - stopped_finished >= expected - serving:
-                stop.set()  # the others are done: the serving ranks report and leave
+        while self.finished < self.expected and time.monotonic() < hard_deadline:
+            if self.stop is not None and self.finished - self.stopped_finished >= self.expected - self.serving:
+                self.stop.set()  # the others are done: the serving ranks report and leave
             if not inbox:
-                for reader in mp_connection.wait(list(pipes), timeout=0.5):
-                    try:
-                        inbox.append(reader.recv())
-                    except (EOFError, OSError):  # the rank exited or was killed
-                        who = pipes.pop(reader)
-                        reader.close()
-                        if who in reported or who[:2] in killed_at:
-                            continue
-                        if ready < expected:
-                            if start_failure is None:
-                                start_failure = f"{who[0]} {who[1]} rank {who[2]} exited before it was ready"
-                                causes.append(start_failure)
-                        else:
-                            errors.append(f"{who[0]} {who[1]} rank {who[2]} exited without a report")
-                            causes.append(errors[-1])
-                            finish(who[0])
-                if start_failure is not None:
+                self._receive(inbox)
+                if self.start_failure is not None:
                     break
                 if not inbox:
-                    if not pipes:
+                    if not self.pipes:
                         break
-                    if progress is not None:
-                        progress.ranks_ready(ready, expected)
+                    if self.progress is not None:
+                        self.progress.ranks_ready(self.ready, self.expected)
                     continue
-            kind, role, index, rank, payload = inbox.popleft()
-            if kind in ("done", "error"):
-                reported.add((role, index, rank))
-                finish(role)
-            if kind == "ready":
-                ready += 1
-                if progress is not None:
-                    progress.ranks_ready(ready, expected)
-                if ready == expected:
-                    started = time.monotonic()  # throughput counts from here, not from process start
-                    if progress is not None:
-                        progress.running(requests)
-            elif kind == "error":
-                why, trace = payload
-                errors.append(f"{role} {index} rank {rank}: {trace}")
-                causes.append(f"{role} {index} rank {rank}: {why}")
-                if ready < expected:  # the run never started: say so once, stop the other ranks now
-                    start_failure = causes[-1]
-                    break
-            elif kind == "done":
-                results[role][(index, rank)] = payload
-                if role == "decode" and rank == 0:  # its last word: the replica's final counts
-                    counts(index, payload["ok"], payload["failed"], payload["bytes"])
-            elif kind == "progress":
-                counts(index, *payload)
-            for victim, at in (kill or {}).items():
-                if victim not in killed_at and sum(t[0] + t[1] for t in done_total.values()) >= at:
-                    for p in procs[victim]:
-                        p.kill()
-                    killed_at[victim] = time.time()
-                    expected -= len(procs[victim])
-    finally:
-        if stop is not None:
-            stop.set()
-        everyone = [p for ps in procs.values() for p in ps]
-        if start_failure is not None:  # the others would wait for it until their own timeouts
+            if not self._take(*inbox.popleft()):
+                break
+            self._kill_due()
+
+    def _receive(self, inbox: deque[Any]) -> None:
+        """Wait up to 0.5 s for reports; a pipe at EOF is a rank that exited (or was killed)."""
+        for reader in mp_connection.wait(list(self.pipes), timeout=0.5):
+            try:
+                inbox.append(reader.recv())
+            except (EOFError, OSError):  # the rank exited or was killed
+                who = self.pipes.pop(reader)
+                reader.close()
+                if who in self.reported or who[:2] in self.killed_at:
+                    continue
+                if self.ready < self.expected:
+                    if self.start_failure is None:
+                        self.start_failure = f"{who[0]} {who[1]} rank {who[2]} exited before it was ready"
+                        self.causes.append(self.start_failure)
+                else:
+                    self.errors.append(f"{who[0]} {who[1]} rank {who[2]} exited without a report")
+                    self.causes.append(self.errors[-1])
+                    self._finish(who[0])
+
+    def _take(self, kind: str, role: str, index: int, rank: int, payload: Any) -> bool:
+        """One report; False when it ends the run (a rank failed before every rank was ready)."""
+        if kind in ("done", "error"):
+            self.reported.add((role, index, rank))
+            self._finish(role)
+        if kind == "ready":
+            self.ready += 1
+            if self.progress is not None:
+                self.progress.ranks_ready(self.ready, self.expected)
+            if self.ready == self.expected:
+                self.started = time.monotonic()  # throughput counts from here, not from process start
+                if self.progress is not None:
+                    self.progress.running(self.requests)
+        elif kind == "error":
+            why, trace = payload
+            self.errors.append(f"{role} {index} rank {rank}: {trace}")
+            self.causes.append(f"{role} {index} rank {rank}: {why}")
+            if self.ready < self.expected:  # the run never started: say so once, stop the other ranks now
+                self.start_failure = self.causes[-1]
+                return False
+        elif kind == "done":
+            self.results[role][(index, rank)] = payload
+            if role == "decode" and rank == 0:  # its last word: the replica's final counts
+                self._counts(index, payload["ok"], payload["failed"], payload["bytes"])
+        elif kind == "progress":
+            self._counts(index, *payload)
+        return True
+
+    def _finish(self, role: str) -> None:
+        self.finished += 1
+        self.stopped_finished += role in self.stopped_roles
+
+    def _counts(self, index: int, ok: int, failed: int, nbytes: int) -> None:
+        self.done_total[index] = (ok, failed, nbytes * self.decode_tp[index])
+        if self.progress is not None:
+            self.progress.update(*(sum(t[i] for t in self.done_total.values()) for i in range(3)))
+
+    def _kill_due(self) -> None:
+        """Kill each replica of ``kill`` once as many requests ended as it names (it is expected to report no more)."""
+        for victim, at in self.kill.items():
+            if victim not in self.killed_at and sum(t[0] + t[1] for t in self.done_total.values()) >= at:
+                for p in self.procs[victim]:
+                    p.kill()
+                self.killed_at[victim] = time.time()
+                self.expected -= len(self.procs[victim])
+
+    def _shut_down(self) -> None:
+        """Set ``stop``, kill every rank if the run never started, join the rest (killing what lingers)."""
+        if self.stop is not None:
+            self.stop.set()
+        everyone = [p for ps in self.procs.values() for p in ps]
+        if self.start_failure is not None:  # the others would wait for it until their own timeouts
             for p in everyone:
                 p.kill()
         for p in everyone:
@@ -216,9 +262,5 @@ def supervise(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        for reader in pipes:
+        for reader in self.pipes:
             reader.close()
-    if start_failure is None and finished < expected:
-        errors.append(f"only {finished} of {expected} ranks reported within the deadline")
-        causes.append(errors[-1])
-    return Reports(results, errors, causes, time.monotonic() - started, start_failure, killed_at)
