@@ -2,7 +2,7 @@
 
 A queue pair is per peer, so its QPN and PSN cannot be in the endpoint: each ``connect`` exchanges
 them over one short TCP connection to the sink's handshake listener, and that connection then stays
-open as the liveness socket (``transport/verbs.py``; the frames it carries afterwards are in
+open as the liveness socket (``transport/verbs_liveness.py``; the frames it carries afterwards are in
 ``transport/windows.py``). This module holds the handshake's bytes and the checks on them, pure
 functions with no socket and no pyverbs, so both sides read one definition of the wire; the
 transport does the socket I/O and the queue pairs.
@@ -16,7 +16,7 @@ Handshake: ``connect`` creates the source QP, then sends ``HELLO`` with QPN, PSN
 and answers ``REPLY`` with its own QPN and PSN; the path MTU is the smaller active MTU of the two.
 An ``OK`` reply ends with ``GRANTS`` and the source's live grant keys: the sink's last issued grant
 key, the count of this source's live grants and whether the sink binds memory windows, then per live
-grant its key (u64), or with windows its ``W`` frame (see "Grants and revoke" in ``transport/verbs.py``).
+grant its key (u64), or with windows its ``W`` frame (see "Grants and revoke" in ``transport/verbs_grants.py``).
 ``max_sinks`` (default 1024) caps the sink QPs a transport accepts; a handshake beyond it is answered
 with status ``TOO_MANY`` (and the cap in the QPN field) and the source's ``connect`` raises
 ``TransportError(op="connect")`` naming the cap.
@@ -49,7 +49,7 @@ RC queue pair of the sink is connected to it, and the sink's device drops its
 RDMA WRITEs whatever rkey they carry), learn the sink's QPN or PSN, or learn the
 grant floor and live grant keys. An authenticated source gets rkeys only for
 its grants' windows (without windows: for each whole region, so a grant limits
-it only as "Grants and revoke" in ``transport/verbs.py`` says); and the handshake
+it only as "Grants and revoke" in ``transport/verbs_grants.py`` says); and the handshake
 does not authenticate RoCE packets: an attacker on the network path who can forge
 a live connection's QPN and PSN is out of reach of this check.
 """

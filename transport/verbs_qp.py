@@ -4,7 +4,7 @@ send side of a source's queue pair, from posting RDMA WRITEs to reaping their co
 It exists so that the rules of one RC queue pair's send queue (how many WRs may be outstanding,
 which are signalled, when a batch counts as complete, what an error completion means) sit in one
 place with the state they govern, apart from the threads, sockets and peers of
-``transport/verbs.py``, which calls ``SendQueue.post`` from ``write`` and ``SendQueue.reap`` from
+``transport/verbs_source.py``, which calls ``SendQueue.post`` from ``write`` and ``SendQueue.reap`` from
 its completion thread, each under the peer's lock.
 
 Writes and completions

@@ -2,7 +2,7 @@
 
 It exists so that the device's access rules live in one place: which MR gets remote write and which
 only ``IBV_ACCESS_MW_BIND``, which key names a region, and how a type 2 window is bound, invalidated
-and freed on a sink queue pair. ``transport/verbs.py`` decides when (a grant, a revoke, a source
+and freed on a sink queue pair. ``transport/verbs_grants.py`` decides when (a grant, a revoke, a source
 that connects or goes away); ``transport/windows.py`` has what needs no device (which windows a
 grant needs, the ``W``/``S`` frames, the source's table of rkeys).
 
@@ -35,7 +35,7 @@ queue pair to the error state (an RC access error is fatal to the QP on both
 sides): only a source that bypasses this code's checks loses its connection.
 The one window the device cannot close is a packet already being copied when
 the invalidation completes; the answer ``s`` (nothing in flight, see "Grants and
-revoke" in ``transport/verbs.py``) is what rules that out for a source running
+revoke" in ``transport/verbs_grants.py``) is what rules that out for a source running
 this code, and the cut for any other.
 rkeys are 24-bit window indices and an 8-bit key; rxe allocates indices
 cyclically, so a revoked window's rkey names no live window until about

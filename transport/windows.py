@@ -2,7 +2,7 @@
 needs, the frames that carry their rkeys to the source, and the source's table of them.
 
 A type 2 memory window gives one remote queue pair write access to one contiguous range of a
-registered region, under its own rkey, until the sink invalidates it. ``transport/verbs.py``
+registered region, under its own rkey, until the sink invalidates it. ``transport/verbs_grants.py``
 binds one window per contiguous range of a grant (``transport/verbs_regions.py`` posts the
 binds), on the sink queue pair of each connection of the grant's source, and tells that source
 the windows' rkeys over the connection's own TCP socket (the liveness socket): at announcement
