@@ -1,10 +1,13 @@
 """What the benchmarks share: the pipelined replay both transport floors use (post batches up to the in-flight
-bound, reap, repeat), a benchmark rank of a real gloo replica, and the run's progress lines and machine fields."""
+bound, reap, repeat), a benchmark rank of a real gloo replica and the world of them, and the run's progress
+lines and machine fields."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -72,3 +75,23 @@ def gloo_rank(measure: Callable[..., Any], rank: int, world: int, store: str, ou
         raise
     finally:
         dist.destroy_process_group()
+
+
+def gloo_world(world: int, prefix: str, measure: Callable[..., Any], *args: Any) -> Any:
+    """Spawn ``world`` ``gloo_rank`` processes running ``measure(group, rank, world, *args)``, meeting at a file
+    store in a temporary directory named ``prefix...``; what rank 0 (or a failing rank) put, within 10 minutes.
+    Every rank is joined on the way out, and killed if it lingers 30 s."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=gloo_rank, args=(measure, r, world, store, out, *args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            return out.get(timeout=600)
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()

@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow the package pdcore imports
     sys.path.insert(0, ROOT)
+
+from benchmarks._pipeline import gloo_world  # noqa: E402
 
 SIZES = (64, 1024, 8192)
 WORLDS = (1, 2, 4)
@@ -243,37 +242,17 @@ def measure(world: int, rounds: int, repeats: int, group=None) -> list[dict]:
     return rows
 
 
-def _rank(rank: int, world: int, store: str, rounds: int, repeats: int, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
-        rows = measure(world, rounds, repeats, dist.group.WORLD)
-        if rank == 0:
-            out.put(rows)
-    finally:
-        dist.destroy_process_group()
+def _measure_rank(group, rank: int, world: int, rounds: int, repeats: int) -> list[dict]:
+    """``measure`` as a ``gloo_rank`` runs it."""
+    return measure(world, rounds, repeats, group)
 
 
 def run_world(world: int, rounds: int, repeats: int) -> list[dict]:
     if world == 1:
         return measure(1, rounds, repeats)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="pdcore-bench-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, rounds, repeats, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            rows = out.get(timeout=600)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+    rows = gloo_world(world, "pdcore-bench-", _measure_rank, rounds, repeats)
+    if isinstance(rows, dict):
+        raise RuntimeError(f"agreement benchmark, world {world}: {rows['error']}")
     return rows
 
 

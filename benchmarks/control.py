@@ -54,7 +54,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._pipeline import say  # noqa: E402
-from benchmarks.pd import cpu_seconds, wakeups  # noqa: E402
+from benchmarks._usage import Usage  # noqa: E402
 from pdcore.control import wire  # noqa: E402
 from pdcore.control.channel import ControlChannel  # noqa: E402
 
@@ -115,13 +115,11 @@ def _floor_echo(conn: Any) -> None:
 
 def _measure(pids: tuple[int, ...], messages: int, body: Any) -> dict[str, float]:
     """Run ``body()``; per message crossing (``2 x messages``): CPU µs and wake-ups of ``pids``, wall µs."""
-    cpu0 = [cpu_seconds(p) for p in pids]
-    woke0 = [wakeups(p) for p in pids]
+    usage = Usage(pids)
     t0 = time.perf_counter()
     body()
     seconds = time.perf_counter() - t0
-    cpu = sum(b - a for a, b in zip(cpu0, (cpu_seconds(p) for p in pids)) if a is not None and b is not None)
-    woke = sum(b - a for a, b in zip(woke0, (wakeups(p) for p in pids)) if a is not None and b is not None)
+    cpu, woke = usage.spent()
     crossings = 2 * messages
     return {"cpu_us": cpu / crossings * 1e6, "wakeups": woke / crossings, "us": seconds / crossings * 1e6}
 

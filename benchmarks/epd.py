@@ -83,7 +83,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Iterator
@@ -97,8 +96,9 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
     sys.path.insert(0, ROOT)
 
 from benchmarks.agreement import _shm_barrier, _sync, library_rounds  # noqa: E402
-from benchmarks._pipeline import RunClock, gloo_rank, say  # noqa: E402
-from benchmarks.pd import Floor, _recv, wakeups  # noqa: E402
+from benchmarks._pipeline import RunClock, gloo_world, say  # noqa: E402
+from benchmarks._usage import OwnUsage  # noqa: E402
+from benchmarks.pd import Floor, _recv  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGET_RATIO = 0.8  # EPD vs the transport floor, items >= 1 MiB
@@ -140,7 +140,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
             staged = done = 0
             crc = None
             handoffs, sends = peer.handoffs(), peer.control_sends()
-            cpu, woke = time.process_time(), wakeups(os.getpid()) or 0
+            usage = OwnUsage()
             t0 = time.perf_counter()
             while done < n:
                 while staged < n and staged - done < ahead:
@@ -158,7 +158,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
                 if not landed:
                     time.sleep(poll_interval)
             seconds = time.perf_counter() - t0
-            cpu, woke = time.process_time() - cpu, (wakeups(os.getpid()) or 0) - woke
+            cpu, woke = usage.spent()
             sent = tuple(now - then for now, then in zip(peer.control_sends(), sends))
             conn.send((seconds, crc, peer.handoffs() - handoffs, cpu, woke, sent))
     except BaseException as e:
@@ -205,7 +205,7 @@ class Epd:
         self.next_room += items
         src = int(self.send_buffer.ctypes.data)
         handoffs, sends = self.peer.handoffs(), self.peer.control_sends()
-        cpu, woke = time.process_time(), wakeups(os.getpid()) or 0
+        usage = OwnUsage()
         for room in rooms:  # the encode scheduler: every item's rows are ready before the prefill side starts
             if not self.sender.begin(room):
                 raise RuntimeError(f"encode rank refused room {room}")
@@ -225,7 +225,8 @@ class Epd:
                 time.sleep(0.001)
         if sorted(concluded) != rooms:
             raise RuntimeError(f"{len(concluded)} of {items} rooms concluded")
-        cpu, woke = time.process_time() - cpu + prefill_cpu, (wakeups(os.getpid()) or 0) - woke + prefill_woke
+        cpu, woke = usage.spent()
+        cpu, woke = cpu + prefill_cpu, woke + prefill_woke
         frames, messages = (theirs + now - then for theirs, now, then in zip(prefill_sent, self.peer.control_sends(), sends))
         return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs, cpu, woke, frames / max(1, messages)
 
@@ -426,21 +427,7 @@ def bench_rounds(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
             if world == 1:
                 rows += measure_rounds(args.requests, args.rounds, None, 1, 0, ports)
                 continue
-            ctx = mp.get_context("spawn")
-            out = ctx.Queue()
-            with tempfile.TemporaryDirectory(prefix="pdcore-bench-epd-") as tmp:
-                store = os.path.join(tmp, "store")
-                procs = [ctx.Process(target=gloo_rank, args=(_rounds_measure, r, world, store, out, args.requests, args.rounds, ports))
-                         for r in range(world)]
-                for p in procs:
-                    p.start()
-                try:
-                    result = out.get(timeout=600)
-                finally:
-                    for p in procs:
-                        p.join(30)
-                        if p.is_alive():
-                            p.kill()
+            result = gloo_world(world, "pdcore-bench-epd-", _rounds_measure, args.requests, args.rounds, ports)
             if isinstance(result, dict):
                 raise RuntimeError(f"round benchmark, world {world}: {result['error']}")
             rows += result

@@ -118,7 +118,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -129,7 +128,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow the package
     sys.path.insert(0, ROOT)
 
-from benchmarks._pipeline import RunClock, gloo_rank, post_pipelined, say  # noqa: E402
+from benchmarks._pipeline import RunClock, gloo_world, post_pipelined, say  # noqa: E402
+from benchmarks._usage import CpuSampler, Usage  # noqa: E402
 
 TARGET_RATIO = 0.8  # end to end vs its floor, 1P1D and 2P2D
 GRANTS_TARGET = 0.95  # grants may cost at most 5% of end-to-end throughput
@@ -226,16 +226,12 @@ class Floor:
     def once(self) -> tuple[float, float]:
         """Seconds for the loaded pairs to move their writes, all starting together, and the CPU
         seconds the floor processes spent meanwhile (their wake-ups: ``last_wakeups``)."""
-        cpu0 = [cpu_seconds(p.pid) for p in self.procs]
-        woke0 = [wakeups(p.pid) for p in self.procs]
+        usage = Usage([p.pid for p in self.procs])
         at = time.monotonic() + 0.05
         for conn in self.sources[: self.active]:
             conn.send(("go", at))
         spans = [_recv(conn, 300, "a floor source (go)") for conn in self.sources[: self.active]]
-        cpu1 = [cpu_seconds(p.pid) for p in self.procs]
-        woke1 = [wakeups(p.pid) for p in self.procs]
-        cpu = sum(b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None)
-        self.last_wakeups = sum(b - a for a, b in zip(woke0, woke1) if a is not None and b is not None)
+        cpu, self.last_wakeups = usage.spent()
         return max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans), cpu
 
     def close(self) -> None:
@@ -248,124 +244,6 @@ class Floor:
             p.join(10)
             if p.is_alive():
                 p.kill()
-
-
-# ----------------------------------------------------------------------------- CPU time (Linux /proc)
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of every thread of ``pid`` so far (None if gone or not Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def wakeups(pid: int) -> int | None:
-    """Voluntary context switches of every live thread of ``pid`` so far: each is a thread going to
-    sleep to wait (a queue, a socket, a lock, a timer) and being woken again (None if gone or not Linux)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    return sum(_thread_wakeups(pid, tid) or 0 for tid in tids)
-
-
-def _thread_wakeups(pid: int, tid: str) -> int | None:
-    """One thread's voluntary context switches so far (None if it exited meanwhile)."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"voluntary_ctxt_switches:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except (OSError, ValueError):
-        pass
-    return out
-
-
-class CpuSampler:
-    """Samples the CPU seconds and the wake-ups of this process's descendants (the ranks) every ``period`` seconds.
-
-    ``between(t0, t1)`` is the CPU they spent between two ``time.time()`` stamps (interpolated
-    per process between samples), ``wakeups_between(t0, t1)`` their threads' voluntary context
-    switches (per thread: one that exits keeps its last count; read every ``WAKEUPS_EVERY``-th
-    sample, as a thread's counts cost a file read each); processes in ``exclude`` (and their
-    children) are left out.
-    """
-
-    WAKEUPS_EVERY = 4
-
-    def __init__(self, exclude: set[int], period: float = 0.05) -> None:
-        import threading
-
-        self._exclude = exclude
-        self._period = period
-        self._series: dict[int, list[tuple[float, float]]] = {}
-        self._wakeups: dict[tuple[int, str], list[tuple[float, float]]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        samples = 0
-        while not self._stop.wait(self._period):
-            samples += 1
-            todo, seen = [os.getpid()], set()
-            while todo:
-                pid = todo.pop()
-                for child in _children(pid):
-                    if child not in self._exclude and child not in seen:
-                        seen.add(child)
-                        todo.append(child)
-            now = time.time()
-            for pid in seen:
-                c = cpu_seconds(pid)
-                if c is not None:
-                    self._series.setdefault(pid, []).append((now, c))
-                if samples % self.WAKEUPS_EVERY:
-                    continue
-                try:
-                    tids = os.listdir(f"/proc/{pid}/task")
-                except OSError:
-                    continue
-                for tid in tids:
-                    count = _thread_wakeups(pid, tid)
-                    if count is not None:
-                        self._wakeups.setdefault((pid, tid), []).append((now, float(count)))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def between(self, t0: float, t1: float) -> float:
-        return sum(_at(series, t1) - _at(series, t0) for series in self._series.values())
-
-    def wakeups_between(self, t0: float, t1: float) -> float:
-        return sum(_at(series, t1) - _at(series, t0) for series in self._wakeups.values())
-
-
-def _at(series: list[tuple[float, float]], t: float) -> float:
-    if t <= series[0][0]:
-        return series[0][1]
-    for (ta, ca), (tb, cb) in zip(series, series[1:]):
-        if ta <= t <= tb:
-            return ca + (cb - ca) * (t - ta) / (tb - ta) if tb > ta else cb
-    return series[-1][1]
 
 
 def _recv(conn: Connection, timeout: float, who: str) -> Any:
@@ -533,8 +411,7 @@ def _sync(group: Any) -> None:
 def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: tuple[int, int]) -> dict[str, Any]:
     """Median µs of ``PrefillPeer.poll`` (with a secret, and without) and of the bare ``Agreement.round``,
     same workload, rotating which goes first. ``ports``: a bootstrap server with ``SECRET``, one without."""
-    from pdcore import BootstrapInfo, PrefillConfig, PrefillPeer, Succeeded
-    from pdcore.core._spec import State, Trigger
+    from pdcore import PrefillConfig, PrefillPeer
     from pdcore.core.agreement import Agreement
     from pdcore.core.table import StateTable
 
@@ -551,21 +428,9 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
                     bootstrap_timeout=far, waiting_timeout=far, secret=secret,
                 )
             )
-        serial = 0
-        rids: dict[str, list[str]] = {name: [] for name in (*peers, "bare")}
-        for _ in range(n):
-            for name, peer in peers.items():
-                peer.register(f"req-{serial}", BootstrapInfo("127.0.0.1", 1, serial))
-                rids[name].append(f"req-{serial}")
-            table.register(f"req-{serial}", time.monotonic())
-            rids["bare"].append(f"req-{serial}")
-            serial += 1
-        per_round = max(1, n // 100)
-        slots = {name: {rid: i for i, rid in enumerate(r)} for name, r in rids.items()}
-        bootstrapped = State.BOOTSTRAPPED
-        times: dict[str, list[float]] = {name: [] for name in rids}
+        load = _PollLoad(n, table, peers)
+        times: dict[str, list[float]] = {name: [] for name in load.rids}
         events = 0
-        cursor = 0
 
         def timed(name: str) -> list[Any]:
             _sync(group)
@@ -574,35 +439,13 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
             times[name].append(time.perf_counter() - t0)
             return out
 
-        order = list(rids)
+        order = list(load.rids)
         for k in range(rounds):
-            # the I/O threads' work (not timed): 1% move on, those already bootstrapped land
-            for j in range(per_round):
-                i = (cursor + j) % n
-                for name, peer in peers.items():
-                    rid = rids[name][i]
-                    t = peer.front.table  # the I/O threads' updates, made here (the front's table: the peer's)
-                    t.update(rid, Trigger.WRITES_LANDED if t.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED,
-                             time.monotonic())
-                rid = rids["bare"][i]
-                table.update(rid, Trigger.WRITES_LANDED if table.agreed(rid) >= bootstrapped else Trigger.PEERS_CONNECTED, time.monotonic())
-            cursor += per_round
+            load.move_on()
             first = order[k % len(order)]
             got = {name: timed(name) for name in order[order.index(first):] + order[: order.index(first)]}
             events += len(got["peer"])
-            # the scheduler admits new requests in place of the finished ones (not timed)
-            for name, evs in got.items():
-                for e in evs:
-                    if isinstance(e, Succeeded):
-                        i = slots[name].pop(e.rid)
-                        rid = f"req-{serial}"
-                        serial += 1
-                        if name == "bare":
-                            table.register(rid, time.monotonic())
-                        else:
-                            peers[name].register(rid, BootstrapInfo("127.0.0.1", 1, serial))
-                        rids[name][i] = rid
-                        slots[name][rid] = i
+            load.admit_in_place(got)
         warm = rounds // 10
         t_peer, t_bare, t_open = (times[name][warm:] for name in ("peer", "bare", "open"))
         return {
@@ -613,12 +456,67 @@ def poll_rounds(n: int, rounds: int, group: Any, rank: int, world: int, ports: t
             "peer_p90_us": float(np.percentile(t_peer, 90)) * 1e6,
             "bare_p90_us": float(np.percentile(t_bare, 90)) * 1e6,
             "events_per_round": events / rounds,
-            "changing_per_round": per_round,
+            "changing_per_round": load.per_round,
             "in_flight": peers["peer"].diagnostics()["table"]["tracked"],
         }
     finally:
         for peer in peers.values():
             peer.close()
+
+
+class _PollLoad:
+    """``poll_rounds``' workload, kept alike on each peer and the bare table: ``n`` requests in flight; per round
+    1% move on (as the I/O threads would move them: not timed), and the scheduler admits a new request in
+    place of each that succeeded (not timed either)."""
+
+    def __init__(self, n: int, table: Any, peers: dict[str, Any]) -> None:
+        from pdcore import BootstrapInfo, Succeeded
+        from pdcore.core._spec import State, Trigger
+
+        self.info, self.succeeded, self.trigger = BootstrapInfo, Succeeded, Trigger
+        self.bootstrapped = State.BOOTSTRAPPED
+        self.n, self.table, self.peers = n, table, peers
+        self.serial = 0
+        self.rids: dict[str, list[str]] = {name: [] for name in (*peers, "bare")}
+        for _ in range(n):
+            for name, peer in peers.items():
+                peer.register(f"req-{self.serial}", BootstrapInfo("127.0.0.1", 1, self.serial))
+                self.rids[name].append(f"req-{self.serial}")
+            table.register(f"req-{self.serial}", time.monotonic())
+            self.rids["bare"].append(f"req-{self.serial}")
+            self.serial += 1
+        self.per_round = max(1, n // 100)
+        self.slots = {name: {rid: i for i, rid in enumerate(r)} for name, r in self.rids.items()}
+        self.cursor = 0
+
+    def move_on(self) -> None:
+        """The I/O threads' work: the next 1% move on, those already bootstrapped land."""
+        trigger, bootstrapped, table = self.trigger, self.bootstrapped, self.table
+        for j in range(self.per_round):
+            i = (self.cursor + j) % self.n
+            for name, peer in self.peers.items():
+                rid = self.rids[name][i]
+                t = peer.front.table  # the I/O threads' updates, made here (the front's table: the peer's)
+                t.update(rid, trigger.WRITES_LANDED if t.agreed(rid) >= bootstrapped else trigger.PEERS_CONNECTED,
+                         time.monotonic())
+            rid = self.rids["bare"][i]
+            table.update(rid, trigger.WRITES_LANDED if table.agreed(rid) >= bootstrapped else trigger.PEERS_CONNECTED, time.monotonic())
+        self.cursor += self.per_round
+
+    def admit_in_place(self, got: dict[str, list[Any]]) -> None:
+        """The scheduler admits a new request in the slot of each that succeeded."""
+        for name, evs in got.items():
+            for e in evs:
+                if isinstance(e, self.succeeded):
+                    i = self.slots[name].pop(e.rid)
+                    rid = f"req-{self.serial}"
+                    self.serial += 1
+                    if name == "bare":
+                        self.table.register(rid, time.monotonic())
+                    else:
+                        self.peers[name].register(rid, self.info("127.0.0.1", 1, self.serial))
+                    self.rids[name][i] = rid
+                    self.slots[name][rid] = i
 
 
 def _poll_measure(group: Any, rank: int, world: int, n: int, rounds: int, ports: tuple[int, int]) -> dict[str, Any]:
@@ -637,23 +535,7 @@ def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
             if world == 1:
                 result = poll_rounds(args.poll_requests, args.rounds, None, 0, 1, ports)
             else:
-                ctx = mp.get_context("spawn")
-                out = ctx.Queue()
-                with tempfile.TemporaryDirectory(prefix="pdcore-bench-pd-") as tmp:
-                    store = os.path.join(tmp, "store")
-                    procs = [
-                        ctx.Process(target=gloo_rank, args=(_poll_measure, r, world, store, out, args.poll_requests, args.rounds, ports))
-                        for r in range(world)
-                    ]
-                    for p in procs:
-                        p.start()
-                    try:
-                        result = out.get(timeout=600)
-                    finally:
-                        for p in procs:
-                            p.join(30)
-                            if p.is_alive():
-                                p.kill()
+                result = gloo_world(world, "pdcore-bench-pd-", _poll_measure, args.poll_requests, args.rounds, ports)
                 if "error" in result:
                     raise RuntimeError(f"poll benchmark, world {world}: {result['error']}")
         finally:
@@ -683,7 +565,8 @@ def bench_poll(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with the defaults that --quick changes filled in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--quick", action="store_true", help="2 e2e runs per configuration, fewer requests and rounds")
@@ -707,6 +590,43 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or (1000 if args.quick else 3000)
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.rounds = args.rounds or (400 if args.quick else 2000)
+    return args
+
+
+def _print_e2e(args: argparse.Namespace, e2e: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """The end-to-end table and its targets."""
+    print(f"end to end (pdcore.tools.demo.run, verify=False, tp {args.tp}, {args.layers} layers x {args.page_bytes // 1024} KiB "
+          f"pages, 1..{args.max_pages} pages/request, window {args.window}) vs the TCP transport on the same batches")
+    print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
+          f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
+          f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13} "
+          f"{'wake-ups/req':>12} {'floor':>6} {'frames/msg':>10}")
+    for r in e2e:
+        print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
+              f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
+              f"{r['ratio_e2e_vs_floor']:>6.2f} {min(r['ratio_per_run']):>5.2f}-{max(r['ratio_per_run']):<5.2f} {r['e2e_cpu_s_per_GB']:>8.2f} {r['floor_cpu_s_per_GB']:>6.2f} {r['cpu_ratio_floor_vs_e2e']:>9.2f} "
+              f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
+              f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
+              f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f} "
+              f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f}")
+    print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
+          f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
+          f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "
+          f"{'met' if summary['secret_meets_target'] else 'NOT met'}")
+
+
+def _print_polls(args: argparse.Namespace, polls: list[dict[str, Any]]) -> None:
+    """The poll() table: the peer's poll against the bare round, with a secret and without."""
+    print(f"poll() with {args.poll_requests} requests in flight, ~1% changing per round, median µs ({args.rounds} rounds)")
+    print(f"{'world':>5} {'events/round':>12} {'peer poll':>10} {'bare round':>11} {'overhead':>9} {'peer/bare':>10} "
+          f"{'open poll':>10} {'secret/open':>12}")
+    for r in polls:
+        print(f"{r['world']:>5} {r['events_per_round']:>12.1f} {r['peer_poll_us']:>10.1f} {r['bare_round_us']:>11.1f} "
+              f"{r['peer_overhead_us']:>9.1f} {r['peer_vs_bare']:>9.2f}x {r['open_poll_us']:>10.1f} {r['secret_vs_open']:>11.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
 
     from pdcore.core.table import IMPLEMENTATION
     from transport.plan import IMPLEMENTATION as PLAN_IMPLEMENTATION
@@ -744,32 +664,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"rows": rows, **summary}, indent=1))
         return 0
     if e2e:
-        print(f"end to end (pdcore.tools.demo.run, verify=False, tp {args.tp}, {args.layers} layers x {args.page_bytes // 1024} KiB "
-              f"pages, 1..{args.max_pages} pages/request, window {args.window}) vs the TCP transport on the same batches")
-        print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
-              f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
-              f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13} "
-              f"{'wake-ups/req':>12} {'floor':>6} {'frames/msg':>10}")
-        for r in e2e:
-            print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
-                  f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
-                  f"{r['ratio_e2e_vs_floor']:>6.2f} {min(r['ratio_per_run']):>5.2f}-{max(r['ratio_per_run']):<5.2f} {r['e2e_cpu_s_per_GB']:>8.2f} {r['floor_cpu_s_per_GB']:>6.2f} {r['cpu_ratio_floor_vs_e2e']:>9.2f} "
-                  f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
-                  f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
-                  f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f} "
-                  f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f}")
-        print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
-              f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
-              f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "
-              f"{'met' if summary['secret_meets_target'] else 'NOT met'}")
+        _print_e2e(args, e2e, summary)
     polls = [r for r in rows if r["kind"] == "poll"]
     if polls:
-        print(f"poll() with {args.poll_requests} requests in flight, ~1% changing per round, median µs ({args.rounds} rounds)")
-        print(f"{'world':>5} {'events/round':>12} {'peer poll':>10} {'bare round':>11} {'overhead':>9} {'peer/bare':>10} "
-              f"{'open poll':>10} {'secret/open':>12}")
-        for r in polls:
-            print(f"{r['world']:>5} {r['events_per_round']:>12.1f} {r['peer_poll_us']:>10.1f} {r['bare_round_us']:>11.1f} "
-                  f"{r['peer_overhead_us']:>9.1f} {r['peer_vs_bare']:>9.2f}x {r['open_poll_us']:>10.1f} {r['secret_vs_open']:>11.2f}x")
+        _print_polls(args, polls)
     print(f"implementation: table {summary['table_implementation']}, plan {summary['plan_implementation']}; "
           f"{summary['seconds']} s (--json for every field)")
     return 0

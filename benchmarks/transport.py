@@ -495,7 +495,8 @@ class Bench:
         return s, d
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; the NIXL interpreter's path made absolute."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and bytes: under 45 s")
@@ -509,84 +510,85 @@ def main(argv: list[str] | None = None) -> int:
                     help="UCX transports for NIXL (default tcp,self; shm,tcp,self is a kernel copy, labelled so)")
     args = ap.parse_args(argv)
     args.nixl_python = os.path.abspath(args.nixl_python)  # NIXL's agents start in benchmarks/: a relative path breaks
+    return args
 
+
+def _page_rows(b: Bench, args: argparse.Namespace, rng: np.random.Generator, row_bytes: int, repeats: int,
+               peers: list[str], nixl_label: str) -> list[dict[str, Any]]:
+    """The page rows: batches of fragmented pages by page size and batch size, this transport, the floor,
+    Mooncake and NIXL interleaved, then each one's bytes checked; the peers measured are added to ``peers``."""
+    rows: list[dict[str, Any]] = []
     quick = args.quick
     page_sizes = [4 * KiB, 16 * KiB, 64 * KiB, 1 * MiB]
     batch_pages = [1, 16, 1024] if quick else [1, 4, 16, 64, 256, 1024]
-    row_bytes = 48 * MiB if quick else 256 * MiB
-    repeats = 5
-    started = time.monotonic()
-    rng = np.random.default_rng(1)
-    b = Bench(args)
+    for page_bytes in page_sizes:
+        for pages in batch_pages if page_bytes != 16 * KiB else [1]:  # 16 KiB: the single-page goal's bound
+            batch = b.page_batch(page_bytes, pages, rng)
+            batch_bytes = page_bytes * pages
+            nbatches = max(1, row_bytes // batch_bytes)
+            if pages == 1:  # long enough to outlast the machine's noise (see the docstring)
+                nbatches = max(nbatches, min(SINGLE_MIN_BATCHES, SINGLE_MAX_BYTES // batch_bytes))
+            if quick and batch_bytes > row_bytes:
+                continue  # 1 MiB x 1024 pages = 1 GiB per batch: full run only
+            reps = repeats if batch_bytes * nbatches <= 512 * MiB else 1
+            runs = [b.transport_run(batch, nbatches), b.floor_run(batch, nbatches), b.mooncake_run(batch, nbatches),
+                    b.nixl_run(batch, nbatches)]
+            spent = [[0.0, 0.0, 0.0] for _ in runs]
+            gbps, floor, mc, nx = _interleaved(runs, batch_bytes * nbatches, reps, b.nixl_probe, spent)
+            for i in range(3):
+                b.nixl_cpu["others"] = [a + c for a, c in zip(b.nixl_cpu["others"], spent[i])]
+            b.nixl_cpu["nixl"] = [a + c for a, c in zip(b.nixl_cpu["nixl"], spent[3])]
+            # What landed: the destination cleared, the batch moved once more by each, its checksum compared.
+            cb = b.checked_batch(batch)
+            ok = b.check(cb, {args.transport: b.transport_run(cb, 1), "floor": b.floor_check(cb),
+                              "mooncake-tcp": b.mooncake_run(cb, 1) if mc is not None else None,
+                              nixl_label: "nixl" if nx is not None else None})
+            common = {"page_bytes": page_bytes, "pages": pages, "writes_naive": pages, "writes_coalesced": pages,
+                      "checked_writes": len(cb)}
+            rows.append({"transport": args.transport, "kind": "pages", **common, "gbps": gbps, "floor_gbps": floor,
+                         "ratio": gbps / floor, "checked": _checked(ok, [args.transport, "floor"])})
+            for name, g in (("mooncake-tcp", mc), (nixl_label, nx)):
+                if g is not None:
+                    if name not in peers:
+                        peers.append(name)
+                    rows.append({"transport": name, "kind": "pages", **common, "gbps": g, "floor_gbps": floor,
+                                 "ratio": g / floor, "checked": _checked(ok, [name])})
+    return rows
+
+
+def _kv_rows(b: Bench, args: argparse.Namespace, rng: np.random.Generator, row_bytes: int,
+            repeats: int) -> list[dict[str, Any]]:
+    """The KV rows: contiguous and fragmented page sets of a KV layout, planned (coalesced) against naive
+    (one write per page and buffer) and the floor, each one's bytes checked."""
     rows: list[dict[str, Any]] = []
-    peers: list[str] = []
-    try:
-        b.start_mooncake()
-        b.start_nixl()
-        nixl_label = b.nixl.label if b.nixl is not None else "nixl"
-        for page_bytes in page_sizes:
-            for pages in batch_pages if page_bytes != 16 * KiB else [1]:  # 16 KiB: the single-page goal's bound
-                batch = b.page_batch(page_bytes, pages, rng)
-                batch_bytes = page_bytes * pages
-                nbatches = max(1, row_bytes // batch_bytes)
-                if pages == 1:  # long enough to outlast the machine's noise (see the docstring)
-                    nbatches = max(nbatches, min(SINGLE_MIN_BATCHES, SINGLE_MAX_BYTES // batch_bytes))
-                if quick and batch_bytes > row_bytes:
-                    continue  # 1 MiB x 1024 pages = 1 GiB per batch: full run only
-                reps = repeats if batch_bytes * nbatches <= 512 * MiB else 1
-                runs = [b.transport_run(batch, nbatches), b.floor_run(batch, nbatches), b.mooncake_run(batch, nbatches),
-                        b.nixl_run(batch, nbatches)]
-                spent = [[0.0, 0.0, 0.0] for _ in runs]
-                gbps, floor, mc, nx = _interleaved(runs, batch_bytes * nbatches, reps, b.nixl_probe, spent)
-                for i in range(3):
-                    b.nixl_cpu["others"] = [a + c for a, c in zip(b.nixl_cpu["others"], spent[i])]
-                b.nixl_cpu["nixl"] = [a + c for a, c in zip(b.nixl_cpu["nixl"], spent[3])]
-                # What landed: the destination cleared, the batch moved once more by each, its checksum compared.
-                cb = b.checked_batch(batch)
-                ok = b.check(cb, {args.transport: b.transport_run(cb, 1), "floor": b.floor_check(cb),
-                                  "mooncake-tcp": b.mooncake_run(cb, 1) if mc is not None else None,
-                                  nixl_label: "nixl" if nx is not None else None})
-                common = {"page_bytes": page_bytes, "pages": pages, "writes_naive": pages, "writes_coalesced": pages,
-                          "checked_writes": len(cb)}
-                rows.append({"transport": args.transport, "kind": "pages", **common, "gbps": gbps, "floor_gbps": floor,
-                             "ratio": gbps / floor, "checked": _checked(ok, [args.transport, "floor"])})
-                for name, g in (("mooncake-tcp", mc), (nixl_label, nx)):
-                    if g is not None:
-                        if name not in peers:
-                            peers.append(name)
-                        rows.append({"transport": name, "kind": "pages", **common, "gbps": g, "floor_gbps": floor,
-                                     "ratio": g / floor, "checked": _checked(ok, [name])})
-        src_l, dst_l = b.kv_layouts()
-        kv_pages = [16, 64] if quick else [4, 16, 64]
-        for kind in ("kv-contiguous", "kv-fragmented"):
-            for pages in kv_pages:
-                if kind == "kv-contiguous":
-                    sp, dp = np.arange(pages), (np.arange(pages) + (KV_PAGES - pages) // 2)
-                else:
-                    sp, dp = rng.permutation(KV_PAGES)[:pages], rng.permutation(KV_PAGES)[:pages]
-                naive = plan_mod.naive_plan(src_l, dst_l, sp, dp)
-                coalesced = plan_mod.plan(src_l, dst_l, sp, dp)
-                nbytes = int(coalesced[:, 2].sum())
-                nbatches = max(1, (row_bytes // 2) // nbytes)
-                runs = [b.transport_run(coalesced, nbatches), b.transport_run(naive, nbatches), b.floor_run(coalesced, nbatches)]
-                gbps, gbps_naive, floor = _interleaved(runs, nbytes * nbatches, repeats)
-                ok = b.check(coalesced, {"coalesced": b.transport_run(coalesced, 1), "floor": b.floor_check(coalesced)})
-                ok.update(b.check(naive, {"naive": b.transport_run(naive, 1)}))
-                rows.append({
-                    "transport": args.transport, "kind": kind, "page_bytes": KV_TOKENS_PER_PAGE * KV_BYTES_PER_TOKEN,
-                    "pages": pages, "buffers": KV_BUFFERS, "gbps": gbps, "gbps_naive": gbps_naive, "floor_gbps": floor,
-                    "ratio": gbps / floor, "writes_naive": len(naive), "writes_coalesced": len(coalesced),
-                    "runs": plan_mod.count_runs(sp, dp), "checked_writes": len(coalesced),
-                    "checked": _checked(ok, ["coalesced", "naive", "floor"]),
-                })
-    finally:
-        b.close()
-    own = [r for r in rows if r["transport"] == args.transport and r["kind"] == "pages"]
-    big = [r["ratio"] for r in own if r["page_bytes"] >= 64 * KiB]
-    single = [r["ratio"] for r in own if r["pages"] == 1 and r["page_bytes"] >= 16 * KiB]
-    network = [p for p in peers if not p.startswith("nixl") or p == _nixl.label(_nixl.NETWORK_TLS)]
-    ahead = _ahead(rows, args.transport, network)
-    failed = [r for r in rows if r["checked"] != "ok"]
+    src_l, dst_l = b.kv_layouts()
+    kv_pages = [16, 64] if args.quick else [4, 16, 64]
+    for kind in ("kv-contiguous", "kv-fragmented"):
+        for pages in kv_pages:
+            if kind == "kv-contiguous":
+                sp, dp = np.arange(pages), (np.arange(pages) + (KV_PAGES - pages) // 2)
+            else:
+                sp, dp = rng.permutation(KV_PAGES)[:pages], rng.permutation(KV_PAGES)[:pages]
+            naive = plan_mod.naive_plan(src_l, dst_l, sp, dp)
+            coalesced = plan_mod.plan(src_l, dst_l, sp, dp)
+            nbytes = int(coalesced[:, 2].sum())
+            nbatches = max(1, (row_bytes // 2) // nbytes)
+            runs = [b.transport_run(coalesced, nbatches), b.transport_run(naive, nbatches), b.floor_run(coalesced, nbatches)]
+            gbps, gbps_naive, floor = _interleaved(runs, nbytes * nbatches, repeats)
+            ok = b.check(coalesced, {"coalesced": b.transport_run(coalesced, 1), "floor": b.floor_check(coalesced)})
+            ok.update(b.check(naive, {"naive": b.transport_run(naive, 1)}))
+            rows.append({
+                "transport": args.transport, "kind": kind, "page_bytes": KV_TOKENS_PER_PAGE * KV_BYTES_PER_TOKEN,
+                "pages": pages, "buffers": KV_BUFFERS, "gbps": gbps, "gbps_naive": gbps_naive, "floor_gbps": floor,
+                "ratio": gbps / floor, "writes_naive": len(naive), "writes_coalesced": len(coalesced),
+                "runs": plan_mod.count_runs(sp, dp), "checked_writes": len(coalesced),
+                "checked": _checked(ok, ["coalesced", "naive", "floor"]),
+            })
+    return rows
+
+
+def _nixl_cpu_note(b: Bench, nixl_label: str) -> None:
+    """A note on what NIXL's processes and everything else cost in CPU during NIXL's runs and the others'."""
     others, mine = b.nixl_cpu["others"], b.nixl_cpu["nixl"]
     if mine[2] > 0:
         b.notes.append(
@@ -597,6 +599,66 @@ def main(argv: list[str] | None = None) -> int:
             f"the other peers' {others[2]:.1f} s, {others[0]:.2f} CPU-s (the measured processes and anyone else on the "
             f"machine: {max(0.0, others[1] - others[0]) / others[2]:.2f} cores)"
         )
+
+
+def _print_table(args: argparse.Namespace, b: Bench, rows: list[dict[str, Any]], summary: dict[str, Any],
+                 single: list[float], network: list[str], ahead: list[str], failed: list[dict[str, Any]]) -> None:
+    """The notes, the rows, then the targets, who is ahead of whom and whether every row's bytes checked."""
+    peers = summary["peers"]
+    for n in b.notes:
+        print(f"# {n}")
+    print(f"{'transport':14} {'kind':14} {'page':>8} {'pages':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'naive':>7} "
+          f"{'coal.':>7}  bytes")
+    for r in rows:
+        print(
+            f"{r['transport']:14} {r['kind']:14} {r['page_bytes']:>8} {r['pages']:>6} {r['gbps']:8.2f} "
+            f"{r['floor_gbps']:8.2f} {r['ratio']:6.2f} {r['writes_naive']:>7} {r['writes_coalesced']:>7}  {r['checked']}"
+        )
+    print(
+        f"{summary['transport']} vs floor ({summary['floor']}), pages >= 64 KiB: median "
+        f"{summary['median_ratio_pages_ge_64KiB']:.2f}, min {summary['min_ratio_pages_ge_64KiB']:.2f} "
+        f"(target >= {summary['target_ratio']}: "
+        f"{'met' if summary['min_ratio_pages_ge_64KiB'] >= summary['target_ratio'] else 'NOT met'}); "
+        f"{summary['seconds']:.0f} s; --json for every field"
+    )
+    if single:
+        print(f"single-page batches, pages >= 16 KiB: min {min(single):.2f} (target >= {summary['target_ratio']}: "
+              f"{'met' if min(single) >= summary['target_ratio'] else 'NOT met'})")
+    aside = "".join(f"; {p} left out of it: not a network transport" for p in peers if p not in network)
+    if ahead:
+        print(f"{args.transport} ahead of every peer ({', '.join(network)}), by batch shape: {'; '.join(ahead)}{aside}")
+    else:
+        print(f"{args.transport} ahead of every peer: no network peer measured in this run{aside}")
+    print("bytes (destination checksum after each row, every mover): "
+          + ("every row ok" if not failed else f"{len(failed)} row(s) NOT ok: "
+             + "; ".join(f"{r['transport']} {r['kind']} {r['page_bytes']} x {r['pages']}: {r['checked']}" for r in failed)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    row_bytes = 48 * MiB if args.quick else 256 * MiB
+    repeats = 5
+    started = time.monotonic()
+    rng = np.random.default_rng(1)
+    b = Bench(args)
+    rows: list[dict[str, Any]] = []
+    peers: list[str] = []
+    try:
+        b.start_mooncake()
+        b.start_nixl()
+        nixl_label = b.nixl.label if b.nixl is not None else "nixl"
+        rows += _page_rows(b, args, rng, row_bytes, repeats, peers, nixl_label)
+        rows += _kv_rows(b, args, rng, row_bytes, repeats)
+    finally:
+        b.close()
+    own = [r for r in rows if r["transport"] == args.transport and r["kind"] == "pages"]
+    big = [r["ratio"] for r in own if r["page_bytes"] >= 64 * KiB]
+    single = [r["ratio"] for r in own if r["pages"] == 1 and r["page_bytes"] >= 16 * KiB]
+    network = [p for p in peers if not p.startswith("nixl") or p == _nixl.label(_nixl.NETWORK_TLS)]
+    ahead = _ahead(rows, args.transport, network)
+    failed = [r for r in rows if r["checked"] != "ok"]
+    others, mine = b.nixl_cpu["others"], b.nixl_cpu["nixl"]
+    _nixl_cpu_note(b, nixl_label)
     summary = {
         "transport": args.transport,
         "plan_implementation": plan_mod.IMPLEMENTATION,
@@ -619,33 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"rows": rows, **summary}, indent=1))
     else:
-        for n in b.notes:
-            print(f"# {n}")
-        print(f"{'transport':14} {'kind':14} {'page':>8} {'pages':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'naive':>7} "
-              f"{'coal.':>7}  bytes")
-        for r in rows:
-            print(
-                f"{r['transport']:14} {r['kind']:14} {r['page_bytes']:>8} {r['pages']:>6} {r['gbps']:8.2f} "
-                f"{r['floor_gbps']:8.2f} {r['ratio']:6.2f} {r['writes_naive']:>7} {r['writes_coalesced']:>7}  {r['checked']}"
-            )
-        print(
-            f"{summary['transport']} vs floor ({summary['floor']}), pages >= 64 KiB: median "
-            f"{summary['median_ratio_pages_ge_64KiB']:.2f}, min {summary['min_ratio_pages_ge_64KiB']:.2f} "
-            f"(target >= {summary['target_ratio']}: "
-            f"{'met' if summary['min_ratio_pages_ge_64KiB'] >= summary['target_ratio'] else 'NOT met'}); "
-            f"{summary['seconds']:.0f} s; --json for every field"
-        )
-        if single:
-            print(f"single-page batches, pages >= 16 KiB: min {min(single):.2f} (target >= {summary['target_ratio']}: "
-                  f"{'met' if min(single) >= summary['target_ratio'] else 'NOT met'})")
-        aside = "".join(f"; {p} left out of it: not a network transport" for p in peers if p not in network)
-        if ahead:
-            print(f"{args.transport} ahead of every peer ({', '.join(network)}), by batch shape: {'; '.join(ahead)}{aside}")
-        else:
-            print(f"{args.transport} ahead of every peer: no network peer measured in this run{aside}")
-        print("bytes (destination checksum after each row, every mover): "
-              + ("every row ok" if not failed else f"{len(failed)} row(s) NOT ok: "
-                 + "; ".join(f"{r['transport']} {r['kind']} {r['page_bytes']} x {r['pages']}: {r['checked']}" for r in failed)))
+        _print_table(args, b, rows, summary, single, network, ahead, failed)
     return 0
 
 
