@@ -9,8 +9,30 @@ secret, ``HELLO_AUTH`` (magic ``PDTA``, the same and a nonce); the sink answers
 ``HELLO_REPLY`` with a status, and with a secret first a ``CHALLENGE`` (its nonce and
 its MAC over both nonces and the hello's fields), which the source checks before it
 sends its ``proof``. Both MACs name their role, so neither can be reflected. Pure
-functions of bytes, so the fuzzer drives them without sockets; the transport
-(``transport/tcp.py``) does the socket I/O.
+functions of bytes, so the fuzzer drives them without sockets (``fuzz/fuzz_hello.py``);
+the transport's two sides (``transport/tcp_source.py``, ``transport/tcp_sink.py``) do the
+socket I/O.
+
+Wire (little-endian):
+
+- hello, source → sink: ``"PDTC", version u8, sink instance [16], source instance [16],
+  kind u8 (1 data, 2 acks), pair token [16]`` (a source without a secret), or ``"PDTA"``,
+  the same fields and a source nonce [16] (a source with one);
+  sink → source: a reply ``"PDTC", version u8, status u8``: 0 ok, 1 wrong instance,
+  2 at its connection cap, 3 this sink needs the secret (the hello was ``PDTC``), 4 this
+  sink has no secret (the hello was ``PDTA``), 5 the source's proof was wrong, 6 too many
+  handshakes in progress and cut ones still ending (2 and 6 may come before the hello is
+  read), 7 an ack connection no data connection of its source and pair token waits for
+  (or a data connection whose pair token is in use).
+- after a ``PDTA`` hello and a reply with status 0: the sink sends its nonce [16] and
+  ``MAC("tcp/4 sink", sink instance, source instance, kind, pair token, source nonce, sink
+  nonce)`` [32]; the source checks it (a wrong one fails ``connect``: the sink does not hold
+  our secret) and sends ``MAC("tcp/4 source", same fields)`` [32]; the sink checks it and
+  sends a second reply (0 ok, 2 at cap, 5 wrong proof, 7 no pair). The MAC is HMAC-SHA256
+  with the key ``derive_key(secret, "tcp-hello")`` over length-prefixed fields
+  (``transport.secret.hello_mac``). Frames (on a data connection) and acks (on an ack
+  connection, ``transport/tcp_wire.py``) follow a reply with status 0 that is not followed
+  by a challenge.
 """
 
 from __future__ import annotations
