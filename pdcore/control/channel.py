@@ -27,80 +27,17 @@ rooms it names through ``on_rooms_failed``. Received frames are decoded; a
 rooms it names, and the thread carries on. Callbacks run on the I/O thread and
 must not block; an exception in one is logged and counted, never fatal.
 
-Quota: the wire bytes of every frame handed to ``on_message`` count against
-its sender until they are released; a sender whose next frame would take it
-past ``max_bytes_per_sender`` has that frame dropped (``stats.quota_drops``, a
-warning per episode) and its rooms failed through ``on_rooms_failed`` with a
-reason that says "quota". A sender is a routing id, which a client without the
-secret picks freely, so all senders together have a bound too,
-``max_bytes_total`` (default four times ``max_bytes_per_sender``): a frame that
-would take the total past it is dropped the same way, whoever sent it
-(``stats.total_quota_drops`` as well; the reason says "total quota"). By
-default a frame is released when ``on_message`` returns. A consumer that keeps
-the message past the callback (queues it for a worker) calls ``release =
-channel.hold()`` inside the callback and ``release()`` once it is done with it
-(any thread, idempotent), so what it holds counts too. ZeroMQ's own receive
-queue per connection is bounded in frames (``RCVHWM``, derived from the
-quota), so it holds at most about one quota more per connection; without a
-secret nothing bounds how many connections send frames, so nor what ZeroMQ
-queues for them all.
+The rooms beside this one, each with the why of its rule:
 
-Pending connections: a connection the ROUTER accepted is pending until a frame
-comes on it; every channel sends a heartbeat on each connection as soon as its
-DEALER's handshake succeeds, so a peer's connection stops being pending at once.
-libzmq accepts whatever comes and gives a handshake ``handshake_timeout`` (5 s
-here, its own default is 30 s), so before this bound a flood of idle TCP
-connections used up the process's file descriptors. At most ``max_pending``
-(64) connections stay pending: past that the channel cuts the oldest pending
-one whose client has sent no byte yet (the kernel's ``tcp_info`` says), or the
-oldest of all when each has sent something (``stats.pending_evicted``). Silent
-ones go first because a flood that redials what it loses turns connections
-over some twenty thousand times a second, faster than a handshake completes:
-cut by age alone, a peer's handshake would be cut too. How it knows: the
-ROUTER's monitor reports each accepted connection with libzmq's fd for it
-(ACCEPTED) and its end (DISCONNECTED, sent before libzmq closes the fd), and a
-received frame names the fd it came on (``ZMQ_SRCFD``). A fd number can be
-reused, so each accepted one is recorded with its socket's inode, a record is
-acted on only after the monitor was read past it (a fd reused before it was
-recorded has its DISCONNECTED there), and a cut goes through a duplicate on a
-descriptor number the channel reserved, whose inode and local port are checked
-first: the channel never cuts a socket that is not the connection the event
-named. (libzmq's ROUTER_NOTIFY and version-2 monitor events would name the peer;
-they are draft API, not in the libzmq that pyzmq bundles.) This relies on one
-libzmq I/O thread per context (the default): a connection's events arrive in
-order, a failed handshake's right before its DISCONNECTED, so a connection the
-channel cut is not counted as a failed authentication. Not covered: a flood
-whose connections each send part of a handshake and stall is cut by age only;
-libzmq may accept a burst between two passes of the I/O thread (the next pass
-cuts it); an accept that fails for want of descriptors libzmq retries at once.
-
-Answers through a flood (issue #42): a channel answers a peer on a connection
-of its own, a DEALER to the peer's endpoint, and making it takes descriptors:
-three for its sockets (made in this thread) and one for its TCP connection
-(opened by libzmq's I/O thread when it takes the connect). At the limit, that
-thread accepts the flood into every descriptor the moment one is freed, so a
-flood faster than this thread kept a proven peer's answers waiting for a
-descriptor until they failed. So the process keeps ``FD_RESERVE`` (64)
-descriptors under its hard limit that only a channel's own sockets and
-connects use (``_FdReserve``): ``start`` sets the soft limit of open files to
-the hard limit less the reserve (once per process, logged; from a lower soft
-limit that is a raise: headroom, not a bound), and a channel raises it to the
-hard limit just for the moment of its connect, until the DEALER's monitor
-reports the connection's socket open or its try failed. libzmq takes the
-connect within a pass or two of its I/O thread and accepts at most one
-connection a pass, so the reserve outlasts it; what the flood took of it
-meanwhile is cut as idle (``stats.reserve_cuts``), and nothing takes it back
-while it is closed. ``_SPARES`` (2) DEALERs are made ahead, so that a connect
-costs one call while the reserve is open. A new DEALER whose connect still
-found no descriptor is closed and made again on the channel's next pass (on
-its clock, not libzmq's 100 to 200 ms retries; ``stats.connects_remade``), its
-frames held meanwhile (up to ``_CONNECT_WAIT``), so none is lost; a connection
-that libzmq reopens later (the peer restarted) gets the reserve just before
-each retry while the peer is heard from. The channel's own connections are
-never accepted by its ROUTER, so never pending, never cut. Not covered: a
-newcomer's connect to a flooded channel may wait out a SYN retransmission
-(1 s, then 3 s) when the flood keeps the listen backlog full; other parts of
-the process may take some of the reserve while it is open.
+- ``pdcore.control.quotas``: what a sender, and all senders together, may hold
+  (``max_bytes_per_sender``, ``max_bytes_total``; ``hold()``'s release token).
+- ``pdcore.control.pending``: the connections the ROUTER accepted that no frame
+  came on yet, at most ``max_pending``, and how one is cut (never a socket that
+  is not the connection its event named).
+- ``pdcore.control.fd_reserve``: the descriptors kept for the channels' own
+  sockets and connects, so that a proven peer is answered through a flood.
+- ``pdcore.control.handshake``: the CURVE keys, the ZAP rule, and what a
+  monitor event says about a handshake (sans-IO).
 
 Authentication (``secret``): ZeroMQ's own CURVE mechanism with one key pair
 derived from the deployment secret (``auth.derive_key(secret,
@@ -137,27 +74,33 @@ import collections
 import errno
 import logging
 import os
-import resource
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Final
 
 import zmq
 from zmq.utils import monitor, z85
 
-from transport.accepting import client_spoke
 from transport.loglimit import LogLimit
 
 from . import auth, wire
+from .channel_stats import ChannelStats
+from .fd_reserve import FD_RESERVE, Spares, Windows, fd_reserve
+from .handshake import (
+    DEALER_EVENTS, HANDSHAKE_FAILED, OPENED, PEER_CLOSED, ROUTER_EVENTS, curve_keys, handshake_failure, zap_reply,
+)
 from .liveness import DeadPeer, PeerLiveness
+from .pending import MAX_PENDING, PendingConnections
+from .quotas import Quotas, Release
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
 
-__all__ = ["ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness", "MAX_PENDING", "HANDSHAKE_TIMEOUT"]
+__all__ = [
+    "ControlChannel", "ChannelStats", "DeadPeer", "PeerLiveness", "MAX_PENDING", "HANDSHAKE_TIMEOUT", "FD_RESERVE",
+    "curve_keys", "zap_reply",
+]
 
 log = logging.getLogger("pdcore.control")
 
@@ -166,206 +109,15 @@ _MAX_PARTS: Final = 64  # frames to one peer in one message (one pass's; more go
 _FD_WAIT: Final = 1.0  # seconds frames wait for a descriptor to make their peer's socket before they fail
 _AUTH_LOG_EVERY: Final = 10.0  # seconds between two warnings about failed handshakes of one endpoint
 _ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"  # where libzmq asks a context's authentication handler
-_HANDSHAKE_FAILED: Final = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-MAX_PENDING: Final = 64  # default max_pending: connections accepted that no frame came on yet
 HANDSHAKE_TIMEOUT: Final = 5.0  # default handshake_timeout, seconds (libzmq's own default is 30)
-_CONNECTIONS: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the ROUTER's monitor reports, always
-_EVENT_BATCH: Final = 4 * _RECV_BATCH  # monitor events handled per wake
 _EVENTS: Final = int(zmq.EVENTS)  # plain ints: the enums cost a conversion per read on the hot path
 _POLLIN: Final = int(zmq.POLLIN)
 _NOBLOCK: Final = int(zmq.NOBLOCK)  # recv_multipart's flags and RCVMORE cost enum conversions per message: recv, Frame.more
 _DONTWAIT: Final = int(zmq.DONTWAIT)
 _MONITOR_RCVHWM: Final = 1 << 14  # events queued for the I/O thread: libzmq never waits on a full monitor pipe
-FD_RESERVE: Final = 64  # descriptors kept under the hard limit, for the channels' own sockets and connections
-_WINDOW: Final = 0.2  # seconds the reserve stays open for one connect at most (it closes when the connect reports)
 _RETRY_LEAD: Final = 0.002  # seconds before libzmq's retry of a connect that the reserve opens for it
-_SPARES: Final = 2  # DEALERs made ahead (three descriptors each): a connect then costs one call in the window
-_SPARE_RETRY: Final = 0.01  # seconds between two tries to make a spare that found no descriptor
 _CONNECT_WAIT: Final = 5.0  # seconds a new DEALER whose connection found no descriptor is made again, its frames held
-# a DEALER's monitor: its handshake's outcome, and whether its connection got a socket (see _FdReserve)
-_DEALER_EVENTS: Final = (
-    _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED
-    | zmq.EVENT_CONNECT_RETRIED
-)
-_OPENED: Final = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED  # the connection has its socket
 
-
-def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
-    """The deployment's CURVE key pair (public, secret), z85-encoded, derived from the secret."""
-    secret_key = z85.encode(auth.derive_key(secret, "control-curve"))
-    return zmq.curve_public(secret_key), secret_key
-
-
-def zap_reply(request: list[bytes], public_key: bytes) -> tuple[list[bytes], str | None]:
-    """ZAP (RFC 27), sans-IO: the reply to one request, and the refused client's address (None: admitted).
-
-    Admits a CURVE client only if its long-term public key (raw, 32 bytes) is
-    the deployment's; anything else, malformed requests included, is refused."""
-    ok = len(request) == 7 and request[0] == b"1.0" and request[5] == b"CURVE" and request[6] == public_key
-    request_id = request[1] if len(request) > 1 and len(request[1]) <= 255 else b""
-    if ok:
-        return [b"1.0", request_id, b"200", b"OK", b"", b""], None
-    address = request[3][:64].decode("ascii", "replace") if len(request) > 3 else "?"
-    return [b"1.0", request_id, b"400", b"not of this deployment", b"", b""], address
-
-
-def _handshake_failure(event: Mapping[str, object], *, server: bool = False) -> str:
-    """Why a handshake failed, in words (from a monitor event)."""
-    kind, value = event["event"], event["value"]
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return "the peer's authentication handler refused our key"
-    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return "one side runs without a secret"
-    if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-        return "the CURVE handshake did not decrypt: a different secret"
-    if server:  # a client without a secret may see the mismatch first and hang up
-        return "the client closed the connection during the handshake (no secret, or it went away)"
-    return _PEER_CLOSED
-
-
-_PEER_CLOSED: Final = "the peer closed the connection during the handshake: a different secret, or none"
-
-
-class _FdReserve:
-    """The process's soft limit of open files, kept ``FD_RESERVE`` under its hard limit and raised to it
-    only while a channel makes a socket or connects (see "Answers through a flood" above): the kernel
-    keeps the descriptors over the soft limit from every thread, libzmq's accepts included, so the
-    reserve is not a race to win. One per process, shared by its channels (it counts who opened it)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._checked = False
-        self.low = 0  # the soft limit while the reserve is closed; 0: no reserve (an infinite or a tiny limit)
-        self._high = 0
-        self._open = 0
-
-    def setup(self) -> None:
-        """Once per process: the soft limit to ``FD_RESERVE`` under the hard limit (a raise from
-        a lower one: headroom, not a bound), logged."""
-        with self._lock:
-            if self._checked:
-                return
-            self._checked = True
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            if hard == resource.RLIM_INFINITY or hard < 4 * FD_RESERVE:
-                self._raise(soft, hard)
-                return
-            low = hard - FD_RESERVE
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
-            except (OSError, ValueError) as e:
-                log.info("control channel: cannot set the soft limit of open files from %d to %d: %s", soft, low, e)
-                return
-            self.low, self._high = low, hard
-        log.info(
-            "control channel: this process's soft limit of open files is %d (was %d): its hard limit %d less "
-            "%d kept for the control channels' own connections", low, soft, hard, FD_RESERVE,
-        )
-
-    @staticmethod
-    def _raise(soft: int, hard: int) -> None:
-        if soft == resource.RLIM_INFINITY or soft >= hard:
-            return
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (OSError, ValueError) as e:
-            log.info("control channel: cannot raise the soft limit of open files from %d to %d: %s", soft, hard, e)
-            return
-        log.info("control channel: raised this process's soft limit of open files from %d to its hard limit %d", soft, hard)
-
-    def open(self) -> bool:
-        """Open the reserve (True), or say there is none (False)."""
-        with self._lock:
-            if not self.low:
-                return False
-            self._open += 1
-            if self._open == 1:
-                self._set(self._high)
-            return True
-
-    def close(self) -> None:
-        with self._lock:
-            self._open -= 1
-            if self._open == 0:
-                self._set(self.low)
-
-    @staticmethod
-    def _set(soft: int) -> None:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-        except (OSError, ValueError) as e:  # the hard limit was lowered under us: the reserve is gone
-            log.warning("control channel: cannot set the soft limit of open files to %d: %s", soft, e)
-
-
-_fd_reserve = _FdReserve()
-
-
-@dataclass
-class ChannelStats:
-    """Counters, written only by the I/O thread (read them from anywhere)."""
-
-    received: int = 0
-    delivered: int = 0
-    sent: int = 0  # frames
-    messages_sent: int = 0  # ZeroMQ messages they went in (the frames one peer is owed in a pass go in one)
-    protocol_errors: int = 0
-    send_failures: int = 0
-    callback_errors: int = 0
-    internal_errors: int = 0
-    heartbeats_sent: int = 0
-    peers_dead: int = 0
-    auth_failures: int = 0  # handshakes that failed authentication, in either direction
-    auth_refused: int = 0  # of those: clients our authentication handler refused
-    superseded_frames: int = 0  # frames that arrived on a connection a newer one of the same peer replaced
-    quota_drops: int = 0  # frames dropped because their sender, or all senders together, were over a byte quota
-    quota_dropped_bytes: int = 0
-    total_quota_drops: int = 0  # of those: dropped because all senders together were at max_bytes_total
-    held_peak: int = 0  # the most wire bytes one sender ever had counted at once
-    held_total_peak: int = 0  # the most wire bytes all senders together ever had counted at once
-    accepted: int = 0  # connections the ROUTER accepted
-    pending_peak: int = 0  # the most accepted connections at once that no frame had come on yet
-    proven: int = 0  # accepted connections that a frame then came on (no longer pending)
-    pending_evicted: int = 0  # of those: cut to keep at most max_pending (the oldest idle one first)
-    reserve_cuts: int = 0  # pending connections whose client sent nothing, cut to give the fd reserve back
-    connect_retries: int = 0  # connects to peers libzmq tries again (refused, or no descriptor was free)
-    connects_remade: int = 0  # of those: a new DEALER's first, made again by the channel (see _dealer_handshakes)
-
-
-class _Pending:
-    """A connection the ROUTER accepted that no frame came on yet: its socket's inode, when it was
-    recorded (a sequence number), and whether its client has sent a byte (it cannot unsay it)."""
-
-    __slots__ = ("inode", "seq", "spoke")
-
-    def __init__(self, inode: int, seq: int) -> None:
-        self.inode = inode
-        self.seq = seq
-        self.spoke = False
-
-
-def _shut(sock: socket.socket) -> bool:
-    sock.shutdown(socket.SHUT_RDWR)
-    return True
-
-
-def _shut_if_silent(sock: socket.socket) -> bool:
-    """Shut the connection down if its client sent no byte (True), else leave it (False)."""
-    return not client_spoke(sock) and _shut(sock)
-
-
-class _Release:
-    """``release()`` for one held frame: idempotent, callable from any thread."""
-
-    __slots__ = ("_channel", "_sender", "_nbytes", "_kept", "_released")
-
-    def __init__(self, channel: ControlChannel, sender: str, nbytes: int) -> None:
-        self._channel, self._sender, self._nbytes = channel, sender, nbytes
-        self._kept = self._released = False
-
-    def __call__(self) -> None:
-        self._channel._release(self)
 
 
 OnMessage = Callable[[str, wire.Message], None]
@@ -376,6 +128,30 @@ OnPeerBack = Callable[[str, str, int], None]  # (endpoint, session id, epoch): a
 
 def _format_endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+
+def _check_options(
+    session_id: str, epoch: int, heartbeat_interval: float, dead_after: float, max_bytes_per_sender: int,
+    max_bytes_total: int | None, max_pending: int, handshake_timeout: float,
+) -> int:
+    """A channel's options checked before anything is made (``ValueError``; ``LocalProtocolError`` for a
+    session id or epoch no heartbeat could carry); returns the total quota (default four per sender)."""
+    wire.encode(wire.Heartbeat(session_id=session_id, epoch=epoch, seq=0))  # validates both, early
+    if not 0 < heartbeat_interval < dead_after:
+        raise ValueError("need 0 < heartbeat_interval < dead_after")
+    if max_bytes_per_sender < wire.MAX_FRAME_BYTES:
+        raise ValueError(
+            f"max_bytes_per_sender must be at least one frame ({wire.MAX_FRAME_BYTES}), got {max_bytes_per_sender}"
+        )
+    total = 4 * max_bytes_per_sender if max_bytes_total is None else max_bytes_total
+    if total < wire.MAX_FRAME_BYTES:
+        raise ValueError(f"max_bytes_total must be at least one frame ({wire.MAX_FRAME_BYTES}), got {total}")
+    if max_pending < 1 or not handshake_timeout > 0:
+        raise ValueError(
+            f"max_pending ({max_pending}) and handshake_timeout ({handshake_timeout}) must be positive"
+        )
+    return total
 
 
 class ControlChannel:
@@ -404,49 +180,20 @@ class ControlChannel:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         secret: bytes | None = None,
     ) -> None:
-        wire.encode(wire.Heartbeat(session_id=session_id, epoch=epoch, seq=0))  # validates both, early
-        if not 0 < heartbeat_interval < dead_after:
-            raise ValueError("need 0 < heartbeat_interval < dead_after")
-        if max_bytes_per_sender < wire.MAX_FRAME_BYTES:
-            raise ValueError(
-                f"max_bytes_per_sender must be at least one frame ({wire.MAX_FRAME_BYTES}), got {max_bytes_per_sender}"
-            )
-        total = 4 * max_bytes_per_sender if max_bytes_total is None else max_bytes_total
-        if total < wire.MAX_FRAME_BYTES:
-            raise ValueError(f"max_bytes_total must be at least one frame ({wire.MAX_FRAME_BYTES}), got {total}")
-        if max_pending < 1 or not handshake_timeout > 0:
-            raise ValueError(
-                f"max_pending ({max_pending}) and handshake_timeout ({handshake_timeout}) must be positive"
-            )
-        self._quota = max_bytes_per_sender
-        self._total_quota = total
-        self._max_pending = max_pending
+        total = _check_options(
+            session_id, epoch, heartbeat_interval, dead_after, max_bytes_per_sender, max_bytes_total, max_pending,
+            handshake_timeout,
+        )
+        self.stats = ChannelStats()
+        self._quotas = Quotas(max_bytes_per_sender, total, self.stats)
+        self._conns = PendingConnections(max_pending, self.stats, self._handshake_failed)
+        self._windows = Windows(self._conns)  # this channel's openings of the fd reserve
+        self._spares = Spares(self._new_dealer, self._windows)  # DEALERs made ahead, with monitors
         self._handshake_ms = max(1, int(handshake_timeout * 1000))
         self._curve = curve_keys(auth.check_secret(secret, "control channel")) if secret is not None else None
         self._curve_key = z85.decode(self._curve[0]) if self._curve is not None else b""
         self._auth_logged = LogLimit(_AUTH_LOG_EVERY, max_keys=max_peers)  # per endpoint
-        self._monitors: dict[zmq.Socket[bytes], str] = {}  # a DEALER's handshake monitor -> its endpoint
-        self._monitor_of: dict[str, zmq.Socket[bytes]] = {}  # ... and back
-        self._poller = zmq.Poller()
-        self._zap: zmq.Socket[bytes] | None = None
-        self._router_monitor: zmq.Socket[bytes] | None = None
-        self._held: dict[str, int] = {}  # sender -> wire bytes handed to on_message and not released
-        self._held_total = 0  # ... all senders together
-        self._over: dict[str, int] = {}  # sender -> frames dropped in its current over-quota episode
-        self._over_total = 0  # frames dropped in the current episode of the total quota
-        # Connections of the ROUTER (see "Pending connections"), keyed by libzmq's fd for each:
-        self._pending: dict[int, _Pending] = {}  # fd -> accepted, no frame from it yet; oldest first
-        self._proven: set[int] = set()  # fds of accepted connections a frame came on
-        self._cut_fds: set[int] = set()  # fds this channel cut, until libzmq reports them gone
-        self._failed_handshake: Mapping[str, object] | None = None  # a failure event, until its DISCONNECTED
-        self._recorded = 0  # sequence number of the last pending connection recorded
-        self._checked = 0  # ... of the last one the monitor was read to its end after: one that may be cut
-        self._pending_seen = 0  # len(_pending) after the last pass that read the monitor to its end
-        self._port = 0
-        self._null_fd = self._slot_fd = -1  # /dev/null, and a descriptor number reserved for a cut
-        self._evict_logged = LogLimit(_AUTH_LOG_EVERY)
-        self._held_lock = threading.Lock()
-        self._delivering: _Release | None = None  # the frame whose on_message is running (I/O thread)
+        self._delivering: Release | None = None  # the frame whose on_message is running (I/O thread)
         self._on_message = on_message
         self._on_rooms_failed = on_rooms_failed
         self._on_peer_dead = on_peer_dead
@@ -460,22 +207,25 @@ class ControlChannel:
         self._sndhwm = sndhwm
         self._linger_ms = int(linger * 1000)
         self._max_peers = max_peers
+        self._max_queue = max_queue
+        self._init_io_state()
+
+    def _init_io_state(self) -> None:
+        """What the I/O thread owns (sockets, the callers' queue, the connects to peers), empty until ``start``."""
+        self._monitors: dict[zmq.Socket[bytes], str] = {}  # a DEALER's handshake monitor -> its endpoint
+        self._monitor_of: dict[str, zmq.Socket[bytes]] = {}  # ... and back
+        self._poller = zmq.Poller()
+        self._zap: zmq.Socket[bytes] | None = None
         # frames the callers queued, for the I/O thread: a deque (append and popleft hold no lock of their own:
         # a bounded queue.Queue cost ~1.3 us a frame in locks); at most max_queue, plus one per thread
         # queueing at the same instant (the length is checked, then appended)
         self._outq: collections.deque[tuple[str, bytes | None, tuple[int, ...]]] = collections.deque()
-        self._max_queue = max_queue
         # frames whose peer's socket could not be made for want of descriptors: (first try, frames), tried each pass
         self._short_of_fds: dict[str, tuple[float, list[tuple[bytes, tuple[int, ...]]]]] = {}
-        self._windows: dict[str, float] = {}  # endpoint -> until when the fd reserve is open for its connect
         self._retries: dict[str, float] = {}  # endpoint -> when libzmq tries again a connect that found no descriptor
         self._opened: set[str] = set()  # endpoints whose latest connect has its socket
         self._connecting: dict[str, float] = {}  # endpoint -> first try of a new DEALER whose connect has no socket yet
         self._remake: set[str] = set()  # those whose DEALER was closed to be made again (its connect found no socket)
-        self._spares: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []  # DEALERs made ahead, with monitors
-        self._spare_retry = 0.0  # when the next try to make a spare may be
-        self._reserve_taken = False  # the flood may hold descriptors of the reserve: cut them (_refill_reserve)
-        self.stats = ChannelStats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
@@ -505,14 +255,13 @@ class ControlChannel:
             raise StartError("control channel: start() may be called once")
         if self._advertise in ("0.0.0.0", "::", ""):
             raise StartError(f"control channel: bound to wildcard {self._host!r}; pass advertise_host")
-        _fd_reserve.setup()
+        fd_reserve.setup()
         try:
-            self._null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            self._slot_fd = os.dup(self._null_fd)
+            self._conns.open_slots()
         except OSError as e:
-            self._close_slots()
+            self._conns.close_slots()
             raise StartError(f"control channel: cannot open {os.devnull}: {e}") from e
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # one I/O thread: see "Pending connections"
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # one I/O thread: see pdcore.control.pending
         self._ctx = ctx
         router = ctx.socket(zmq.ROUTER)
         try:
@@ -520,13 +269,13 @@ class ControlChannel:
                 self._secure_router(ctx, router)
             else:
                 auth.warn_unauthenticated("control channel")
-            self._router_monitor = self._monitor_router(ctx, router)  # before the bind: every connection is seen
+            self._conns.monitor = self._monitor_router(ctx, router)  # before the bind: every connection is seen
             router.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ms)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
             # per sender, in frames: ZeroMQ's queue then holds at most about one quota of bytes
-            router.setsockopt(zmq.RCVHWM, max(16, self._quota // wire.MAX_FRAME_BYTES))
+            router.setsockopt(zmq.RCVHWM, max(16, self._quotas.per_sender // wire.MAX_FRAME_BYTES))
             if ":" in self._host:
                 router.setsockopt(zmq.IPV6, 1)
             bind_host = f"[{self._host}]" if ":" in self._host else self._host
@@ -535,15 +284,15 @@ class ControlChannel:
             wire.check_endpoint(endpoint)
         except (zmq.ZMQError, LocalProtocolError) as e:
             router.close(0)
-            for sock in (self._zap, self._router_monitor):
+            for sock in (self._zap, self._conns.monitor):
                 if sock is not None:
                     sock.close(0)
             ctx.term()
-            self._close_slots()
+            self._conns.close_slots()
             raise StartError(f"control channel: cannot bind {self._host!r}: {e}") from e
         self._router = router
-        self._port = port
-        self._endpoint = endpoint
+        self._conns.port = port
+        self._endpoint = self._conns.label = self._spares.label = endpoint
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -569,7 +318,7 @@ class ControlChannel:
         them blocking, and one waiting on a full pipe while this thread waits for libzmq's monitor
         lock (``disable_monitor`` at close) would never wake."""
         address = f"inproc://pdcore-control-monitor-{id(self):x}"
-        router.monitor(address, _CONNECTIONS | (_HANDSHAKE_FAILED if self._curve is not None else 0))
+        router.monitor(address, ROUTER_EVENTS | (HANDSHAKE_FAILED if self._curve is not None else 0))
         mon = ctx.socket(zmq.PAIR)
         mon.setsockopt(zmq.LINGER, 0)
         mon.setsockopt(zmq.RCVHWM, _MONITOR_RCVHWM)
@@ -597,13 +346,12 @@ class ControlChannel:
         current = self._delivering
         if current is None or threading.current_thread() is not self._thread:
             raise RuntimeError("control channel: hold() may only be called from inside on_message")
-        current._kept = True  # not released when the callback returns
+        current.kept = True  # not released when the callback returns
         return current
 
     def held_bytes(self, sender: str | None = None) -> int:
         """Wire bytes counted against ``sender`` now (all senders together if None)."""
-        with self._held_lock:
-            return self._held.get(sender, 0) if sender is not None else self._held_total
+        return self._quotas.held(sender)
 
     def queued(self) -> int:
         """Frames queued for the I/O thread now (a metric)."""
@@ -613,7 +361,7 @@ class ControlChannel:
         """Connections accepted that no frame came on yet, as the last pass of the I/O thread that
         read the monitor to its end left them: at most ``max_pending`` (libzmq may have accepted a
         burst more since: the next pass cuts it)."""
-        return self._pending_seen
+        return self._conns.seen
 
     def forget(self, endpoint: str) -> None:
         """Drop the DEALER to ``endpoint`` (queued frames are discarded) and stop watching it."""
@@ -677,14 +425,14 @@ class ControlChannel:
         poller = self._poller
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        for sock in (self._zap, self._router_monitor):
+        for sock in (self._zap, self._conns.monitor):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
         next_beat = last_tick = time.monotonic()
-        self._make_spares()
+        self._spares.fill()
         while not self._stopping:
             timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000) + 1)
-            if self._short_of_fds or self._windows or self._reserve_taken or self._remake or len(self._spares) < _SPARES:
+            if self._short_of_fds or self._windows.busy() or self._remake or self._spares.wanted():
                 timeout_ms = min(timeout_ms, 10)  # something waits for a descriptor: come back soon
             if self._retries:
                 due = min(self._retries.values()) - _RETRY_LEAD - time.monotonic()
@@ -698,8 +446,8 @@ class ControlChannel:
                 break
             if self._zap is not None and self._zap in ready:
                 self._answer_zap()
-            if self._router_monitor is not None and self._router_monitor in ready:
-                self._router_events()
+            if self._conns.monitor is not None and self._conns.monitor in ready:
+                self._conns.read_events()
             if self._monitors:
                 for sock in [s for s in ready if s in self._monitors]:
                     self._dealer_handshakes(sock)
@@ -707,14 +455,13 @@ class ControlChannel:
                 self._flush()
             if self._router in ready:
                 self._receive()
-            if len(self._pending) > self._max_pending:
-                self._evict()
-            if self._windows or self._retries or self._reserve_taken or self._remake:
+            if self._conns.crowded():
+                self._conns.evict()
+            if self._windows.busy() or self._retries or self._remake:
                 self._watch_reserve()
-            if len(self._spares) < _SPARES and time.monotonic() >= self._spare_retry:
-                self._make_spares()
-            if self._checked == self._recorded:
-                self._pending_seen = len(self._pending)
+            if self._spares.due():
+                self._spares.fill()
+            self._conns.note_pass()
             now = time.monotonic()
             if now >= next_beat:
                 if now - last_tick > max(3 * self._interval, self._liveness.dead_after / 2):
@@ -782,8 +529,8 @@ class ControlChannel:
             self._send_now(endpoint, [frame for frame, _ in part], tuple(r for _, rooms in part for r in rooms))
 
     def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
-        """The DEALER to ``endpoint``, connecting one if there is none: a spare (see ``_make_spares``), else
-        one made now with the fd reserve open (see ``_FdReserve``). The reserve opens again just before
+        """The DEALER to ``endpoint``, connecting one if there is none: a spare, else one made now with
+        the fd reserve open (``Spares.take``; see pdcore.control.fd_reserve). The reserve opens again just before
         the connect, for the socket libzmq's I/O thread opens when it takes it, and closes when the
         DEALER's monitor says it was taken; until its connection has a socket the DEALER is
         ``_connecting``, and one whose connect found none is made again (``_dealer_handshakes``)."""
@@ -792,20 +539,13 @@ class ControlChannel:
             return sock
         if len(self._dealers) >= self._max_peers:
             raise CapacityError(f"already connected to {self._max_peers} peers")
-        if self._spares:
-            sock, mon = self._spares.pop()
-        else:
-            self._open_window("")
-            try:
-                sock, mon = self._new_dealer()
-            finally:
-                self._close_window("")
+        sock, mon = self._spares.take()
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         self._monitors[mon] = endpoint
         self._monitor_of[endpoint] = mon
         self._poller.register(mon, zmq.POLLIN)
-        self._open_window(endpoint)
+        self._windows.open(endpoint)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError:
@@ -834,28 +574,13 @@ class ControlChannel:
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             # with or without a secret: a mismatch is named; a success is answered with a heartbeat (the proof);
             # and when the connect was taken (the reserve closes then)
-            return sock, sock.get_monitor_socket(_DEALER_EVENTS)
+            return sock, sock.get_monitor_socket(DEALER_EVENTS)
         except zmq.ZMQError:
             sock.close(0)
             raise
 
-    def _make_spares(self) -> None:
-        """Make the spare DEALERs that were taken, with the fd reserve open; a try that finds no descriptor
-        is made again ``_SPARE_RETRY`` later."""
-        while len(self._spares) < _SPARES:
-            self._open_window("")
-            try:
-                self._spares.append(self._new_dealer())
-            except zmq.ZMQError as e:
-                if e.errno not in (errno.EMFILE, errno.ENFILE):
-                    log.warning("control channel %s: cannot make a spare socket: %s", self._endpoint, e)
-                self._spare_retry = time.monotonic() + _SPARE_RETRY
-                return
-            finally:
-                self._close_window("")
-
     def _close_dealer(self, endpoint: str, sock: zmq.Socket[bytes], linger: int = 0) -> None:
-        self._close_window(endpoint)
+        self._windows.close(endpoint)
         self._retries.pop(endpoint, None)
         self._opened.discard(endpoint)
         mon = self._monitor_of.pop(endpoint, None)
@@ -890,132 +615,21 @@ class ControlChannel:
                 self._auth_failed(f"tcp://{refused}", "a client that is not of this deployment", dead=False)
             self._zap.send_multipart(reply)
 
-    # ------------------------------------------------------------------ pending connections
-
-    def _router_events(self) -> None:
-        """What the ROUTER's monitor reported, in order, to its end (or one batch of it)."""
-        assert self._router_monitor is not None
-        for _ in range(_EVENT_BATCH):
-            try:
-                event = monitor.recv_monitor_message(self._router_monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                self._checked = self._recorded
-                return
-            kind, value = event["event"], event["value"]
-            assert isinstance(value, int)
-            if kind == zmq.EVENT_ACCEPTED:
-                self._accepted(value)
-            elif kind == zmq.EVENT_DISCONNECTED:
-                failure, self._failed_handshake = self._failed_handshake, None
-                cut = value in self._cut_fds
-                self._cut_fds.discard(value)
-                self._pending.pop(value, None)
-                self._proven.discard(value)
-                if failure is not None and not cut:  # one we cut did not fail: it never tried
-                    self._handshake_failed(failure)
-            else:  # a failed handshake: its DISCONNECTED follows at once (one I/O thread) and names its fd
-                if self._failed_handshake is not None:
-                    self._handshake_failed(self._failed_handshake)
-                self._failed_handshake = event
-
-    def _accepted(self, fd: int) -> None:
-        """A new connection at ``fd``: pending, under the inode of the socket there now. Were that
-        another socket already (libzmq closed ``fd`` and it was reused), the DISCONNECTED that
-        libzmq sent before closing it is in the monitor pipe, and reading on to its end drops the
-        entry before any cut (``_evict`` cuts only what was recorded before such a read)."""
-        self.stats.accepted += 1
-        self._proven.discard(fd)
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            return  # closed already: its DISCONNECTED follows
-        if stat.S_ISSOCK(st.st_mode):
-            self._recorded += 1
-            self._pending[fd] = _Pending(st.st_ino, self._recorded)
-            self.stats.pending_peak = max(self.stats.pending_peak, len(self._pending))
-
-    def _heard_on(self, frame: zmq.Frame) -> None:
-        """A frame came on the connection at its source fd: that connection is no longer pending."""
-        try:
-            fd = frame.get(zmq.SRCFD)
-        except zmq.ZMQError:
-            return
-        if fd in self._proven:
-            return
-        if fd not in self._pending:
-            self._router_events()  # its ACCEPTED may still be unread
-        if self._pending.pop(fd, None) is not None:
-            self.stats.proven += 1
-        self._proven.add(fd)
-
-    def _evict(self) -> None:
-        """Cut pending connections until at most ``max_pending`` are left: the oldest one whose client
-        has sent nothing yet, or, when every one has sent something, the oldest. Only connections
-        the monitor was read to its end after (see ``_accepted``); the rest on a later pass."""
-        cut = 0
-        while len(self._pending) > self._max_pending:
-            victim = None
-            for fd, conn in list(self._pending.items()):  # oldest first
-                if conn.seq > self._checked:
-                    break
-                if conn.spoke:
-                    continue
-                spoke = self._through(fd, conn.inode, client_spoke)
-                if spoke is None:  # not the socket it was: that connection is gone
-                    del self._pending[fd]
-                elif spoke:
-                    conn.spoke = True
-                else:
-                    victim = fd
-                    break
-            if len(self._pending) <= self._max_pending:
-                break
-            if victim is None:
-                victim = next(iter(self._pending))
-                if self._pending[victim].seq > self._checked:
-                    break  # nothing that may be cut yet
-            if self._cut(victim, self._pending.pop(victim).inode):
-                self._cut_fds.add(victim)
-                cut += 1
-        self.stats.pending_evicted += cut
-        if cut and self._evict_logged.ready() is not None:  # a flood must not flood the log
-            log.warning(
-                "control channel %s: more than %d connections that sent no frame yet: the oldest idle ones "
-                "are cut (%d so far, stats.pending_evicted; %d accepted)",
-                self._endpoint, self._max_pending, self.stats.pending_evicted, self.stats.accepted,
-            )
-
-    # ------------------------------------------------------------------ the fd reserve
-
-    def _open_window(self, endpoint: str) -> None:
-        if self._reserve_taken and not self._windows:
-            self._refill_reserve()  # what the flood holds of it first: cut now, closed by libzmq before the connect
-        if endpoint not in self._windows and _fd_reserve.open():
-            self._windows[endpoint] = time.monotonic() + _WINDOW
-
-    def _close_window(self, endpoint: str) -> None:
-        if self._windows.pop(endpoint, None) is not None:
-            _fd_reserve.close()
-            self._reserve_taken = True
+    # ------------------------------------------------------------------ connections and the fd reserve
 
     def _watch_reserve(self) -> None:
         """A pass's care of the reserve: close windows whose connect never reported (bounded), open one
         for each connect libzmq is about to try again while this process is short of descriptors (a
         connection that found none, or one to a peer that went away), and give back what the flood took."""
         now = time.monotonic()
-        for endpoint, until in list(self._windows.items()):
-            if now >= until:
-                self._close_window(endpoint)
+        self._windows.expire(now)
         for endpoint, when in list(self._retries.items()):
             if now >= when - _RETRY_LEAD:
                 del self._retries[endpoint]
                 heard = self._liveness.heard_at(endpoint)
-                if heard is not None and now - heard < 2 * self._interval and self._short():  # a live peer's
-                    self._open_window(endpoint)  # closed by that try's report
-        if self._reserve_taken and not self._windows:
-            self._refill_reserve()
-            if self._checked != self._recorded:  # accepted in the window, perhaps, and not read yet
-                self._reserve_taken = True
+                if heard is not None and now - heard < 2 * self._interval and self._conns.short():  # a live peer's
+                    self._windows.open(endpoint)  # closed by that try's report
+        self._windows.give_back()
         for endpoint in list(self._remake):
             self._remake.discard(endpoint)
             if endpoint not in self._dealers:
@@ -1024,79 +638,15 @@ class ControlChannel:
                 except (zmq.ZMQError, CapacityError) as e:
                     log.warning("control channel: cannot connect to %s: %s", endpoint, e)
 
-    def _refill_reserve(self) -> None:
-        """Cut the pending connections on descriptors of the reserve whose client sent nothing: the flood's,
-        accepted while the reserve was open. Done when none is left that the monitor was read past."""
-        low = _fd_reserve.low
-        if not low:
-            self._reserve_taken = False
-            return
-        left = False
-        cut = 0
-        for fd, conn in list(self._pending.items()):
-            if fd < low:
-                continue
-            if conn.seq > self._checked:
-                left = True
-                continue
-            if conn.spoke:
-                continue
-            silent = self._through(fd, conn.inode, _shut_if_silent)
-            if silent is None:  # not the socket it was: that connection is gone
-                del self._pending[fd]
-            elif silent:
-                del self._pending[fd]
-                self._cut_fds.add(fd)
-                cut += 1
-            else:
-                conn.spoke = True
-        self.stats.reserve_cuts += cut
-        self._reserve_taken = left
-
-    def _short(self) -> bool:
-        """Whether no file descriptor under the soft limit is free now."""
-        try:
-            os.close(os.dup(self._null_fd))
-        except OSError:
-            return True
-        return False
-
     def _cut(self, fd: int, inode: int) -> bool:
         """Shut the connection at libzmq's ``fd`` down if it is still the socket ``inode`` names (see
-        ``_through``); True if it was. libzmq then reads the end of the stream and closes ``fd``."""
-        return self._through(fd, inode, _shut) is True
-
-    def _through(self, fd: int, inode: int, action: Callable[[socket.socket], bool]) -> bool | None:
-        """``action`` on the socket at libzmq's ``fd`` if it is still the one ``inode`` names, a
-        connection accepted on our port; None if it is not. It runs on a duplicate made on a
-        descriptor number this channel reserved (``dup2`` needs no free one), so what is checked is
-        what is acted on, whatever happens to ``fd`` meanwhile; the duplicate is let go at once."""
-        try:
-            os.dup2(fd, self._slot_fd, inheritable=False)
-        except OSError:
-            return None  # closed already
-        try:
-            st = os.fstat(self._slot_fd)
-            if not stat.S_ISSOCK(st.st_mode) or st.st_ino != inode:
-                return None
-            sock = socket.socket(fileno=self._slot_fd)
-            try:
-                name = sock.getsockname()
-                if not isinstance(name, tuple) or name[1] != self._port:
-                    return None
-                sock.getpeername()  # raises for a listening socket
-                return action(sock)
-            finally:
-                sock.detach()
-        except OSError:
-            return None
-        finally:
-            os.dup2(self._null_fd, self._slot_fd, inheritable=False)
+        ``PendingConnections.cut``); True if it was."""
+        return self._conns.cut(fd, inode)
 
     def _handshake_failed(self, event: Mapping[str, object]) -> None:
         """A handshake on our bound socket failed: counted and logged (the monitor cannot name the peer)."""
         if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # our own handler's refusals are counted there
-            self._auth_failed(f"a client of {self._endpoint}", _handshake_failure(event, server=True), dead=False)
+            self._auth_failed(f"a client of {self._endpoint}", handshake_failure(event, server=True), dead=False)
 
     def _dealer_handshakes(self, mon: zmq.Socket[bytes]) -> None:
         """A handshake with a peer we send to succeeded: a heartbeat goes at once, so the peer's
@@ -1110,11 +660,11 @@ class ControlChannel:
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 failure, succeeded = None, True
-            elif kind & _HANDSHAKE_FAILED:
-                failure = _handshake_failure(event)
+            elif kind & HANDSHAKE_FAILED:
+                failure = handshake_failure(event)
             else:  # the connect was taken: it has its socket (opened), or it is tried again in `value` ms
-                self._close_window(endpoint)
-                if kind & _OPENED:
+                self._windows.close(endpoint)
+                if kind & OPENED:
                     self._opened.add(endpoint)
                     self._retries.pop(endpoint, None)
                     self._connecting.pop(endpoint, None)
@@ -1134,7 +684,7 @@ class ControlChannel:
             if succeeded and self._send_now(endpoint, [self._heartbeat()], ()):
                 self.stats.heartbeats_sent += 1
             return
-        if self._curve is None and failure == _PEER_CLOSED:
+        if self._curve is None and failure == PEER_CLOSED:
             # No secret here: the peer went away, or it wants a secret and hung up before we read its greeting
             # (its reset can discard the greeting that would have told us). The reason says both.
             reason = (
@@ -1197,7 +747,7 @@ class ControlChannel:
                 frame = router.recv(_NOBLOCK, copy=False)
                 frames.append(frame)
             self.stats.received += 1
-            self._heard_on(frames[-1])
+            self._conns.heard_on(frames[-1])
             parts = [frame.bytes for frame in frames]
             if len(parts) < 2:  # a ROUTER always prepends the routing id: a message with no frame at all
                 self._protocol_error(RemoteProtocolError("frame: a message without a frame"))
@@ -1245,77 +795,23 @@ class ControlChannel:
             self._liveness.heard(sender, now)
         if isinstance(msg, wire.Heartbeat):
             return  # consumed here
-        over = self._charge(sender, len(data))
+        over = self._quotas.charge(sender, len(data))
         if over is not None:
             self._over_quota(sender, len(data), msg, total=over)
             return
         self.stats.delivered += 1
-        token = self._delivering = _Release(self, sender, len(data))
+        token = self._delivering = Release(self._quotas, sender, len(data))
         try:
             self._call(self._on_message, sender, msg)
         finally:
             self._delivering = None
-            if not token._kept:
-                self._release(token)
+            if not token.kept:
+                self._quotas.release(token)
 
-    # ------------------------------------------------------------------ quota
-
-    def _charge(self, sender: str, nbytes: int) -> bool | None:
-        """Count ``nbytes`` against ``sender`` and the total: None if both had room, else whether it
-        was the total (all senders together) that had none (then nothing is counted)."""
-        with self._held_lock:
-            held = self._held.get(sender, 0) + nbytes
-            if held > self._quota:
-                return False
-            if self._held_total + nbytes > self._total_quota:
-                return True
-            self._held[sender] = held
-            self._held_total += nbytes
-            self.stats.held_peak = max(self.stats.held_peak, held)
-            self.stats.held_total_peak = max(self.stats.held_total_peak, self._held_total)
-            dropped = self._over.pop(sender, 0)
-            dropped_total, self._over_total = self._over_total, 0
-        if dropped:
-            log.info("control channel: sender %s is back under its quota after %d dropped frames", sender, dropped)
-        if dropped_total:
-            log.info("control channel: back under the total quota after %d dropped frames", dropped_total)
-        return None
-
-    def _release(self, token: _Release) -> None:
-        with self._held_lock:
-            if token._released:
-                return
-            token._released = True
-            self._held_total -= token._nbytes
-            left = self._held.get(token._sender, 0) - token._nbytes
-            if left > 0:
-                self._held[token._sender] = left
-            else:
-                self._held.pop(token._sender, None)
-                self._over.pop(token._sender, None)
+    # ------------------------------------------------------------------ what fails rooms
 
     def _over_quota(self, sender: str, nbytes: int, msg: wire.Message, *, total: bool) -> None:
-        self.stats.quota_drops += 1
-        self.stats.quota_dropped_bytes += nbytes
-        if total:
-            self.stats.total_quota_drops += 1
-            reason = (
-                f"control channel: all senders together are at the total quota of {self._total_quota} bytes held, "
-                f"the {type(msg).__name__} frame of {nbytes} bytes from {sender} was dropped"
-            )
-        else:
-            reason = (
-                f"control channel: sender {sender} is over its quota of {self._quota} bytes held, "
-                f"its {type(msg).__name__} frame of {nbytes} bytes was dropped"
-            )
-        with self._held_lock:
-            if total:
-                episode, self._over_total = self._over_total, self._over_total + 1
-            else:
-                episode = self._over.get(sender, 0)
-                self._over[sender] = episode + 1
-        if not episode:  # once per episode: a flood must not flood the log too
-            log.warning("%s (further drops counted in stats.quota_drops)", reason)
+        reason = self._quotas.dropped(sender, nbytes, msg, total=total)
         rooms = wire.rooms_of(msg)
         if rooms and self._on_rooms_failed is not None:
             self._call(self._on_rooms_failed, rooms, reason)
@@ -1356,12 +852,6 @@ class ControlChannel:
         if self._on_peer_dead is not None:
             self._call(self._on_peer_dead, dead)
 
-    def _close_slots(self) -> None:
-        for fd in (self._slot_fd, self._null_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._slot_fd = self._null_fd = -1
-
     def _call(self, fn: Callable[..., object], *args: object) -> None:
         try:
             fn(*args)
@@ -1380,24 +870,19 @@ class ControlChannel:
         for endpoint, sock in list(self._dealers.items()):
             self._close_dealer(endpoint, sock, linger)
         self._dealers.clear()
-        for sock, mon in self._spares:
-            sock.disable_monitor()
-            mon.close(0)
-            sock.close(0)
-        self._spares.clear()
-        for endpoint in list(self._windows):
-            self._close_window(endpoint)
+        self._spares.close_all()
+        self._windows.close_all()
         if self._router is not None:
-            if self._router_monitor is not None:
-                self._router_events()  # room in its pipe: libzmq is not waiting on it while we disable it
+            if self._conns.monitor is not None:
+                self._conns.read_events()  # room in its pipe: libzmq is not waiting on it while we disable it
                 self._router.disable_monitor()
-                self._router_monitor.close(0)
+                self._conns.monitor.close(0)
             self._router.close(0)
         if self._zap is not None:
             self._zap.close(0)
         if self._ctx is not None:
             self._ctx.term()
-        self._close_slots()
+        self._conns.close_slots()
         for wake in (self._wake_r, self._wake_w):
             if wake is not None:
                 wake.close()  # a late send() then finds PeerError, a late wake-up an OSError it ignores
