@@ -26,11 +26,11 @@ header() {  # header FIELD PATCH -> the value of '# FIELD: value' in the patch's
     sed -n "/^---/q; s/^# $1: *//p" "$2" | head -n 1
 }
 
-needs_build() {  # needs_build PATCH -> true if it touches a compiled source: a .pyx, or a .py setup.py compiles
+needs_build() {  # needs_build PATCH -> true if it touches a compiled source: a .pyx or .pxi, or a .py setup.py compiles
     local target
     for target in $(sed -n 's|^+++ [^/]*/\([^[:space:]]*\).*|\1|p' "$1"); do
         case "$target" in
-            *.pyx) return 0 ;;
+            *.pyx|*.pxi) return 0 ;;  # (a .pxi: a room a .pyx includes)
             *.py) grep -q "\"$target\"" "$root/setup.py" && return 0 ;;  # PURE_MODE in setup.py
         esac
     done
