@@ -6,44 +6,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "ACK_SIZE",
-    "FRAME_SIZE",
-    "FRAME_LOCAL_OUTSIDE",
-    "FRAME_OK",
-    "FRAME_REMOTE_OUTSIDE",
-    "FRAME_ZERO_LENGTH",
-    "LAND_GRANT_NOT_LIVE",
-    "LAND_GRANT_OTHER_SOURCE",
-    "LAND_NEEDS_GRANT",
-    "LAND_OK",
-    "LAND_OUTSIDE_GRANT",
-    "LAND_OUTSIDE_REGIONS",
-    "SERVE_BROKEN",
-    "SERVE_CLOSED",
-    "SERVE_REFUSED",
-    "SERVE_STALLED",
-    "SERVE_STOPPED",
-    "Sink",
-    "SinkConn",
-    "ACKS_BAD",
-    "ACKS_CLOSED",
-    "ACKS_FAILED",
-    "ACKS_GOT",
-    "ACKS_ORDER",
-    "ACKS_TICK",
-    "Completions",
-    "MAX_MSG",
-    "POST_ARRAY",
-    "POST_FAILED",
-    "POST_FULL",
-    "POST_TOO_MANY",
-    "POST_SENT",
-    "POST_WAKE",
-    "Source",
-    "frame",
-]
-
 FRAME_SIZE: int
 ACK_SIZE: int
 FRAME_OK: int
