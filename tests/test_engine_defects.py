@@ -25,7 +25,7 @@ from pdcore.core.table import StateTable
 from pdcore.kv.layout import KvLayout
 from pdcore.pd.config import DecodeConfig, PrefillConfig
 from pdcore.pd.front import DecodeFront
-from pdcore.protocol.actions import Connect, Grant as GrantAction, LookUp, Revoke, Send
+from pdcore.protocol.actions import Connect, Grant as GrantAction, LookUp, Post, Revoke, Send
 from pdcore.protocol.decode import DecodeEngine
 from pdcore.protocol.engine import Services
 from pdcore.protocol.prefill import PrefillEngine
@@ -223,3 +223,40 @@ def test_a_landed_room_stays_landed_whatever_its_prefill_rank_says_or_does_after
     assert engine.services.table.state("late-word") == State.SUCCESS
     assert engine.services.table.state("lost-source") == State.SUCCESS
     assert not [e for e in _round(engine, 0.5) if type(e) is Failed]
+
+
+def test_a_hand_over_that_waits_for_a_dropped_data_connection_resumes_once_it_is_up_again() -> None:
+    """The data connection to the decode rank drops (its handle closed) after the room was bootstrapped;
+    the hand-over waits for the connect made again, then posts its writes with the usage the scheduler
+    recorded: the room neither fails nor loses the usage (a resumed call once lacked an argument, and the
+    engine failed the room with "resuming the room failed")."""
+
+    class Handle:
+        closed = False
+
+    engine = _prefill()
+    decode = "tcp://10.1.0.1:7000"
+    layout = {"bases": [0] * LAYOUT.buffers, "page_bytes": [LAYOUT.page_bytes(1)] * LAYOUT.buffers,
+              "num_pages": PAGES, "kv": LAYOUT.to_json()}
+    engine.message(decode, wire.Register(session_id="decode-1", epoch=1, endpoint=b"d", regions=(), layout=layout,
+                                         tp_size=1, tp_rank=0), 0.0)
+    (first,) = [a for a in engine.take_actions() if type(a) is Connect]
+    dropped = Handle()
+    engine.connected(first.token, dropped, "", 0.1)
+    engine.services.table.register("r", 0.1)
+    engine.register("r", 42, 0.1)
+    engine.message(decode, wire.Announce(room=42, session_id="decode-1", epoch=1, page_ids=(0, 1),
+                                         request_pool_index=0, grant=9), 0.2)
+    engine.take_actions()
+    assert engine.services.table.state("r") == State.BOOTSTRAPPED
+    dropped.closed = True  # the transport lost the connection: the next write connects again
+    engine.hand_over("r", (3, 4), None, (7, None), (5, -0.5), 0.3)
+    (again,) = [a for a in engine.take_actions() if type(a) is Connect]
+    up = Handle()
+    engine.connected(again.token, up, "", 0.4)
+    posts = [a for a in engine.take_actions() if type(a) is Post]
+    assert posts and all(p.handle is up for p in posts), posts
+    for post in posts:
+        engine.written(post.token, None, 0.5)
+    told = [a.msg for a in engine.take_actions() if type(a) is Send and type(a.msg) is wire.Status]
+    assert [(m.room, m.state, m.first_token, m.cached_tokens, m.first_token_logprob) for m in told] == [(42, State.SUCCESS, 7, 5, -0.5)]

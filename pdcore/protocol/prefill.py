@@ -199,7 +199,7 @@ class PrefillEngine(Engine):
                 self._fail(entry, f"decode rank {endpoint} was lost before the hand-over", now)
                 return
             if sink is not None and not sink.ready:
-                self._when_connected(endpoint, sink, entry, self.hand_over, (rid, page_ids, upto, finish), "")
+                self._when_connected(endpoint, sink, entry, self.hand_over, (rid, page_ids, upto, finish, None), "")
                 return
         if entry.plans is None and not self._plan(entry, route, now):
             return
