@@ -53,6 +53,7 @@ class DataFaults:
     delay: float = 0.0005  # the landing delay's scale (seconds)
     jitter: float = 0.0  # extra random delay, up to this
     error: float = 0.0  # share of batches the sink refuses
+    connection_drop: float = 0.0  # share of batches whose connection breaks: they fail, and so will its later ones
     refuse_post: float = 0.0  # share of writes the source's transport refuses at once
     refuse_grant: float = 0.0  # share of grants refused
     refuse_revoke: float = 0.0  # share of revokes that fail (the grant stays until one succeeds)
@@ -170,7 +171,7 @@ class Fabric:
         self._instances = itertools.count(1)
         self.on_land: Any = None  # (sink, writes, grant key, source) before the bytes move; may raise
         self.on_grant: Any = None  # (sink, grant) when a sink grants
-        self.stats = {"batches": 0, "landed": 0, "refused": 0, "lost": 0, "errors": 0, "frozen": 0, "full": 0,
+        self.stats = {"batches": 0, "landed": 0, "refused": 0, "lost": 0, "errors": 0, "dropped": 0, "frozen": 0, "full": 0,
                       "posts_refused": 0, "grants_refused": 0, "revokes_refused": 0}
         self.blocked = 0  # writes that would have waited for room at a full sink (a driver never may)
 
@@ -233,6 +234,10 @@ class Fabric:
             return
         if handle.closed or dst.killed:
             error = TransportError("the connection was lost", op="write")
+        elif self.faults.connection_drop and self.world.rng.random() < self.faults.connection_drop:
+            self.stats["dropped"] += 1
+            handle.closed = True  # as a transport's handle once its connection broke: the engine connects again
+            error = TransportError("the connection broke (simulated)", op="write")
         elif self.faults.error and self.world.rng.random() < self.faults.error:
             self.stats["errors"] += 1
             error = TransportError("the sink failed the batch (simulated)", op="write")

@@ -23,7 +23,7 @@ class FaultLoop:
         f = self.faults if on else Faults(delay=self.faults.delay)
         net, fab, planes = self.planes.network.faults, self.planes.fabric.faults, self.planes.faults
         net.drop, net.duplicate, net.reorder, net.delay = f.drop, f.duplicate, f.reorder, f.delay
-        fab.error, fab.jitter = f.data_error, f.data_jitter
+        fab.error, fab.jitter, fab.connection_drop = f.data_error, f.data_jitter, f.connection_drop
         fab.refuse_post, fab.refuse_grant, fab.refuse_revoke = f.refuse_post, f.refuse_grant, f.refuse_revoke
         for name in ("lookup_timeout", "lookup_partial", "lookup_error", "lookup_garbage", "connect_error",
                      "refuse_inputs"):

@@ -5,7 +5,8 @@ Each fault kind is on with some chance per seed, at a rate drawn for that seed
 average mix); about one seed in seven is clean, and there every request must
 land. The kinds cover the network (frames dropped, duplicated, reordered,
 delayed, partitions), the data plane (batches failed or late at the sink,
-sinks that fill up, posts, grants and revokes refused), the bootstrap servers
+data connections that break, sinks that fill up, posts, grants and revokes
+refused), the bootstrap servers
 (look-ups that time out, answer for some ranks only, fail, or carry a garbled
 shape), data connects that fail, drivers that refuse inputs, processes
 (paused, killed and restarted, on a new or the same host:port), clocks (skewed
@@ -16,6 +17,7 @@ failed by encode or begun after their request ended).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from ..kv.layout import KvLayout
@@ -55,6 +57,7 @@ class Faults:
     partition: float = 0.0  # partitions per simulated second
     data_error: float = 0.0
     data_jitter: float = 0.0
+    connection_drop: float = 0.0  # share of batches whose data connection breaks (the next write connects again)
     sink_full: float = 0.0  # on: a connection takes only a few batches in flight (drawn 1..4)
     refuse_post: float = 0.0  # share of writes the transport refuses
     refuse_grant: float = 0.0  # share of grants refused
@@ -118,6 +121,10 @@ _FAULT_DRAWS: tuple[tuple[str, float, tuple[float, ...] | None], ...] = (
     ("image_fail", 0.3, (0.02, 0.2)),
     ("late_image", 0.2, (0.05, 0.3)),
 )
+#: kinds drawn from a stream of their own (``_draw_late_kinds``), after the others and never with process faults alone
+_LATE_DRAWS: tuple[tuple[str, float, tuple[float, ...]], ...] = (
+    ("connection_drop", 0.2, (0.005, 0.05)),
+)
 _NEEDS_ENCODE = ("image_fail", "late_image")
 #: the kinds that befall processes only (no frame, batch or look-up goes wrong): a seed may draw from these alone,
 #: and then a request no fault touched must land (the simulator's "no collateral" check)
@@ -156,4 +163,15 @@ def draw(seed: int, world: World, *, scale: int = 0) -> tuple[Shape, Faults]:
             continue  # processes in trouble, nothing else: every request they do not touch must land
         if rng.random() < chance and (name not in _NEEDS_ENCODE or encode_tp):
             setattr(f, name, 1.0 if rates is None else rng.choice(rates))
+    if mix >= 0.35:
+        _draw_late_kinds(seed, f)
     return shape, f
+
+
+def _draw_late_kinds(seed: int, f: Faults) -> None:
+    """Kinds added after the fixed seeds were chosen, drawn from a stream of their own: a seed that draws
+    none of them plays out exactly as it did before they existed (the world's stream is untouched)."""
+    rng = random.Random(f"late-kinds:{seed}")
+    for name, chance, rates in _LATE_DRAWS:
+        if rng.random() < chance:
+            setattr(f, name, rng.choice(rates))
