@@ -8,7 +8,7 @@ STAMP := $(VENV)/.pdcore-installed
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
-$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*/*.pyx transport/*.pyx) pdcore/core/_events_py.py pdcore/epd/_types_py.py
+$(STAMP): pyproject.toml setup.py $(wildcard pdcore/*/*.pyx transport/*.pyx transport/*.pxi) pdcore/core/_events_py.py pdcore/epd/_types_py.py
 	@echo "setup: a virtual environment in $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -qq --disable-pip-version-check --upgrade pip
