@@ -59,6 +59,17 @@ def _prefill() -> PrefillEngine:
                                   layout=layout))
 
 
+def _register_decode(engine: PrefillEngine, decode: str) -> Connect:
+    """A decode rank (tp 1, ``decode``'s endpoint) registers with the prefill ``engine`` at time 0; the
+    engine's one connect to it, which the test answers."""
+    layout = {"bases": [0] * LAYOUT.buffers, "page_bytes": [LAYOUT.page_bytes(1)] * LAYOUT.buffers,
+              "num_pages": PAGES, "kv": LAYOUT.to_json()}
+    engine.message(decode, wire.Register(session_id="decode-1", epoch=1, endpoint=b"d", regions=(), layout=layout,
+                                         tp_size=1, tp_rank=0), 0.0)
+    (first,) = [a for a in engine.take_actions() if type(a) is Connect]
+    return first
+
+
 def _info(tp_sizes: tuple[int, ...], layout: dict[str, Any] | None = None) -> ParallelInfo:
     layout = layout or {"page_bytes": [LAYOUT.page_bytes(tp_sizes[0])] * LAYOUT.buffers, "num_pages": PAGES,
                         "kv": LAYOUT.to_json()}
@@ -144,11 +155,7 @@ def test_a_failed_data_connect_is_told_to_the_decode_rank_whose_announcement_wai
     now: otherwise it holds its pages until its waiting timeout."""
     engine = _prefill()
     decode = "tcp://10.1.0.1:7000"
-    layout = {"bases": [0] * LAYOUT.buffers, "page_bytes": [LAYOUT.page_bytes(1)] * LAYOUT.buffers,
-              "num_pages": PAGES, "kv": LAYOUT.to_json()}
-    engine.message(decode, wire.Register(session_id="decode-1", epoch=1, endpoint=b"d", regions=(), layout=layout,
-                                         tp_size=1, tp_rank=0), 0.0)
-    (first,) = [a for a in engine.take_actions() if type(a) is Connect]
+    first = _register_decode(engine, decode)
     engine.connected(first.token, None, "cannot connect the transport: refused", 0.1)  # at registration: nobody waits
     engine.services.table.register("r", 0.1)
     engine.register("r", 42, 0.1)
@@ -236,11 +243,7 @@ def test_a_hand_over_that_waits_for_a_dropped_data_connection_resumes_once_it_is
 
     engine = _prefill()
     decode = "tcp://10.1.0.1:7000"
-    layout = {"bases": [0] * LAYOUT.buffers, "page_bytes": [LAYOUT.page_bytes(1)] * LAYOUT.buffers,
-              "num_pages": PAGES, "kv": LAYOUT.to_json()}
-    engine.message(decode, wire.Register(session_id="decode-1", epoch=1, endpoint=b"d", regions=(), layout=layout,
-                                         tp_size=1, tp_rank=0), 0.0)
-    (first,) = [a for a in engine.take_actions() if type(a) is Connect]
+    first = _register_decode(engine, decode)
     dropped = Handle()
     engine.connected(first.token, dropped, "", 0.1)
     engine.services.table.register("r", 0.1)

@@ -70,6 +70,17 @@ def _held_completions(peer: Any) -> tuple[list[Any], Any]:
     return held, release
 
 
+def _posted_and_held(pair: Pair, rid: str, room: int) -> tuple[list[Any], Any]:
+    """Announce the room and hand it over: prefill posted its writes, their completions are held back.
+    Every control message prefill sends from the announcement on, and the ``release`` of the writes."""
+    _announced(pair, rid, room)
+    told = _told(pair.prefill)
+    held, release = _held_completions(pair.prefill)
+    pair.send(rid)
+    pair.pump(lambda: bool(held), "prefill to post its writes", sides=())
+    return told, release
+
+
 def test_pages_come_back_only_once_the_revoke_completed(pair: Pair) -> None:
     rid, room = "burst", 10
     _announced(pair, rid, room)
@@ -98,11 +109,7 @@ def test_pages_come_back_only_once_the_revoke_completed(pair: Pair) -> None:
 
 def test_an_abort_after_writes_posted_is_acknowledged_only_once_the_writes_completed(pair: Pair) -> None:
     rid, room = "window", 11
-    _announced(pair, rid, room)
-    told = _told(pair.prefill)
-    held, release = _held_completions(pair.prefill)
-    pair.send(rid)
-    pair.pump(lambda: bool(held), "prefill to post its writes", sides=())
+    told, release = _posted_and_held(pair, rid, room)
     pair.decode.abort_room(rid, room)
     pair.pump(lambda: pair.prefill._table.state(rid) == State.FAILED, "prefill to hear the abort")
     through_worker(pair.prefill)
@@ -113,11 +120,7 @@ def test_an_abort_after_writes_posted_is_acknowledged_only_once_the_writes_compl
 
 def test_prefill_never_tells_success_for_a_room_it_failed(pair: Pair) -> None:
     rid, room = "late", 12
-    _announced(pair, rid, room)
-    told = _told(pair.prefill)
-    held, release = _held_completions(pair.prefill)
-    pair.send(rid)
-    pair.pump(lambda: bool(held), "prefill to post its writes", sides=())
+    told, release = _posted_and_held(pair, rid, room)
     pair.prefill.abort_room(rid, room)  # the room fails here first...
     through_worker(pair.prefill)
     assert pair.prefill._table.state(rid) == State.FAILED
