@@ -245,19 +245,25 @@ def _layer_landed(h: Hetero, layer: int) -> bool:
     return True
 
 
+def _first_layer_lands(h: Hetero, rid: str) -> None:
+    """Every prefill rank begins ``rid`` with layer 0 final (layers 1 and 2 still "computing"); poll
+    until the bytes of layer 0 landed on every decode rank, before the forward pass finished."""
+    for p, (_, outbox, cache) in enumerate(h.prefill):
+        h.fill(p, cache, 0)
+        outbox.begin(rid, h.src_pages(0))
+        outbox.layers_done(rid, 1)
+    deadline = Deadline.after(10)
+    while not _layer_landed(h, 0):
+        assert not deadline.expired(), "layer 0 did not land before finish"
+        for peer, _, _ in h.prefill + h.decode:
+            peer.poll(None)
+
+
 def test_layers_land_while_later_layers_compute_and_equal_a_whole_send() -> None:
     h = Hetero(LAYERWISE, 2, 4, layerwise_min_pages=1)
     try:
         _bootstrapped(h, "s")
-        for p, (_, outbox, cache) in enumerate(h.prefill):
-            h.fill(p, cache, 0)
-            outbox.begin("s", h.src_pages(0))
-            outbox.layers_done("s", 1)  # layer 0 is final; layers 1 and 2 still "computing"
-        deadline = Deadline.after(10)
-        while not _layer_landed(h, 0):  # bytes of layer 0 land before the forward pass finished
-            assert not deadline.expired(), "layer 0 did not land before finish"
-            for peer, _, _ in h.prefill + h.decode:
-                peer.poll(None)
+        _first_layer_lands(h, "s")
         assert not _layer_landed(h, 2), "layer 2 landed before it was handed over"
         for _, outbox, _ in h.prefill:
             outbox.layers_done("s", 2)
@@ -295,15 +301,7 @@ def test_a_room_aborted_after_some_layers_landed_is_fenced() -> None:
     h = Hetero(LAYERWISE, 2, 4, layerwise_min_pages=1)
     try:
         _bootstrapped(h, "cut")
-        for p, (_, outbox, cache) in enumerate(h.prefill):
-            h.fill(p, cache, 0)
-            outbox.begin("cut", h.src_pages(0))
-            outbox.layers_done("cut", 1)
-        deadline = Deadline.after(10)
-        while not _layer_landed(h, 0):
-            assert not deadline.expired(), "layer 0 did not land"
-            for peer, _, _ in h.prefill + h.decode:
-                peer.poll(None)
+        _first_layer_lands(h, "cut")
         for peer, _, _ in h.decode:
             peer.abort_room("cut", 500)
         _poll_until(h, lambda ev: all(any(isinstance(e, Failed) for e in ev.get(("decode", d), []))
