@@ -129,6 +129,16 @@ def _hold_a_slot(recv: Any, enc: Encoder, port: int) -> None:
     _rounds(recv, lambda got: any(r.rid == "X" for r in got), "X to land")
 
 
+def _r_fails_at_its_first_item(recv: Any, e1: Encoder, e1port: int, e2port: int) -> None:
+    """Request R has one item on each encode deployment (rooms 10 and 20, the second waiting for a slot);
+    the first one's encode scheduler fails room 10, and R fails on the receiver: room 20 was never asked."""
+    recv.stage("R", [EmbeddingItem(index=0, host=HOST, port=e1port, room=10, rows=ROWS),
+                     EmbeddingItem(index=1, host=HOST, port=e2port, room=20, rows=ROWS)])
+    assert e1.begin(10)
+    e1.fail(10, "the encoder could not read the image")
+    _rounds(recv, lambda _got: any(rid == "R" for rid, _ in recv.failed()), "R to fail")
+
+
 def test_a_failed_request_is_told_to_the_encode_ranks_not_asked_yet() -> None:
     """Request R has two items from two encode deployments and the receiver one free slot: the second
     item waits for it. When R fails (its first encode rank fails the room), the second item's encode rank,
@@ -141,11 +151,7 @@ def test_a_failed_request_is_told_to_the_encode_ranks_not_asked_yet() -> None:
         _hold_a_slot(recv, e1, e1port)
         assert e2.begin(20)  # the encode scheduler of the second image has its rows ready
         e2.put(20, ROWS, HIDDEN, DTYPE)
-        recv.stage("R", [EmbeddingItem(index=0, host=HOST, port=e1port, room=10, rows=ROWS),
-                         EmbeddingItem(index=1, host=HOST, port=e2port, room=20, rows=ROWS)])
-        assert e1.begin(10)
-        e1.fail(10, "the encoder could not read the image")
-        _rounds(recv, lambda _got: any(rid == "R" for rid, _ in recv.failed()), "R to fail")
+        _r_fails_at_its_first_item(recv, e1, e1port, e2port)
         concluded = e2.wait_concluded({20}, 10.0)
         assert 20 in concluded, "the encode rank never asked for R's second image still holds its room"
     finally:
@@ -163,11 +169,7 @@ def test_an_abort_that_arrives_before_the_encode_scheduler_begins_the_room_concl
         peer, recv = _prefill(made, pport, slots=2)
         e1, e2 = _encoder(made, e1port), _encoder(made, e2port)
         _hold_a_slot(recv, e1, e1port)
-        recv.stage("R", [EmbeddingItem(index=0, host=HOST, port=e1port, room=10, rows=ROWS),
-                         EmbeddingItem(index=1, host=HOST, port=e2port, room=20, rows=ROWS)])
-        assert e1.begin(10)
-        e1.fail(10, "the encoder could not read the image")
-        _rounds(recv, lambda _got: any(rid == "R" for rid, _ in recv.failed()), "R to fail")
+        _r_fails_at_its_first_item(recv, e1, e1port, e2port)
         deadline = Deadline.after(10)
         while e2.peer.stats.get("aborts_before_begin", 0) == 0:
             assert not deadline.expired(), "the encode rank never heard that R failed"
