@@ -159,7 +159,7 @@ __all__ = [
     "AcceptBackoff", "AuthFailures", "Batch", "Completion", "CompletionQueue", "Endpoint", "Grant", "GrantTable",
     "HELLO_TIMEOUT", "MAC_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "NONCE_BYTES", "OUT_OF_RESOURCES",
     "OnDone", "PeerHandle", "Region", "RegionTable", "Transport", "as_batch", "auth_failed", "buffer_span",
-    "byte_view", "call_on_done", "check_secret", "decode_endpoint", "deliver", "derive_key", "encode_endpoint",
+    "byte_view", "call_on_done", "check_secret", "close_once", "decode_endpoint", "deliver", "derive_key", "encode_endpoint",
     "grant_ranges", "hello_mac", "new_instance_id", "same_mac", "take_slot",
 ]
 
@@ -288,3 +288,16 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def close_once(transport: Any) -> tuple[bool, list[Any]]:
+    """Mark ``transport`` closed and take its peers, under its lock: whether this close is the first
+    (only the first stops the threads and frees what they use; a later one only waits for them) and
+    the peers it took (each close fails what its peers still hold). Shared by the transports whose
+    ``close`` starts this way (their ``_lock``, ``_closed`` and ``_peers``)."""
+    with transport._lock:
+        first = not transport._closed
+        transport._closed = True
+        peers = list(transport._peers.values())
+        transport._peers.clear()
+    return first, peers

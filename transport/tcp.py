@@ -123,6 +123,7 @@ from .base import (
     buffer_span,
     byte_view,
     check_secret,
+    close_once,
     derive_key,
     encode_endpoint,
     new_instance_id,
@@ -358,11 +359,7 @@ class TcpTransport(SourceSide, SinkSide, Transport):
 
     def close(self, *, deadline: Deadline | None = None) -> None:
         deadline = deadline or Deadline.after(5.0)
-        with self._lock:
-            first = not self._closed
-            self._closed = True
-            peers = list(self._peers.values())
-            self._peers.clear()
+        first, peers = close_once(self)
         if first:
             self._stop.set()
             self._table.stop()

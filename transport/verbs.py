@@ -68,6 +68,7 @@ from .base import (
     GrantTable,
     Region,
     check_secret,
+    close_once,
     derive_key,
     encode_endpoint,
     new_instance_id,
@@ -432,11 +433,7 @@ class VerbsTransport(VerbsSource, VerbsSink, VerbsGrants):
 
     def close(self, *, deadline: Deadline | None = None) -> None:
         deadline = deadline or Deadline.after(5.0)
-        with self._lock:
-            first = not self._closed
-            self._closed = True
-            peers = list(self._peers.values())
-            self._peers.clear()
+        first, peers = close_once(self)
         if not first:
             if self._cq_thread.is_alive() or self._cm_thread.is_alive():
                 self._join(deadline)
