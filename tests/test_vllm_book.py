@@ -217,14 +217,21 @@ def peers():
         p.close()
 
 
+def _announced(pp: _Peers, dst: tuple[int, ...]) -> Transfer:
+    """Prefill's book registers request "p", decode's loads it as "d" into blocks ``dst``; step until
+    decode announced it, so prefill may run. The request's transfer (its room, its bootstrap server)."""
+    t = pp.transfer
+    pp.prefill.take(StepPlan(registers=[Register("p", t)]))
+    pp.decode.take(StepPlan(loads=[Load("d", t, dst)]))
+    pp.steps(lambda s, r, e: "p" in pp.prefill.take_ready())
+    return t
+
+
 def test_a_whole_request_lands_and_prefill_reports_it_only_once_vllm_finished_it(peers) -> None:
     pp = peers()
     src, dst = (3, 4, 5), (9, 1, 12)
     data = pp.fill(src, seed=1)
-    t = pp.transfer
-    pp.prefill.take(StepPlan(registers=[Register("p", t)]))
-    pp.decode.take(StepPlan(loads=[Load("d", t, dst)]))
-    pp.steps(lambda s, r, e: "p" in pp.prefill.take_ready())  # decode announced: prefill may run
+    _announced(pp, dst)
     pp.prefill.take(StepPlan(finishes=[Finish("p", src, 17)]))
     sent, received, errors = pp.steps(lambda s, r, e: "d" in r and pp.prefill.counts["succeeded"] == 1)
     assert received == {"d"} and not errors and not sent  # vLLM has not told this worker "p" finished
@@ -256,10 +263,7 @@ def test_long_prompts_stream_layer_by_layer_and_short_ones_go_whole(peers) -> No
 
 def test_a_prefill_abort_fails_decode_with_its_blocks_as_load_errors(peers) -> None:
     pp = peers()
-    t = pp.transfer
-    pp.prefill.take(StepPlan(registers=[Register("p", t)]))
-    pp.decode.take(StepPlan(loads=[Load("d", t, (7, 8))]))
-    pp.steps(lambda s, r, e: "p" in pp.prefill.take_ready())
+    _announced(pp, (7, 8))
     pp.prefill.take(StepPlan(finishes=[Finish("p", (1, 2), None)]))  # vLLM aborted it on prefill
     sent, received, errors = pp.steps(lambda s, r, e: "d" in r and bool(s), finished={"p"})
     assert errors == {7, 8} and sent == {"p"} and pp.decode.counts["failed"] == 1
@@ -267,10 +271,7 @@ def test_a_prefill_abort_fails_decode_with_its_blocks_as_load_errors(peers) -> N
 
 def test_a_decode_abort_reports_received_without_load_errors(peers) -> None:
     pp = peers()
-    t = pp.transfer
-    pp.prefill.take(StepPlan(registers=[Register("p", t)]))
-    pp.decode.take(StepPlan(loads=[Load("d", t, (7, 8))]))
-    pp.steps(lambda s, r, e: "p" in pp.prefill.take_ready())
+    t = _announced(pp, (7, 8))
     pp.decode.take(StepPlan(aborts=[("d", t.room)]))  # the client went away
     sent, received, errors = pp.steps(lambda s, r, e: "d" in r and pp.prefill.counts["failed"] == 1)
     assert not errors  # an abort is not a load error: vLLM frees the blocks once it hears "received"
