@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from _fence_children import _guarded  # the same report-the-traceback wrapper
+from _children_common import guarded as _guarded
 
 PAGE = 64 << 10
 REQUESTS = 16

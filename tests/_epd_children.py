@@ -47,12 +47,13 @@ import os
 import queue
 import signal
 import time
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from _children_common import guarded
 
 SPAWN = mp.get_context("spawn")
 CANARY = 0xA5
@@ -160,51 +161,48 @@ def run_encode(conn: Connection, port: int, knobs: dict[str, Any], nbytes: int, 
     after SIGCONT it reports ``"resumed"``), ``("fail", room, reason)``, ``("concluded", room, seconds)``
     (wait for the room to conclude), ``("stop",)``. Each is answered with a message of its name.
     """
+    guarded(conn, _encode, port, knobs, nbytes, lifetime)
+
+
+def _encode(conn: Connection, port: int, knobs: dict[str, Any], nbytes: int, lifetime: float) -> None:
+    records = _Records()
+    for name in ("pdcore", "transport"):
+        logging.getLogger(name).addHandler(records)
+        logging.getLogger(name).setLevel(logging.INFO)
+    enc = Encoder(port, knobs, nbytes)
     try:
-        records = _Records()
-        for name in ("pdcore", "transport"):
-            logging.getLogger(name).addHandler(records)
-            logging.getLogger(name).setLevel(logging.INFO)
-        enc = Encoder(port, knobs, nbytes)
-        try:
-            conn.send(("ready", {"pid": os.getpid(), "endpoint": enc.endpoint}))
-            until = time.monotonic() + lifetime
-            while time.monotonic() < until:
-                try:
-                    if not conn.poll(min(0.05, max(0.0, until - time.monotonic()))):
-                        continue
-                    cmd = conn.recv()
-                except (EOFError, OSError):
-                    break
-                op = cmd[0]
-                if op == "begin":
-                    conn.send(("begin", enc.begin(cmd[1])))
-                elif op == "put":
-                    enc.put(*cmd[1:])
-                    conn.send(("put", cmd[1]))
-                elif op == "put_and_stop":
-                    enc.put(*cmd[1:])
-                    os.kill(os.getpid(), signal.SIGSTOP)  # every thread freezes here
-                    conn.send(("resumed", time.monotonic()))
-                elif op == "fail":
-                    enc.fail(cmd[1], cmd[2])
-                    conn.send(("fail", cmd[1]))
-                elif op == "concluded":
-                    room, seconds = cmd[1], cmd[2]
-                    done = enc.wait_concluded([room], seconds)
-                    lines = [line for line in records.lines if f"room {room} " in line]
-                    conn.send(("concluded", {"room": room, "t": done.get(room), "log": lines}))
-                elif op == "stop":
-                    break
-            conn.send(("done", {"log": records.lines}))
-        finally:
-            enc.close()
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except (OSError, ValueError):
-            pass
-        raise
+        conn.send(("ready", {"pid": os.getpid(), "endpoint": enc.endpoint}))
+        until = time.monotonic() + lifetime
+        while time.monotonic() < until:
+            try:
+                if not conn.poll(min(0.05, max(0.0, until - time.monotonic()))):
+                    continue
+                cmd = conn.recv()
+            except (EOFError, OSError):
+                break
+            op = cmd[0]
+            if op == "begin":
+                conn.send(("begin", enc.begin(cmd[1])))
+            elif op == "put":
+                enc.put(*cmd[1:])
+                conn.send(("put", cmd[1]))
+            elif op == "put_and_stop":
+                enc.put(*cmd[1:])
+                os.kill(os.getpid(), signal.SIGSTOP)  # every thread freezes here
+                conn.send(("resumed", time.monotonic()))
+            elif op == "fail":
+                enc.fail(cmd[1], cmd[2])
+                conn.send(("fail", cmd[1]))
+            elif op == "concluded":
+                room, seconds = cmd[1], cmd[2]
+                done = enc.wait_concluded([room], seconds)
+                lines = [line for line in records.lines if f"room {room} " in line]
+                conn.send(("concluded", {"room": room, "t": done.get(room), "log": lines}))
+            elif op == "stop":
+                break
+        conn.send(("done", {"log": records.lines}))
+    finally:
+        enc.close()
 
 
 class Child:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from _children_common import guarded as _guarded
 
 LAYERS = 4
 PAGE = 64 << 10
@@ -52,17 +53,6 @@ def _stop_requested(conn: Connection, wait: float) -> bool:
     except (EOFError, OSError):
         return True
     return False
-
-
-def _guarded(conn: Connection, body: Any, *args: Any) -> None:
-    try:
-        body(conn, *args)
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except (OSError, ValueError):
-            pass
-        raise
 
 
 # ------------------------------------------------------------------------------------------ prefill

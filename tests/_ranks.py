@@ -108,6 +108,12 @@ class Ranks:
         for conn in self.pipes.values():
             conn.close()
 
+    def assert_reaped(self) -> None:
+        """After ``cleanup``: no child is left, neither as a live child nor as a process (a zombie)."""
+        leftovers = [p for p in SPAWN.active_children() if p in self.procs.values()]
+        assert not leftovers, f"processes left over: {leftovers}"
+        assert all(process_state(p.pid) == "gone" for p in self.procs.values()), "a child is still a process (zombie?)"
+
 
 def exits(ranks: Ranks, role: str, seconds: float = 15.0) -> None:
     """The child exits, cleanly, within ``seconds`` of its report (and is reaped)."""

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from _children_common import guarded as _guarded
 
 PAGE = 1 << 20  # 1 MiB pages
 ROOM_PAGES = 4  # 4 MiB a room
@@ -84,17 +85,6 @@ def _commands(conn: Connection, wait: float) -> list[str]:
     except (EOFError, OSError):
         got.append("stop")
     return got
-
-
-def _guarded(conn: Connection, body: Any, *args: Any) -> None:
-    try:
-        body(conn, *args)
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except (OSError, ValueError):
-            pass
-        raise
 
 
 # ------------------------------------------------------------------------------------------ prefill

@@ -29,7 +29,7 @@ import time
 import pytest
 
 import _fence_children as kids
-from _ranks import SPAWN, Ranks, exits, process_state, transport_options
+from _ranks import Ranks, exits, process_state, transport_options
 from pdcore.control.bootstrap import BootstrapServer
 
 pytestmark = pytest.mark.slow
@@ -97,9 +97,7 @@ def test_decode_frees_pages_only_when_a_paused_prefill_can_no_longer_write_them(
         ranks.cleanup()
         server.close()
     wall = time.monotonic() - t0
-    leftovers = [p for p in SPAWN.active_children() if p in ranks.procs.values()]
-    assert not leftovers, f"processes left over: {leftovers}"
-    assert all(process_state(p.pid) == "gone" for p in ranks.procs.values()), "a child is still a process (zombie?)"
+    ranks.assert_reaped()
 
     decode_events = [kind for kind, _ in decode_report["events"]]
     terminal = [kind for kind in decode_events if kind in ("Failed", "RemotePrefillDone")]

@@ -31,7 +31,7 @@ import time
 import pytest
 
 import _stall_children as kids
-from _ranks import SPAWN, Ranks, exits, process_state
+from _ranks import Ranks, exits, process_state
 from pdcore.control.bootstrap import BootstrapServer
 
 pytestmark = pytest.mark.slow
@@ -123,9 +123,7 @@ def test_a_stopped_decode_rank_does_not_delay_rooms_to_a_healthy_one() -> None:
         ranks.cleanup()
         server.close()
     wall = time.monotonic() - t0
-    leftovers = [p for p in SPAWN.active_children() if p in ranks.procs.values()]
-    assert not leftovers, f"processes left over: {leftovers}"
-    assert all(process_state(p.pid) == "gone" for p in ranks.procs.values()), "a child is still a process (zombie?)"
+    ranks.assert_reaped()
 
     to_done = {rid: succeeded[rid] - sent[rid] for rid in ok_rids}
     to_landed = {rid: landed[rid]["at"] - sent[rid] for rid in ok_rids}
