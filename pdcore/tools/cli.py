@@ -11,10 +11,11 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..control.auth import load_secret
 from ..core.errors import StartError
+from .progress import RunProgress
 
 __all__ = [
     "CliParser",
@@ -111,3 +112,18 @@ def report_start_failure(command: str, cause: str, errors: Sequence[str], *, ver
     print(f"{command}: could not start: {cause}{hint}", file=sys.stderr, flush=True)
     print(f"{command}: FAILED")
     return 1
+
+
+def page_text(nbytes: int) -> str:
+    """A page's size as the demos' opening line words it: whole KiB when it is some, else bytes."""
+    return f"{nbytes // 1024} KiB" if nbytes % 1024 == 0 else f"{nbytes} B"
+
+
+def announce_and_run(line: str, plan: Any, run: Callable[..., Any], report: Callable[..., int],
+                     args: argparse.Namespace) -> int:
+    """A demo's run, the same for the plain and the ``--epd`` one: its opening ``line``, then ``plan``
+    run under the progress display ``--progress`` asks for, then its report (its exit status)."""
+    print(line, flush=True)
+    with RunProgress("demo", mode=args.progress) as progress:
+        outcome = run(plan, progress=progress)
+    return report(plan, outcome, verbose=args.verbose)

@@ -13,15 +13,16 @@ import secrets
 from . import epd_demo
 from .cli import (
     CliParser,
+    announce_and_run,
     float_range,
     int_range,
     memory_bytes,
+    page_text,
     secret_file,
     transport_help,
     transport_name,
 )
 from .demo import Plan, make_requests, report, run
-from .progress import RunProgress
 
 __all__ = ["parser", "main"]
 
@@ -144,17 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         model=None if args.model == "none" else args.model,
     )
     if kv is None:
-        page = f"{args.page_bytes // 1024} KiB" if args.page_bytes % 1024 == 0 else f"{args.page_bytes} B"
-        shape = f"{args.layers} layers x {page} pages"
+        shape = f"{args.layers} layers x {page_text(args.page_bytes)} pages"
     else:
         heads = "an MLA latent" if kv.order == "mla" else f"{kv.kv_heads} KV heads ({kv.order})"
         shape = (f"{kv.layers} layers, {heads} of {kv.head_bytes} B, {kv.page_tokens} tokens a page"
                  f"{', layer-wise' if args.layerwise else ''}{', tiny model' if args.model == 'tiny' else ''}")
-    print(
-        f"pdcore demo: {args.requests} requests, prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, "
-        f"{shape}, transport {args.transport}, {IMPLEMENTATION} state table, {auth_note}",
-        flush=True,
-    )
-    with RunProgress("demo", mode=args.progress) as progress:
-        outcome = run(plan, progress=progress)
-    return report(plan, outcome, verbose=args.verbose)
+    line = (f"pdcore demo: {args.requests} requests, prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, "
+            f"{shape}, transport {args.transport}, {IMPLEMENTATION} state table, {auth_note}")
+    return announce_and_run(line, plan, run, report, args)

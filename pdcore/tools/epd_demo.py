@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .cli import int_range
+from .cli import announce_and_run, int_range, page_text
 from . import demo
 from .demo import (
     Pages,
@@ -785,15 +785,9 @@ def main(args: argparse.Namespace, cli: argparse.ArgumentParser, *, secret: byte
         timeout=args.timeout, secret=secret,
     )
     plan.embed_timeout = plan.park_timeout = max(10.0, min(60.0, args.timeout))
-    page = f"{args.page_bytes // 1024} KiB" if args.page_bytes % 1024 == 0 else f"{args.page_bytes} B"
     encoders = " + ".join(f"tp {e.tp} x dp {e.dp}" for e in plan.encoders)
-    print(
-        f"pdcore demo --epd: {args.requests} requests, {sum(map(len, plan.images.values()))} images; "
-        f"encode {encoders} -> prefill 2 x tp {args.prefill_tp} ({args.epd_shard} sharding) -> decode tp "
-        f"{args.decode_tp}, {args.layers} layers x {page} pages, transport {args.transport}, "
-        f"{IMPLEMENTATION} state table, {auth_note}",
-        flush=True,
-    )
-    with RunProgress("demo", mode=args.progress) as progress:
-        outcome = run(plan, progress=progress)
-    return report(plan, outcome, verbose=args.verbose)
+    line = (f"pdcore demo --epd: {args.requests} requests, {sum(map(len, plan.images.values()))} images; "
+            f"encode {encoders} -> prefill 2 x tp {args.prefill_tp} ({args.epd_shard} sharding) -> decode tp "
+            f"{args.decode_tp}, {args.layers} layers x {page_text(args.page_bytes)} pages, transport "
+            f"{args.transport}, {IMPLEMENTATION} state table, {auth_note}")
+    return announce_and_run(line, plan, run, report, args)
