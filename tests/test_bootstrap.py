@@ -360,14 +360,11 @@ def test_no_rank_yet_503_is_an_answer_not_a_busy_server(client: BootstrapClient,
     assert backoffs.count == 0
 
 
-def test_client_rejects_a_bad_answer() -> None:
-    answers = [
-        b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\n{bad}",
-        b"HTTP/1.0 200 OK\r\nContent-Length: 17\r\n\r\n{\"tp_size\": true}",
-        b"NOT HTTP\r\n\r\n",
-    ]
+@contextlib.contextmanager
+def canned_server(*answers: bytes) -> Iterator[int]:
+    """The port of a fake server that reads each of its next connections' request and answers it with
+    the next of ``answers`` (raw bytes, whatever was asked); on exit it must have given them all."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
 
         def serve() -> None:
             for answer in answers:
@@ -378,12 +375,22 @@ def test_client_rejects_a_bad_answer() -> None:
 
         thread = threading.Thread(target=serve, daemon=True)
         thread.start()
+        yield listener.getsockname()[1]
+        thread.join(5)
+        assert not thread.is_alive()
+
+
+def test_client_rejects_a_bad_answer() -> None:
+    answers = [
+        b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\n{bad}",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 17\r\n\r\n{\"tp_size\": true}",
+        b"NOT HTTP\r\n\r\n",
+    ]
+    with canned_server(*answers) as port:
         client = BootstrapClient("127.0.0.1", port)
         for _ in answers:
             with pytest.raises(RemoteProtocolError):
                 client.parallel_info(soon())
-        thread.join(5)
-        assert not thread.is_alive()
 
 
 def test_start_errors() -> None:
@@ -668,18 +675,6 @@ def test_the_client_refuses_a_served_malformed_layout() -> None:
     RemoteProtocolError naming the field, over real HTTP."""
     body = parallel_body({"page_bytes": 4096, "num_pages": 8})
     answer = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-
-        def serve() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(65536)
-                conn.sendall(answer)
-
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
+    with canned_server(answer) as port:
         with pytest.raises(RemoteProtocolError, match=r"parallel_info\.layout\.page_bytes: .* got int 4096"):
             BootstrapClient("127.0.0.1", port).parallel_info(soon())
-        thread.join(5)
-        assert not thread.is_alive()
