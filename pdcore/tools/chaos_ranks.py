@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -212,7 +213,7 @@ def _finish(peer: Any, plan: ChaosPlan, result: dict[str, Any]) -> dict[str, Any
 
 
 def prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, store: str, conn: Any) -> None:
-    from .. import BootstrapInfo, Bootstrapped, PrefillConfig, PrefillPeer
+    from .. import BootstrapInfo, PrefillConfig, PrefillPeer
 
     group = _join_group(store, rank, plan.prefill_tp, plan.collective_timeout)
     cache = _cache(plan)  # type: ignore[arg-type]
@@ -235,14 +236,7 @@ def prefill_rank(plan: ChaosPlan, index: int, gen: int, rank: int, port: int, st
             if end:
                 abandoned = end == "abandon"
                 break
-            for event in peer.poll(group):
-                log.append(_entry(event))
-                if isinstance(event, Bootstrapped):
-                    if event.rid in live:
-                        waiting.append(live[event.rid])
-                    continue
-                live.pop(event.rid, None)
-                ended.add(event.rid)
+            for event in _ends(peer.poll(group), live, log, waiting, ended):
                 pages.give(held.pop(event.rid, []))
                 if rank == 0:
                     conn.send(("ended", "prefill", index, gen, rank, (event.rid, type(event).__name__)))
@@ -275,7 +269,7 @@ def _news(sync: Any, peer: Any, live: dict[str, Request], log: list[Any], bootst
 
 
 def decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[int], store: str, conn: Any) -> None:
-    from .. import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
+    from .. import BootstrapInfo, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
     group = _join_group(store, rank, plan.decode_tp, plan.collective_timeout)
     cache = _cache(plan)  # type: ignore[arg-type]
@@ -301,14 +295,7 @@ def decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[in
             if end:
                 abandoned = end == "abandon"
                 break
-            for event in peer.poll(group):
-                log.append(_entry(event))
-                if isinstance(event, Bootstrapped):
-                    if event.rid in live:
-                        blocked.append(live[event.rid])
-                    continue
-                live.pop(event.rid, None)
-                ended.add(event.rid)
+            for event in _ends(peer.poll(group), live, log, blocked, ended):
                 got = held.pop(event.rid, [])
                 if isinstance(event, RemotePrefillDone):
                     remote = event.remote
@@ -340,6 +327,24 @@ def decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[in
         conn.send(("done", "decode", index, gen, rank, _finish(peer, plan, result)))
     finally:
         peer.close()
+
+
+def _ends(events: Iterable[Any], live: dict[str, Request], log: list[Any], waiting: deque[Request],
+          ended: set[str]) -> Iterator[Any]:
+    """The events of a poll that end a request, as both ranks' loops take them: every event is
+    logged; a ``Bootstrapped`` request still live joins ``waiting`` (for its pages), and any other
+    event's request is no longer live but ended, and the event is handed on."""
+    from .. import Bootstrapped
+
+    for event in events:
+        log.append(_entry(event))
+        if isinstance(event, Bootstrapped):
+            if event.rid in live:
+                waiting.append(live[event.rid])
+            continue
+        live.pop(event.rid, None)
+        ended.add(event.rid)
+        yield event
 
 
 def _entry(event: Any) -> tuple[str, str, Any]:
