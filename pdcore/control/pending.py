@@ -77,6 +77,11 @@ def _shut(sock: socket.socket) -> bool:
     return True
 
 
+def _silent(sock: socket.socket) -> bool:
+    """Whether the connection's client sent no byte yet."""
+    return not client_spoke(sock)
+
+
 def _shut_if_silent(sock: socket.socket) -> bool:
     """Shut the connection down if its client sent no byte (True), else leave it (False)."""
     return not client_spoke(sock) and _shut(sock)
@@ -219,12 +224,7 @@ class PendingConnections:
                 break
             if conn.spoke:
                 continue
-            spoke = self._through(fd, conn.inode, client_spoke)
-            if spoke is None:  # not the socket it was: that connection is gone
-                del self.pending[fd]
-            elif spoke:
-                conn.spoke = True
-            else:
+            if self._found_silent(fd, conn, _silent):
                 return fd
         return None
 
@@ -242,17 +242,22 @@ class PendingConnections:
                 continue
             if conn.spoke:
                 continue
-            silent = self._through(fd, conn.inode, _shut_if_silent)
-            if silent is None:  # not the socket it was: that connection is gone
-                del self.pending[fd]
-            elif silent:
+            if self._found_silent(fd, conn, _shut_if_silent):
                 del self.pending[fd]
                 self._cut_fds.add(fd)
                 cut += 1
-            else:
-                conn.spoke = True
         self._stats.reserve_cuts += cut
         return left
+
+    def _found_silent(self, fd: int, conn: _Pending, probe: Callable[[socket.socket], bool]) -> bool:
+        """Whether ``probe`` (through ``_through``) finds the client of the pending connection on ``fd``
+        silent; one found gone is dropped, one found to have spoken marked (both are not silent)."""
+        silent = self._through(fd, conn.inode, probe)
+        if silent is None:  # not the socket it was: that connection is gone
+            del self.pending[fd]
+        elif not silent:
+            conn.spoke = True
+        return bool(silent)
 
     def short(self) -> bool:
         """Whether no file descriptor under the soft limit is free now."""
