@@ -83,6 +83,19 @@ def cleanup() -> Iterator[list[Any]]:
             pass
 
 
+def _encoder_and_replica(servers: Any, cleanup: list[Any], **over: Any) -> tuple[int, Encoder, Replica]:
+    """One encode rank (in this process) and a prefill replica (its receiver: ``receiver(**over)``), each
+    with its own bootstrap server, the replica's ranks started: the encode server's port, the encoder,
+    the replica."""
+    pport, eport = servers(), servers()
+    enc = Encoder(eport, ENCODE_KNOBS, 1 << 16)
+    cleanup.append(enc)
+    rep = Replica(pport, PREFILL_KNOBS, receiver(**over), lifetime=LIFETIME)
+    cleanup.append(rep)
+    rep.wait("ready", seconds=START, what="the prefill ranks to start")
+    return eport, enc, rep
+
+
 def _one(per_rank: dict[int, Any], key: str) -> Any:
     values = {r: p[key] for r, p in per_rank.items()}
     assert len(set(values.values())) == 1, f"the ranks differ on {key}: {values}"
@@ -182,12 +195,7 @@ def _step(rep: Replica, rid: str, kind: str, what: str) -> dict[int, Any]:
 @pytest.mark.timeout(180)
 def test_a_room_the_encode_scheduler_fails_fails_with_its_reason_on_every_rank_asked_before_or_after(
         servers, cleanup) -> None:
-    pport, eport = servers(), servers()
-    enc = Encoder(eport, ENCODE_KNOBS, 1 << 16)
-    cleanup.append(enc)
-    rep = Replica(pport, PREFILL_KNOBS, receiver(slots=2), lifetime=LIFETIME)
-    cleanup.append(rep)
-    rep.wait("ready", seconds=START, what="the prefill ranks to start")
+    eport, enc, rep = _encoder_and_replica(servers, cleanup, slots=2)
     FA, PA, BL, FC, FB = 0x2FA, 0x2BA, 0x2B1, 0x2FC, 0x2FB
     why = {FA: "why-a: the image could not be decoded", FC: "why-c: the encoder ran out of memory",
            FB: "why-b: the request was cancelled upstream"}
@@ -259,12 +267,7 @@ def test_a_room_the_encode_scheduler_fails_fails_with_its_reason_on_every_rank_a
 
 @pytest.mark.timeout(180)
 def test_begin_refuses_a_room_that_is_begun_and_not_concluded(servers, cleanup) -> None:
-    pport, eport = servers(), servers()
-    enc = Encoder(eport, ENCODE_KNOBS, 1 << 16)
-    cleanup.append(enc)
-    rep = Replica(pport, PREFILL_KNOBS, receiver(slots=3), lifetime=LIFETIME)
-    cleanup.append(rep)
-    rep.wait("ready", seconds=START, what="the prefill ranks to start")
+    eport, enc, rep = _encoder_and_replica(servers, cleanup, slots=3)
     R, Q, P = 0x3A, 0x3B, 0x3C
 
     # a room with nothing yet, then with its rows: held
@@ -319,12 +322,7 @@ def _concluded_once(enc: Encoder, room: int, seconds: float = 5.0) -> bool:
 
 @pytest.mark.timeout(180)
 def test_a_chunk_that_does_not_fit_fails_only_its_request_naming_the_field(servers, cleanup) -> None:
-    pport, eport = servers(), servers()
-    enc = Encoder(eport, ENCODE_KNOBS, 1 << 16)
-    cleanup.append(enc)
-    rep = Replica(pport, PREFILL_KNOBS, receiver(), lifetime=LIFETIME)
-    cleanup.append(rep)
-    rep.wait("ready", seconds=START, what="the prefill ranks to start")
+    eport, enc, rep = _encoder_and_replica(servers, cleanup)
     H, D, S, G = 0x4A, 0x4D, 0x45, 0x46
     for room in (H, D, S, G):
         assert enc.begin(room)
