@@ -94,6 +94,11 @@ class Pair:
         if decode:
             self.decode.register(rid, BootstrapInfo("127.0.0.1", self.port, room))
 
+    def register_each(self, rids: Iterable[str], first_room: int) -> None:
+        """Register every request of ``rids`` on both sides, in rooms ``first_room``, ``first_room + 1``, ..."""
+        for i, rid in enumerate(rids):
+            self.register(rid, room=first_room + i)
+
     def pages(self, rid: str, side: str) -> list[int]:
         """Each request's own pages: decode's at the bottom of the cache, prefill's at the top."""
         first = self._slot[rid] * PAGES_PER_REQUEST

@@ -40,13 +40,11 @@ def test_a_scrape_adds_up_to_the_run() -> None:
     pair = Pair(metrics=registry, server={"metrics": registry})
     try:
         first = [f"a{i}" for i in range(3)]
-        for i, rid in enumerate(first):
-            pair.register(rid, room=10 + i)
+        pair.register_each(first, 10)
         pair.drive(first)
         mid = scrape(pair.port)  # during the run: a second batch follows
         second = [f"b{i}" for i in range(4)]
-        for i, rid in enumerate(second):
-            pair.register(rid, room=20 + i)
+        pair.register_each(second, 20)
         pair.register("stalled", room=99, prefill=False)  # never served: decode aborts it, a failure with its cause
         pair.decode.abort_room("stalled", 99)
         pair.drive(second)

@@ -80,8 +80,7 @@ def _wait(cond: Any, what: str, pair: Pair, timeout: float = 15.0) -> None:
 def test_malformed_control_frames_fail_only_what_they_name(pair: Pair, side: str) -> None:
     rids = [f"ok{i}" for i in range(6)]
     victim = "victim"
-    for i, rid in enumerate(rids):
-        pair.register(rid, room=2000 + i)
+    pair.register_each(rids, 2000)
     pair.register(victim, room=2999)
     pair.pump(lambda: all(pair.seen("decode", "Bootstrapped", rid) for rid in [*rids, victim]), "decode to bootstrap")
     peer = getattr(pair, side)
@@ -201,8 +200,7 @@ def test_garbage_http_to_the_bootstrap_server_gets_clear_errors(pair: Pair) -> N
     assert pair.server._thread.is_alive()
     # and transfers that look the prefill rank up afresh go through
     rids = [f"r{i}" for i in range(4)]
-    for i, rid in enumerate(rids):
-        pair.register(rid, room=4000 + i)
+    pair.register_each(rids, 4000)
     pair.drive(rids)
     assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
     through_worker(pair.decode)
@@ -216,8 +214,7 @@ def test_a_malformed_frame_from_a_registered_peer_fails_only_the_room_it_names(p
     room of that peer lands intact, and the peer is not declared dead."""
     rids = [f"live{i}" for i in range(6)]
     victim = "room-x"
-    for i, rid in enumerate(rids):
-        pair.register(rid, room=5000 + i)
+    pair.register_each(rids, 5000)
     pair.register(victim, room=5999)
     sender_side = "decode" if receiver == "prefill" else "prefill"
     to, frm = getattr(pair, receiver), getattr(pair, sender_side)

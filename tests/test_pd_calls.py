@@ -60,8 +60,7 @@ def test_minus_inf_and_nan_logprobs_reach_decode(pair: Pair) -> None:
     """Samplers produce -inf and NaN logprobs; both reach RemotePrefillDone (before: the status failed to
     encode, prefill said Succeeded and decode waited out its waiting timeout)."""
     pair.usage.update({"ninf": (7, float("-inf")), "nan": (0, float("nan")), "low": (I31, -1e300)})
-    for i, rid in enumerate(pair.usage):
-        pair.register(rid, room=10 + i)
+    pair.register_each(pair.usage, 10)
     pair.drive(pair.usage, timeout=15.0)
     got = {rid: pair.landed[rid] for rid in pair.usage}
     assert got["ninf"].bootstrap_logprob == float("-inf") and got["ninf"].cached_tokens == 7

@@ -79,8 +79,7 @@ def _failed(peer: Any, rid: str) -> bool:
 def test_requests_move_and_land_intact(make_pair: Any) -> None:
     pair = make_pair()
     rids = [f"r{i}" for i in range(8)]
-    for i, rid in enumerate(rids):
-        pair.register(rid, room=1000 + i)
+    pair.register_each(rids, 1000)
     pair.drive(rids)
     for rid in rids:
         assert pair.ended("prefill", rid) == "Succeeded" and pair.ended("decode", rid) == "RemotePrefillDone"
@@ -95,8 +94,7 @@ def test_control_sends_count_the_frames_and_the_messages_that_carried_them(make_
     pair = make_pair()
     before = {side: peer.control_sends() for side, peer in (("prefill", pair.prefill), ("decode", pair.decode))}
     rids = [f"c{i}" for i in range(8)]
-    for i, rid in enumerate(rids):
-        pair.register(rid, room=2000 + i)
+    pair.register_each(rids, 2000)
     pair.drive(rids)
     beats = {peer: peer.diagnostics()["channel"]["heartbeats_sent"] for peer in (pair.prefill, pair.decode)}
     pair.pump(lambda: all(peer.diagnostics()["channel"]["heartbeats_sent"] >= n + 2 for peer, n in beats.items()),

@@ -33,8 +33,7 @@ def test_a_deployment_with_one_secret_moves_kv_intact() -> None:
     pair = Pair(secret=SECRET, server={"secret": SECRET})
     try:
         rids = [f"r{i}" for i in range(4)]
-        for i, rid in enumerate(rids):
-            pair.register(rid, room=100 + i)
+        pair.register_each(rids, 100)
         pair.drive(rids)
         assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
         assert pair.decode.diagnostics()["channel"]["auth_failures"] == 0 and pair.prefill.diagnostics()["channel"]["auth_failures"] == 0
@@ -94,8 +93,7 @@ def test_forged_control_frames_during_transfers_change_nothing() -> None:
     socks = []
     try:
         rids = [f"r{i}" for i in range(6)]
-        for i, rid in enumerate(rids):
-            pair.register(rid, room=200 + i)
+        pair.register_each(rids, 200)
         pair.pump(lambda: all(pair.seen("decode", "Bootstrapped", r) for r in rids), "every request bootstrapped")
         for victim, claimed in ((pair.decode, pair.prefill), (pair.prefill, pair.decode)):
             sock = ctx.socket(zmq.DEALER)
