@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -87,6 +88,15 @@ def _commands(conn: Connection, wait: float) -> list[str]:
     return got
 
 
+def _noted(peer: Any, events: list[tuple[str, str, str]]) -> Iterator[tuple[Any, float]]:
+    """The events of one ``peer.poll``, each with the ``time.monotonic()`` it was seen at, and noted
+    in ``events`` (kind, rid, reason) for the child's final report."""
+    for event in peer.poll(None):
+        now = time.monotonic()
+        events.append((type(event).__name__, event.rid, getattr(event, "reason", "")))
+        yield event, now
+
+
 # ------------------------------------------------------------------------------------------ prefill
 
 
@@ -132,9 +142,7 @@ def _prefill(conn: Connection, port: int, options: dict[str, Any], knobs: dict[s
         watching_full = False
         until = time.monotonic() + lifetime
         while time.monotonic() < until:
-            for event in peer.poll(None):
-                now = time.monotonic()
-                events.append((type(event).__name__, event.rid, getattr(event, "reason", "")))
+            for event, now in _noted(peer, events):
                 if isinstance(event, Bootstrapped):
                     bootstrapped.add(event.rid)
                     if event.rid in WARM.values():
@@ -204,9 +212,7 @@ def _decode(conn: Connection, deployment: str, port: int, knobs: dict[str, Any],
         announced = 0
         until = time.monotonic() + lifetime
         while time.monotonic() < until:
-            for event in peer.poll(None):
-                now = time.monotonic()
-                events.append((type(event).__name__, event.rid, getattr(event, "reason", "")))
+            for event, now in _noted(peer, events):
                 if isinstance(event, Bootstrapped):
                     inbox.announce(event.rid, dest_pages(where[event.rid]), request_pool_index=where[event.rid])
                     announced += 1
