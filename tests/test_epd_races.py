@@ -129,6 +129,16 @@ def _hold_a_slot(recv: Any, enc: Encoder, port: int) -> None:
     _rounds(recv, lambda got: any(r.rid == "X" for r in got), "X to land")
 
 
+def _one_slot_free(made: list[Any]) -> tuple[Any, Encoder, Encoder, int, int]:
+    """A prefill rank whose receiver has two slots, one held (``_hold_a_slot``), and two encode
+    deployments: the receiver, both encoders and their bootstrap servers' ports."""
+    pport, e1port, e2port = _server(made), _server(made), _server(made)
+    _, recv = _prefill(made, pport, slots=2)
+    e1, e2 = _encoder(made, e1port), _encoder(made, e2port)
+    _hold_a_slot(recv, e1, e1port)
+    return recv, e1, e2, e1port, e2port
+
+
 def _r_fails_at_its_first_item(recv: Any, e1: Encoder, e1port: int, e2port: int) -> None:
     """Request R has one item on each encode deployment (rooms 10 and 20, the second waiting for a slot);
     the first one's encode scheduler fails room 10, and R fails on the receiver: room 20 was never asked."""
@@ -145,10 +155,7 @@ def test_a_failed_request_is_told_to_the_encode_ranks_not_asked_yet() -> None:
     never asked, must hear of it too and conclude its room within seconds (its park timeout is 120 s)."""
     made: list[Any] = []
     try:
-        pport, e1port, e2port = _server(made), _server(made), _server(made)
-        peer, recv = _prefill(made, pport, slots=2)
-        e1, e2 = _encoder(made, e1port), _encoder(made, e2port)
-        _hold_a_slot(recv, e1, e1port)
+        recv, e1, e2, e1port, e2port = _one_slot_free(made)
         assert e2.begin(20)  # the encode scheduler of the second image has its rows ready
         e2.put(20, ROWS, HIDDEN, DTYPE)
         _r_fails_at_its_first_item(recv, e1, e1port, e2port)
@@ -165,10 +172,7 @@ def test_an_abort_that_arrives_before_the_encode_scheduler_begins_the_room_concl
     slot is not held until the park timeout)."""
     made: list[Any] = []
     try:
-        pport, e1port, e2port = _server(made), _server(made), _server(made)
-        peer, recv = _prefill(made, pport, slots=2)
-        e1, e2 = _encoder(made, e1port), _encoder(made, e2port)
-        _hold_a_slot(recv, e1, e1port)
+        recv, e1, e2, e1port, e2port = _one_slot_free(made)
         _r_fails_at_its_first_item(recv, e1, e1port, e2port)
         deadline = Deadline.after(10)
         while e2.peer.stats.get("aborts_before_begin", 0) == 0:
