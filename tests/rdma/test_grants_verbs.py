@@ -22,7 +22,7 @@ import pytest
 from pdcore.core.deadline import Deadline
 from pdcore.core.errors import CapacityError, TransportError
 
-from _transport_support import Collector, wait_until  # tests/rdma/conftest.py puts tests/transport on the path
+from _transport_support import Collector, granted_link, wait_until  # tests/rdma/conftest.py puts tests/transport on the path
 
 pytestmark = pytest.mark.rdma
 
@@ -139,10 +139,7 @@ def test_revoke_holds_against_a_source_that_never_hears_of_it(make_verbs: Any, m
     dst_t = make_verbs(memory_windows=False)
     size = 1 << 20
     src = np.full(size, 0xAB, np.uint8)
-    dst = np.zeros(size, np.uint8)
-    rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
-    g = dst_t.grant(src_t.instance, [(rd.addr, size)])
-    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    dst, rs, rd, g, peer = granted_link(src_t, dst_t, src)
     deaf = peer.sock
     heard = verbs._hangup
 

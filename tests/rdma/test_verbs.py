@@ -24,6 +24,15 @@ pytestmark = pytest.mark.rdma
 SLOW = 20.0  # seconds a completion may take on soft-RoCE under emulation
 
 
+def _linked(src_t: Any, dst_t: Any, src: np.ndarray) -> tuple[np.ndarray, Any, Any, Any]:
+    """A source's bytes ``src`` and a sink's zeroed buffer of their size, both registered, and the
+    source connected to the sink: ``(dst, src_region, dst_region, peer)``."""
+    dst = np.zeros(src.nbytes, np.uint8)
+    rs, rd = src_t.register(src), dst_t.register(dst)
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    return dst, rs, rd, peer
+
+
 def _with_regions(endpoint: bytes, regions: list[Region]) -> bytes:
     ep = decode_endpoint(endpoint, expect="verbs")
     return encode_endpoint(Endpoint(ep.transport, ep.instance, ep.address, tuple(sorted(regions, key=lambda r: r.addr))))
@@ -229,9 +238,7 @@ def test_peer_torn_down_mid_batch_gives_an_error_completion_not_a_hang(make_verb
     dst_t = make_verbs()
     size = 4 << 20
     src = np.ones(size, np.uint8)
-    dst = np.zeros(size, np.uint8)
-    rs, rd = src_t.register(src), dst_t.register(dst)
-    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    dst, rs, rd, peer = _linked(src_t, dst_t, src)
     done = Collector(SLOW)
     ids = [src_t.write(peer, [(rs.addr, rd.addr, size)], done) for _ in range(8)]
     done.wait(1)  # under way
@@ -271,9 +278,8 @@ def test_reconnect_after_failure_works(make_verbs: Any) -> None:
 def test_sink_close_fails_the_source_fast(make_verbs: Any) -> None:
     src_t, dst_t = make_verbs(peer_timeout=30.0), make_verbs()
     size = 4 << 20
-    src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
-    rs, rd = src_t.register(src), dst_t.register(dst)
-    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    src = np.ones(size, np.uint8)
+    dst, rs, rd, peer = _linked(src_t, dst_t, src)
     done = Collector(SLOW)
     for _ in range(16):
         src_t.write(peer, [(rs.addr, rd.addr, size)], done)
@@ -287,9 +293,8 @@ def test_sink_close_fails_the_source_fast(make_verbs: Any) -> None:
 def test_close_fails_everything_in_flight_within_its_deadline(make_verbs: Any) -> None:
     src_t, dst_t = make_verbs(max_inflight=32), make_verbs()
     size = 8 << 20
-    src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
-    rs, rd = src_t.register(src), dst_t.register(dst)
-    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    src = np.ones(size, np.uint8)
+    dst, rs, rd, peer = _linked(src_t, dst_t, src)
     done = Collector(SLOW)
     ids = [src_t.write(peer, [(rs.addr, rd.addr, size)], done) for _ in range(32)]
     t0 = time.monotonic()

@@ -26,7 +26,7 @@ from pdcore.core.deadline import Deadline
 from pdcore.core.errors import TransportError
 from transport.endpoint import decode_endpoint
 
-from _transport_support import Collector, wait_until  # tests/rdma/conftest.py puts tests/transport on the path
+from _transport_support import Collector, granted_link, wait_until  # tests/rdma/conftest.py puts tests/transport on the path
 
 pytestmark = pytest.mark.rdma
 
@@ -157,10 +157,7 @@ def test_a_source_that_never_answers_is_cut_at_the_deadline(make_verbs: Any, mon
     src_t, dst_t = make_verbs(max_inflight=16), make_verbs()
     size = 4 << 20
     src = np.full(size, 0xAB, np.uint8)
-    dst = np.zeros(size, np.uint8)
-    rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
-    g = dst_t.grant(src_t.instance, [(rd.addr, size)])
-    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    dst, rs, rd, g, peer = granted_link(src_t, dst_t, src)
 
     def deaf(p: Any, sock: Any) -> None:
         src_t._sel_drop(sock)  # never learns of the stop, nor of the hang-up
@@ -188,10 +185,7 @@ def test_invalidation_stops_a_write_already_on_the_wire(make_verbs: Any) -> None
     src_t, dst_t = make_verbs(), make_verbs()
     size = 8 << 20  # rxe's largest message
     src = np.full(size, 0x77, np.uint8)
-    dst = np.zeros(size, np.uint8)
-    rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
-    g = dst_t.grant(src_t.instance, [(rd.addr, size)])
-    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    dst, rs, rd, g, peer = granted_link(src_t, dst_t, src)
     done = Collector(SLOW * 2)
     bid = src_t.write(peer, [(rs.addr, rd.addr, size)], done, grant=g.key)
     probe = 256 << 10
@@ -216,10 +210,7 @@ def test_a_write_longer_than_the_ports_largest_message_lands_whole(make_verbs: A
     src_t, dst_t = make_verbs(), make_verbs()
     size = 2 * dst_t._dev.max_msg + 4099
     src = np.random.default_rng(3).integers(1, 256, size, dtype=np.uint8)
-    dst = np.zeros(size, np.uint8)
-    rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
-    g = dst_t.grant(src_t.instance, [(rd.addr, size)])
-    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    dst, rs, rd, g, peer = granted_link(src_t, dst_t, src)
     done = Collector(SLOW * 2)
     bid = src_t.write(peer, [(rs.addr, rd.addr, size)], done, grant=g.key)
     assert done.wait(1) == [(bid, None)] and np.array_equal(dst, src)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 import transport
 from pdcore.core.deadline import Deadline
 
@@ -62,6 +64,17 @@ def wait_until(cond: Callable[[], Any], seconds: float, what: str) -> None:
     while not cond():
         assert not deadline.expired(), f"{what} within {seconds} s"
         time.sleep(0.005)
+
+
+def granted_link(src_t: Any, dst_t: Any, src: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """A source's bytes ``src`` and a sink's zeroed buffer of their size, registered (the sink's only
+    through a grant), the sink's grant of all of it to the source, and the source connected:
+    ``(dst, src_region, dst_region, grant, peer)``."""
+    dst = np.zeros(src.nbytes, np.uint8)
+    rs, rd = src_t.register(src), dst_t.register(dst, require_grant=True)
+    g = dst_t.grant(src_t.instance, [(rd.addr, src.nbytes)])
+    peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(10))
+    return dst, rs, rd, g, peer
 
 
 class Collector:
