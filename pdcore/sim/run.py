@@ -68,7 +68,7 @@ def _seeds(*, seconds: float | None, seeds: list[int] | None, admit: float, rate
         for name, n in sim.planes.network.stats.items():
             if name in ("dropped", "duplicated", "reordered", "cut") and n:
                 faults[name] += n
-        for name in ("errors", "refused", "frozen", "posts_refused", "grants_refused", "revokes_refused"):
+        for name in ("errors", "dropped", "refused", "frozen", "posts_refused", "grants_refused", "revokes_refused"):
             if sim.planes.fabric.stats[name]:
                 faults[f"data_{name}"] += sim.planes.fabric.stats[name]
         faults.update({k: v for k, v in sim.planes.stats.items() if v})
