@@ -846,7 +846,8 @@ class ControlChannel:
     def _peer_dead(self, dead: DeadPeer, *, drop: bool, quiet: bool = False) -> None:
         self.stats.peers_dead += 1
         if not quiet:
-            log.warning("control channel: peer %s (session %s) is dead: %s", dead.endpoint, dead.session_id, dead.reason)
+            log.warning("control channel: peer %s (session %s) is dead: %s (this channel's counters: %s)", dead.endpoint,
+                        dead.session_id, dead.reason, {k: v for k, v in vars(self.stats).items() if v})
         if drop:
             self._drop_peer(dead.endpoint)
         if self._on_peer_dead is not None:
