@@ -153,6 +153,7 @@ def _echoes(plane: str, endpoint: str, peers: int, rounds: int, child: Child, du
     return latencies
 
 
+@pytest.mark.long  # four flood processes on two cores: CI runs it in make test-long
 @pytest.mark.parametrize("plane", ["zmq"])
 def test_a_proven_peer_is_answered_through_a_flood_faster_than_its_channel(plane: str) -> None:
     """Issue #42: on a 16-core host the flood outran the channel, and a peer that proved itself got

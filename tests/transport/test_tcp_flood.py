@@ -14,6 +14,7 @@ import statistics
 import time
 
 import numpy as np
+import pytest
 
 import transport
 from pdcore.core.deadline import Deadline
@@ -39,6 +40,7 @@ def _spread(seconds: list[float]) -> str:
     return f"min/median/max {ms[0]:.1f}/{statistics.median(ms):.1f}/{ms[-1]:.1f} ms ({len(ms)})"
 
 
+@pytest.mark.long  # four flood processes on two cores: CI runs it in make test-long
 def test_a_granted_source_connects_and_its_writes_land_through_a_fast_flood() -> None:
     """``FLOODS`` flood processes hold idle connections to a sink's data port (in a process slowed to
     one CPU at niceness 10, limited to ``NOFILE`` files: the flood is faster than its acceptor and
