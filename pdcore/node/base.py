@@ -38,7 +38,7 @@ from ..control import plane as control_plane
 from ..control.liveness import DeadPeer
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import PdError, PeerError, StartError
-from ..protocol.engine import Services
+from ..protocol.engine import EngineInputs, Services
 from .config import NodeConfig
 from .driver import Driver
 
@@ -67,7 +67,7 @@ class PeerBase:
         self._owned = contextlib.ExitStack()
         self._closed = False
         self._driver: Driver | None = None
-        self._engine: Any = None  # the role's engine (a prefill peer's receiver engine rides on the same driver)
+        self._engine: EngineInputs | None = None  # the role's engine (a prefill peer's receiver engine rides on the same driver)
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
 
     # -- start and stop -----------------------------------------------------------------
@@ -291,14 +291,14 @@ class PeerBase:
         """Register the role's memory with the transport (``self._transport``), before the channel opens."""
         raise NotImplementedError
 
-    def _make_engine(self, services: Services) -> Any:
+    def _make_engine(self, services: Services[Any, Any]) -> EngineInputs:
         """The role's engine (``pdcore.protocol``), given what it needs."""
         raise NotImplementedError
 
     def _publish(self, stack: contextlib.ExitStack) -> None:
         """Publish the role's metrics, if it has any; ``stack`` undoes it at close (or a failed start)."""
 
-    def _route(self, msg: wire.Message) -> Any:
+    def _route(self, msg: wire.Message) -> EngineInputs | None:
         """The engine a frame goes to (one engine per role; a prefill peer's receiver takes EPD statuses)."""
         return self._engine
 

@@ -32,13 +32,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..control.bootstrap import BootstrapClient
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, PdError, PeerError
 from ..protocol.actions import Connect, LookUp
 from .perform import Performer
+
+if TYPE_CHECKING:
+    from transport.base import Transport
+
+    from ..control.channel import ControlChannel
 
 __all__ = ["Driver"]
 
@@ -56,8 +61,8 @@ class Driver(Performer):
         self,
         name: str,
         *,
-        transport: Any,
-        channel: Any,
+        transport: Transport,
+        channel: ControlChannel,
         secret: bytes | None,
         max_inputs: int,
         io_queue: int,

@@ -23,6 +23,7 @@ from typing import Any
 from ..core.deadline import Deadline
 from ..core.errors import CapacityError, PdError
 from ..protocol.actions import Connect, Disconnect, Grant, LookUp, Post, Revoke, Send
+from ..protocol.engine import EngineInputs
 
 __all__ = ["Performer"]
 
@@ -38,7 +39,7 @@ class Performer:
         self._transport = transport
         self._channel = channel
         self._clock = clock
-        self._engines: list[Any] = []
+        self._engines: list[EngineInputs] = []
         self.stats = stats if stats is not None else {}  # the peer's own dict: work_errors, inputs
         self.stats.setdefault("work_errors", 0)
         self.stats.setdefault("inputs", 0)
@@ -47,12 +48,12 @@ class Performer:
         self._parked: dict[Any, deque[tuple[Any, Post, float]]] = {}
         self._parked_until = float("inf")  # the earliest ``until`` parked (inf: none)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: EngineInputs) -> None:
         """Perform ``engine``'s actions too (before its first input)."""
         self._engines.append(engine)
 
     @property
-    def engines(self) -> list[Any]:
+    def engines(self) -> list[EngineInputs]:
         return list(self._engines)
 
     def _io(self, engine: Any, action: Connect | LookUp) -> None:

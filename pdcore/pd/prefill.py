@@ -70,10 +70,11 @@ class PrefillPeer(PdPeer):
         self._check_open()
         from ..epd.receiver import Receiver
 
-        cfg = self._config
+        cfg, engine = self._config, self._engine
+        assert engine is not None  # made at start, and the peer is open
         try:
             self._receiver = Receiver(config, transport=self._transport, driver=self._driver,
-                                      services=self._engine.services, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
+                                      services=engine.services, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
                                       agreement=cfg.agreement, agreement_timeout=cfg.agreement_timeout)
         except (ValueError, TypeError) as e:  # the transport refused the slots' memory (overlap, ...)
             raise StartError(f"embedding_receiver: the transport refused the receive buffers: {e}") from e

@@ -30,6 +30,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transport.plan import Layout
+
 from ..control import wire
 from ..core._spec import State, Trigger
 from ..core.errors import LocalProtocolError, PdError
@@ -37,7 +39,7 @@ from ..core.events import RemotePrefill
 from ..kv.layout import KvLayout
 from ..kv.routing import routing
 from .actions import Grant, Revoke
-from .engine import Engine, Services, ends
+from .engine import DecodeSettings, DrivenTable, Engine, Services, ends
 from .lookups import Deployment, Lookups
 from .revokes import REVOKE_WAIT, RetryRevokes
 
@@ -103,14 +105,14 @@ class _Request:
     untold_lookups: int = 0  # look-ups waited for to tell them (bounded: the shape, then the ranks)
 
 
-class DecodeEngine(Engine):
+class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
     """One decode rank's PD protocol (``pdcore.pd.decode.DecodePeer`` drives it)."""
 
     ROLE = "decode"
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services[DecodeSettings, DrivenTable]) -> None:
         super().__init__(services)
-        self._layout = services.layout
+        self._layout: Layout = services.layout  # type: ignore[assignment]  # a decode peer always has one
         self._requests: dict[str, _Request] = {}
         self._by_source: dict[tuple[str, int], _Request] = {}
         self._lookups = Lookups(

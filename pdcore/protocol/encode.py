@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from ..control import wire
 from ..core.errors import LocalProtocolError
 from .actions import Disconnect, Post
-from .engine import Engine, Services, Sink
+from .engine import EncodeSettings, Engine, RoomRules, Services, Sink
 
 __all__ = ["EncodeEngine", "Tell", "Write"]
 
@@ -61,12 +61,12 @@ class _Sink(Sink):
     ranks: int = 1
 
 
-class EncodeEngine(Engine):
+class EncodeEngine(Engine[EncodeSettings, RoomRules]):
     """One encode rank's EPD sending protocol (``pdcore.epd.encode.EncodePeer`` drives it)."""
 
     ROLE = "encode"
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services[EncodeSettings, RoomRules]) -> None:
         super().__init__(services)
         if services.table is None:
             raise LocalProtocolError("encode engine: services.table must hold the rooms' rules (SendRooms)")

@@ -22,14 +22,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from transport.plan import Layout
 
 from ..control import wire
 from ..core.errors import PdError
 from ..core.events import Failed, Succeeded
 from .actions import Action, Connect, Send
 
-__all__ = ["Engine", "Services", "Sink", "ends"]
+if TYPE_CHECKING:  # the metrics' counters: their module keeps a clock, never imported here
+    from ..control.metrics import Counts
+
+__all__ = ["Engine", "EngineInputs", "Services", "Sink", "ends",
+           "Dialing", "DrivenTable", "PrefillSettings", "DecodeSettings", "ReceiverSettings", "EncodeSettings",
+           "ReceivingTable", "RoomRules"]
 
 log = logging.getLogger("pdcore.protocol")
 
@@ -44,26 +51,144 @@ def ends(events: Iterable[Any]) -> Iterator[tuple[str, bool, str]]:
             yield event.rid, True, event.reason
 
 
+# -- what an engine is given: its role's configuration and table, as the engine reads them ------------------
+#
+# The role configurations (``pdcore.pd.config``, ``pdcore.epd.config``) and tables (``pdcore.core.table``,
+# ``pdcore.epd.recv_table``, ``pdcore.epd.sending``) live in the role packages, which import this one; so
+# each engine names what it reads of them as a Protocol here, and the real classes fit it by shape.
+
+
+class Dialing(Protocol):
+    """What the base engine reads of a role's configuration to connect the data plane (``_connect``)."""
+
+    @property
+    def start_timeout(self) -> float: ...
+
+
+class _TransferSettings(Dialing, Protocol):
+    @property
+    def max_pending(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def kv_layout(self) -> Any: ...  # a ``pdcore.kv.KvLayout`` or None
+
+
+class PrefillSettings(_TransferSettings, Protocol):
+    """What ``PrefillEngine`` reads of ``PrefillConfig``."""
+
+    @property
+    def max_parked_pages(self) -> int: ...
+    @property
+    def max_parked_pages_total(self) -> int: ...
+    @property
+    def tombstone_ttl(self) -> float: ...
+    @property
+    def layerwise_min_pages(self) -> int: ...
+    @property
+    def fence_timeout(self) -> float: ...
+    @property
+    def bootstrap_timeout(self) -> float: ...
+
+
+class DecodeSettings(_TransferSettings, Protocol):
+    """What ``DecodeEngine`` reads of ``DecodeConfig``."""
+
+    @property
+    def unsafe_no_grants(self) -> bool: ...
+
+
+class ReceiverSettings(Protocol):
+    """What ``ReceiverEngine`` reads of ``ReceiverConfig``."""
+
+    @property
+    def slots(self) -> int: ...
+    @property
+    def slot_rows(self) -> int: ...
+    @property
+    def row_bytes(self) -> int: ...
+    @property
+    def deepstack_row_bytes(self) -> int: ...
+    @property
+    def deepstack_width(self) -> int: ...
+    @property
+    def shard_rows(self) -> bool: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+
+
+class EncodeSettings(Dialing, Protocol):
+    """What ``EncodeEngine`` reads of ``EncodeConfig``."""
+
+    @property
+    def tp_rank(self) -> int: ...
+
+
+class DrivenTable(Protocol):
+    """The transfer table a PD engine drives (``pdcore.core.table.StateTable``): the base engine's guarded calls."""
+
+    def update(self, rid: str, trigger: int, now: float, reason: str = ...) -> int: ...
+    def state(self, rid: str) -> int: ...
+    def fenced(self, rid: str) -> None: ...
+
+
+class ReceivingTable(Protocol):
+    """The receive table a receiver engine drives (``pdcore.epd.recv_table.ReceiveTable``)."""
+
+    def take_ready(self) -> list[Any]: ...  # its ``Ask`` records: rid, index, ...
+    def landed(self, rid: str, index: int, now: float) -> Any: ...
+    def fail(self, rid: str, reason: str, now: float) -> Any: ...
+    def fenced(self, slot: int) -> None: ...
+
+
+class RoomRules(Protocol):
+    """An encode rank's rooms (``pdcore.epd.sending.SendRooms``): each call answers with the actions to take
+    (``encode.Write``, ``encode.Tell``)."""
+
+    def __len__(self) -> int: ...
+    def next_deadline(self) -> float: ...
+    def begun(self, room: int) -> bool: ...
+    def begin(self, room: int, now: float) -> tuple[bool, list[Any]]: ...
+    def send(self, chunk: Any, now: float) -> list[Any]: ...
+    def fail(self, room: int, reason: str, now: float) -> list[Any]: ...
+    def concluded(self) -> list[int]: ...
+    def ask(self, endpoint: str, msg: Any, now: float) -> list[Any]: ...  # a ``wire.EmbedAsk``
+    def abort(self, endpoint: str, room: int, reason: str, now: float,
+              asker: tuple[int, int] | None = ...) -> list[Any]: ...
+    def lost(self, endpoint: str, reason: str, now: float) -> list[Any]: ...
+    def written(self, room: int, rank: int, error: str, now: float) -> list[Any]: ...
+    def expire(self, now: float) -> list[Any]: ...
+
+
+ConfigT = TypeVar("ConfigT", covariant=True)  # what the engine reads of its role's configuration
+TableT = TypeVar("TableT", covariant=True)  # the table it drives
+
+
 @dataclass(frozen=True, eq=False)
-class Services:
+class Services(Generic[ConfigT, TableT]):
     """What a role engine is given, all of it: nothing is read from another object's private state.
 
-    ``config`` is the role's frozen configuration; ``table`` the transfer (or receive) table the
-    engine drives; ``endpoint`` and ``regions`` describe this rank's data plane to its peers
-    (what a ``Register`` carries); ``layout`` is this rank's registered KV cache
-    (``transport.plan.Layout``; None for roles without one); ``counts`` the metrics the engine
+    ``config`` is the role's frozen configuration and ``table`` the table the engine drives (the
+    transfer table, the receive table, an encode rank's rooms): each engine names the shape it reads of
+    them, e.g. ``Services[DecodeSettings, DrivenTable]``; ``endpoint`` and ``regions`` describe this
+    rank's data plane to its peers (what a ``Register`` carries); ``layout`` is this rank's registered
+    KV cache (None for roles without one); ``counts`` the metrics the engine
     bumps (None: no registry); ``deliver(kind, key, value)`` hands a value to the scheduler's
     side at once (``"landed"``: a decode request's ``RemotePrefill``, before the table can
     agree it landed; ``"concluded"``: an encode room whose rows may be reused)."""
 
-    config: Any
+    config: ConfigT
     session_id: str
     epoch: int
-    table: Any
+    table: TableT
     endpoint: bytes = b""
     regions: tuple[wire.Region, ...] = ()
-    layout: Any = None
-    counts: Any = None
+    layout: Layout | None = None
+    counts: Counts | None = None
     stats: dict[str, int] | None = None  # the peer's counters the engine adds to (None: its own)
     deliver: Callable[[str, Any, Any], None] = lambda kind, key, value: None
 
@@ -85,15 +210,39 @@ class Sink:
         return not self.connecting and self.handle is not None and not self.handle.closed
 
 
-class Engine:
+class EngineInputs(Protocol):
+    """What the driver (``pdcore.node``) and the simulator (``pdcore.sim``) call on every engine they run.
+
+    The answers to an action (``granted``, ``revoked``, ``written``, ``connected``, ``looked_up``, ...)
+    are not here: only the engines that emit that action take them, and the performer hands each answer to
+    the engine whose action it was; ``peer_back`` is optional (``getattr``)."""
+
+    ROLE: str
+
+    @property
+    def services(self) -> Services[Any, Any]: ...
+    def take_actions(self) -> list[Action]: ...
+    def next_deadline(self) -> float: ...
+    def tick(self, now: float) -> None: ...
+    def message(self, sender: str, msg: wire.Message, now: float) -> None: ...
+    def unsent(self, token: Any, why: str, now: float) -> None: ...
+    def rooms_failed(self, rooms: tuple[int, ...], reason: str, now: float) -> None: ...
+    def peer_dead(self, endpoint: str, session_id: str | None, epoch: int | None, reason: str, now: float) -> None: ...
+    def close(self, now: float) -> None: ...
+    def held(self) -> dict[str, int]: ...
+    def tombstones(self) -> int: ...
+    def diagnostics(self) -> dict[str, int]: ...
+
+
+class Engine(Generic[ConfigT, TableT]):
     """The base of the role engines: the action list and the table's guarded calls."""
 
     ROLE = "engine"
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services[ConfigT, TableT]) -> None:
         self.services = services
-        self._config = services.config
-        self._table = services.table
+        self._config: ConfigT = services.config
+        self._table: TableT = services.table
         self._out: list[Action] = []
 
     def held(self) -> dict[str, int]:
@@ -128,7 +277,7 @@ class Engine:
     def unsent(self, token: Any, why: str, now: float) -> None:
         """A ``Send`` with a token could not be queued."""
 
-    def _connect(self, sender: str, sink: Sink) -> None:
+    def _connect(self: Engine[Dialing, Any], sender: str, sink: Sink) -> None:
         """(Re)connect the data plane to ``sink``; ``connected((sender, sink), ...)`` answers."""
         sink.connecting = True
         self._out.append(Connect((sender, sink), sink.endpoint, sink.handle, self._config.start_timeout))
@@ -136,20 +285,20 @@ class Engine:
     def _tell(self, endpoint: str, msg: wire.Message, token: Any = None) -> None:
         self._out.append(Send(endpoint, msg, token))
 
-    def _fire(self, rid: str, trigger: int, now: float, reason: str = "") -> int | None:
+    def _fire(self: Engine[Any, DrivenTable], rid: str, trigger: int, now: float, reason: str = "") -> int | None:
         """Fire a trigger for ``rid`` if the table still tracks it; the new state, or None."""
         try:
             return int(self._table.update(rid, trigger, now, reason))
         except PdError:  # the request ended meanwhile (the scheduler's round settled it)
             return None
 
-    def _state(self, rid: str) -> int | None:
+    def _state(self: Engine[Any, DrivenTable], rid: str) -> int | None:
         try:
             return int(self._table.state(rid))
         except PdError:
             return None
 
-    def _fenced(self, rid: str) -> None:
+    def _fenced(self: Engine[Any, DrivenTable], rid: str) -> None:
         try:
             self._table.fenced(rid)
         except PdError:

@@ -41,7 +41,7 @@ from ..core.errors import LocalProtocolError, PdError
 from ..kv.layout import KvLayout
 from ..kv.routing import Routing, routing
 from .actions import Disconnect, Post
-from .engine import Engine, Services, Sink, ends
+from .engine import DrivenTable, Engine, PrefillSettings, Services, Sink, ends
 from .parking import Parking
 from .tombstones import Tombstones
 
@@ -95,15 +95,15 @@ class _Sink(Sink):
     route: Routing | None = None  # how its replica pairs with ours
 
 
-class PrefillEngine(Engine):
+class PrefillEngine(Engine[PrefillSettings, DrivenTable]):
     """One prefill rank's PD protocol (``pdcore.pd.prefill.PrefillPeer`` drives it)."""
 
     ROLE = "prefill"
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services[PrefillSettings, DrivenTable]) -> None:
         super().__init__(services)
         cfg = self._config
-        self._layout: Layout = services.layout
+        self._layout: Layout = services.layout  # type: ignore[assignment]  # a prefill peer always has one
         self._rooms: dict[int, _Room] = {}
         self._by_rid: dict[str, _Room] = {}
         self._pending = Parking(cfg.max_pending, cfg.max_parked_pages, cfg.max_parked_pages_total)

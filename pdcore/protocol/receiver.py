@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..control import wire
 from ..core.errors import LocalProtocolError, PdError
 from .actions import Grant, Revoke
-from .engine import Engine, Services
+from .engine import Engine, ReceiverSettings, ReceivingTable, Services
 from .lookups import Deployment, Lookups
 from .revokes import REVOKE_WAIT, RetryRevokes
 
@@ -61,7 +61,7 @@ class _Item:
     rechecked: bool = False  # a verdict against its encode rank was checked with a fresh look-up
 
 
-class ReceiverEngine(Engine):
+class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
     """One prefill rank's EPD receiving protocol (``pdcore.epd.receiver.Receiver`` drives it).
 
     ``services.config`` is the ``ReceiverConfig``; ``tp_rank``/``tp_size`` place this rank in its
@@ -70,7 +70,7 @@ class ReceiverEngine(Engine):
 
     ROLE = "receiver"
 
-    def __init__(self, services: Services, *, tp_rank: int, tp_size: int, slots_addr: int, deep_addr: int = 0) -> None:
+    def __init__(self, services: Services[ReceiverSettings, ReceivingTable], *, tp_rank: int, tp_size: int, slots_addr: int, deep_addr: int = 0) -> None:
         super().__init__(services)
         cfg = self._config
         self._rank, self._ranks = tp_rank, tp_size

@@ -39,7 +39,7 @@ from ..pd.front import DecodeFront, PrefillFront
 from ..protocol.actions import Connect, LookUp
 from ..protocol.decode import DecodeEngine
 from ..protocol.encode import EncodeEngine
-from ..protocol.engine import Services
+from ..protocol.engine import EngineInputs, Services
 from ..protocol.prefill import PrefillEngine
 from ..protocol.receiver import ReceiverEngine
 from .control import Network, SimChannel
@@ -254,7 +254,7 @@ class SimRank:
         return not self.killed and not self.paused
 
     @property
-    def engines(self) -> list[Any]:
+    def engines(self) -> list[EngineInputs]:
         return self.performer.engines
 
     def register_with(self, server: tuple[str, int], layout: dict[str, Any], dp_rank: int = 0, dp_size: int = 1) -> None:
