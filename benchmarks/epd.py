@@ -309,6 +309,8 @@ def _quiet(peer: Any) -> None:
 
 
 def _landed_in_engine(engine: Any, rids: list[str]) -> None:
+    """White-box, on the driver's thread: no encode rank answers here, so its items are marked as needing
+    no look-up in the receiver engine's own records (no input of the engine says that)."""
     for rid in rids:
         engine._items[(rid, 0)].dropped = True
 
@@ -347,7 +349,7 @@ def receiver_rounds(n: int, group: Any, world: int, rank: int, ports: tuple[int,
             now = time.monotonic()
             landing = [rids[(cursor + j) % n] for j in range(per_round)]  # the data plane's landings (not timed)
             # landed: the item no longer waits for its encode rank's look-up (the engine's own record, on its thread)
-            peer._driver.call(_landed_in_engine, recv.engine, landing)
+            peer.run_on_driver(_landed_in_engine, recv.engine, landing)
             for rid in landing:
                 table.landed(rid, 0, now)
             cursor += per_round

@@ -12,7 +12,6 @@ sends them when it is Bootstrapped.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -205,9 +204,7 @@ class Pair:
 
 def through_worker(peer: Any, timeout: float = 10.0) -> None:
     """Return once the peer's driver ran every input queued before this call (its queue is FIFO)."""
-    done = threading.Event()
-    peer._driver.call(done.set)
-    assert done.wait(Deadline.after(timeout).remaining()), "the worker did not reach the marker in time"
+    assert peer.quiesce(Deadline.after(timeout).remaining()), "the worker did not reach the marker in time"
 
 
 def frames_in(peer: Any, n: int, what: str, timeout: float = 10.0) -> None:

@@ -111,7 +111,7 @@ def test_an_abort_after_writes_posted_is_acknowledged_only_once_the_writes_compl
     rid, room = "window", 11
     told, release = _posted_and_held(pair, rid, room)
     pair.decode.abort_room(rid, room)
-    pair.pump(lambda: pair.prefill._table.state(rid) == State.FAILED, "prefill to hear the abort")
+    pair.pump(lambda: pair.prefill.state(rid) == State.FAILED, "prefill to hear the abort")
     through_worker(pair.prefill)
     assert not [m for m in told if isinstance(m, wire.AbortAck)], "acknowledged with a batch in flight"
     release()
@@ -123,7 +123,7 @@ def test_prefill_never_tells_success_for_a_room_it_failed(pair: Pair) -> None:
     told, release = _posted_and_held(pair, rid, room)
     pair.prefill.abort_room(rid, room)  # the room fails here first...
     through_worker(pair.prefill)
-    assert pair.prefill._table.state(rid) == State.FAILED
+    assert pair.prefill.state(rid) == State.FAILED
     release()  # ...then its last batch reports success
     through_worker(pair.prefill)
     assert not [m for m in told if isinstance(m, wire.Status) and m.state == State.SUCCESS], told

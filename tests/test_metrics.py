@@ -93,14 +93,14 @@ def test_cut_handshakes_show_in_the_metrics() -> None:
     pair = Pair(metrics=registry, server={"metrics": registry})
     idle: list[socket.socket] = []
     try:
-        sink, channel = pair.decode._transport, pair.decode._channel
+        sink = pair.decode._transport  # its data endpoint: the peer does not publish it
         data = decode_endpoint(sink.endpoint()).address.decode().rpartition(":")
-        control = channel.endpoint.removeprefix("tcp://").rpartition(":")
+        control = pair.decode.control_endpoint.removeprefix("tcp://").rpartition(":")
         for (host, _, port), n in ((data, tcp._MAX_HELLOS + 3), (control, MAX_PENDING + 4)):
             idle += [socket.create_connection((host, int(port)), timeout=5) for _ in range(n)]
         deadline = Deadline.after(10)
-        while sink.evicted_handshakes < 3 or channel.stats.pending_evicted < 4:
-            assert not deadline.expired(), (sink.evicted_handshakes, channel.stats)
+        while sink.evicted_handshakes < 3 or pair.decode.diagnostics()["channel"]["pending_evicted"] < 4:
+            assert not deadline.expired(), (sink.evicted_handshakes, pair.decode.diagnostics()["channel"])
             threading.Event().wait(0.01)  # polling counters against a deadline
         got = scrape(pair.port)
         assert got[("pdcore_decode_evicted_handshakes_total", ())] >= 7

@@ -71,7 +71,7 @@ def _hold_writes(peer: Any, rid: str | None = None) -> tuple[list[tuple[Any, ...
 def _failed(peer: Any, rid: str) -> bool:
     """The room failed on this rank (and is still tracked: its end not yet reported)."""
     try:
-        return peer._table.state(rid) == State.FAILED
+        return peer.state(rid) == State.FAILED
     except PdError:
         return False
 
@@ -308,7 +308,7 @@ def test_a_room_prefill_failed_before_decode_announced_is_told_to_decode(make_pa
     pair.register(rid, room, decode=False)
     pair.send(rid)  # nobody announced the room yet
     through_worker(pair.prefill)
-    assert pair.prefill._table.state(rid) == State.FAILED  # failed at the hand-over
+    assert pair.prefill.state(rid) == State.FAILED  # failed at the hand-over
     if when == "after prefill's round":
         pair.pump(lambda: bool(pair.ended("prefill", rid)), "prefill to settle the room", sides=("prefill",))
     pair.decode.register(rid, pair_info(pair, room))

@@ -107,8 +107,8 @@ def test_forged_control_frames_during_transfers_change_nothing() -> None:
                     sock.send(wire.encode(msg), zmq.DONTWAIT)
         pair.drive(rids)
         assert all(pair.ended("decode", rid) == "RemotePrefillDone" and pair.landed_intact(rid) for rid in rids)
-        channels = (pair.decode._channel, pair.prefill._channel)
-        pair.pump(lambda: all(ch.stats.auth_failures >= 1 for ch in channels), "both intruders refused")
+        peers = (pair.decode, pair.prefill)
+        pair.pump(lambda: all(p.diagnostics()["channel"]["auth_failures"] >= 1 for p in peers), "both intruders refused")
         assert pair.decode.diagnostics()["channel"]["protocol_errors"] == 0
     finally:
         for sock in socks:

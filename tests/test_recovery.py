@@ -81,7 +81,7 @@ def test_a_room_that_landed_settles_landed_after_its_prefill_rank_went_away() ->
         pair.pump(lambda: pair.seen("prefill", "Bootstrapped", "done"), "prefill to bootstrap", sides=("prefill",))
         pair.send("done")
         pair.pump(lambda: pair.ended("prefill", "done") == "Succeeded", "prefill to succeed", sides=("prefill",))
-        pair.pump(lambda: pair.decode._table.state("done") == State.SUCCESS, "decode's worker to take the status",
+        pair.pump(lambda: pair.decode.state("done") == State.SUCCESS, "decode's worker to take the status",
                   sides=())  # no scheduler runs a round meanwhile
         assert not pair.events["decode"][1:]  # landed here, not yet settled by a round
         pair.prefill.close()  # the prefill rank is done: it exits

@@ -171,6 +171,15 @@ class PeerBase:
         driver.call(done.set)
         return done.wait(seconds)
 
+    def run_on_driver(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` (no ``now``) on the driver's thread, after every input submitted before this
+        call: where the engines' state lives, so a benchmark or a test that reads or sets it there does not
+        race the driver. ``PeerError`` once closed."""
+        driver = self._driver
+        if driver is None or self._closed:
+            raise PeerError(f"{self.ROLE} peer: closed")
+        driver.call(fn, *args)
+
     def _submit(self, fn: Any, *args: Any) -> None:
         """An input for the driver's thread (``fn(*args, now)``); ``PdError`` when it cannot take it."""
         driver = self._driver

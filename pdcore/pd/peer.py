@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from transport.plan import Layout
 
 from ..control.metrics import Counts, PeerCollector, check_registry
+from ..core._spec import State
 from ..core.agreement import Agreement
 from ..core.errors import StartError
 from ..core.events import BootstrapInfo, Event
@@ -172,6 +173,11 @@ class PdPeer(PeerBase):
     def has_in_flight(self) -> bool:
         """A transfer is still tracked: it may yet read or write the cache."""
         return self._table.has_in_flight()
+
+    def state(self, rid: str) -> State:
+        """What this rank's table says of ``rid`` now (a read-only look for tools and tests: the scheduler
+        learns of a request from ``poll``'s events); ``PdError`` if it does not track ``rid``."""
+        return self._table.state(rid)
 
     def _diagnose(self, out: dict[str, Any]) -> None:
         out["table"] = {"tracked": len(self._table), "in_flight": self._table.has_in_flight()}

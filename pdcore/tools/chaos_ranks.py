@@ -79,10 +79,10 @@ class CanaryPages(Pages):
                 self.violations.append(
                     {"page": p, "how": how, "when": when, "t": time.time(),
                      "bytes": int(sum(int((view[p] != byte).sum()) for view in self._views)),
-                     "writer": self._whose(p)}
+                     "writer": self.whose(p)}
                 )
 
-    def _whose(self, page: int) -> str:
+    def whose(self, page: int) -> str:
         """Which past owner's prefill data the page holds (in any layer), newest first; '' if none."""
         pb = self._plan.page_bytes
         for rid, i, n in reversed(self.owners.get(page, ())):
@@ -304,7 +304,7 @@ def decode_rank(plan: ChaosPlan, index: int, gen: int, rank: int, ports: list[in
                                           f"{first_token(event.rid)}), request_pool_index {remote.request_pool_index} "
                                           f"(announced {len(event.rid)})")
                     if not _verify(plan, cache, event.rid, rank, got):
-                        writers = sorted({w for w in map(pages._whose, got) if w})
+                        writers = sorted({w for w in map(pages.whose, got) if w})
                         mismatched.append(event.rid + (f" (its pages hold data of {', '.join(writers)})" if writers else ""))
                     pages.give_back(got, event.rid, "after RemotePrefillDone", CANARY_DONE)
                 else:
