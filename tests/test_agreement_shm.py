@@ -321,6 +321,13 @@ def test_mismatched_registration_raises_on_every_rank_in_one_round() -> None:
             assert r["rids"] == (["a", "b", "c", "only-on-rank-1"] if rank == 1 else ["a", "b", "c"])
 
 
+def _with_a_victim(world: int, how: str, timeout: float, reducer: str) -> dict:
+    """What ranks 0 and 1 report when the last rank of ``world`` kills or stops itself in round 5 (``_victim``)."""
+    results = _run(_victim, world, how, timeout, reducer, victim=world - 1)
+    assert set(results) == {0, 1}
+    return results
+
+
 def _victim(rank: int, world: int, how: str, timeout: float, reducer_module: str) -> dict:
     """Rounds until round 5, when the last rank kills or stops itself before calling."""
     import torch.distributed as dist
@@ -349,8 +356,7 @@ def _victim(rank: int, world: int, how: str, timeout: float, reducer_module: str
 @pytest.mark.parametrize("reducer", ["pdcore.core._shm", "pdcore.core._shm_py"])
 def test_a_killed_rank_is_named_by_every_other_rank_at_once(reducer: str) -> None:
     world, timeout = 3, 5.0
-    results = _run(_victim, world, "kill", timeout, reducer, victim=world - 1)
-    assert set(results) == {0, 1}
+    results = _with_a_victim(world, "kill", timeout, reducer)
     for rank, r in results.items():
         assert r["error"] is not None and r["mode"] == "shm"
         assert r["rounds"] == 4, r  # every survivor fails in the same round
@@ -362,8 +368,7 @@ def test_a_killed_rank_is_named_by_every_other_rank_at_once(reducer: str) -> Non
 @pytest.mark.parametrize("reducer", ["pdcore.core._shm", "pdcore.core._shm_py"])
 def test_a_stopped_rank_is_named_within_the_deadline_and_fails_when_it_wakes(reducer: str) -> None:
     world, timeout = 2, 1.5
-    results = _run(_victim, world, "stop", timeout, reducer, victim=world - 1)
-    assert set(results) == {0, 1}
+    results = _with_a_victim(world, "stop", timeout, reducer)
     survivor, woken = results[0], results[1]
     assert survivor["rounds"] == 4 and "round 5" in survivor["error"]
     assert "rank 1 (pid" in survivor["error"] and f"did not arrive within {timeout:g} s" in survivor["error"]

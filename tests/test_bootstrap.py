@@ -22,17 +22,8 @@ import msgspec
 import pytest
 
 from pdcore.control import bootstrap_server
-from pdcore.control.bootstrap import (
-    MAX_BODY_BYTES,
-    BootstrapClient,
-    BootstrapServer,
-    RankRegistration,
-    Registry,
-    parse_parallel_info,
-    parse_rank_info,
-    parse_rank_path,
-    parse_registration,
-)
+from pdcore.control.bootstrap import (MAX_BODY_BYTES, BootstrapClient, BootstrapServer, RankRegistration, Registry,
+                                      parse_parallel_info, parse_rank_info, parse_rank_path, parse_registration)
 from pdcore.core.deadline import Deadline, DeadlineExceeded
 from pdcore.core.errors import LocalProtocolError, RemoteProtocolError, StartError
 
@@ -59,13 +50,17 @@ def soon(seconds: float = 5.0) -> Deadline:
     return Deadline.after(seconds)
 
 
-@pytest.fixture
-def server() -> Iterator[BootstrapServer]:
-    srv = BootstrapServer("127.0.0.1", 0, max_body=64 * 1024, request_timeout=2.0)
+def served(srv: BootstrapServer) -> Iterator[BootstrapServer]:
+    """A fixture's server: started, then closed, with no server thread left behind."""
     srv.start()
     yield srv
     srv.close(soon())
     assert not any(t.name.startswith("pdcore-bootstrap") for t in threading.enumerate())
+
+
+@pytest.fixture
+def server() -> Iterator[BootstrapServer]:
+    yield from served(BootstrapServer("127.0.0.1", 0, max_body=64 * 1024, request_timeout=2.0))
 
 
 @pytest.fixture

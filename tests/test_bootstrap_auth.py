@@ -41,7 +41,7 @@ from pdcore.control.bootstrap import (
 from pdcore.core.deadline import Deadline
 from pdcore.core.errors import StartError
 
-from test_bootstrap import LAYOUT, cli_server, raw, reg, run_cli, soon
+from test_bootstrap import LAYOUT, cli_server, raw, reg, run_cli, served, soon
 
 SECRET = b"deployment-secret-0123456789abcdef"
 OTHER = b"another-secret-0123456789abcdefgh"
@@ -63,11 +63,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def server(clock: Clock) -> Iterator[BootstrapServer]:
-    srv = BootstrapServer("127.0.0.1", 0, secret=SECRET, request_timeout=5.0, clock=clock)
-    srv.start()
-    yield srv
-    srv.close(soon())
-    assert not any(t.name.startswith("pdcore-bootstrap") for t in threading.enumerate())
+    yield from served(BootstrapServer("127.0.0.1", 0, secret=SECRET, request_timeout=5.0, clock=clock))
 
 
 @pytest.fixture

@@ -54,26 +54,9 @@ from typing import Any
 from .accepting import client_spoke
 from .base import HELLO_TIMEOUT, MAC_BYTES, NONCE_BYTES, AcceptBackoff, AuthFailures
 from .deadline import Deadline
-from .tcp_hello import (
-    AT_CAP,
-    AUTH_FAILED,
-    AUTH_REQUIRED,
-    AUTH_UNSUPPORTED,
-    ACKS,
-    BUSY,
-    HELLO_REPLY,
-    MAGIC,
-    NO_PAIR,
-    OK,
-    VERSION,
-    WRONG_INSTANCE,
-    Hello,
-    HelloError,
-    challenge,
-    check_proof,
-    decode_hello,
-    hello_size,
-)
+from .tcp_hello import (AT_CAP, AUTH_FAILED, AUTH_REQUIRED, AUTH_UNSUPPORTED, ACKS, BUSY, HELLO_REPLY, MAGIC, NO_PAIR,
+                        OK, VERSION, WRONG_INSTANCE, Hello, HelloError, challenge, check_proof, decode_hello,
+                        hello_size)
 from .tcp_wire import MAX_HELLOS, MAX_MSG, PeerGone, fast as _fast, kernel_timeouts, recv_by, tune
 
 _PAIR_POLL = 0.05  # seconds: how often a data connection waiting for its ack connection looks for its end

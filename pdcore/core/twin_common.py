@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transport.limits import U64_MAX
 
-__all__ = ["FINGERPRINT_BYTES", "MAX_CAPACITY", "check_config", "mismatch_message", "rid_hash"]
+__all__ = ["FINGERPRINT_BYTES", "MAX_CAPACITY", "check_config", "describe_mismatch", "mismatch_message", "rid_hash"]
 
 #: Bytes of the (count, hash) fingerprint; the buffer carries them twice (h, 255-h).
 FINGERPRINT_BYTES = 12
@@ -39,17 +39,22 @@ def rid_hash(rid: str, slot: int) -> int:
     return h ^ (h >> 31)
 
 
-def mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
-    """Name what differs: the number of live requests, or which requests they are."""
+def describe_mismatch(mine: bytes, lowest: bytes, highest: bytes, *, agreement: str, held: str, not_same: str,
+                      rule: str) -> str:
+    """A refused agreement in words, as the PD and EPD tables both put it: the ranks hold different numbers
+    of ``held`` requests, or as many but not the same ``not_same``; ``rule`` says what every rank must do."""
     count = int.from_bytes(mine[8:], "little")
     if lowest[8:] != highest[8:]:
         what = (
-            f"the ranks hold different numbers of live requests (this rank {count}, replica byte-wise "
+            f"the ranks hold different numbers of {held} requests (this rank {count}, replica byte-wise "
             f"min {int.from_bytes(lowest[8:], 'little')} / max {int.from_bytes(highest[8:], 'little')})"
         )
     else:
-        what = f"the ranks hold {count} live requests each, but not the same (slot, rid) set"
-    return (
-        f"replica agreement refused: {what}; this rank's fingerprint is {mine.hex()}. "
-        "Every rank must register and remove the same rids in the same order."
-    )
+        what = f"the ranks hold {count} {held} requests each, but not the same {not_same}"
+    return f"{agreement} agreement refused: {what}; this rank's fingerprint is {mine.hex()}. {rule}"
+
+
+def mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
+    """Name what differs: the number of live requests, or which requests they are."""
+    return describe_mismatch(mine, lowest, highest, agreement="replica", held="live", not_same="(slot, rid) set",
+                             rule="Every rank must register and remove the same rids in the same order.")

@@ -31,13 +31,6 @@ The receiver's table on one prefill rank, sans-IO (the peer adds the I/O)::
 
 from __future__ import annotations
 
-from .types import (
-    EmbeddingChunk,
-    EmbeddingItem,
-    EmbeddingReceiver,
-    EmbeddingSender,
-    LandedItem,
-    LandedRequest,
-)
+from .types import EmbeddingChunk, EmbeddingItem, EmbeddingReceiver, EmbeddingSender, LandedItem, LandedRequest
 
 __all__ = ["EmbeddingChunk", "EmbeddingItem", "EmbeddingReceiver", "EmbeddingSender", "LandedItem", "LandedRequest"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from transport.limits import U64_MAX
 
-from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
+from ..core.twin_common import FINGERPRINT_BYTES, describe_mismatch, rid_hash
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
 from . import _recv_spec
@@ -123,21 +123,10 @@ def config_salt(ranks: int, sharded: bool) -> int:
 
 def mismatch_message(mine: bytes, lowest: bytes, highest: bytes) -> str:
     """Name what differs between the ranks: the number of staged requests, or which they are."""
-    count = int.from_bytes(mine[8:], "little")
-    if lowest[8:] != highest[8:]:
-        what = (
-            f"the ranks hold different numbers of staged requests (this rank {count}, replica byte-wise "
-            f"min {int.from_bytes(lowest[8:], 'little')} / max {int.from_bytes(highest[8:], 'little')})"
-        )
-    else:
-        what = (
-            f"the ranks hold {count} staged requests each, but not the same (order, rid) set, "
-            "or their tables split the images differently (ranks, sharded)"
-        )
-    return (
-        f"EPD receiver agreement refused: {what}; this rank's fingerprint is {mine.hex()}. "
-        "Every rank must stage the same rids in the same order and settle the same codes."
-    )
+    return describe_mismatch(
+        mine, lowest, highest, agreement="EPD receiver", held="staged",
+        not_same="(order, rid) set, or their tables split the images differently (ranks, sharded)",
+        rule="Every rank must stage the same rids in the same order and settle the same codes.")
 
 
 def _clock(now: object) -> float:
