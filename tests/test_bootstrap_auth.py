@@ -101,7 +101,7 @@ def assert_refused(answer: bytes, why: str) -> None:
 
 def assert_serving(server: BootstrapServer) -> None:
     """Every server thread is alive and a legitimate client is still served."""
-    assert server._thread is not None and server._thread.is_alive()
+    assert server._thread is not None and server._thread.is_alive()  # white-box: the server names no thread of its own
     client = BootstrapClient("127.0.0.1", server.port, secret=SECRET)
     assert client.health(soon())
     client.parallel_info(soon())  # answered, and the answer's signature checked (None while nobody registered)

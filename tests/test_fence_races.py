@@ -100,7 +100,7 @@ def test_pages_come_back_only_once_the_revoke_completed(pair: Pair) -> None:
     pair.pump(entered.is_set, "decode's driver to start the revoke", sides=("decode",))
     pair.rounds(5)  # rounds while the revoke is under way
     assert not pair.ended("decode", rid), "decode handed the pages back before its revoke completed"
-    assert decode._transport._grants.get(grant.key) is not None
+    assert decode._transport._grants.get(grant.key) is not None  # white-box: the transport's own grant record
     go.set()
     pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room")
     assert pair.ended("decode", rid) == "Failed"

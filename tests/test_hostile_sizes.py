@@ -52,7 +52,7 @@ def test_parked_announcements_are_bounded_per_sender(pair: Pair, dealer: Any) ->
     for room in range(100, 400):  # 300 x 500 pages = 150,000 pages: a third of them fits
         dealer.send(_announce(room, 500))
     dealer.send(wire.encode(wire.Abort(room=999)))  # a marker: handled after every announcement above
-    parking = pair.prefill._engine._pending
+    parking = pair.prefill._engine._pending  # white-box: the budgets are the engine's parking, per sender
     pair.pump(lambda: pair.prefill._engine._tombstones.get(999) is not None, "the announcements to arrive")
     assert parking.pages(HOSTILE) <= 50_000 and len(parking) == 100, (parking.pages(HOSTILE), len(parking))
     assert 1 not in parking

@@ -116,7 +116,7 @@ def test_malformed_control_frames_fail_only_what_they_name(pair: Pair, side: str
         assert pair.landed_intact(rid), rid
     # every thread is alive and the peer still serves: a new request goes through
     for p in (pair.prefill, pair.decode):
-        assert p._driver._thread.is_alive() and p._channel._thread.is_alive()
+        assert p._driver._thread.is_alive() and p._channel._thread.is_alive()  # white-box: the threads themselves
     pair.register("after", room=3000)
     pair.drive(["after"])
     assert pair.ended("decode", "after") == "RemotePrefillDone" and pair.landed_intact("after")
@@ -197,7 +197,7 @@ def test_garbage_http_to_the_bootstrap_server_gets_clear_errors(pair: Pair) -> N
     assert info is not None and (info.tp_sizes, info.dp_size) == ((1,), 1)
     rank = client.rank(0, 0, Deadline.after(5.0))
     assert rank is not None and rank.endpoint == endpoint
-    assert pair.server._thread.is_alive()
+    assert pair.server._thread.is_alive()  # white-box: the server names no thread of its own
     # and transfers that look the prefill rank up afresh go through
     rids = [f"r{i}" for i in range(4)]
     pair.register_each(rids, 4000)
@@ -218,6 +218,7 @@ def test_a_malformed_frame_from_a_registered_peer_fails_only_the_room_it_names(p
     pair.register(victim, room=5999)
     sender_side = "decode" if receiver == "prefill" else "prefill"
     to, frm = getattr(pair, receiver), getattr(pair, sender_side)
+    # (white-box: the receiving channel has learned the sender's endpoint, so its frames reach the engine)
     pair.pump(lambda: all(pair.seen("decode", "Bootstrapped", rid) for rid in [*rids, victim])
               and frm.control_endpoint in to._channel._senders.values(), f"decode to bootstrap, {receiver} to know {sender_side}")
     if receiver == "prefill":  # an announcement for X with a page twice

@@ -142,6 +142,7 @@ def test_decode_hands_pages_back_only_after_revoking_and_late_writes_land_nothin
         pair.prefill.abort_room(rid, room)
     pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room", timeout=timeout + 15)
     assert pair.ended("decode", rid) == "Failed"
+    # white-box: the transport's own grant record (a transport has no public question for one grant)
     assert not pair.decode._transport._grants.get(held[0][4]), "the pages went back with the grant still live"
     _fill_canary(pair, rid)
     pair.pump(lambda: _failed(pair.prefill, rid), "prefill to fail the room")

@@ -31,7 +31,7 @@ def pair() -> Any:
 
 
 def _cut_data_connections(pair: Pair) -> int:
-    sinks = list(pair.decode._transport._sinks.values())
+    sinks = list(pair.decode._transport._sinks.values())  # white-box: the sink's sockets, cut under it
     for conn, _thread in sinks:
         conn.shutdown(socket.SHUT_RDWR)
     return len(sinks)
@@ -56,6 +56,7 @@ def test_new_rooms_succeed_after_the_data_connection_dropped(pair: Pair) -> None
 def test_decode_registers_again_when_prefill_forgot_it(pair: Pair) -> None:
     pair.register("before", 1)
     pair.drive(["before"])
+    # white-box: prefill forgets its data connection to decode, as after decode looked dead for a while
     (endpoint,) = pair.prefill._engine._sinks
     pair.prefill._submit(pair.prefill._engine._lose_sink, endpoint, "decode looked dead for a while")
     through_worker(pair.prefill)
