@@ -23,6 +23,7 @@ from .base import (
     encode_endpoint,
 )
 from .registry import available, create, register_transport, transport_class
+from .staging import StagedTransport
 
 __all__ = [
     "Batch",
@@ -31,6 +32,7 @@ __all__ = [
     "OnDone",
     "PeerHandle",
     "Region",
+    "StagedTransport",
     "Transport",
     "as_batch",
     "available",

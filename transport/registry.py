@@ -11,6 +11,11 @@ wrapper takes ``seed``, ``fail_rate``, ``land_rate`` and ``delay``
 transport: ``create("faulty:tcp", seed=1, fail_rate=0.05, host="127.0.0.1")``; so does
 ``secret`` (the deployment secret: ``create("faulty:tcp", secret=s)`` authenticates the
 inner transport's handshakes).
+
+``"staged:<inner>"`` (e.g. ``"staged:tcp"``) wraps ``<inner>`` in
+``transport.staging.StagedTransport``, which registers device memory (CUDA tensors) through
+pinned host mirrors; the wrapper takes ``transport.staging.WRAPPER_OPTIONS`` (``device``,
+``seed``, ...), the inner transport every other option.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ __all__ = ["available", "create", "register_transport"]
 
 _lock = threading.Lock()
 _FAULTY_PREFIX = "faulty:"
+_STAGED_PREFIX = "staged:"
 _FACTORIES: dict[str, str] = {
     "tcp": "transport.tcp:TcpTransport",
     "verbs": "transport.verbs:VerbsTransport",
@@ -57,6 +63,11 @@ def transport_class(name: str) -> type[Transport]:
         from .faulty import FaultyTransport
 
         return FaultyTransport
+    if name.startswith(_STAGED_PREFIX):
+        transport_class(name[len(_STAGED_PREFIX) :])
+        from .staging import StagedTransport
+
+        return StagedTransport
     with _lock:
         target = _FACTORIES.get(name)
     if target is None:
@@ -83,6 +94,16 @@ def create(name: str, **options: Any) -> Transport:
         inner = create(name[len(_FAULTY_PREFIX) :], **options)
         try:
             return FaultyTransport(inner, **wrapper)
+        except BaseException:
+            inner.close()
+            raise
+    if name.startswith(_STAGED_PREFIX):
+        from .staging import WRAPPER_OPTIONS as STAGED_OPTIONS, StagedTransport
+
+        staged = {k: options.pop(k) for k in STAGED_OPTIONS if k in options}
+        inner = create(name[len(_STAGED_PREFIX) :], **options)
+        try:
+            return StagedTransport(inner, **staged)
         except BaseException:
             inner.close()
             raise
