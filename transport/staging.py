@@ -157,8 +157,8 @@ class StagedTransport(Transport):
     use) and registers everything else as it is; ``"standin"`` treats buffers ``stand_in(buf)``
     accepts (default: every numpy array and torch tensor) as device memory, copied by a
     :class:`StandInCopier` (``seed``, ``max_delay``: its late, out-of-order completions), for tests
-    and machines without a GPU. ``max_inflight``: batches in flight per peer (default: the inner
-    transport's, else 64).
+    and machines without a GPU. ``max_inflight``: batches in flight per peer (default and at most:
+    the inner transport's, else 64).
 
     Counters: ``stats`` (``gathers``, ``scatters``, ``bytes_gathered``, ``bytes_scattered``,
     ``copy_errors``), each also a property; ``device_path`` and ``paths()`` say how registered
@@ -179,7 +179,11 @@ class StagedTransport(Transport):
     ) -> None:
         if device not in ("auto", "standin"):
             raise StartError(f"staged transport: device is 'auto' or 'standin', got {device!r}")
-        limit = max_inflight if max_inflight is not None else getattr(inner, "_max_inflight", 64)
+        # Never above the inner transport's bound: a gathered batch posted from a copier thread must find a slot.
+        inner_limit = getattr(inner, "_max_inflight", None)
+        limit = max_inflight if max_inflight is not None else (inner_limit or 64)
+        if isinstance(inner_limit, int) and isinstance(limit, int):
+            limit = min(limit, inner_limit)
         if not isinstance(limit, int) or limit < 1:
             raise StartError(f"staged transport: max_inflight must be a positive integer, got {limit!r}")
         self.inner = inner
