@@ -22,7 +22,7 @@ from typing import Any
 
 from ..core.deadline import Deadline
 from ..core.errors import CapacityError, PdError
-from ..protocol.actions import Connect, Disconnect, Grant, LookUp, Post, Revoke, Send
+from ..protocol.actions import Connect, Disconnect, Grant, Land, LookUp, Post, Revoke, Send
 from ..protocol.engine import EngineInputs
 
 __all__ = ["Performer"]
@@ -123,6 +123,11 @@ class Performer:
             self._io(engine, action)
         elif kind is LookUp:
             self._io(engine, action)
+        elif kind is Land:
+            try:
+                self._transport.land(action.ranges, _Scattered(self, engine, action.token))
+            except (ValueError, PdError) as e:  # nothing was copied: the room fails rather than waits
+                engine.scattered(action.token, str(e), self._clock())
         else:
             raise TypeError(f"not an action: {action!r}")
 
@@ -219,3 +224,15 @@ class _Written:
     def __call__(self, _batch: int, error: Any) -> None:
         p = self._performer
         p._result(p.written, self._engine, self.token, self._handle, None if error is None else str(error))
+
+
+class _Scattered:
+    """A ``Land``'s copy into device memory finished (a copier thread): ``engine.scattered`` on the driver's thread."""
+
+    __slots__ = ("_performer", "_engine", "_token")
+
+    def __init__(self, performer: Performer, engine: Any, token: Any) -> None:
+        self._performer, self._engine, self._token = performer, engine, token
+
+    def __call__(self, error: str | None) -> None:
+        self._performer._result(self._engine.scattered, self._token, error)

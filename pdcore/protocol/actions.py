@@ -20,6 +20,8 @@ action         the driver does                            and feeds back
                once it is done                            the next action
 ``LookUp``     ask a bootstrap server for a deployment's  ``looked_up(server, info, ranks,
                shape and ranks, off the engine's thread   error)``
+``Land``       copy landed ranges from host staging into  ``scattered(token, error)``, once
+               device memory (device-resident KV only)
 =============  =========================================  ==================================
 
 A ``Grant`` or ``Revoke`` is answered before the driver performs the next
@@ -37,7 +39,7 @@ from typing import Any, NamedTuple
 
 from ..control import wire
 
-__all__ = ["Send", "Connect", "Disconnect", "Post", "Grant", "Revoke", "LookUp", "Action"]
+__all__ = ["Send", "Connect", "Disconnect", "Post", "Grant", "Revoke", "LookUp", "Land", "Action"]
 
 
 class Send(NamedTuple):
@@ -102,4 +104,14 @@ class LookUp(NamedTuple):
     keys: frozenset[tuple[int, int]]
 
 
-Action = Send | Connect | Disconnect | Post | Grant | Revoke | LookUp
+class Land(NamedTuple):
+    """Copy ``ranges`` (``(addr, length)`` of registered memory whose bytes landed) into the device memory
+    they stage (a staged transport's ``land``: ``transport.staging``). Only an engine given
+    ``Services.staged`` emits it, for a room every source reported landed: the room counts as landed
+    once ``scattered`` says the copy finished, and a revoke of its grant waits for the copy."""
+
+    token: Any
+    ranges: list[tuple[int, int]]
+
+
+Action = Send | Connect | Disconnect | Post | Grant | Revoke | LookUp | Land

@@ -38,7 +38,7 @@ from ..core.errors import LocalProtocolError, PdError
 from ..core.events import RemotePrefill
 from ..kv.layout import KvLayout
 from ..kv.routing import routing
-from .actions import Grant, Revoke
+from .actions import Grant, Land, Revoke
 from .engine import DecodeSettings, DrivenTable, Engine, Services, ends
 from .lookups import Deployment, Lookups
 from .revokes import REVOKE_WAIT, RetryRevokes
@@ -97,6 +97,7 @@ class _Request:
     granting: int = 0  # grants asked for and not answered yet: the fence waits for their answers
     grant_error: str = ""  # why a grant was refused (the request failed; the others are revoked once answered)
     announced: bool = False  # its pages were announced to its prefill ranks (only then may they land)
+    scattering: bool = False  # its landed bytes are being copied from host staging into device memory (``Land``)
     abort_sent: bool = False
     mismatch: str = ""  # the deployments cannot pair: failing once its prefill ranks are told why
     rechecked: bool = False  # a verdict against one of its prefill ranks was checked with a fresh look-up
@@ -414,25 +415,47 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
             link.landed = msg  # type: ignore[assignment]
             if self._state(request.rid) in (None, State.FAILED):
                 return  # failed here meanwhile (a lost source, an abort): a late landing changes nothing
-            if all(l.landed is not None for l in request.links if l.owes):  # every source's bytes landed
-                first = next(l.landed for l in request.links if l.owes)
-                assert first is not None and first.first_token is not None
-                self.services.deliver("landed", request.rid, RemotePrefill(
-                    rid=request.rid,
-                    bootstrap_token=first.first_token,
-                    cached_tokens=first.cached_tokens,
-                    bootstrap_logprob=first.first_token_logprob,
-                    spec_candidate_ids=first.spec_candidate_ids,
-                    request_pool_index=request.request_pool_index,
-                ))
-                self._fire(request.rid, Trigger.WRITES_LANDED, now)
+            if request.scattering or not all(l.landed is not None for l in request.links if l.owes):
+                return  # a source's bytes are still on their way, or they all landed and are being copied
+            if self.services.staged:  # the bytes landed in host staging: the room lands once they are on the device
+                request.scattering = True
+                self._out.append(Land(request, page_ranges(self._layout, request.page_ids)))
+                return
+            self._landed(request, now)
+
+    def scattered(self, request: _Request, error: str | None, now: float) -> None:
+        """The answer to a ``Land``: the room's pages are in device memory (or could not be copied there).
+        A fence asked for meanwhile waited for this answer (``_revoke``): it goes on now."""
+        request.scattering = False
+        if error is not None:
+            self._fire(request.rid, Trigger.FAIL, now, f"copying the landed pages into device memory failed: {error}")
+        elif request.live and self._state(request.rid) not in (None, State.FAILED):
+            self._landed(request, now)
+            return
+        if self._state(request.rid) in (None, State.FAILED):
+            self._revoke(request, now)
+
+    def _landed(self, request: _Request, now: float) -> None:
+        """Every source's bytes are where the scheduler reads them: the landing goes to its side, then to the table."""
+        first = next(l.landed for l in request.links if l.owes)
+        assert first is not None and first.first_token is not None
+        self.services.deliver("landed", request.rid, RemotePrefill(
+            rid=request.rid,
+            bootstrap_token=first.first_token,
+            cached_tokens=first.cached_tokens,
+            bootstrap_logprob=first.first_token_logprob,
+            spec_candidate_ids=first.spec_candidate_ids,
+            request_pool_index=request.request_pool_index,
+        ))
+        self._fire(request.rid, Trigger.WRITES_LANDED, now)
 
     # -- fences ---------------------------------------------------------------------------
 
     def _revoke(self, request: _Request, now: float) -> None:
         """Take the room's grants back, one at a time, then close its fence: from there nothing lands in its pages.
-        While grants are still being answered the fence waits: the last answer revokes them (``granted``)."""
-        if request.granting > 0:
+        While grants are still being answered the fence waits: the last answer revokes them (``granted``);
+        so does it while landed bytes are being copied into device memory (``scattered``)."""
+        if request.granting > 0 or request.scattering:
             return
         link = next((l for l in request.links if l.grant is not None), None)
         if link is None:

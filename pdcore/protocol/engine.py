@@ -191,6 +191,7 @@ class Services(Generic[ConfigT, TableT]):
     counts: Counts | None = None
     stats: dict[str, int] | None = None  # the peer's counters the engine adds to (None: its own)
     deliver: Callable[[str, Any, Any], None] = lambda kind, key, value: None
+    staged: bool = False  # the memory written here is device memory staged through host memory: landings are copied in (``Land``)
 
 
 @dataclass(eq=False)

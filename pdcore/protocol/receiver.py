@@ -9,7 +9,10 @@ Per-request codes, per-item states and the slot pool are the receive table
   looked up and cached — gets ``EmbedRegister`` once per session, a grant of
   the slot (``Grant``) and ``EmbedAsk`` naming it;
 - ``EmbedStatus`` lands the item (its grant only goes: the writes completed) or
-  fails the request; a lost encode rank fails every request still waiting for
+  fails the request; with device-resident slots (``services.staged``) the rows
+  landed in host staging, and the item lands once a ``Land`` copied them into
+  the device (``scattered``), its grant kept until then so a fence's revoke
+  waits for that copy; a lost encode rank fails every request still waiting for
   it (and, until it registers again, those that need it later);
 - when the replica settles a request failed, every encode rank of its items
   hears of it (``Abort``), those never asked too (their items waited for a
@@ -18,7 +21,7 @@ Per-request codes, per-item states and the slot pool are the receive table
   encode rank can never land in another request's rows.
 
 Inputs: ``staged``, ``pump`` (slots were released), ``settled``, ``message``,
-``granted``, ``revoked``, ``looked_up``, ``peer_dead``, ``peer_back``,
+``granted``, ``revoked``, ``scattered``, ``looked_up``, ``peer_dead``, ``peer_back``,
 ``rooms_failed``, ``tick``, ``close``; each takes ``now``.
 """
 
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..control import wire
 from ..core.errors import LocalProtocolError, PdError
-from .actions import Grant, Revoke
+from .actions import Grant, Land, Revoke
 from .engine import Engine, ReceiverSettings, ReceivingTable, Services
 from .lookups import Deployment, Lookups
 from .revokes import REVOKE_WAIT, RetryRevokes
@@ -196,14 +199,18 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
         if record.slot is None:
             self._send_ask(record, endpoint, 0, 0, None)
             return
+        ranges = self._slot_ranges(record)
+        deep = ranges[1][0] if len(ranges) > 1 else 0
+        self._out.append(Grant((record, endpoint, ranges[0][0], deep), instance, ranges))
+
+    def _slot_ranges(self, record: _Item) -> list[tuple[int, int]]:
+        """The ``(addr, length)`` ranges an item's rows land in: its slot's rows, and its deepstack rows."""
         cfg = self._config
-        addr = self._slots_addr + record.slot * self._slot_bytes
-        ranges = [(addr, record.row_count * cfg.row_bytes)]
-        deep = 0
+        assert record.slot is not None
+        ranges = [(self._slots_addr + record.slot * self._slot_bytes, record.row_count * cfg.row_bytes)]
         if cfg.deepstack_width:
-            deep = self._deep_addr + record.slot * self._deep_bytes
-            ranges.append((deep, record.row_count * cfg.deepstack_row_bytes))
-        self._out.append(Grant((record, endpoint, addr, deep), instance, ranges))
+            ranges.append((self._deep_addr + record.slot * self._deep_bytes, record.row_count * cfg.deepstack_row_bytes))
+        return ranges
 
     def granted(self, token: tuple[_Item, str, int, int], grant: Any, error: str | None, now: float) -> None:
         """The answer to the ``Grant`` of an item's slot: the ask goes, naming it."""
@@ -318,10 +325,27 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
         if record.landed:
             return
         record.landed = True
+        del self._by_source[(sender, msg.room)]
+        if self.services.staged and record.slot is not None:  # in host staging: on the device, it lands
+            self._out.append(Land(record, self._slot_ranges(record)))
+            return
+        self._landed(record, now)
+
+    def scattered(self, record: _Item, error: str | None, now: float) -> None:
+        """The answer to a ``Land``: the item's rows are in device memory, or could not be copied there (its
+        request fails). A request settled failed meanwhile has its slot fenced: the revoke of its grant,
+        which the copy held back, says when the slot is free."""
+        if record.dropped:
+            return
+        if error is not None:
+            self._fail(record.rid, f"copying room {record.item.room}'s rows into device memory failed: {error}", now)
+            return
+        self._landed(record, now)
+
+    def _landed(self, record: _Item, now: float) -> None:
         if record.grant is not None:  # every write through it completed: the grant only goes
             self._out.append(Revoke(("landed", record.grant), record.grant, True, REVOKE_WAIT))
             record.grant = None
-        del self._by_source[(sender, msg.room)]
         self.stats["landed"] += 1
         try:
             self._table.landed(record.rid, record.item.index, now)
