@@ -16,6 +16,7 @@ from typing import Any
 
 from ..core.deadline import Deadline
 from ..node.base import PeerBase
+from ..node.device import MirrorMap, stages
 from ..protocol.encode import EncodeEngine
 from ..protocol.engine import Services
 from .config import EncodeConfig
@@ -34,16 +35,23 @@ class EncodePeer(PeerBase):
     def _init_state(self) -> None:
         self._table = SendRooms.of(self._config)  # the engine's table: the rooms' rules
         self.front: EncodeFront | None = None  # made with the engine
+        self._mirrors = MirrorMap()  # send buffers in device memory -> where the transport stages them
 
     def _register_memory(self) -> None:
         for buf in self._config.send_buffers:
-            self._transport.register(buf, require_grant=True)  # nobody writes into them
+            region = self._transport.register(buf, require_grant=True)  # nobody writes into them
+            if stages(self._transport, self._config, buf):
+                self._mirrors.add(buf, region.addr)  # a chunk names device rows: its bytes go from the mirror
+
+    def _buffers(self) -> tuple[Any, ...]:
+        return tuple(self._config.send_buffers)
 
     def _make_engine(self, services: Services) -> EncodeEngine:
         engine = EncodeEngine(services)
         assert self._driver is not None
         self.front = EncodeFront(engine=engine, config=self._config, submit=self._driver.submit,
-                                 result=self._driver.submit_result, regions=self._transport.regions())
+                                 result=self._driver.submit_result, regions=self._transport.regions(),
+                                 staged=self._mirrors.host if self._mirrors else None)
         return engine
 
     def _deliver(self, kind: str, key: Any, value: Any) -> None:

@@ -11,6 +11,8 @@ objects.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
@@ -26,19 +28,21 @@ __all__ = ["EncodeFront", "ReceiverFront"]
 class EncodeFront:
     """An encode rank's rooms as its scheduler holds them: ``begin``, ``send``, ``fail``, ``concluded``.
 
-    ``regions`` are the send buffers as registered (a chunk's rows must lie in one of them). A call the
+    ``regions`` are the send buffers as registered (a chunk's rows must lie in one of them);
+    ``staged`` maps a chunk's rows in a device send buffer to their host mirror. A call the
     driver cannot take now (``CapacityError``) costs only its room: ``begin`` answers False, and a
     ``send`` or ``fail`` fails the room (through ``result``, never refused), which concludes as any."""
 
     ROLE = "encode"
 
     def __init__(self, *, engine: Any, config: Any, submit: Callable[..., None], result: Callable[..., None],
-                 regions: Any) -> None:
+                 regions: Any, staged: Callable[[int, int], int] | None = None) -> None:
         self.engine = engine
         self.config = config
         self._submit = submit
         self._result = result
         self._regions = tuple(regions)
+        self._staged = staged  # a device address -> where its bytes are staged (None: no send buffer is on a device)
         self.closed = False
         self._begun: dict[int, bool] = {}  # rooms begun and not yet handed back by concluded() -> rows sent
         self._gone: OrderedDict[int, float] = OrderedDict()  # rooms concluded() handed back -> until (late calls)
@@ -92,6 +96,10 @@ class EncodeFront:
     def send(self, chunk: EmbeddingChunk, now: float) -> None:
         if type(chunk) is not EmbeddingChunk:
             raise LocalProtocolError(f"send: expected an EmbeddingChunk, got {type(chunk).__name__}")
+        staged = self._staged
+        if staged is not None:  # the rows are in device memory: the writes go from their host mirror
+            chunk = dataclasses.replace(chunk, source=staged(chunk.source, chunk.nbytes), deepstack_source=(
+                staged(chunk.deepstack_source, chunk.deepstack_nbytes) if chunk.has_deepstack else 0))
         spans = [("source", chunk.source, chunk.nbytes)]
         if chunk.has_deepstack:
             spans.append(("deepstack_source", chunk.deepstack_source, chunk.deepstack_nbytes))

@@ -30,6 +30,7 @@ from transport.base import byte_view
 from ..core.agreement import Agreement
 from ..core.errors import LocalProtocolError, StartError
 from ..core.replica import check_replica
+from ..node.device import stages
 from ..protocol.engine import Services
 from ..protocol.receiver import ReceiverEngine
 from .config import ReceiverConfig
@@ -81,9 +82,12 @@ class Receiver:
             except BaseException:
                 transport.deregister(self._region)
                 raise
+        # slots in device memory (or the stand-in device's) receive into host staging; rows() views the device
+        self._staged = stages(transport, services.config, self._memory)
         self._engine = ReceiverEngine(
             Services(config=config, session_id=services.session_id, epoch=services.epoch, table=self._table,
-                     endpoint=transport.endpoint()),  # now: it describes the slots just registered
+                     endpoint=transport.endpoint(),  # now: it describes the slots just registered
+                     staged=self._staged),
             tp_rank=tp_rank, tp_size=tp_size, slots_addr=self._region.addr,
             deep_addr=self._deep_region.addr if self._deep_region is not None else 0,
         )
@@ -145,20 +149,28 @@ class Receiver:
         """The requests the last settle dropped as failed: (rid, reason)."""
         return self.front.failed()
 
-    def rows(self, slot: int, count: int) -> np.ndarray:
-        """The first ``count`` rows of ``slot`` as a ``(count, row bytes)`` uint8 view (copy them out, then ``release``)."""
+    def rows(self, slot: int, count: int) -> Any:
+        """The first ``count`` rows of ``slot`` as a ``(count, row bytes)`` uint8 view (copy them out, then ``release``):
+        a numpy array, or a tensor on the device for slots in device memory."""
         return self._view(self._region, self._memory, self._slot_bytes, self._config.row_bytes, slot, count)
 
-    def deepstack_rows(self, slot: int, count: int) -> np.ndarray:
+    def deepstack_rows(self, slot: int, count: int) -> Any:
         """The first ``count`` deepstack rows of ``slot`` as a ``(count, deepstack row bytes)`` uint8 view
         (``LocalProtocolError`` if the receiver has no deepstack buffer); copy them out, then ``release``."""
         if not self._config.deepstack_width:
             raise LocalProtocolError("deepstack_rows: the receiver has no deepstack buffer")
         return self._view(self._deep_region, self._deep_memory, self._deep_bytes, self._config.deepstack_row_bytes, slot, count)
 
-    def _view(self, region: Any, owner: Any, slot_bytes: int, row_bytes: int, slot: int, count: int) -> np.ndarray:
+    def _view(self, region: Any, owner: Any, slot_bytes: int, row_bytes: int, slot: int, count: int) -> Any:
         if not 0 <= slot < self._config.slots or not 0 <= count <= self._config.slot_rows:
             raise LocalProtocolError(f"slot {slot} / {count} rows is outside the pool")
+        if self._staged:  # the rows were copied into the buffer given (the registered region is its host mirror)
+            start = slot * slot_bytes
+            if isinstance(owner, np.ndarray):
+                return owner.reshape(-1).view(np.uint8)[start:start + count * row_bytes].reshape(count, row_bytes)
+            import torch  # a tensor was given: torch is loaded
+
+            return owner.reshape(-1).view(torch.uint8)[start:start + count * row_bytes].view(count, row_bytes)
         view = byte_view(region.addr + slot * slot_bytes, count * row_bytes, owner)
         return np.frombuffer(view, dtype=np.uint8).reshape(count, row_bytes)
 

@@ -40,6 +40,7 @@ from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import PdError, PeerError, StartError
 from ..protocol.engine import EngineInputs, Services
 from .config import NodeConfig
+from .device import staged_transport
 from .driver import Driver
 
 __all__ = ["PeerBase"]
@@ -69,6 +70,7 @@ class PeerBase:
         self._driver: Driver | None = None
         self._engine: EngineInputs | None = None  # the role's engine (a prefill peer's receiver engine rides on the same driver)
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
+        self._staged = False  # the memory peers write into here is device memory (``pdcore.node.device``)
 
     # -- start and stop -----------------------------------------------------------------
 
@@ -81,7 +83,7 @@ class PeerBase:
         if self._secret is not None:
             options.setdefault("secret", self._secret)
         with contextlib.ExitStack() as stack:
-            self._transport = transport_mod.create(cfg.transport, **options)
+            self._transport = staged_transport(transport_mod.create(cfg.transport, **options), cfg, self._buffers())
             stack.callback(self._transport.close)
             self._register_memory()
             self._channel = control_plane.create(
@@ -117,7 +119,8 @@ class PeerBase:
         base: dict[str, Any] = dict(config=self._config, session_id=self.session_id, epoch=self.epoch,
                                     table=getattr(self, "_table", None), endpoint=self._transport.endpoint(),
                                     regions=regions, layout=getattr(self, "_layout", None),
-                                    counts=getattr(self, "counts", None), stats=self.stats, deliver=self._deliver)
+                                    counts=getattr(self, "counts", None), stats=self.stats, deliver=self._deliver,
+                                    staged=self._staged)
         base.update(extra)
         return Services(**base)
 
@@ -299,6 +302,10 @@ class PeerBase:
     def _register_memory(self) -> None:
         """Register the role's memory with the transport (``self._transport``), before the channel opens."""
         raise NotImplementedError
+
+    def _buffers(self) -> tuple[Any, ...]:
+        """The memory this role's config gives the transport (device memory among it is staged)."""
+        return ()
 
     def _make_engine(self, services: Services[Any, Any]) -> EngineInputs:
         """The role's engine (``pdcore.protocol``), given what it needs."""

@@ -14,7 +14,8 @@ import numpy as np
 from ..control.auth import check_secret
 from ..core.errors import StartError
 
-__all__ = ["NodeConfig", "check_registration", "check_seconds", "check_writable_buffer", "config_error"]
+__all__ = ["NodeConfig", "check_registration", "check_seconds", "check_writable_buffer", "config_error",
+           "is_device_memory"]
 
 
 def config_error(config: object, name: str, why: str) -> StartError:
@@ -30,9 +31,21 @@ def check_seconds(config: object, names: tuple[str, ...]) -> None:
             raise config_error(config, name, f"must be a positive number of seconds, got {value!r}")
 
 
+#: where a buffer given to a config may live: "cuda" memory is staged through pinned host memory
+DEVICES = ("cpu", "cuda")
+#: ``NodeConfig.device_memory``'s values
+DEVICE_MEMORY = ("auto", "standin")
+
+
+def is_device_memory(buf: Any) -> bool:
+    """True for a CUDA tensor (duck-typed: torch is not imported here)."""
+    return getattr(getattr(buf, "device", None), "type", "cpu") == "cuda"
+
+
 def check_writable_buffer(config: object, name: str, buf: Any) -> None:
     """``buf`` is memory a peer's transport may write into: a contiguous, writable numpy array or a
-    contiguous CPU torch tensor (duck-typed: torch is not imported here). Anything else is a
+    contiguous CPU or CUDA torch tensor (duck-typed: torch is not imported here; CUDA memory is
+    staged through host memory, ``NodeConfig.device_memory``). Anything else is a
     ``StartError`` naming ``name``: the transport writes into registered memory without asking
     Python, so a read-only array or ``bytes`` would be written behind the language's back; and a
     ``bytearray``, an ``(addr, length)`` pair or another buffer object is not what the configs
@@ -48,12 +61,12 @@ def check_writable_buffer(config: object, name: str, buf: Any) -> None:
         return
     if hasattr(buf, "data_ptr") and hasattr(buf, "is_contiguous"):
         device = getattr(getattr(buf, "device", None), "type", "cpu")
-        if device != "cpu":
-            raise config_error(config, name, f"is a tensor on {device!r}; the transport needs CPU memory")
+        if device not in DEVICES:
+            raise config_error(config, name, f"is a tensor on {device!r}; the transport takes CPU or CUDA memory")
         if not buf.is_contiguous():
             raise config_error(config, name, "is not a contiguous tensor (.contiguous() makes one)")
         return
-    raise config_error(config, name, f"must be a writable numpy array or a contiguous CPU torch tensor, got "
+    raise config_error(config, name, f"must be a writable numpy array or a contiguous CPU or CUDA torch tensor, got "
                        f"{type(buf).__name__}" + (" (np.frombuffer(b, np.uint8) views a bytearray as one)"
                                                   if isinstance(buf, bytearray) else ""))
 
@@ -89,6 +102,15 @@ class NodeConfig:
       announcements a prefill rank parks before their room registers, and the
       tombstones and ended rids kept (4x); work past a queue's bound fails the
       room it concerns instead of waiting.
+
+    ``device_memory`` says how buffers in device memory (KV pages, receive slots,
+    send buffers given as CUDA tensors) reach the transport, which moves host
+    memory: ``"auto"`` stages every CUDA tensor through pinned host memory the
+    transport registers (gathered into it on a stream of its own before writes are
+    posted; scattered from it after a room's bytes landed, and the room lands only
+    then), and leaves host memory as it is. ``"standin"`` treats every buffer as
+    device memory of a stand-in device (CPU memory copied by a thread whose copies
+    finish late and out of order): what CI runs the staging path on, without a GPU.
     """
 
     tp_size: int = 1
@@ -105,6 +127,7 @@ class NodeConfig:
     start_timeout: float = 30.0
     max_pending: int = 4096
     secret: bytes | None = field(default=None, repr=False)
+    device_memory: str = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp_size <= 1024 or not 0 <= self.tp_rank < self.tp_size:
@@ -122,6 +145,8 @@ class NodeConfig:
             raise config_error(self, "control_options", f"the 'zmq' plane takes none, got {sorted(self.control_options)}")
         if self.max_pending < 1:
             raise config_error(self, "max_pending", f"must be positive, got {self.max_pending}")
+        if self.device_memory not in DEVICE_MEMORY:
+            raise config_error(self, "device_memory", f"must be one of {', '.join(DEVICE_MEMORY)}, got {self.device_memory!r}")
 
 
 def check_registration(config: Any) -> None:

@@ -18,6 +18,7 @@ from ..core.events import BootstrapInfo, Event
 from ..core.replica import check_replica
 from ..core.table import StateTable
 from ..node.base import PeerBase
+from ..node.device import stages
 from ..protocol.engine import Services
 from .config import TransferConfig
 from .front import PdFront, check_logprob, wire_int
@@ -125,7 +126,11 @@ class PdPeer(PeerBase):
             if region.length < page * cfg.num_pages:
                 raise StartError(f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}")
             regions.append(region)
+            self._staged = self._staged or stages(self._transport, cfg, buf)
         self._layout = kv_layout(regions, cfg)
+
+    def _buffers(self) -> tuple[Any, ...]:
+        return tuple(self._config.kv_buffers)
 
     def close(self) -> None:
         if self.front is not None:
