@@ -201,11 +201,12 @@ class SimRank:
         self.landed: set[str] = set()  # rids whose landing the engine delivered here (decode)
         self.front: Any = None
         self.recv_front: ReceiverFront | None = None
+        self.staged = planes.fabric.faults.staged  # its buffers are device memory (the transport stages them)
         regions = [self.transport.register(b, require_grant=role != "encode") for b in buffers]
         if role == "encode":
             self.engine = EncodeEngine(self._services(SendRooms.of(config)))
             self.front = EncodeFront(engine=self.engine, config=config, submit=self.submit, result=self.input,
-                                     regions=self.transport.regions())
+                                     regions=self.transport.regions(), staged=self.transport.host if self.staged else None)
         else:
             self.table = SimTable(config.capacity, bootstrap_timeout=config.bootstrap_timeout,
                                   waiting_timeout=config.waiting_timeout)
@@ -223,9 +224,10 @@ class SimRank:
                 rank=config.tp_rank, ranks=config.tp_size, sharded=receiver.shard_rows, timeout=receiver.timeout)
             self.slots = np.zeros(receiver.slots * receiver.slot_rows * receiver.row_bytes, np.uint8)
             region = self.transport.register(self.slots, require_grant=True)
+            self.slots_addr = region.addr  # where the slots are written (their host mirror, when staged)
             self.receiver = ReceiverEngine(
                 Services(config=receiver, session_id=self.session_id, epoch=epoch, table=self.recv_table,
-                         endpoint=self.transport.endpoint()),
+                         endpoint=self.transport.endpoint(), staged=self.staged),
                 tp_rank=config.tp_rank, tp_size=config.tp_size, slots_addr=region.addr)
             self.performer.attach(self.receiver)
             self.recv_front = ReceiverFront(table=self.recv_table, engine=self.receiver, submit=self.submit,
@@ -237,7 +239,8 @@ class SimRank:
 
         regions = tuple(wire.Region(addr=r.addr, length=r.length, key=r.key) for r in self.transport.regions())
         return Services(config=self.config, session_id=self.session_id, epoch=self.epoch, table=table,
-                        endpoint=self.transport.endpoint(), regions=regions, layout=self.layout, deliver=self._deliver)
+                        endpoint=self.transport.endpoint(), regions=regions, layout=self.layout, deliver=self._deliver,
+                        staged=self.staged)
 
     def _deliver(self, kind: str, key: Any, value: Any) -> None:
         if kind == "landed":

@@ -11,6 +11,13 @@ nothing lands through the grant, which is exactly the promise fence before free
 rests on. Bytes really move (between numpy buffers the engines registered), so a
 landing can be checked byte for byte.
 
+Staged (``DataFaults.staged``): buffers registered are device memory, as a peer
+with ``device_memory`` stages them: the transport registers a host mirror of
+each, a write first copies its pages from the buffer into the mirror, and a sink
+copies what landed into the buffer when the engine asks (``land``), later and in
+any order; ``revoke`` fails (the engine retries) while a copy into the grant's
+pages is pending, as the real one waits for it.
+
 Faults (``Fabric.faults``): extra landing and completion delay, batches that
 fail at the sink, a source that pauses (its batches wait, still in flight, until
 it resumes: they then meet whatever grants hold then), a source killed (its
@@ -58,6 +65,8 @@ class DataFaults:
     refuse_grant: float = 0.0  # share of grants refused
     refuse_revoke: float = 0.0  # share of revokes that fail (the grant stays until one succeeds)
     max_inflight: int = 64  # batches in flight per connection before ``write`` refuses
+    staged: bool = False  # buffers registered now are device memory: the transport stages them (as ``transport.staging``)
+    copy_error: float = 0.0  # share of copies into device memory that fail
 
 
 class SimTransport:
@@ -74,15 +83,23 @@ class SimTransport:
         self.paused = False
         self.killed = False
         self.frozen: list[tuple[Any, ...]] = []  # batches of a paused source, waiting to go on
+        # staged buffers: (mirror addr, length, mirror, the buffer's bytes); the mirror is what is registered
+        self._mirrors: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        self.copying: list[list[tuple[int, int]]] = []  # ranges (mirror addresses) being copied into device memory
         fabric.transports[self.instance] = self
 
     # -- what a driver performs -------------------------------------------------------------
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         arr = np.asarray(buf)
+        self._owners.append(arr)
+        if self._fabric.faults.staged:  # device memory: peers write into its host mirror, which is what is registered
+            mirror = np.zeros(arr.nbytes, np.uint8)
+            self._mirrors.append((int(mirror.ctypes.data), int(arr.nbytes), mirror, arr.reshape(-1).view(np.uint8)))
+            arr = mirror
+            self._owners.append(mirror)
         region = Region(int(arr.ctypes.data), int(arr.nbytes), 0)
         self._regions.add(region)
-        self._owners.append(arr)
         if require_grant:
             self._guarded.add(region.addr)
         return region
@@ -109,6 +126,8 @@ class SimTransport:
             raise TransportError("revoke failed (simulated)", op="revoke")
         if self._grants.get(grant.key) is grant:
             self._grants.pop(grant.key)
+        if self.copying_into(grant.ranges):  # the real one waits for the copy, then gives up at its deadline
+            raise TransportError("a copy into the grant's pages is still pending (simulated)", op="revoke")
 
     def connect(self, endpoint: bytes, *, deadline: Any = None) -> SimHandle:
         dst = self._fabric.by_endpoint(endpoint)
@@ -130,10 +149,49 @@ class SimTransport:
         if fabric.refused("refuse_post"):
             raise TransportError("the write was refused (simulated)", op="write")
         rows = as_batch(batch)
+        if self._mirrors:  # the gather: the pages' bytes go into the mirror the writes read
+            self._copy(rows[:, 0].tolist(), rows[:, 2].tolist(), gather=True)
         handle.inflight += 1
         batch_id = next(self._fabric.ids)
         self._fabric.send(handle, rows, on_done, batch_id, grant)
         return batch_id
+
+    # -- device memory (staged) ----------------------------------------------------------
+
+    def host(self, addr: int, nbytes: int) -> int:
+        """Where a staged buffer's ``[addr, addr + nbytes)`` is mirrored (``addr`` if no staged buffer holds it)."""
+        for mirror_addr, length, _mirror, buf in self._mirrors:
+            base = int(buf.ctypes.data)
+            if base <= addr and addr + nbytes <= base + length:
+                return mirror_addr + addr - base
+        return addr
+
+    def _copy(self, addrs: list[int], lengths: list[int], *, gather: bool) -> None:
+        """Copy mirrored ranges between the buffers and their mirrors (``gather``: buffer -> mirror)."""
+        for addr, length in zip(addrs, lengths):
+            for mirror_addr, size, mirror, buf in self._mirrors:
+                if mirror_addr <= addr and addr + length <= mirror_addr + size:
+                    at = addr - mirror_addr
+                    if gather:
+                        mirror[at : at + length] = buf[at : at + length]
+                    else:
+                        buf[at : at + length] = mirror[at : at + length]
+                    break
+
+    def land(self, ranges: Any, on_done: Any) -> bool:
+        """The staged transport's ``land``: copy ``ranges`` from the mirrors into device memory, later (in simulated
+        time, in any order); ``on_done(None)`` or ``on_done(why)`` once. True if it answered already."""
+        spans = [(int(a), int(n)) for a, n in ranges]
+        if not self._mirrors:
+            on_done(None)
+            return True
+        self.copying.append(spans)
+        self._fabric.world.after(self._fabric._delay(), self._fabric.copy_in, self, spans, on_done)
+        return False
+
+    def copying_into(self, ranges: Any) -> bool:
+        """Whether a copy into device memory overlapping ``ranges`` is pending."""
+        return any(a < b + m and b < a + n for spans in self.copying for a, n in spans for b, m in ranges)
 
     # -- the sink's side -----------------------------------------------------------------
 
@@ -172,7 +230,8 @@ class Fabric:
         self.on_land: Any = None  # (sink, writes, grant key, source) before the bytes move; may raise
         self.on_grant: Any = None  # (sink, grant) when a sink grants
         self.stats = {"batches": 0, "landed": 0, "refused": 0, "lost": 0, "errors": 0, "dropped": 0, "frozen": 0, "full": 0,
-                      "posts_refused": 0, "grants_refused": 0, "revokes_refused": 0}
+                      "posts_refused": 0, "grants_refused": 0, "revokes_refused": 0, "copied_in": 0,
+                      "copies_failed": 0}
         self.blocked = 0  # writes that would have waited for room at a full sink (a driver never may)
 
     def refused(self, what: str) -> bool:
@@ -255,6 +314,22 @@ class Fabric:
                 self.stats["landed"] += 1
                 error = None
         self.world.after(self._delay(), self._done, handle, on_done, batch_id, error)
+
+    def copy_in(self, sink: SimTransport, spans: list[tuple[int, int]], on_done: Any) -> None:
+        """A staged sink's copy into device memory finishes (a paused process's copies wait for it)."""
+        if sink.killed:
+            return
+        if sink.paused:
+            self.world.after(self._delay() + 0.01, self.copy_in, sink, spans, on_done)
+            return
+        sink.copying.remove(spans)
+        if self.faults.copy_error and self.world.rng.random() < self.faults.copy_error:
+            self.stats["copies_failed"] += 1
+            on_done("the copy into device memory failed (simulated)")
+            return
+        sink._copy([a for a, _ in spans], [n for _, n in spans], gather=False)
+        self.stats["copied_in"] += 1
+        on_done(None)
 
     def _done(self, handle: SimHandle, on_done: Any, batch_id: int, error: Any) -> None:
         handle.inflight -= 1

@@ -24,6 +24,7 @@ class FaultLoop:
         net, fab, planes = self.planes.network.faults, self.planes.fabric.faults, self.planes.faults
         net.drop, net.duplicate, net.reorder, net.delay = f.drop, f.duplicate, f.reorder, f.delay
         fab.error, fab.jitter, fab.connection_drop = f.data_error, f.data_jitter, f.connection_drop
+        fab.staged, fab.copy_error = bool(self.faults.staged), f.copy_error  # staging is the deployment's, not a fault
         fab.refuse_post, fab.refuse_grant, fab.refuse_revoke = f.refuse_post, f.refuse_grant, f.refuse_revoke
         for name in ("lookup_timeout", "lookup_partial", "lookup_error", "lookup_garbage", "connect_error",
                      "refuse_inputs"):

@@ -6,7 +6,8 @@ average mix); about one seed in seven is clean, and there every request must
 land. The kinds cover the network (frames dropped, duplicated, reordered,
 delayed, partitions), the data plane (batches failed or late at the sink,
 data connections that break, sinks that fill up, posts, grants and revokes
-refused), the bootstrap servers
+refused; memory in a device, staged through host mirrors, and its copies
+failing), the bootstrap servers
 (look-ups that time out, answer for some ranks only, fail, or carry a garbled
 shape), data connects that fail, drivers that refuse inputs, processes
 (paused, killed and restarted, on a new or the same host:port), clocks (skewed
@@ -58,6 +59,8 @@ class Faults:
     data_error: float = 0.0
     data_jitter: float = 0.0
     connection_drop: float = 0.0  # share of batches whose data connection breaks (the next write connects again)
+    staged: float = 0.0  # on: every rank's memory is device memory its transport stages (not a fault: it stays on)
+    copy_error: float = 0.0  # share of copies into device memory that fail (staged runs)
     sink_full: float = 0.0  # on: a connection takes only a few batches in flight (drawn 1..4)
     refuse_post: float = 0.0  # share of writes the transport refuses
     refuse_grant: float = 0.0  # share of grants refused
@@ -124,6 +127,8 @@ _FAULT_DRAWS: tuple[tuple[str, float, tuple[float, ...] | None], ...] = (
 #: kinds drawn from a stream of their own (``_draw_late_kinds``), after the others and never with process faults alone
 _LATE_DRAWS: tuple[tuple[str, float, tuple[float, ...]], ...] = (
     ("connection_drop", 0.2, (0.005, 0.05)),
+    ("staged", 0.3, (1.0,)),  # the ranks' memory is device memory, staged through host mirrors
+    ("copy_error", 0.3, (0.01, 0.05)),  # (only where staged) copies into device memory that fail
 )
 _NEEDS_ENCODE = ("image_fail", "late_image")
 #: the kinds that befall processes only (no frame, batch or look-up goes wrong): a seed may draw from these alone,
@@ -175,3 +180,5 @@ def _draw_late_kinds(seed: int, f: Faults) -> None:
     for name, chance, rates in _LATE_DRAWS:
         if rng.random() < chance:
             setattr(f, name, rng.choice(rates))
+    if not f.staged:
+        f.copy_error = 0.0

@@ -37,6 +37,7 @@ import math
 from typing import Any
 
 from ..core.events import RemotePrefillDone
+from ..protocol.decode import page_ranges
 from .cluster import Replica, SimRank
 from .faults import PROCESS_FAULTS, TIMERS
 from .records import PAGES, ROW_BYTES, SLOT_ROWS, SLOTS, PdRequest
@@ -150,9 +151,12 @@ class Invariants:
         if entry is None:
             return
         _, replica, rank, _ = entry
+        if sink.copying_into(grant.ranges):
+            raise Violation(f"fence: {rank.name} granted pages (or a slot) again while landed bytes were still being "
+                            f"copied into them: grant {grant.key} {grant.ranges[:2]}")
         addr = grant.ranges[0][0]
-        if rank.receiver is not None and rank.slots.ctypes.data <= addr < rank.slots.ctypes.data + rank.slots.nbytes:
-            slot = (addr - rank.slots.ctypes.data) // (SLOT_ROWS * ROW_BYTES)
+        if rank.receiver is not None and rank.slots_addr <= addr < rank.slots_addr + rank.slots.nbytes:
+            slot = (addr - rank.slots_addr) // (SLOT_ROWS * ROW_BYTES)
             self._grant_owner[(sink, grant.key)] = rank.receiver._slot_owner.get(slot)
             self._slot_grant[(sink, slot)] = grant.key
         elif replica.role == "decode":
@@ -165,8 +169,12 @@ class Invariants:
         raise Violation(f"fence: address {addr:#x} is not in {rank.name}'s cache")
 
     def _fence_held(self, replica: Replica, req: PdRequest) -> None:
-        """A failed request's pages go back to the scheduler: none of its grants may still be live."""
+        """A failed request's pages go back to the scheduler: none of its grants may still be live, and no copy of
+        landed bytes into them may be pending (device memory)."""
         for r in replica.ranks:
+            if req.d_pages and r.transport.copying_into(page_ranges(r.layout, req.d_pages)):
+                raise Violation(f"fence: {req.rid}'s pages on {r.name} were handed back while landed bytes were still "
+                                "being copied into them")
             for key in r.transport.live_grant_keys():
                 if self._grant_owner.get((r.transport, key)) == req.rid:
                     raise Violation(f"fence: {req.rid}'s pages on {r.name} were handed back while its grant {key} "
@@ -179,8 +187,8 @@ class Invariants:
         _, replica, rank, _ = entry
         owner = self._grant_owner.get((sink, grant))
         for _local, remote, _length in writes:
-            if rank.receiver is not None and rank.slots.ctypes.data <= remote < rank.slots.ctypes.data + rank.slots.nbytes:
-                slot = (remote - rank.slots.ctypes.data) // (SLOT_ROWS * ROW_BYTES)
+            if rank.receiver is not None and rank.slots_addr <= remote < rank.slots_addr + rank.slots.nbytes:
+                slot = (remote - rank.slots_addr) // (SLOT_ROWS * ROW_BYTES)
                 if self._slot_grant.get((sink, slot)) != grant or owner is None:
                     # (a failed item's slot stays quarantined, held by nobody, until its grant's revoke is
                     # confirmed: a late write may land there; never once the slot was granted again)
