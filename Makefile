@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdcore-installed
 
-.PHONY: demo test test-pure test-long lint mutants fuzz wheel rdma mooncake nixl vllm bench bench-quick clean
+.PHONY: demo test test-pure test-long lint mutants fuzz wheel rdma mooncake nixl vllm bench bench-quick clean gpu-check gpu-wheels
 
 # torch 2.13.0 is the CPU wheel on this machine's disk; asked for first, so `torch>=2.13` installs nothing more.
 # One line per step; pip's own chatter (-qq) stays out of the way, its errors do not.
@@ -51,6 +51,16 @@ lint: $(STAMP)
 # Each planted bug in tests/mutants/ must fail the tests its patch names (MUTANTS=all: the slow ones too).
 mutants: $(STAMP)
 	PY=$(PY) bash tests/mutants/run.sh
+
+# On a machine with a GPU (CI has none): device KV end to end, its fence and its cost, in at most 6 minutes.
+# It needs no .venv: the machine's own Python with torch (CUDA), numpy and Cython, plus the wheels gpu-wheels fetches.
+gpu-check:
+	bash ci/gpu-check.sh
+
+# The wheels gpu-check installs, for a GPU machine that cannot reach PyPI (carry .gpu-wheels there).
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q -d .gpu-wheels --only-binary=:all: --python-version $${GPU_PYTHON:-3.12} \
+		pyzmq msgspec pytest pytest-timeout prometheus_client
 
 # The wheel a user installs: built from this tree, installed in a fresh venv, running the demo.
 wheel: $(STAMP)

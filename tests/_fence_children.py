@@ -45,6 +45,21 @@ def pattern_block(layer: int) -> np.ndarray:
     return block
 
 
+def kv_knobs() -> dict[str, Any]:
+    """The config knob for ``$PDCORE_FENCE_KV_DEVICE`` (cpu, standin, cuda): where the KV cache lives."""
+    return {"device_memory": "standin"} if os.environ.get("PDCORE_FENCE_KV_DEVICE") == "standin" else {}
+
+
+def _on_device(cache: list[np.ndarray]) -> list[Any]:
+    """``cache`` as the peer is given it: CUDA tensors with ``$PDCORE_FENCE_KV_DEVICE=cuda``, else itself
+    (the stand-in device's memory is host memory the peer stages as it stages a GPU's)."""
+    if os.environ.get("PDCORE_FENCE_KV_DEVICE") != "cuda":
+        return cache
+    import torch
+
+    return [torch.from_numpy(buf).to("cuda") for buf in cache]
+
+
 def _stop_requested(conn: Connection, wait: float) -> bool:
     """Wait up to ``wait`` seconds (a scheduler round) for the test's "stop"; EOF counts as stop."""
     try:
@@ -82,8 +97,8 @@ def _prefill(conn: Connection, port: int, transport: str, options: dict[str, Any
         buf.reshape(-1, _BLOCK)[:] = pattern_block(layer)
     registry = CollectorRegistry()
     peer, outbox = PrefillPeer.start(PrefillConfig(
-        kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options,
-        bootstrap_host="127.0.0.1", bootstrap_port=port, metrics=registry, **knobs))
+        kv_buffers=_on_device(cache), page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options,
+        bootstrap_host="127.0.0.1", bootstrap_port=port, metrics=registry, **knobs, **kv_knobs()))
 
     def posted() -> float:
         return registry.get_sample_value("pdcore_prefill_bytes_posted_total") or 0.0
@@ -133,19 +148,20 @@ def _decode(conn: Connection, port: int, transport: str, options: dict[str, Any]
     for ``window`` seconds or until the test says stop."""
     from pdcore import BootstrapInfo, Bootstrapped, DecodeConfig, DecodePeer, Failed, RemotePrefillDone
 
-    cache = [np.zeros(PAGES * PAGE, np.uint8) for _ in range(LAYERS)]
+    cache = _on_device([np.zeros(PAGES * PAGE, np.uint8) for _ in range(LAYERS)])
     for buf in cache:
-        buf.fill(0)  # resident, as a KV cache is
+        buf.fill_(0) if hasattr(buf, "fill_") else buf.fill(0)  # resident, as a KV cache is
     peer, inbox = DecodePeer.start(DecodeConfig(
-        kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options, **knobs))
+        kv_buffers=cache, page_bytes=PAGE, num_pages=PAGES, transport=transport, transport_options=options, **knobs,
+        **kv_knobs()))
     pages = list(range(PAGES))  # the request's pages: all of the cache, one run per buffer
     views = [buf.reshape(PAGES, PAGE)[pages[0] : pages[-1] + 1] for buf in cache]  # those pages, no copy
 
-    def landed() -> int:
-        return sum(int(np.count_nonzero(v)) for v in views)
+    def landed() -> int:  # (numpy arrays or CUDA tensors alike)
+        return sum(int((v != 0).sum()) for v in views)
 
     def overwritten(layer: int) -> int:
-        return int(np.count_nonzero(views[layer] != CANARY))
+        return int((views[layer] != CANARY).sum())
 
     try:
         conn.send(("ready", os.getpid()))

@@ -43,6 +43,8 @@ WINDOW = 8.0  # how long decode keeps checking the canary after Failed (unless t
 LIFETIME = 45.0  # a child's own deadline for its whole loop
 START = 90.0  # seconds for a child to come up: a bound, not a speed (a loaded machine, or the soft-RoCE guest's emulation)
 MiB = 1 << 20
+#: where both ranks keep the KV cache: cpu, or (``make gpu-check``) cuda; standin runs the stand-in device
+KV_DEVICE = os.environ.get("PDCORE_FENCE_KV_DEVICE", "cpu")
 
 DECODE_KNOBS = dict(heartbeat_interval=HEARTBEAT, dead_after=DEAD_AFTER, fence_timeout=FENCE_TIMEOUT,
                     bootstrap_timeout=FAR, waiting_timeout=FAR, tombstone_ttl=FAR)
@@ -104,7 +106,7 @@ def test_decode_frees_pages_only_when_a_paused_prefill_can_no_longer_write_them(
     landed = failed["landed"]
     first_seen = decode_report.get("first_seen")
     summary = (
-        f"[{transport_name}] landed before Failed: {landed / MiB:.1f} of {kids.TOTAL / MiB:.0f} MiB; "
+        f"[{transport_name}, KV on {KV_DEVICE}] landed before Failed: {landed / MiB:.1f} of {kids.TOTAL / MiB:.0f} MiB; "
         f"Failed {failed_after:.2f} s after the pause ({failed['reason']!r}); "
         f"canary bytes overwritten: {decode_report.get('overwritten')} (per buffer {decode_report.get('per_layer')}, "
         f"first seen {'never' if first_seen is None else f'{first_seen:.2f} s after Failed'}, checked for "
@@ -113,6 +115,8 @@ def test_decode_frees_pages_only_when_a_paused_prefill_can_no_longer_write_them(
     )
     print(summary)
     assert terminal == ["Failed"], f"decode must end the request exactly once, with Failed: {summary}"
-    if transport_name == "tcp":  # a stopped process stops its TCP writes: the pause must split the transfer
-        assert 0 < landed < kids.TOTAL, f"the pause did not fall mid-transfer: {summary}"
+    if transport_name == "tcp" and KV_DEVICE == "cpu":  # a stopped process stops its TCP writes: the pause
+        assert 0 < landed < kids.TOTAL, f"the pause did not fall mid-transfer: {summary}"  # must split the transfer
+    if KV_DEVICE != "cpu":  # bytes land in host staging; device pages get them only once the room landed
+        assert landed == 0, f"bytes reached device pages of a room that never landed: {summary}"
     assert decode_report["overwritten"] == 0, f"bytes landed in pages decode had handed back: {summary}"

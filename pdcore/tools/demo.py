@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .cli import report_start_failure
+from .device_kv import DeviceKv, device_memory
 from .progress import RunProgress
 from .ranks import context, supervise
 
@@ -98,6 +99,8 @@ class Plan:
     grants: bool = True
     #: the deployment secret every rank and bootstrap server of the run holds (None: unauthenticated)
     secret: bytes | None = field(default=None, repr=False)
+    #: where the ranks' KV cache lives: "cpu", "cuda" or "standin" (``pdcore.tools.device_kv``)
+    kv_device: str = "cpu"
     #: what the pages hold (``pdcore.kv.KvLayout``); None: opaque pages of ``layers`` buffers, one pattern
     #: per (request, rank), prefill and decode tp equal. With it, ``layers`` is ignored (the layout's buffers),
     #: tp sizes may differ, and every decode rank checks exactly its heads
@@ -201,6 +204,7 @@ def _knobs(plan: Plan, tp: int) -> dict[str, Any]:
         **timings(plan),
         "unsafe_no_grants": not plan.grants,
         "secret": plan.secret,
+        "device_memory": device_memory(getattr(plan, "kv_device", "cpu")),
     }
 
 
@@ -239,8 +243,9 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
     tp = plan.prefill_tp[index]
     group = _join(store, rank, tp)
     cache = _cache(plan, tp)
+    kv = DeviceKv(cache, plan.kv_device)
     peer, outbox = PrefillPeer.start(
-        PrefillConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
+        PrefillConfig(kv_buffers=kv.given, tp_size=tp, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
                       layerwise_min_pages=1 if plan.layerwise else 16, **_knobs(plan, tp))
     )
     contents = _Contents(plan, rank, tp)
@@ -290,6 +295,7 @@ def _prefill_rank(plan: Plan, index: int, rank: int, port: int, store: str, out:
                     sent[r.rid] = got
                 peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
                 token = contents.fill(r, got, cache) if plan.verify else first_token(r.rid)
+                kv.push(got, _page_bytes(plan, tp))
                 if plan.layerwise:  # the forward pass fills the layers one by one: each goes as it is done
                     outbox.begin(r.rid, got)
                     for layer in range(contents.layers):
@@ -311,7 +317,8 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
     tp = plan.decode_tp[index]
     group = _join(store, rank, tp)
     cache = _cache(plan, tp)
-    peer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, **_knobs(plan, tp)))
+    kv = DeviceKv(cache, plan.kv_device)
+    peer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=kv.given, tp_size=tp, tp_rank=rank, **_knobs(plan, tp)))
     contents = _Contents(plan, rank, tp) if checker is None else checker(rank, tp)
     out.put(("ready", "decode", index, rank, os.getpid()))
     mine = [r for r in plan.requests if r.decode == index]
@@ -350,6 +357,8 @@ def _decode_rank(plan: Plan, index: int, rank: int, ports: list[int], store: str
                     want = contents.first_token(r, remote.bootstrap_token) if plan.verify else first_token(event.rid)
                     if remote.bootstrap_token != want or remote.request_pool_index != len(event.rid):
                         results["tokens_bad"].append(event.rid)
+                    if plan.verify:
+                        kv.pull(got, _page_bytes(plan, tp))
                     if plan.verify and not contents.check(r, got, cache, remote.bootstrap_token, group):
                         results["mismatched"].append(event.rid)
                     results["ok"] += 1

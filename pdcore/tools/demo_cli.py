@@ -23,6 +23,7 @@ from .cli import (
     transport_name,
 )
 from .demo import Plan, make_requests, report, run
+from .device_kv import KV_DEVICES
 
 __all__ = ["parser", "main"]
 
@@ -68,6 +69,10 @@ def parser() -> CliParser:
     p.add_argument("--max-pages", type=int_range(1, 4096), default=16, metavar="N",
                    help="pages per request: 1..this, at random (1..4096; default: %(default)s)")
     p.add_argument("--transport", type=transport_name, default="tcp", metavar="NAME", help=transport_help())
+    p.add_argument("--kv-device", choices=KV_DEVICES, default="cpu",
+                   help="where the KV cache (and, with --epd, the embedding buffers) live: cpu, cuda (staged through "
+                        "pinned host memory) or standin (host memory the peers stage as device memory, with copies "
+                        "that finish late and out of order; no GPU needed) (default: %(default)s)")
     p.add_argument("--seed", type=int_range(0, (1 << 63) - 1), default=0, metavar="N",
                    help="seeds the requests' sizes and rooms (a non-negative integer; default: %(default)s)")
     p.add_argument("--timeout", type=float_range(0, 86400, lo_open=True, what="seconds"), default=180.0,
@@ -85,6 +90,12 @@ def parser() -> CliParser:
 def main(argv: list[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
+    if args.kv_device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            cli.error("argument --kv-device: cuda needs a GPU that torch sees, and this machine has none "
+                      "(--kv-device standin runs the same staging path without one)")
     kv = None
     if args.layout == "opaque":
         if args.prefill_tp != args.decode_tp:
@@ -143,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         kv=kv,
         layerwise=args.layerwise,
         model=None if args.model == "none" else args.model,
+        kv_device=args.kv_device,
     )
     if kv is None:
         shape = f"{args.layers} layers x {page_text(args.page_bytes)} pages"
@@ -151,5 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         shape = (f"{kv.layers} layers, {heads} of {kv.head_bytes} B, {kv.page_tokens} tokens a page"
                  f"{', layer-wise' if args.layerwise else ''}{', tiny model' if args.model == 'tiny' else ''}")
     line = (f"pdcore demo: {args.requests} requests, prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, "
-            f"{shape}, transport {args.transport}, {IMPLEMENTATION} state table, {auth_note}")
+            f"{shape}, transport {args.transport}, {IMPLEMENTATION} state table, {auth_note}"
+            f"{'' if args.kv_device == 'cpu' else f', KV on {args.kv_device}'}")
     return announce_and_run(line, plan, run, report, args)

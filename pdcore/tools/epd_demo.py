@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from .cli import announce_and_run, int_range, page_text
+from .device_kv import DeviceKv, device_memory, host_array
 from . import demo
 from .demo import (
     Pages,
@@ -290,8 +291,9 @@ def _encode_rank(plan: EpdPlan, index: int, rank: int, port: int, stop: Any, out
     slot_deep = plan.max_rows * width_max * ITEMSIZE
     main = np.zeros(plan.send_slots * slot_main, np.uint8)
     deep = np.zeros(plan.send_slots * slot_deep, np.uint8) if slot_deep else None
+    sends = DeviceKv([main] + ([deep] if deep is not None else []), pd.kv_device)  # rows go from here
     peer, sender = EncodePeer.start(EncodeConfig(
-        send_buffers=[main] + ([deep] if deep is not None else []), bootstrap_host="127.0.0.1", bootstrap_port=port,
+        send_buffers=sends.given, bootstrap_host="127.0.0.1", bootstrap_port=port, device_memory=device_memory(pd.kv_device),
         tp_size=enc.tp, tp_rank=tp_rank, dp_size=enc.dp, dp_rank=dp_rank, park_timeout=plan.park_timeout,
         transport=pd.transport, heartbeat_interval=pd.heartbeat_interval, dead_after=pd.dead_after,
         tombstone_ttl=pd.tombstone_ttl, secret=pd.secret,
@@ -335,10 +337,12 @@ def _encode_rank(plan: EpdPlan, index: int, rank: int, port: int, stop: Any, out
                     drows = image_rows(image.room, 0, image.rows, width, salt=1).view(np.uint8).reshape(-1)
                     dat = slot * slot_deep
                     deep[dat:dat + drows.size] = drows
-                    extra = dict(deepstack_source=deep.ctypes.data + dat, deepstack_width=width,
+                    sends.push_bytes(1, dat, drows.size)
+                    extra = dict(deepstack_source=sends.address(1) + dat, deepstack_width=width,
                                  deepstack_nbytes=drows.size)
                     results["bytes"] += drows.size
-                sender.send(EmbeddingChunk(room=image.room, source=main.ctypes.data + at, rows=image.rows,
+                sends.push_bytes(0, at, rows.size)
+                sender.send(EmbeddingChunk(room=image.room, source=sends.address(0) + at, rows=image.rows,
                                            hidden=hidden, dtype=DTYPE, nbytes=rows.size, **extra))
                 held[image.room] = slot
                 results["sent"] += 1
@@ -348,6 +352,21 @@ def _encode_rank(plan: EpdPlan, index: int, rank: int, port: int, stop: Any, out
         out.put(("done", "encode", index, rank, results))
     finally:
         peer.close()
+
+
+def slot_buffers(plan: EpdPlan, index: int, kv_device: str) -> dict[str, Any]:
+    """The receive slots' buffers for ``--kv-device cuda`` (CUDA tensors); none otherwise (the receiver
+    makes host ones, which the stand-in device stages like device memory)."""
+    if kv_device != "cuda":
+        return {}
+    import torch
+
+    slots, rows = plan.stage_window * plan.max_images, plan.slot_rows(index)
+    out = {"buffer": torch.zeros(slots * rows * plan.hidden * ITEMSIZE, dtype=torch.uint8, device="cuda")}
+    if plan.deepstack[index]:
+        out["deepstack_buffer"] = torch.zeros(slots * rows * plan.deepstack[index] * ITEMSIZE, dtype=torch.uint8,
+                                              device="cuda")
+    return out
 
 
 def _prefill_rank(plan: EpdPlan, index: int, rank: int, port: int, encode_ports: list[int], store: str,
@@ -360,12 +379,14 @@ def _prefill_rank(plan: EpdPlan, index: int, rank: int, port: int, encode_ports:
     tp = pd.prefill_tp[index]
     group = _join(store, rank, tp)
     cache = _cache(pd, tp)
+    kv = DeviceKv(cache, pd.kv_device)
     peer, outbox = PrefillPeer.start(
-        PrefillConfig(kv_buffers=cache, tp_size=tp, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
+        PrefillConfig(kv_buffers=kv.given, tp_size=tp, tp_rank=rank, bootstrap_host="127.0.0.1", bootstrap_port=port,
                       **_knobs(pd, tp))
     )
     try:
         receiver = peer.embedding_receiver(ReceiverConfig(
+            **slot_buffers(plan, index, pd.kv_device),
             slots=plan.stage_window * plan.max_images, slot_rows=plan.slot_rows(index), hidden=plan.hidden,
             dtype=DTYPE, deepstack_width=plan.deepstack[index], shard_rows=plan.shard[index],
             timeout=plan.embed_timeout, max_items=plan.max_images,
@@ -416,6 +437,7 @@ def _prefill_rank(plan: EpdPlan, index: int, rank: int, port: int, encode_ports:
             while (admitted := pages.admit(waiting, ended, held)) is not None:
                 r, got = admitted
                 fill_pattern(pd, cache, keys.pop(r.rid), rank, got)  # the KV derives from the rows that landed
+                kv.push(got, pd.page_bytes)
                 peer.record_usage(r.rid, cached_tokens=r.pages, bootstrap_logprob=-0.25)
                 outbox.send(r.rid, got, first_token(r.rid), [first_token(r.rid) % 97])
             time.sleep(0.001)  # a real scheduler runs a forward pass here
@@ -451,14 +473,14 @@ def _take(plan: EpdPlan, receiver: Any, landed: list[Any], index: int, rank: int
             parts = []
             if it.slot is not None:
                 slots.append(it.slot)
-                got = receiver.rows(it.slot, it.row_count)
+                got = host_array(receiver.rows(it.slot, it.row_count))
                 want = image_rows(image.room, it.row_start, it.row_count, plan.hidden)
                 if not np.array_equal(got, want.view(np.uint8).reshape(it.row_count, -1)):
                     bad.append(f"item {it.index}: main rows differ")
                 parts.append(got)
                 results["bytes"] += got.nbytes
                 if width:
-                    dgot = receiver.deepstack_rows(it.slot, it.row_count)
+                    dgot = host_array(receiver.deepstack_rows(it.slot, it.row_count))
                     dwant = image_rows(image.room, it.row_start, it.row_count, width, salt=1)
                     if not np.array_equal(dgot, dwant.view(np.uint8).reshape(it.row_count, -1)):
                         bad.append(f"item {it.index}: deepstack rows differ")
@@ -782,12 +804,13 @@ def main(args: argparse.Namespace, cli: argparse.ArgumentParser, *, secret: byte
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, shard=args.epd_shard, deepstack=args.deepstack,
         hidden=args.hidden, max_rows=args.max_rows, max_images=args.max_images, max_pages=args.max_pages,
         layers=args.layers, page_bytes=args.page_bytes, num_pages=num_pages, transport=args.transport,
-        timeout=args.timeout, secret=secret,
+        timeout=args.timeout, secret=secret, kv_device=args.kv_device,
     )
     plan.embed_timeout = plan.park_timeout = max(10.0, min(60.0, args.timeout))
     encoders = " + ".join(f"tp {e.tp} x dp {e.dp}" for e in plan.encoders)
     line = (f"pdcore demo --epd: {args.requests} requests, {sum(map(len, plan.images.values()))} images; "
             f"encode {encoders} -> prefill 2 x tp {args.prefill_tp} ({args.epd_shard} sharding) -> decode tp "
             f"{args.decode_tp}, {args.layers} layers x {page_text(args.page_bytes)} pages, transport "
-            f"{args.transport}, {IMPLEMENTATION} state table, {auth_note}")
+            f"{args.transport}, {IMPLEMENTATION} state table, {auth_note}"
+            f"{'' if args.kv_device == 'cpu' else f', KV and embeddings on {args.kv_device}'}")
     return announce_and_run(line, plan, run, report, args)
