@@ -61,6 +61,7 @@ from .base import (
 )
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .wrapping import Wrapping
 
 __all__ = ["FaultyTransport", "WRAPPER_OPTIONS"]
 
@@ -79,7 +80,7 @@ class _Entry:
     error: TransportError | None = None
 
 
-class FaultyTransport(Transport):
+class FaultyTransport(Wrapping, Transport):
     """Wraps ``inner``; see the module docstring. ``stats`` counts the faults injected."""
 
     name: ClassVar[str] = "faulty"
@@ -118,63 +119,14 @@ class FaultyTransport(Transport):
 
     # ------------------------------------------------------------------ pass-through
 
-    @property
-    def instance(self) -> bytes:
-        return self.inner.instance
-
-    @property
-    def auth_failures(self) -> int:
-        """The inner transport's count of handshakes refused for authentication (its ``secret`` option)."""
-        return int(getattr(self.inner, "auth_failures", 0))
-
-    @property
-    def evicted_handshakes(self) -> int:
-        """The inner transport's count of unfinished handshakes it cut to make room (0 if it keeps none)."""
-        return int(getattr(self.inner, "evicted_handshakes", 0))
-
-    @property
-    def refused_connections(self) -> int:
-        """The inner transport's count of connections it refused."""
-        return int(getattr(self.inner, "refused_connections", 0))
-
-    @property
-    def revoke_method(self) -> str:
-        """The inner transport's (a revoke goes straight to it)."""
-        return str(getattr(self.inner, "revoke_method", "unknown"))
-
-    @property
-    def windows_live(self) -> int:
-        """The inner transport's memory windows bound now (0 without them)."""
-        return int(getattr(self.inner, "windows_live", 0))
-
-    @property
-    def accept_failures(self) -> int:
-        """The inner transport's count of accepts that failed for want of descriptors or memory."""
-        return int(getattr(self.inner, "accept_failures", 0))
-
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         return self.inner.register(buf, require_grant=require_grant)
-
-    def grant(self, source: bytes, ranges: Any) -> Grant:
-        return self.inner.grant(source, ranges)
 
     def revoke(self, grant: Grant, *, deadline: Deadline | None = None, settled: bool = False) -> None:
         self.inner.revoke(grant, deadline=deadline, settled=settled)
 
     def deregister(self, region: Region, *, deadline: Deadline | None = None) -> None:
         self.inner.deregister(region, deadline=deadline)
-
-    def regions(self) -> tuple[Region, ...]:
-        return self.inner.regions()
-
-    def endpoint(self) -> bytes:
-        return self.inner.endpoint()
-
-    def connect(self, peer_endpoint: bytes, *, deadline: Deadline) -> PeerHandle:
-        return self.inner.connect(peer_endpoint, deadline=deadline)
-
-    def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
-        self.inner.refresh(peer, peer_endpoint)
 
     def disconnect(self, peer: PeerHandle, *, deadline: Deadline | None = None) -> None:
         self.inner.disconnect(peer, deadline=deadline)  # fails what is posted; our own entries follow in order
@@ -308,3 +260,6 @@ class FaultyTransport(Transport):
 
 def _no_op() -> None:
     pass
+
+
+WRAPPER = FaultyTransport  # what ``transport.create("<prefix><inner>")`` wraps the inner transport in

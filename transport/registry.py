@@ -31,8 +31,9 @@ from .base import Transport
 __all__ = ["available", "create", "register_transport"]
 
 _lock = threading.Lock()
-_FAULTY_PREFIX = "faulty:"
-_STAGED_PREFIX = "staged:"
+#: "<prefix><inner>" names a wrapper around the inner transport: prefix -> the wrapper's module (which names its
+#: class in ``WRAPPER``, and the options it takes in ``WRAPPER_OPTIONS``)
+_WRAPPERS = {"faulty:": "transport.faulty", "staged:": "transport.staging"}
 _FACTORIES: dict[str, str] = {
     "tcp": "transport.tcp:TcpTransport",
     "verbs": "transport.verbs:VerbsTransport",
@@ -58,16 +59,11 @@ def transport_class(name: str) -> type[Transport]:
     """Import and return the class registered under ``name``; ``StartError`` if unknown or not importable.
 
     For ``"faulty:<inner>"`` that is the wrapper's class (once ``<inner>`` is known to be usable)."""
-    if name.startswith(_FAULTY_PREFIX):
-        transport_class(name[len(_FAULTY_PREFIX) :])
-        from .faulty import FaultyTransport
-
-        return FaultyTransport
-    if name.startswith(_STAGED_PREFIX):
-        transport_class(name[len(_STAGED_PREFIX) :])
-        from .staging import StagedTransport
-
-        return StagedTransport
+    wrapper = _wrapper(name)
+    if wrapper is not None:
+        prefix, module = wrapper
+        transport_class(name[len(prefix) :])
+        return module.WRAPPER
     with _lock:
         target = _FACTORIES.get(name)
     if target is None:
@@ -87,24 +83,22 @@ def create(name: str, **options: Any) -> Transport:
     """Build and start the transport registered under ``name`` with its ``options``.
 
     ``"faulty:<inner>"``: the wrapper's options go to the wrapper, the rest to ``create("<inner>")``."""
-    if name.startswith(_FAULTY_PREFIX):
-        from .faulty import WRAPPER_OPTIONS, FaultyTransport
-
-        wrapper = {k: options.pop(k) for k in WRAPPER_OPTIONS if k in options}
-        inner = create(name[len(_FAULTY_PREFIX) :], **options)
+    wrapper = _wrapper(name)
+    if wrapper is not None:
+        prefix, module = wrapper
+        own = {k: options.pop(k) for k in module.WRAPPER_OPTIONS if k in options}
+        inner = create(name[len(prefix) :], **options)
         try:
-            return FaultyTransport(inner, **wrapper)
-        except BaseException:
-            inner.close()
-            raise
-    if name.startswith(_STAGED_PREFIX):
-        from .staging import WRAPPER_OPTIONS as STAGED_OPTIONS, StagedTransport
-
-        staged = {k: options.pop(k) for k in STAGED_OPTIONS if k in options}
-        inner = create(name[len(_STAGED_PREFIX) :], **options)
-        try:
-            return StagedTransport(inner, **staged)
+            return module.WRAPPER(inner, **own)
         except BaseException:
             inner.close()
             raise
     return transport_class(name)(**options)
+
+
+def _wrapper(name: str) -> tuple[str, Any] | None:
+    """``(prefix, the wrapper's module)`` if ``name`` names a wrapper, else None."""
+    for prefix, module in _WRAPPERS.items():
+        if name.startswith(prefix):
+            return prefix, importlib.import_module(module)
+    return None

@@ -79,6 +79,7 @@ from .base import (
 from .deadline import Deadline
 from .device_copy import CLOSED, Copier, CudaCopier, StandInCopier, buffer_path, is_cuda_tensor
 from .errors import CapacityError, StartError, TransportError
+from .wrapping import Wrapping
 
 __all__ = ["LandDone", "StagedTransport", "WRAPPER_OPTIONS"]
 
@@ -150,7 +151,7 @@ def _overlaps(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> boo
     return False
 
 
-class StagedTransport(Transport):
+class StagedTransport(Wrapping, Transport):
     """Wraps ``inner``; see the module docstring.
 
     ``device``: ``"auto"`` stages CUDA tensors (one :class:`CudaCopier` per device, built on first
@@ -212,59 +213,9 @@ class StagedTransport(Transport):
     # ------------------------------------------------------------------ pass-through
 
     @property
-    def instance(self) -> bytes:
-        return self.inner.instance
-
-    @property
-    def auth_failures(self) -> int:
-        """The inner transport's count of handshakes refused for authentication."""
-        return int(getattr(self.inner, "auth_failures", 0))
-
-    @property
-    def evicted_handshakes(self) -> int:
-        """The inner transport's count of unfinished handshakes it cut to make room."""
-        return int(getattr(self.inner, "evicted_handshakes", 0))
-
-    @property
-    def refused_connections(self) -> int:
-        """The inner transport's count of connections it refused."""
-        return int(getattr(self.inner, "refused_connections", 0))
-
-    @property
-    def accept_failures(self) -> int:
-        """The inner transport's count of accepts that failed for want of descriptors or memory."""
-        return int(getattr(self.inner, "accept_failures", 0))
-
-    @property
-    def revoke_method(self) -> str:
-        """The inner transport's (a revoke goes to it first, then waits for scatters here)."""
-        return str(getattr(self.inner, "revoke_method", "unknown"))
-
-    @property
-    def windows_live(self) -> int:
-        """The inner transport's memory windows bound now (0 without them)."""
-        return int(getattr(self.inner, "windows_live", 0))
-
-    @property
     def max_inflight(self) -> int:
         """Batches in flight per peer through this wrapper."""
         return self._max_inflight
-
-    def grant(self, source: bytes, ranges: Any) -> Grant:
-        # The Grant carries its ranges: revoke reads them from it, nothing needs remembering here.
-        return self.inner.grant(source, ranges)
-
-    def regions(self) -> tuple[Region, ...]:
-        return self.inner.regions()
-
-    def endpoint(self) -> bytes:
-        return self.inner.endpoint()
-
-    def connect(self, peer_endpoint: bytes, *, deadline: Deadline) -> PeerHandle:
-        return self.inner.connect(peer_endpoint, deadline=deadline)
-
-    def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
-        self.inner.refresh(peer, peer_endpoint)
 
     def disconnect(self, peer: PeerHandle, *, deadline: Deadline | None = None) -> None:
         # The inner transport fails what is posted; batches still gathering fail when their post is refused.
@@ -738,3 +689,6 @@ def _call_land(on_done: LandDone, error: str | None) -> None:
     except Exception:
         exc_type, exc, tb = sys.exc_info()
         threading.excepthook(threading.ExceptHookArgs((exc_type, exc, tb, threading.current_thread())))
+
+
+WRAPPER = StagedTransport  # what ``transport.create("<prefix><inner>")`` wraps the inner transport in
