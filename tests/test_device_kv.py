@@ -56,6 +56,18 @@ def test_device_embeddings_and_pages_pass_both_hops(capsys: pytest.CaptureFixtur
     assert s.rows_verified == s.rows_expected > 0 and not s.rows_bad and not s.kv_mismatched
 
 
+def test_a_peer_says_its_device_memory_is_staged() -> None:
+    """Which path device memory takes is in diagnostics (and so in the metrics): here the stand-in's staging."""
+    from pdcore import DecodePeer
+
+    peer, _inbox = DecodePeer.start(DecodeConfig(kv_buffers=[np.zeros(4096, np.uint8)], page_bytes=4096, num_pages=1,
+                                                 device_memory="standin", secret=KNOBS["secret"]))
+    try:
+        assert peer.diagnostics()["transport"]["device_path"] == "staging"
+    finally:
+        peer.close()
+
+
 def test_a_tensor_on_another_device_is_refused_naming_the_devices_taken() -> None:
     torch = pytest.importorskip("torch")
     with pytest.raises(StartError, match=r"kv_buffers\[0\].*'meta'.*CPU or CUDA"):

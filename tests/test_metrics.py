@@ -72,6 +72,7 @@ def test_a_scrape_adds_up_to_the_run() -> None:
     assert end[("pdcore_prefill_connected_peers", ())] == 1
     assert end[("pdcore_decode_revoke_method", (("method", "sink check"),))] == 1  # tcp
     assert end[("pdcore_decode_memory_windows", ())] == 0
+    assert end[("pdcore_decode_device_memory_path", (("path", "host"),))] == 1  # host KV: nothing staged
     assert end[("pdcore_bootstrap_ranks", ())] == 1
     assert end[("pdcore_bootstrap_busy_total", ())] == 0
 

@@ -172,6 +172,11 @@ class PeerCollector:
         yield revoke
         yield GaugeMetricFamily(f"{p}_memory_windows", "Memory windows bound for sources now (verbs)",
                                 value=transport.get("windows_live", 0))
+        device = GaugeMetricFamily(f"{p}_device_memory_path", "How device memory reaches the transport (1 for the "
+                                   "path in use): host (none registered), staging (pinned host mirrors), dma-buf",
+                                   labels=["path"])
+        device.add_metric([str(transport.get("device_path") or "host")], 1)
+        yield device
 
 
 class BootstrapCollector:

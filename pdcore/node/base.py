@@ -86,6 +86,10 @@ class PeerBase:
             self._transport = staged_transport(transport_mod.create(cfg.transport, **options), cfg, self._buffers())
             stack.callback(self._transport.close)
             self._register_memory()
+            path = getattr(self._transport, "device_path", "host")
+            if path != "host":
+                log.info("%s peer: device memory reaches the transport through %s (%s)", self.ROLE, path,
+                         getattr(self._transport, "device_path_reason", ""))
             self._channel = control_plane.create(
                 cfg.control,
                 self._on_frame,
@@ -288,6 +292,7 @@ class PeerBase:
             out["transport"] = {name: getattr(transport, name, 0) for name in (
                 "revoke_method", "auth_failures", "evicted_handshakes", "refused_connections", "accept_failures",
                 "windows_live")}
+            out["transport"]["device_path"] = getattr(transport, "device_path", "host")  # pdcore.node.device
             faults = getattr(transport, "stats", None)
             if isinstance(faults, dict):
                 out["transport"]["faults"] = dict(faults)
