@@ -4,7 +4,8 @@ they emit inspected, answers fed back, the table's round read as a scheduler wou
 Each test pins one defect found from outside (with real peers, sockets and processes) that the suite and
 the simulator let through: a grant that outlived its fence, one prefill rank's death failing requests
 toward its siblings, a failed data connect nobody told, a look-up answer that wedged its deployment, a
-landing reported for pages never announced. Their mutants are in ``tests/mutants/``.
+landing reported for pages never announced, an EPD receiver that believed an encode rank restarted at the same
+host:port had its registration. Their mutants are in ``tests/mutants/``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ from pdcore.core._spec import State
 from pdcore.core.errors import LocalProtocolError
 from pdcore.core.events import BootstrapInfo, Failed
 from pdcore.core.table import StateTable
+from pdcore.epd.config import EncodeConfig, ReceiverConfig
+from pdcore.epd.recv_table import ReceiveTable
+from pdcore.epd.sending import SendRooms
+from pdcore.epd.types import EmbeddingChunk, EmbeddingItem
 from pdcore.kv.layout import KvLayout
 from pdcore.pd.config import DecodeConfig, PrefillConfig
 from pdcore.pd.front import DecodeFront
 from pdcore.protocol.actions import Connect, Grant as GrantAction, LookUp, Post, Revoke, Send
 from pdcore.protocol.decode import DecodeEngine
 from pdcore.protocol.engine import Services
+from pdcore.protocol.encode import EncodeEngine
 from pdcore.protocol.prefill import PrefillEngine
+from pdcore.protocol.receiver import ReceiverEngine
 from transport.plan import Layout
 
 SERVER = ("10.0.0.1", 9000)
@@ -263,3 +270,126 @@ def test_a_hand_over_that_waits_for_a_dropped_data_connection_resumes_once_it_is
         engine.written(post.token, None, 0.5)
     told = [a.msg for a in engine.take_actions() if type(a) is Send and type(a.msg) is wire.Status]
     assert [(m.room, m.state, m.first_token, m.cached_tokens, m.first_token_logprob) for m in told] == [(42, State.SUCCESS, 7, 5, -0.5)]
+
+
+# -- EPD: a prefill rank's receiver and an encode rank ----------------------------------------------------
+
+ENCODE_SERVER = ("10.0.9.1", 9500)
+ENCODER = "tcp://10.0.9.1:7000"  # the encode rank's control endpoint: a restart may come back on it
+PREFILL = "tcp://10.0.1.1:7000"
+ROWS, HIDDEN, DTYPE = 2, 4, "torch.float16"
+
+
+class _Handle:
+    closed = False
+
+
+def _receiver() -> tuple[ReceiverEngine, Any]:
+    cfg = ReceiverConfig(slots=4, slot_rows=ROWS, hidden=HIDDEN, dtype=DTYPE, timeout=30.0)
+    table = ReceiveTable(cfg.slots, cfg.slot_rows, max_requests=cfg.max_requests, max_items=cfg.max_items, rank=0,
+                         ranks=1, sharded=False, timeout=cfg.timeout)
+    engine = ReceiverEngine(Services(config=cfg, session_id="prefill-1", epoch=1, table=table, endpoint=b"p"),
+                            tp_rank=0, tp_size=1, slots_addr=1 << 20)
+    return engine, table
+
+
+def _encoder(epoch: int) -> tuple[EncodeEngine, list[int]]:
+    """An encode rank (tp 1), incarnation ``epoch``; the rooms it concluded, as its scheduler hears them."""
+    cfg = EncodeConfig(send_buffers=[np.zeros(64, np.uint8)], tp_size=1, tp_rank=0, bootstrap_host=ENCODE_SERVER[0],
+                       bootstrap_port=ENCODE_SERVER[1], park_timeout=30.0)
+    concluded: list[int] = []
+    engine = EncodeEngine(Services(config=cfg, session_id=f"encode-{epoch}", epoch=epoch, table=SendRooms.of(cfg),
+                                   deliver=lambda kind, room, _: concluded.append(room)))
+    return engine, concluded
+
+
+def _stage(engine: ReceiverEngine, table: Any, rid: str, room: int, now: float) -> list[Any]:
+    """Stage ``rid`` (one image, ``room``) and answer the look-ups and the slot's grant; the frames it sends."""
+    items = [EmbeddingItem(index=0, host=ENCODE_SERVER[0], port=ENCODE_SERVER[1], room=room, rows=ROWS)]
+    table.stage(rid, items, now)
+    engine.staged(rid, items, now)
+    info = ParallelInfo(dp_size=1, tp_sizes=(1,), layout={"role": "encode"}, registered=1, complete=True)
+    rank = RankInfo(dp_rank=0, tp_rank=0, endpoint=ENCODER, session_id="encode-1", epoch=1, transport="0e" * 16)
+    frames: list[Any] = []
+    for key in range(1, 5):
+        actions = engine.take_actions()
+        frames += [a for a in actions if type(a) is Send]
+        if not any(type(a) in (LookUp, GrantAction) for a in actions):
+            return frames
+        for a in actions:
+            if type(a) is LookUp:
+                engine.looked_up(a.server, info if a.shape else None, {k: rank for k in a.keys}, None, now)
+            elif type(a) is GrantAction:
+                engine.granted(a.token, Grant(100 * key + room, a.source, tuple(a.ranges)), None, now)
+    raise AssertionError("the receiver kept asking")
+
+
+def _recv_round(engine: ReceiverEngine, table: Any, now: float) -> list[tuple[str, str]]:
+    """One round of a replica of one rank: the requests it settled failed (the engine hears of them)."""
+    landed = table.settle(table.encode(now))
+    failed = table.failed()
+    engine.settled([r.rid for r in landed], failed, table.take_fencing(), now)
+    return failed
+
+
+def _to_encoder(encoder: EncodeEngine, frames: list[Any], now: float) -> list[Any]:
+    """Deliver the receiver's ``frames`` to ``encoder`` in order; what the encoder then does."""
+    for send in frames:
+        assert send.endpoint == ENCODER
+        encoder.message(PREFILL, send.msg, now)
+    return encoder.take_actions()
+
+
+def _encode_room(encoder: EncodeEngine, room: int, now: float) -> list[Any]:
+    """The encode scheduler begins ``room`` and hands over its rows."""
+    encoder.begin(room, now)
+    encoder.send(EmbeddingChunk(room=room, source=encoder.services.config.send_buffers[0].ctypes.data, rows=ROWS,
+                                hidden=HIDDEN, dtype=DTYPE, nbytes=ROWS * HIDDEN * 2), now)
+    return encoder.take_actions()
+
+
+def test_a_receiver_registers_again_with_an_encode_rank_heard_anew_at_the_same_endpoint() -> None:
+    """The prefill rank registers with an encode rank while that one is down (killed, restarting at the same
+    host:port): the frames are lost. The new incarnation introduces itself (``peer_back``) before any verdict
+    against the old one came (this prefill rank never heard it). The next request must register again: the
+    receiver once kept believing it was registered there, so the encode rank refused every ask of that prefill
+    rank ("asked before it registered here") and ignored its aborts, holding their rooms to the park timeout
+    (simulator seed 5048)."""
+    receiver, table = _receiver()
+    lost = _stage(receiver, table, "r1", 5, 0.0)
+    assert [type(s.msg) for s in lost] == [wire.EmbedRegister, wire.EmbedAsk]  # nobody listens there
+    encoder, concluded = _encoder(epoch=2)
+    receiver.peer_back(ENCODER, "encode-2", 2, 0.5)
+    frames = _stage(receiver, table, "r2", 6, 0.6)
+    _encode_room(encoder, 6, 0.6)
+    actions = _to_encoder(encoder, frames, 0.6)
+    refused = [a.msg for a in actions if type(a) is Send and type(a.msg) is wire.EmbedStatus and not a.msg.ok]
+    assert not refused, refused
+    (connect,) = [a for a in actions if type(a) is Connect]
+    encoder.connected(connect.token, _Handle(), "", 0.7)
+    posts = [a for a in encoder.take_actions() if type(a) is Post]
+    assert [(p.token.room, p.grant) for p in posts] == [(6, frames[-1].msg.grant)], posts
+
+
+def test_a_request_whose_ask_an_encode_rank_refused_has_its_room_concluded_there_at_once() -> None:
+    """The receiver's ``EmbedRegister`` is lost and its ask reaches the encode rank alone: the rank refuses it
+    (it takes asks and aborts only from a prefill rank that registered there, or one that asked). The request
+    fails on the prefill replica, and the encode rank, which began the room, must hear the abort now, not hold
+    the room to its park timeout: the abort goes after a registration, and so does the next request's ask."""
+    receiver, table = _receiver()
+    encoder, concluded = _encoder(epoch=1)
+    _encode_room(encoder, 5, 0.0)
+    register, ask = _stage(receiver, table, "r1", 5, 0.0)
+    assert type(register.msg) is wire.EmbedRegister  # lost
+    (status,) = [a.msg for a in _to_encoder(encoder, [ask], 0.1) if type(a) is Send]
+    assert type(status) is wire.EmbedStatus and not status.ok, status
+    receiver.message(ENCODER, status, 0.2)
+    assert [rid for rid, _ in _recv_round(receiver, table, 0.3)] == ["r1"]
+    frames = [a for a in receiver.take_actions() if type(a) is Send]
+    assert wire.Abort in [type(s.msg) for s in frames], frames
+    _to_encoder(encoder, frames, 0.4)
+    assert concluded == [5], f"the encode rank still holds room 5 ({encoder.held()})"
+    # and the next request to that rank is not refused for the lost registration
+    _encode_room(encoder, 6, 0.5)
+    actions = _to_encoder(encoder, _stage(receiver, table, "r2", 6, 0.5), 0.5)
+    assert not [a for a in actions if type(a) is Send and type(a.msg) is wire.EmbedStatus], actions

@@ -152,7 +152,8 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             why = f"failed on the prefill replica: {reasons.get(record.rid, '')}"[: wire.MAX_REASON]
             if record.source is None:  # its encode rank, never asked, holds the room too
                 self._abort_unasked(record, why, now)
-            else:
+            else:  # it takes an Abort from a rank that registered there: one whose ask it refused did not
+                self._introduce(record.source)
                 self._tell(record.source, wire.Abort(room=record.item.room, reason=why))
         for slot in fencing:
             owner = self._slot_owner.pop(slot, None)
@@ -320,6 +321,9 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             log.debug("receiver: status for unknown room %d from %s", msg.room, sender)
             return
         if not msg.ok:
+            # a refusal may be the rank's word that it does not know us (our EmbedRegister was lost, or went to an
+            # incarnation that died): the next frame to it registers again (a rank that knows us ignores that)
+            self._registered.discard(sender)
             self._fail(record.rid, f"encode rank {sender} failed room {msg.room}: {msg.reason}", now)
             return
         if record.landed:
@@ -387,6 +391,11 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             self._fail(record.rid, f"encode rank {endpoint} (room {record.item.room}) lost: {reason}", now)
 
     def peer_back(self, endpoint: str, session_id: str, epoch: int, now: float) -> None:
+        """An encode rank introduced itself at ``endpoint`` while none was known there: a paused one that
+        resumed, or a new incarnation (restarted at the same host:port) that may never have had our
+        ``EmbedRegister`` (sent while nothing listened there, and no verdict came in between): the next frame
+        to it registers again, or it would refuse our asks and ignore our aborts."""
+        self._registered.discard(endpoint)
         self._lookups.pardon(endpoint, epoch)
 
     def rooms_failed(self, rooms: tuple[int, ...], reason: str, now: float) -> None:
