@@ -4,7 +4,7 @@ they emit inspected, answers fed back, the table's round read as a scheduler wou
 Each test pins one defect found from outside (with real peers, sockets and processes) that the suite and
 the simulator let through: a grant that outlived its fence, one prefill rank's death failing requests
 toward its siblings, a failed data connect nobody told, a look-up answer that wedged its deployment, a
-landing reported for pages never announced, an EPD receiver that believed an encode rank restarted at the same
+landing reported for pages never announced, a staged room landed twice, an EPD receiver that believed an encode rank restarted at the same
 host:port had its registration. Their mutants are in ``tests/mutants/``.
 """
 
@@ -30,7 +30,7 @@ from pdcore.epd.types import EmbeddingChunk, EmbeddingItem
 from pdcore.kv.layout import KvLayout
 from pdcore.pd.config import DecodeConfig, PrefillConfig
 from pdcore.pd.front import DecodeFront
-from pdcore.protocol.actions import Connect, Grant as GrantAction, LookUp, Post, Revoke, Send
+from pdcore.protocol.actions import Connect, Grant as GrantAction, Land, LookUp, Post, Revoke, Send
 from pdcore.protocol.decode import DecodeEngine
 from pdcore.protocol.engine import Services
 from pdcore.protocol.encode import EncodeEngine
@@ -47,13 +47,13 @@ def _cache(tp: int) -> list[np.ndarray]:
     return [np.zeros(PAGES * LAYOUT.page_bytes(tp), np.uint8) for _ in range(LAYOUT.buffers)]
 
 
-def _decode(tp: int = 1) -> DecodeEngine:
+def _decode(tp: int = 1, staged: bool = False) -> DecodeEngine:
     cfg = DecodeConfig(kv_buffers=_cache(tp), page_bytes=LAYOUT.page_bytes(tp), num_pages=PAGES, tp_size=tp,
                        tp_rank=0, kv_layout=LAYOUT, bootstrap_timeout=30.0, waiting_timeout=30.0)
     table = StateTable(16, bootstrap_timeout=30.0, waiting_timeout=30.0)
     layout = Layout([b.ctypes.data for b in cfg.kv_buffers], cfg.page_bytes_per_buffer, PAGES)
     return DecodeEngine(Services(config=cfg, session_id="decode-1", epoch=1, table=table, endpoint=b"d",
-                                 layout=layout))
+                                 layout=layout, staged=staged))
 
 
 def _prefill() -> PrefillEngine:
@@ -237,6 +237,27 @@ def test_a_landed_room_stays_landed_whatever_its_prefill_rank_says_or_does_after
     assert engine.services.table.state("late-word") == State.SUCCESS
     assert engine.services.table.state("lost-source") == State.SUCCESS
     assert not [e for e in _round(engine, 0.5) if type(e) is Failed]
+
+
+def test_a_repeated_landing_report_does_not_land_a_staged_room_again() -> None:
+    """Device-resident pages: the room lands once its bytes were copied from host staging (``Land``, then
+    ``scattered``). A duplicated ``Status`` SUCCESS that arrives after that once emitted a second ``Land``:
+    a copy into pages the scheduler frees with the landing and may grant to the next request, which a revoke
+    must then wait for (simulator seed 9000296)."""
+    engine = _decode(staged=True)
+    _bootstrapped(engine, "r", 30, _info((1,)))
+    engine.announce("r", (2,), 0, 0.1)
+    (grant,) = [a for a in engine.take_actions() if type(a) is GrantAction]
+    engine.granted(grant.token, Grant(1, grant.source, tuple(grant.ranges)), None, 0.1)
+    engine.take_actions()
+    status = wire.Status(room=30, state=State.SUCCESS, rank=0, first_token=3)
+    engine.message(_rank(0, 0).endpoint, status, 0.2)
+    (land,) = [a for a in engine.take_actions() if type(a) is Land]
+    engine.scattered(land.token, None, 0.3)
+    assert engine.services.table.state("r") == State.SUCCESS
+    engine.take_actions()
+    engine.message(_rank(0, 0).endpoint, status, 0.4)  # the same frame, duplicated on the way
+    assert not [a for a in engine.take_actions() if type(a) is Land]
 
 
 def test_a_hand_over_that_waits_for_a_dropped_data_connection_resumes_once_it_is_up_again() -> None:

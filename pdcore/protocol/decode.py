@@ -409,6 +409,8 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
             link = next((l for l in request.links if l.endpoint == sender), None)
             if link is None or not link.owes or not request.announced:
                 return  # only a rank that writes here reports a landing, and only of pages announced to it
+            if link.landed is not None:  # a rank reports its landing once: a repeat (a duplicated frame) would
+                return  # land the room again, copying into device memory pages the scheduler may have reused
             if msg.first_token is None:  # type: ignore[union-attr]
                 self._fire(request.rid, Trigger.FAIL, now, "prefill reported a landing without a first token")
                 return
