@@ -253,15 +253,8 @@ class Transport(abc.ABC):
         """Close the connection; batches still in flight to it fail. Idempotent."""
 
     @abc.abstractmethod
-    def write(
-        self,
-        peer: PeerHandle,
-        batch: Batch,
-        on_done: OnDone | None = None,
-        *,
-        deadline: Deadline | None = None,
-        grant: int = 0,
-    ) -> int:
+    def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
+              deadline: Deadline | None = None, grant: int = 0) -> int:
         """Post a batch; return its id. See the module docstring for validation, order and back-pressure.
 
         ``grant`` is the key of the sink's :class:`Grant` the writes go through (0: none, for regions

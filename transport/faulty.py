@@ -136,15 +136,8 @@ class FaultyTransport(Wrapping, Transport):
 
     # ------------------------------------------------------------------ writes
 
-    def write(
-        self,
-        peer: PeerHandle,
-        batch: Batch,
-        on_done: OnDone | None = None,
-        *,
-        deadline: Deadline | None = None,
-        grant: int = 0,
-    ) -> int:
+    def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
+              deadline: Deadline | None = None, grant: int = 0) -> int:
         arr = as_batch(batch)
         with self._lock:
             if self._closing:

@@ -64,18 +64,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .base import (
-    Batch,
-    Completion,
-    CompletionQueue,
-    Grant,
-    OnDone,
-    PeerHandle,
-    Region,
-    Transport,
-    as_batch,
-    call_on_done,
-)
+from .base import (Batch, Completion, CompletionQueue, Grant, OnDone, PeerHandle, Region, Transport, as_batch,
+                   call_on_done)
 from .deadline import Deadline
 from .device_copy import CLOSED, Copier, CudaCopier, StandInCopier, buffer_path, is_cuda_tensor
 from .errors import CapacityError, StartError, TransportError
@@ -375,15 +365,8 @@ class StagedTransport(Wrapping, Transport):
 
     # ------------------------------------------------------------------ writes
 
-    def write(
-        self,
-        peer: PeerHandle,
-        batch: Batch,
-        on_done: OnDone | None = None,
-        *,
-        deadline: Deadline | None = None,
-        grant: int = 0,
-    ) -> int:
+    def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
+              deadline: Deadline | None = None, grant: int = 0) -> int:
         arr = as_batch(batch)
         gathers: dict[_Device, list[tuple[int, int]]] = {}
         staging = bool(self._devices) or self._mode == "standin"

@@ -270,15 +270,8 @@ class SourceSide:
             self._join(p.threads, deadline or Deadline.after(5.0))
             p.src.close()  # its sockets, once no writer is sending on them
 
-    def write(
-        self,
-        peer: PeerHandle,
-        batch: Batch,
-        on_done: OnDone | None = None,
-        *,
-        deadline: Deadline | None = None,
-        grant: int = 0,
-    ) -> int:
+    def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
+              deadline: Deadline | None = None, grant: int = 0) -> int:
         p = self._own(peer)
         if not 0 <= grant < 1 << 64:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")

@@ -133,15 +133,8 @@ class VerbsSource(VerbsState):
         with self._lock:
             self._peers.pop(p.id, None)
 
-    def write(
-        self,
-        peer: PeerHandle,
-        batch: Batch,
-        on_done: OnDone | None = None,
-        *,
-        deadline: Deadline | None = None,
-        grant: int = 0,
-    ) -> int:
+    def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
+              deadline: Deadline | None = None, grant: int = 0) -> int:
         """With memory windows each WRITE carries the rkey of grant ``grant``'s window that holds it (a
         write outside them fails its batch; an unknown or revoked key raises ``EACCES``; a key whose
         windows have not arrived yet waits for them, at most ``deadline`` or 1 s). Without windows
