@@ -89,7 +89,8 @@ class NodeConfig:
     - ``dead_after`` (10): a peer that sent nothing (heartbeats included) for this
       long, or came back with a newer epoch (restarted), is declared dead, and the
       rooms bound to it fail here (a decode room that already landed stays landed).
-      A process that was itself paused gives its peers a fresh ``dead_after`` on waking.
+      A process that was itself paused (its control loop stopped for longer than
+      max(3 x ``heartbeat_interval``, ``dead_after`` / 2)) gives its peers a fresh ``dead_after`` on waking.
     - ``tombstone_ttl`` (60): how long a room that failed is remembered, so a late
       frame for it (an announcement, an ask) is answered with its failure (prefill
       also fails a request registered for it meanwhile: do not reuse a failed room
