@@ -67,7 +67,12 @@ START_DEADLINE = 420.0  # vLLM imports in 20-60 s and initialises in 10-30 s on 
 REQUEST_TIMEOUT = 120.0
 LOAD = 200  # requests of the load run, CONCURRENCY at a time
 CONCURRENCY = 32
-DEAD_AFTER = 15.0  # decode's pdcore dead_after: how soon a killed prefill is noticed (5 s was missed under load: six vLLM processes on two cores starve the heartbeats)
+# decode's pdcore dead_after: how soon a killed prefill is noticed. Eight vLLM processes on two cores starve pdcore's
+# control threads: 5 s was missed under load, and so was 15 s (a CI run of 2026-12-04: decode tp 2's rank 0
+# judged prefill dead 15.7 s into the load, its rank 1 did not, and the requests that came after the verdict landed:
+# prefill was alive and its frames came late, not never). A bound for this machine's contention, not a speed: the load
+# still asserts every request.
+DEAD_AFTER = 30.0
 BOOTSTRAP_TIMEOUT = 20.0  # decode's: how long a request whose prefill cannot be found waits for it
 
 ENV = {
