@@ -40,7 +40,7 @@ class EncodePeer(PeerBase):
     def _register_memory(self) -> None:
         for buf in self._config.send_buffers:
             region = self._transport.register(buf, require_grant=True)  # nobody writes into them
-            if stages(self._transport, self._config, buf):
+            if stages(self._transport, region):
                 self._mirrors.add(buf, region.addr)  # a chunk names device rows: its bytes go from the mirror
 
     def _buffers(self) -> tuple[Any, ...]:

@@ -83,7 +83,7 @@ class Receiver:
                 transport.deregister(self._region)
                 raise
         # slots in device memory (or the stand-in device's) receive into host staging; rows() views the device
-        self._staged = stages(transport, services.config, self._memory)
+        self._staged = stages(transport, self._region)
         self._engine = ReceiverEngine(
             Services(config=config, session_id=services.session_id, epoch=services.epoch, table=self._table,
                      endpoint=transport.endpoint(),  # now: it describes the slots just registered

@@ -14,8 +14,7 @@ import numpy as np
 from ..control.auth import check_secret
 from ..core.errors import StartError
 
-__all__ = ["NodeConfig", "check_registration", "check_seconds", "check_writable_buffer", "config_error",
-           "is_device_memory"]
+__all__ = ["NodeConfig", "check_registration", "check_seconds", "check_writable_buffer", "config_error"]
 
 
 def config_error(config: object, name: str, why: str) -> StartError:
@@ -35,11 +34,6 @@ def check_seconds(config: object, names: tuple[str, ...]) -> None:
 DEVICES = ("cpu", "cuda")
 #: ``NodeConfig.device_memory``'s values
 DEVICE_MEMORY = ("auto", "standin")
-
-
-def is_device_memory(buf: Any) -> bool:
-    """True for a CUDA tensor (duck-typed: torch is not imported here)."""
-    return getattr(getattr(buf, "device", None), "type", "cpu") == "cuda"
 
 
 def check_writable_buffer(config: object, name: str, buf: Any) -> None:

@@ -21,9 +21,10 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from transport.base import Transport, buffer_span
+from transport.base import Region, Transport, buffer_span
+from transport.device_copy import is_cuda_tensor
 
-from .config import NodeConfig, is_device_memory
+from .config import NodeConfig
 
 __all__ = ["MirrorMap", "cuda_present", "staged_transport", "stages"]
 
@@ -40,7 +41,7 @@ def staged_transport(inner: Transport, config: NodeConfig, buffers: Iterable[Any
     config asks for the stand-in device."""
     if config.device_memory == "standin":
         device = "standin"
-    elif any(is_device_memory(b) for b in buffers) or cuda_present():
+    elif any(is_cuda_tensor(b) for b in buffers) or cuda_present():
         device = "auto"
     else:
         return inner
@@ -49,11 +50,12 @@ def staged_transport(inner: Transport, config: NodeConfig, buffers: Iterable[Any
     return StagedTransport(inner, device=device)
 
 
-def stages(transport: Transport, config: NodeConfig, buf: Any) -> bool:
-    """True if ``buf``, registered with ``transport``, is staged (its landings must be copied in)."""
+def stages(transport: Transport, region: Region) -> bool:
+    """True if ``region`` (as ``transport.register`` returned it) is staged device memory: what lands there
+    must be copied in. The transport that made the mirror says so (``mirror_of``)."""
     staging = sys.modules.get("transport.staging")  # not loaded: nothing is staged
     return (staging is not None and isinstance(transport, staging.StagedTransport)
-            and (config.device_memory == "standin" or is_device_memory(buf)))
+            and transport.mirror_of(region) is not None)
 
 
 class MirrorMap:

@@ -126,7 +126,7 @@ class PdPeer(PeerBase):
             if region.length < page * cfg.num_pages:
                 raise StartError(f"kv_buffers[{i}] holds {region.length} bytes, less than {cfg.num_pages} pages of {page}")
             regions.append(region)
-            self._staged = self._staged or stages(self._transport, cfg, buf)
+            self._staged = self._staged or stages(self._transport, region)
         self._layout = kv_layout(regions, cfg)
 
     def _buffers(self) -> tuple[Any, ...]:
