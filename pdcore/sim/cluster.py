@@ -206,7 +206,7 @@ class SimRank:
         if role == "encode":
             self.engine = EncodeEngine(self._services(SendRooms.of(config)))
             self.front = EncodeFront(engine=self.engine, config=config, submit=self.submit, result=self.input,
-                                     regions=self.transport.regions(), staged=self.transport.host if self.staged else None)
+                                     regions=self.transport.regions(), staged=self.transport.mirror_map.host if self.staged else None)
         else:
             self.table = SimTable(config.capacity, bootstrap_timeout=config.bootstrap_timeout,
                                   waiting_timeout=config.waiting_timeout)

@@ -41,6 +41,7 @@ import numpy as np
 from transport.base import Grant, GrantTable, Region, RegionTable, as_batch
 from transport.errors import CapacityError, TransportError
 
+from ..node.device import MirrorMap
 from .world import World
 
 __all__ = ["Fabric", "SimTransport", "SimHandle"]
@@ -86,6 +87,7 @@ class SimTransport:
         # staged buffers: (mirror addr, length, mirror, the buffer's bytes); the mirror is what is registered
         self._mirrors: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         self.copying: list[list[tuple[int, int]]] = []  # ranges (mirror addresses) being copied into device memory
+        self.mirror_map = MirrorMap()  # a staged buffer's address -> its mirror's (an encode chunk names the buffer)
         fabric.transports[self.instance] = self
 
     # -- what a driver performs -------------------------------------------------------------
@@ -96,6 +98,7 @@ class SimTransport:
         if self._fabric.faults.staged:  # device memory: peers write into its host mirror, which is what is registered
             mirror = np.zeros(arr.nbytes, np.uint8)
             self._mirrors.append((int(mirror.ctypes.data), int(arr.nbytes), mirror, arr.reshape(-1).view(np.uint8)))
+            self.mirror_map.add(arr, int(mirror.ctypes.data))
             arr = mirror
             self._owners.append(mirror)
         region = Region(int(arr.ctypes.data), int(arr.nbytes), 0)
@@ -157,14 +160,6 @@ class SimTransport:
         return batch_id
 
     # -- device memory (staged) ----------------------------------------------------------
-
-    def host(self, addr: int, nbytes: int) -> int:
-        """Where a staged buffer's ``[addr, addr + nbytes)`` is mirrored (``addr`` if no staged buffer holds it)."""
-        for mirror_addr, length, _mirror, buf in self._mirrors:
-            base = int(buf.ctypes.data)
-            if base <= addr and addr + nbytes <= base + length:
-                return mirror_addr + addr - base
-        return addr
 
     def _copy(self, addrs: list[int], lengths: list[int], *, gather: bool) -> None:
         """Copy mirrored ranges between the buffers and their mirrors (``gather``: buffer -> mirror)."""
