@@ -755,6 +755,58 @@ def test_a_writer_waiting_for_a_slot_is_refused_only_at_its_deadline() -> None:
         dst_t.close(deadline=Deadline.after(5))
 
 
+def test_a_writer_whose_freed_slot_is_taken_before_it_posts_waits_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race above, made certain: a writer waiting for the one slot is woken when it frees, and
+    before it posts, another batch takes the slot. It must wait again and post once that one is
+    taken back, not give up with ``CapacityError`` while its deadline is far off. The window between
+    the wake and the post has no hook, so the slot is taken from inside ``tcp_source._usable`` (the
+    check the waiter runs in it), a white-box injection: the race itself is real but rare."""
+    from transport import tcp_source
+
+    src_t, dst_t = transport.create("tcp", max_inflight=1), transport.create("tcp")
+    stolen, outcome = threading.Event(), []
+    try:
+        dst_t.register(np.zeros(1 << 16, np.uint8))
+        r = src_t.register(np.ones(1 << 16, np.uint8))
+        peer = src_t.connect(dst_t.endpoint(), deadline=Deadline.after(5))
+        d = peer.remote.regions[0].addr
+        usable = tcp_source._usable
+        waiter_thread: list[threading.Thread] = []
+
+        def steal_then_check(p: Any) -> None:
+            if threading.current_thread() in waiter_thread and not stolen.is_set():
+                src_t.write(peer, [(r.addr, d, 64)])  # queue mode: the slot stays taken until completions()
+                stolen.set()
+            usable(p)
+
+        monkeypatch.setattr(tcp_source, "_usable", steal_then_check)
+        first = src_t.write(peer, [(r.addr, d, 64)])  # queue mode: holds the slot
+
+        def waiter() -> None:
+            try:
+                outcome.append(src_t.write(peer, [(r.addr, d, 64)], lambda _b, _e: None, deadline=Deadline.after(30)))
+            except CapacityError as e:
+                outcome.append(e)
+
+        th = threading.Thread(target=waiter)
+        waiter_thread.append(th)
+        th.start()
+        got = src_t.completions(deadline=Deadline.after(10))  # the first batch's slot back: the waiter wakes
+        assert [c.batch_id for c in got] == [first]
+        assert stolen.wait(10), "the waiter never woke for the freed slot"
+        assert not outcome, f"the waiter finished while the slot was taken: {outcome}"
+        deadline = Deadline.after(10)
+        taken: list[Any] = []
+        while not taken and not deadline.expired():
+            taken = src_t.completions(deadline=deadline)  # the stolen slot back: now the waiter posts
+        th.join(10)
+        assert not th.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], int), f"the waiter gave up: {outcome}"
+    finally:
+        src_t.close(deadline=Deadline.after(5))
+        dst_t.close(deadline=Deadline.after(5))
+
+
 def test_batch_ids_of_concurrent_writers_go_up_in_completion_order() -> None:
     """Writers on several threads post to one peer: each batch completes once, and the ids come back
     in increasing order (a peer's batch id and its place on the wire are given together)."""
