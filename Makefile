@@ -73,7 +73,7 @@ simulate: $(STAMP)
 	$(PY) -m pdcore simulate --seconds $(SIM_SECONDS) --first-seed $$(( $$(date +%s) % 1000000 * 1000 ))
 
 fuzz: $(STAMP)
-	bash fuzz/run.sh 10  # seconds per target (five targets); longer: bash fuzz/run.sh 300
+	bash fuzz/run.sh 10  # seconds per target (six targets); longer: bash fuzz/run.sh 300
 
 # Real RDMA: soft-RoCE in a qemu guest (ci/rxe-vm.sh); see README "RDMA".
 rdma: $(STAMP)

@@ -8,15 +8,22 @@ machine their CPU competes with the data plane's copies. ``benchmarks/pd.py``
 and ``benchmarks/epd.py`` show the sum; this one isolates a message, so the
 per-item budget a throughput goal leaves can be set against it.
 
-Two processes on loopback, each a ``ControlChannel`` (the library's, with its
-ZeroMQ I/O thread) and a worker thread standing in for a peer's driver:
-the channel's ``on_message`` hands each frame to the worker through a queue,
-as the peers do, and the worker answers. This process sends ``Status``
-frames; the echo process's worker sends each back; this process's main
-thread waits for the answers. So a message crosses what a peer's does: the
-caller's ``send``, the sending control thread, ZeroMQ's I/O threads on both
-sides (CURVE with a secret), the receiving control thread, the hand-off to
-the worker.
+Two processes on loopback, each a control plane of the library's, both
+planes in the same run (``--planes``):
+
+- ``zmq``: a ``ControlChannel`` (its ZeroMQ I/O thread) and a worker thread
+  standing in for a peer's driver: the channel's ``on_message`` hands each
+  frame to the worker through a queue, as the peers do, and the worker
+  answers. A message crosses the caller's ``send``, the sending control
+  thread, ZeroMQ's I/O threads on both sides (CURVE with a secret), the
+  receiving control thread, the hand-off to the worker.
+- ``tcp``: a ``TcpPlane`` whose loop thread stands in for the driver (a
+  peer's driver runs the loop): the echo's ``on_message`` answers on it. A
+  message crosses the caller's hand-off to the loop, one ``send``, and the
+  receiving loop (sealed frames, keyed BLAKE2b tags with a secret).
+
+This process sends ``Status`` frames; the echo process sends each back; this
+process's main thread waits for the answers.
 
 - ``lone``: one message in flight (ping-pong): no burst shares a wake-up.
 - ``burst``: ``--burst`` messages sent back to back, then their answers
@@ -57,6 +64,9 @@ from benchmarks._pipeline import say  # noqa: E402
 from benchmarks._usage import Usage  # noqa: E402
 from pdcore.control import wire  # noqa: E402
 from pdcore.control.channel import ControlChannel  # noqa: E402
+from pdcore.control.tcp_plane import TcpPlane  # noqa: E402
+
+PLANES = {"zmq": ControlChannel, "tcp": TcpPlane}
 
 SECRET = b"benchmarks/control.py: a deployment secret of 32+ bytes"
 _TIMEOUT = 60.0
@@ -67,15 +77,19 @@ def _status(room: int) -> wire.Status:
     return wire.Status(room=room, state=3, rank=0, first_token=room & 0xFFFF, cached_tokens=7)
 
 
-def _echo(conn: Any, secret: bytes | None) -> None:
-    """The echo process: a channel whose worker sends every Status back to its sender."""
+def _echo(conn: Any, secret: bytes | None, plane: str) -> None:
+    """The echo process: a channel whose worker sends every Status back to its sender (on the ``tcp``
+    plane its loop, the driver's thread in a peer, answers)."""
     inbox: queue.SimpleQueue[tuple[str, wire.Message] | None] = queue.SimpleQueue()
 
     def on_message(sender: str, msg: wire.Message) -> None:
         if type(msg) is wire.Status:
-            inbox.put((sender, msg))
+            if plane == "tcp":
+                channel.send(sender, msg)
+            else:
+                inbox.put((sender, msg))
 
-    with ControlChannel(on_message, session_id="echo", secret=secret) as channel:
+    with PLANES[plane](on_message, session_id="echo", secret=secret) as channel:
         def worker() -> None:
             while (item := inbox.get()) is not None:
                 channel.send(item[0], item[1])
@@ -159,9 +173,9 @@ class Floor:
 
 
 class Pair:
-    """This process's channel and an echo process, kept for the runs of one secret setting."""
+    """This process's channel and an echo process, kept for the runs of one plane and secret setting."""
 
-    def __init__(self, secret: bytes | None) -> None:
+    def __init__(self, secret: bytes | None, plane: str) -> None:
         self.answers: queue.SimpleQueue[wire.Message] = queue.SimpleQueue()
 
         def on_message(sender: str, msg: wire.Message) -> None:
@@ -170,12 +184,12 @@ class Pair:
 
         ctx = mp.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_echo, args=(theirs, secret), daemon=True)
+        self.proc = ctx.Process(target=_echo, args=(theirs, secret, plane), daemon=True)
         self.proc.start()
         if not self.conn.poll(_TIMEOUT):
             raise RuntimeError("the echo process did not start")
         self.peer = self.conn.recv()
-        self.channel = ControlChannel(on_message, session_id="bench", secret=secret)
+        self.channel = PLANES[plane](on_message, session_id="bench", secret=secret)
         self.channel.start()
         self.run("lone", 50)  # connects, proves both ways, warms the paths
 
@@ -217,7 +231,11 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=None, help="messages per run (default 4000, quick 1000)")
     ap.add_argument("--burst", type=int, default=32, help="messages sent back to back in a burst run")
     ap.add_argument("--repeats", type=int, default=None, help="runs per row (default 5, quick 3)")
+    ap.add_argument("--planes", default="zmq,tcp", help="control planes to measure, comma-separated (default: both)")
     args = ap.parse_args()
+    planes = args.planes.split(",")
+    if not set(planes) <= set(PLANES):
+        ap.error(f"--planes: each one of {', '.join(PLANES)}")
     messages = args.messages or (1000 if args.quick else 4000)
     repeats = args.repeats or (3 if args.quick else 5)
     if messages < 1 or repeats < 1 or args.burst < 1:
@@ -225,9 +243,9 @@ def main() -> int:
     rows = []
     floor = Floor()
     try:
-        for name, secret in (("secret", SECRET), ("open", None)):
-            say(f"control: {name}")
-            pair = Pair(secret)
+        for plane, name, secret in [(p, n, s) for p in planes for n, s in (("secret", SECRET), ("open", None))]:
+            say(f"control: {plane}, {name}")
+            pair = Pair(secret, plane)
             try:
                 got: dict[str, list[dict[str, float]]] = {"lone": [], "burst": []}
                 base: dict[str, list[dict[str, float]]] = {"lone": [], "burst": []}
@@ -238,7 +256,7 @@ def main() -> int:
             finally:
                 pair.close()
             for mode, runs in got.items():
-                row = {"auth": name, "mode": mode, "messages": messages}
+                row = {"plane": plane, "auth": name, "mode": mode, "messages": messages}
                 for key in ("cpu_us", "wakeups", "us"):
                     row[key] = statistics.median(r[key] for r in runs)
                     row["floor_" + key] = statistics.median(r[key] for r in base[mode])
@@ -251,10 +269,10 @@ def main() -> int:
         return 0
     print(f"one control message between two processes (Status frames answered by a worker; bursts of {args.burst}),"
           " against the same frames over a plain TCP connection")
-    print(f"{'auth':7s} {'mode':6s} {'CPU µs/msg':>11s} {'wake-ups/msg':>13s} {'wall µs/msg':>12s}"
+    print(f"{'plane':5s} {'auth':7s} {'mode':6s} {'CPU µs/msg':>11s} {'wake-ups/msg':>13s} {'wall µs/msg':>12s}"
           f" {'floor CPU µs':>13s} {'floor wake-ups':>15s} {'floor wall µs':>14s} {'ratio':>6s}")
     for r in rows:
-        print(f"{r['auth']:7s} {r['mode']:6s} {r['cpu_us']:11.1f} {r['wakeups']:13.2f} {r['us']:12.1f}"
+        print(f"{r['plane']:5s} {r['auth']:7s} {r['mode']:6s} {r['cpu_us']:11.1f} {r['wakeups']:13.2f} {r['us']:12.1f}"
               f" {r['floor_cpu_us']:13.1f} {r['floor_wakeups']:15.2f} {r['floor_us']:14.1f} {r['ratio']:6.2f}")
     return 0
 

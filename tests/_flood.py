@@ -3,7 +3,7 @@
 - ``run_flood`` (a child): keeps ``count`` idle TCP connections to one port open, sending nothing
   (a client that never starts its handshake), and redials each one the other side drops, so the
   pressure lasts as long as the flood does.
-- ``run_channel`` (a child): a control plane (``"zmq"``: a ``ControlChannel``, with the deployment
+- ``run_channel`` (a child): a control plane (``"zmq"`` or ``"tcp"``, with the deployment
   secret) that echoes every ``Abort`` back to its sender, in a process whose open-file limit is
   lowered to ``nofile`` first: the limit a flood of idle connections would exhaust. With ``slow``
   its I/O thread is slowed (see ``slow_thread``): a flood faster than the channel, on two cores.
@@ -172,7 +172,8 @@ def run_channel(
     channel = control_plane.create(plane, on_message, session_id="flooded-0", secret=secret, **options)
     endpoint = channel.start()
     if slow:
-        [io_thread] = [t for t in threading.enumerate() if t.name.startswith("pdcore-control-")]
+        [io_thread] = [t for t in threading.enumerate()  # the plane's loop (not the tcp plane's gatekeeper)
+                       if t.name.startswith("pdcore-control-") and "-gate-" not in t.name]
         assert io_thread.native_id is not None
         slow_thread(io_thread.native_id)
     conn.send(("endpoint", endpoint))

@@ -60,6 +60,7 @@ class Pair:
             bootstrap_timeout=30.0, waiting_timeout=30.0, tombstone_ttl=30.0,
         )
         knobs.update(common)
+        self.plane: str = str(common.get("control", "the default"))  # the control plane both peers run
         self.server = BootstrapServer(**(server or {}))
         self.port = self.server.start()
         self.p_cache = [np.zeros(PAGES * PAGE, np.uint8) for _ in range(LAYERS)]

@@ -248,8 +248,9 @@ def test_the_control_plane_is_chosen_by_name_and_a_wrong_one_is_refused_naming_i
     from pdcore.core.errors import StartError
 
     base = dict(kv_buffers=[np.zeros(4096, np.uint8)], page_bytes=4096, num_pages=1)
-    assert DecodeConfig(**base, control="faulty:zmq", control_options={"drop": 0.1}).control == "faulty:zmq"
-    with pytest.raises(StartError, match="DecodeConfig.control: must be one of zmq, faulty:zmq"):
+    for name in ("faulty:zmq", "faulty:tcp"):
+        assert DecodeConfig(**base, control=name, control_options={"drop": 0.1}).control == name
+    with pytest.raises(StartError, match="DecodeConfig.control: must be one of zmq, tcp, faulty:zmq, faulty:tcp"):
         DecodeConfig(**base, control="carrier-pigeon")
     with pytest.raises(StartError, match="DecodeConfig.control_options"):
         DecodeConfig(**base, control_options={"drop": 0.1})
@@ -259,12 +260,15 @@ def test_the_control_plane_is_chosen_by_name_and_a_wrong_one_is_refused_naming_i
 
 
 @pytest.mark.slow
-def test_a_short_chaos_run_keeps_every_invariant() -> None:
+@pytest.mark.parametrize("plane", ["zmq", "tcp"])
+def test_a_short_chaos_run_keeps_every_invariant(plane: str) -> None:
     """``make test``'s short variant of the run below (``make test-long`` and CI run that one too): 6 s
-    of faults after 1 s of clean traffic, at least one of them injected, and every invariant after."""
+    of faults after 1 s of clean traffic, at least one of them injected, and every invariant after, on
+    each control plane."""
     from pdcore.tools import chaos
 
-    plan = chaos.ChaosPlan(seed=20, seconds=6.0, fault_gap=(0.5, 1.5), warmup=1.0, drain=15.0, verbose=False)
+    plan = chaos.ChaosPlan(seed=20, seconds=6.0, fault_gap=(0.5, 1.5), warmup=1.0, drain=15.0, verbose=False,
+                           control=plane)
     outcome = chaos.run(plan)
     broken = {name: details[:5] for name, _, good, details in chaos.check(outcome) if not good}
     assert not broken, f"invariants broken (seed {plan.seed}): {broken}"
@@ -274,7 +278,8 @@ def test_a_short_chaos_run_keeps_every_invariant() -> None:
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("plane", ["zmq", "tcp"])
+def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str], plane: str) -> None:
     """2P(tp2) -> 2D(tp2) over faulty:tcp for 20 s: replica kills and restarts, SIGSTOP pauses longer
     than dead_after, failed and late batches, dropped/delayed/duplicated/corrupted control frames.
 
@@ -285,7 +290,7 @@ def test_chaos_run_keeps_every_invariant(capsys: pytest.CaptureFixture[str]) -> 
     the resumed prefill rank's queued writes landed in pages decode had handed back on Failed."""
     from pdcore.tools import chaos
 
-    plan = chaos.ChaosPlan(seed=20, seconds=20.0, fault_gap=(1.0, 2.5), drain=20.0, verbose=True)
+    plan = chaos.ChaosPlan(seed=20, seconds=20.0, fault_gap=(1.0, 2.5), drain=20.0, verbose=True, control=plane)
     outcome = chaos.run(plan)
     code = chaos.report(outcome)
     out = capsys.readouterr().out

@@ -43,12 +43,17 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rpartition(":")[2])
 
 
+@pytest.fixture(params=["zmq", "tcp"])
+def plane(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def flooded() -> Iterator[tuple[Child, str]]:
+def flooded(plane: str) -> Iterator[tuple[Child, str]]:
     """A channel in a process limited to ``NOFILE`` open files, under a flood of ``FLOOD`` idle
     connections that has got going: it holds more connections than the process has descriptors,
     and it has turned ``CHURN`` of them over (or 5 s passed: a channel without the bound cuts none)."""
-    child = Child(run_channel, NOFILE, SECRET, {})
+    child = Child(run_channel, NOFILE, SECRET, {}, plane)
     flood: Child | None = None
     try:
         endpoint = child.wait("endpoint", 30)
@@ -67,14 +72,14 @@ def flooded() -> Iterator[tuple[Child, str]]:
 
 
 def test_authenticated_peers_get_in_and_are_answered_during_a_flood_of_idle_connections(
-    flooded: tuple[Child, str],
+    flooded: tuple[Child, str], plane: str,
 ) -> None:
     """``PEERS`` peers one after the other, each a new connection through the flood (a handshake the
     flood's churn could cut), exchange ``ROUNDS`` frames each way with the flooded channel."""
     child, endpoint = flooded
     deadline = Deadline.after(EXCHANGE)
     for n in range(PEERS):
-        inbox = Inbox()
+        inbox = Inbox(plane)
         peer = inbox.channel(f"prefill-{n}", secret=SECRET)
         peer.start()
         try:
@@ -154,7 +159,6 @@ def _echoes(plane: str, endpoint: str, peers: int, rounds: int, child: Child, du
 
 
 @pytest.mark.long  # four flood processes on two cores: CI runs it in make test-long
-@pytest.mark.parametrize("plane", ["zmq"])
 def test_a_proven_peer_is_answered_through_a_flood_faster_than_its_channel(plane: str) -> None:
     """Issue #42: on a 16-core host the flood outran the channel, and a peer that proved itself got
     none of its echoes: the channel answers a peer on a connection of its own (a DEALER to the

@@ -1,7 +1,8 @@
 """Hostile sizes from a peer that follows the wire format: bounded memory, a clear error, other rooms fine.
 
-A raw ZeroMQ DEALER plays the hostile decode rank (routing id = a control
-endpoint), next to a real decode peer whose transfers must go on untouched.
+A raw control client plays the hostile decode rank (claiming a control endpoint;
+``raw_control``, on both planes), next to a real decode peer whose transfers must
+go on untouched.
 """
 
 from __future__ import annotations
@@ -10,33 +11,34 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 
 import transport
 from pdcore.control import wire
 from pd_pair import Pair
+from raw_control import RawControl
 
 pytestmark = pytest.mark.timeout(120)
 
 HOSTILE = "tcp://127.0.0.1:9"  # well-formed, nobody listens: answers to it go nowhere
 
 
+@pytest.fixture(params=["zmq", "tcp"])
+def plane(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def pair() -> Any:
-    p = Pair(prefill={"max_parked_pages": 50_000})
+def pair(plane: str) -> Any:
+    p = Pair(prefill={"max_parked_pages": 50_000}, control=plane)
     yield p
     p.close()
 
 
 @pytest.fixture
-def dealer(pair: Pair) -> Any:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, HOSTILE.encode())
-    sock.connect(pair.prefill.control_endpoint)
-    yield sock
-    ctx.destroy(linger=0)
+def dealer(pair: Pair, plane: str) -> Any:
+    raw = RawControl(pair.prefill.control_endpoint, plane, HOSTILE)
+    yield raw
+    raw.close()
 
 
 def _announce(room: int, pages: int) -> bytes:
@@ -64,19 +66,15 @@ def test_parked_announcements_are_bounded_per_sender(pair: Pair, dealer: Any) ->
     assert pair.prefill.stats["work_errors"] == 0
 
 
-def test_parked_announcements_are_bounded_in_all_whatever_ids_senders_pick() -> None:
-    """Without a secret a sender picks its routing id freely: many ids, each under its own page
+def test_parked_announcements_are_bounded_in_all_whatever_ids_senders_pick(plane: str) -> None:
+    """Without a secret a sender picks its identity freely: many ids, each under its own page
     budget, together stop at the total budget, and real rooms still go through."""
-    pair = Pair(prefill={"max_parked_pages": 1_000, "max_parked_pages_total": 2_500})
-    ctx = zmq.Context()
+    pair = Pair(prefill={"max_parked_pages": 1_000, "max_parked_pages_total": 2_500}, control=plane)
     socks = []
     try:
         for n in range(6):  # 6 x 800 pages: three fit in the total
-            sock = ctx.socket(zmq.DEALER)
+            sock = RawControl(pair.prefill.control_endpoint, plane, f"tcp://127.0.0.1:{10 + n}")
             socks.append(sock)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTING_ID, f"tcp://127.0.0.1:{10 + n}".encode())
-            sock.connect(pair.prefill.control_endpoint)
             sock.send(_announce(1000 + n, 800))
             sock.send(wire.encode(wire.Abort(room=2000 + n)))  # a marker, handled after its announcement
         pair.pump(lambda: all(pair.prefill._engine._tombstones.get(2000 + n) is not None for n in range(6)),
@@ -88,8 +86,7 @@ def test_parked_announcements_are_bounded_in_all_whatever_ids_senders_pick() -> 
         assert pair.ended("decode", "ok") == "RemotePrefillDone" and pair.landed_intact("ok")
     finally:
         for sock in socks:
-            sock.close(0)
-        ctx.term()
+            sock.close()
         pair.close()
 
 

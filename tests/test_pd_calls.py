@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 
 from pdcore import BootstrapInfo, DecodeConfig, PdError, ReceiverConfig, StartError
 from pdcore.control import wire
 from pdcore.core.deadline import Deadline
 from pdcore.core.errors import LocalProtocolError, PeerError
+from raw_control import RawControl
 from pd_pair import Pair, token
 
 pytestmark = pytest.mark.timeout(120)
@@ -350,14 +350,12 @@ def test_a_page_size_mismatch_names_both_sides_on_decode() -> None:
         pair.close()
 
 
-def test_a_page_size_mismatch_names_both_sides_on_prefill(pair: Pair) -> None:
-    """A decode rank that registers other page sizes with prefill (a raw DEALER plays it: a real decode
-    peer refuses the pairing before it registers): the room it announces fails naming both."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, b"tcp://127.0.0.1:9")
-    sock.connect(pair.prefill.control_endpoint)
+@pytest.mark.parametrize("plane", ["zmq", "tcp"])
+def test_a_page_size_mismatch_names_both_sides_on_prefill(plane: str) -> None:
+    """A decode rank that registers other page sizes with prefill (a raw control client plays it: a real
+    decode peer refuses the pairing before it registers): the room it announces fails naming both."""
+    pair = Pair(control=plane)
+    sock = RawControl(pair.prefill.control_endpoint, plane, "tcp://127.0.0.1:9")
     try:
         layout = {"bases": [1 << 20, 1 << 21], "page_bytes": [2048, 2048], "num_pages": 64}
         sock.send(wire.encode(wire.Register(session_id="other", epoch=1, endpoint=b"x", regions=(), layout=layout,
@@ -369,7 +367,8 @@ def test_a_page_size_mismatch_names_both_sides_on_prefill(pair: Pair) -> None:
         assert "page sizes differ" in reason and "decode rank 0/1 has [2048, 2048]" in reason, reason
         assert "prefill rank 0/1 expects [4096, 4096]" in reason, reason
     finally:
-        ctx.destroy(linger=0)
+        sock.close()
+        pair.close()
 
 
 def test_diagnostics_say_what_a_peer_holds_while_a_request_is_held_and_that_nothing_is_left_after(pair: Pair) -> None:

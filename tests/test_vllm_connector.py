@@ -64,6 +64,7 @@ def test_the_supported_release_is_installed_and_another_is_refused(vc: ModuleTyp
     (dict(pp=2), 1, "pipeline parallelism"),
     (dict(), 2, "hybrid KV caches"),
     (dict(extra={"bootstrap_prot": 1}), 1, "unknown key.*bootstrap_prot"),
+    (dict(extra={"control": "pigeon"}), 1, r"\['control'\] must be 'tcp' or 'zmq', got 'pigeon'"),
 ])
 def test_unsupported_setups_are_refused_at_start(vc: ModuleType, cfg: dict, groups: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -12,19 +12,19 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
 import transport
 from pdcore import BootstrapInfo
 from pdcore.control import wire
 from pd_pair import Pair, through_worker
+from raw_control import RawControl
 
 HOSTILE = "tcp://127.0.0.1:9"
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    p = Pair()
+@pytest.fixture(params=["zmq", "tcp"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    p = Pair(control=request.param)
     yield p
     p.close()
 
@@ -45,12 +45,8 @@ def _wait_for_a_caller(silent: socket.socket) -> socket.socket:
 def test_prefill_worker_runs_while_a_transport_connect_hangs(pair: Pair, silent: socket.socket) -> None:
     port = silent.getsockname()[1]
     fake = transport.Endpoint("tcp", b"z" * 16, f"127.0.0.1:{port}".encode(), ())
-    ctx = zmq.Context()
+    dealer = RawControl(pair.prefill.control_endpoint, pair.plane, HOSTILE)
     try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.ROUTING_ID, HOSTILE.encode())
-        dealer.connect(pair.prefill.control_endpoint)
         layout = {"bases": [4096, 1 << 20], "page_bytes": [4096, 4096], "num_pages": 64}
         dealer.send(wire.encode(wire.Register(
             session_id="silent", epoch=1, endpoint=transport.encode_endpoint(fake), regions=(), layout=layout,
@@ -62,7 +58,7 @@ def test_prefill_worker_runs_while_a_transport_connect_hangs(pair: Pair, silent:
             pair.drive(["meanwhile"], timeout=10.0)
             assert pair.ended("decode", "meanwhile") == "RemotePrefillDone" and pair.landed_intact("meanwhile")
     finally:
-        ctx.destroy(linger=0)
+        dealer.close()
 
 
 def test_decode_worker_runs_while_bootstrap_lookups_hang(pair: Pair, silent: socket.socket) -> None:

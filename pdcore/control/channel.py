@@ -50,7 +50,7 @@ to its connection's short-term keys and nonce). Within the deployment a rank
 is trusted to claim its own endpoint as routing id; an outsider cannot claim
 any, nor take a live identity over through ``ROUTER_HANDOVER``. A failed
 handshake is counted (``stats.auth_failures``) and logged at most once per
-``_AUTH_LOG_EVERY`` per endpoint; on the connecting side it declares that peer
+``AUTH_LOG_EVERY`` per endpoint; on the connecting side it declares that peer
 dead with a reason that starts with "authentication failed", so the rooms
 waiting on it fail at once. Without a secret the channel runs on ZeroMQ's NULL
 mechanism, as before, and says so once per process; a secured peer that hangs
@@ -77,13 +77,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Final
 
 import zmq
 from zmq.utils import monitor, z85
 
-from transport.loglimit import LogLimit
 
 from . import auth, wire
 from .channel_stats import ChannelStats
@@ -93,7 +92,7 @@ from .handshake import (
 )
 from .liveness import DeadPeer, PeerLiveness
 from .pending import MAX_PENDING, PendingConnections
-from .quotas import Quotas, Release
+from .plane_base import HANDSHAKE_TIMEOUT, OnMessage, OnPeerBack, OnPeerDead, OnRoomsFailed, PlaneBase, format_endpoint
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
 
@@ -107,9 +106,7 @@ log = logging.getLogger("pdcore.control")
 _RECV_BATCH: Final = 256  # messages handled per wake before the send queue gets a turn
 _MAX_PARTS: Final = 64  # frames to one peer in one message (one pass's; more go as further messages)
 _FD_WAIT: Final = 1.0  # seconds frames wait for a descriptor to make their peer's socket before they fail
-_AUTH_LOG_EVERY: Final = 10.0  # seconds between two warnings about failed handshakes of one endpoint
 _ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"  # where libzmq asks a context's authentication handler
-HANDSHAKE_TIMEOUT: Final = 5.0  # default handshake_timeout, seconds (libzmq's own default is 30)
 _EVENTS: Final = int(zmq.EVENTS)  # plain ints: the enums cost a conversion per read on the hot path
 _POLLIN: Final = int(zmq.POLLIN)
 _NOBLOCK: Final = int(zmq.NOBLOCK)  # recv_multipart's flags and RCVMORE cost enum conversions per message: recv, Frame.more
@@ -119,42 +116,7 @@ _RETRY_LEAD: Final = 0.002  # seconds before libzmq's retry of a connect that th
 _CONNECT_WAIT: Final = 5.0  # seconds a new DEALER whose connection found no descriptor is made again, its frames held
 
 
-
-OnMessage = Callable[[str, wire.Message], None]
-OnRoomsFailed = Callable[[tuple[int, ...], str], None]
-OnPeerDead = Callable[[DeadPeer], None]
-OnPeerBack = Callable[[str, str, int], None]  # (endpoint, session id, epoch): a peer introduced itself (again)
-
-
-def _format_endpoint(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-
-def _check_options(
-    session_id: str, epoch: int, heartbeat_interval: float, dead_after: float, max_bytes_per_sender: int,
-    max_bytes_total: int | None, max_pending: int, handshake_timeout: float,
-) -> int:
-    """A channel's options checked before anything is made (``ValueError``; ``LocalProtocolError`` for a
-    session id or epoch no heartbeat could carry); returns the total quota (default four per sender)."""
-    wire.encode(wire.Heartbeat(session_id=session_id, epoch=epoch, seq=0))  # validates both, early
-    if not 0 < heartbeat_interval < dead_after:
-        raise ValueError("need 0 < heartbeat_interval < dead_after")
-    if max_bytes_per_sender < wire.MAX_FRAME_BYTES:
-        raise ValueError(
-            f"max_bytes_per_sender must be at least one frame ({wire.MAX_FRAME_BYTES}), got {max_bytes_per_sender}"
-        )
-    total = 4 * max_bytes_per_sender if max_bytes_total is None else max_bytes_total
-    if total < wire.MAX_FRAME_BYTES:
-        raise ValueError(f"max_bytes_total must be at least one frame ({wire.MAX_FRAME_BYTES}), got {total}")
-    if max_pending < 1 or not handshake_timeout > 0:
-        raise ValueError(
-            f"max_pending ({max_pending}) and handshake_timeout ({handshake_timeout}) must be positive"
-        )
-    return total
-
-
-class ControlChannel:
+class ControlChannel(PlaneBase):
     """One bound ROUTER, DEALERs to peers, and the I/O thread that runs them."""
 
     def __init__(
@@ -180,34 +142,20 @@ class ControlChannel:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         secret: bytes | None = None,
     ) -> None:
-        total = _check_options(
-            session_id, epoch, heartbeat_interval, dead_after, max_bytes_per_sender, max_bytes_total, max_pending,
-            handshake_timeout,
+        super().__init__(
+            on_message, session_id=session_id, epoch=epoch, on_rooms_failed=on_rooms_failed, on_peer_dead=on_peer_dead,
+            on_peer_back=on_peer_back, host=host, advertise_host=advertise_host, heartbeat_interval=heartbeat_interval,
+            dead_after=dead_after, max_queue=max_queue, max_peers=max_peers, max_bytes_per_sender=max_bytes_per_sender,
+            max_bytes_total=max_bytes_total, max_pending=max_pending, handshake_timeout=handshake_timeout,
         )
-        self.stats = ChannelStats()
-        self._quotas = Quotas(max_bytes_per_sender, total, self.stats)
         self._conns = PendingConnections(max_pending, self.stats, self._handshake_failed)
         self._windows = Windows(self._conns)  # this channel's openings of the fd reserve
         self._spares = Spares(self._new_dealer, self._windows)  # DEALERs made ahead, with monitors
         self._handshake_ms = max(1, int(handshake_timeout * 1000))
         self._curve = curve_keys(auth.check_secret(secret, "control channel")) if secret is not None else None
         self._curve_key = z85.decode(self._curve[0]) if self._curve is not None else b""
-        self._auth_logged = LogLimit(_AUTH_LOG_EVERY, max_keys=max_peers)  # per endpoint
-        self._delivering: Release | None = None  # the frame whose on_message is running (I/O thread)
-        self._on_message = on_message
-        self._on_rooms_failed = on_rooms_failed
-        self._on_peer_dead = on_peer_dead
-        self._on_peer_back = on_peer_back
-        self.session_id = session_id
-        self.epoch = epoch
-        self._host = host
-        self._advertise = advertise_host or host
-        self._interval = heartbeat_interval
-        self._liveness = PeerLiveness(dead_after)
         self._sndhwm = sndhwm
         self._linger_ms = int(linger * 1000)
-        self._max_peers = max_peers
-        self._max_queue = max_queue
         self._init_io_state()
 
     def _init_io_state(self) -> None:
@@ -235,19 +183,10 @@ class ControlChannel:
         self._wake_w: socket.socket | None = None
         self._wake_owed = False  # a wake-up byte is on its way: a later frame of the same pass needs none
         self._thread: threading.Thread | None = None
-        self._endpoint: str | None = None
         self._stopping = False
         self._close_deadline = Deadline.never()
-        self._seq = 0
 
     # ------------------------------------------------------------------ caller side
-
-    @property
-    def endpoint(self) -> str:
-        """``tcp://host:port`` this channel receives on (also its identity towards peers)."""
-        if self._endpoint is None:
-            raise PeerError("control channel: not started")
-        return self._endpoint
 
     def start(self) -> str:
         """Bind the ROUTER to a port the OS picks, start the I/O thread; returns the endpoint."""
@@ -280,7 +219,7 @@ class ControlChannel:
                 router.setsockopt(zmq.IPV6, 1)
             bind_host = f"[{self._host}]" if ":" in self._host else self._host
             port = router.bind_to_random_port(f"tcp://{bind_host}")
-            endpoint = _format_endpoint(self._advertise, port)
+            endpoint = format_endpoint(self._advertise, port)
             wire.check_endpoint(endpoint)
         except (zmq.ZMQError, LocalProtocolError) as e:
             router.close(0)
@@ -339,19 +278,6 @@ class ControlChannel:
                 self._endpoints.clear()
             self._endpoints.add(endpoint)
         self._enqueue(endpoint, frame, wire.rooms_of(msg))
-
-    def hold(self) -> Callable[[], None]:
-        """Inside ``on_message``: keep the frame being delivered counted against its sender after
-        the callback returns, until the returned ``release()`` is called (from any thread, once is enough)."""
-        current = self._delivering
-        if current is None or threading.current_thread() is not self._thread:
-            raise RuntimeError("control channel: hold() may only be called from inside on_message")
-        current.kept = True  # not released when the callback returns
-        return current
-
-    def held_bytes(self, sender: str | None = None) -> int:
-        """Wire bytes counted against ``sender`` now (all senders together if None)."""
-        return self._quotas.held(sender)
 
     def queued(self) -> int:
         """Frames queued for the I/O thread now (a metric)."""
@@ -704,14 +630,6 @@ class ControlChannel:
         self._remake.add(endpoint)
         self.stats.connects_remade += 1
 
-    def _auth_failed(self, peer: str, why: str, *, dead: bool) -> None:
-        self.stats.auth_failures += 1
-        reason = f"authentication failed: control handshake with {peer}: {why}; is the secret the same on both sides?"
-        if self._auth_logged.ready(peer) is not None:
-            log.warning("control channel %s: %s (more counted in stats.auth_failures)", self._endpoint, reason)
-        if dead:  # the incarnation we knew there (a peer that went away fails its reconnect's handshake too)
-            self._peer_dead(DeadPeer(peer, *self._liveness.known(peer), reason), drop=True, quiet=True)
-
     def _send_now(self, endpoint: str, frames: list[bytes], rooms: tuple[int, ...]) -> bool:
         """``frames`` to ``endpoint`` as one message (a frame a part); a message that cannot leave fails ``rooms``."""
         try:
@@ -730,8 +648,7 @@ class ControlChannel:
             return True
         self.stats.send_failures += 1
         log.warning("%s", reason)
-        if rooms and self._on_rooms_failed is not None:
-            self._call(self._on_rooms_failed, rooms, reason)
+        self._fail_rooms(rooms, reason)
         return False
 
     def _receive(self) -> None:
@@ -779,86 +696,28 @@ class ControlChannel:
             if len(self._senders) >= 2 * self._max_peers:  # bounded: forget them all, they re-validate
                 self._senders.clear()
             self._senders[ident] = sender
-        now = time.monotonic()
-        if isinstance(msg, (wire.Heartbeat, wire.Register, wire.EmbedRegister)):
-            back = self._liveness.known(sender)[0] is None  # new here, or heard again after it was dropped
-            for dead in self._liveness.introduced(sender, msg.session_id, msg.epoch, now):
-                self._peer_dead(dead, drop=dead.endpoint != sender)
-            if back and self._on_peer_back is not None:
-                self._call(self._on_peer_back, sender, msg.session_id, msg.epoch)
-            if sender not in self._dealers:
-                try:
-                    self._dealer(sender)  # answer its heartbeats, so it can tell we are alive
-                except (zmq.ZMQError, CapacityError) as e:
-                    log.warning("control channel: cannot connect back to %s: %s", sender, e)
-        else:
-            self._liveness.heard(sender, now)
-        if isinstance(msg, wire.Heartbeat):
-            return  # consumed here
-        over = self._quotas.charge(sender, len(data))
-        if over is not None:
-            self._over_quota(sender, len(data), msg, total=over)
-            return
-        self.stats.delivered += 1
-        token = self._delivering = Release(self._quotas, sender, len(data))
-        try:
-            self._call(self._on_message, sender, msg)
-        finally:
-            self._delivering = None
-            if not token.kept:
-                self._quotas.release(token)
+        self._received(sender, data, msg)
 
     # ------------------------------------------------------------------ what fails rooms
 
-    def _over_quota(self, sender: str, nbytes: int, msg: wire.Message, *, total: bool) -> None:
-        reason = self._quotas.dropped(sender, nbytes, msg, total=total)
-        rooms = wire.rooms_of(msg)
-        if rooms and self._on_rooms_failed is not None:
-            self._call(self._on_rooms_failed, rooms, reason)
+    def _on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _answer(self, sender: str) -> None:
+        if sender not in self._dealers:
+            try:
+                self._dealer(sender)
+            except (zmq.ZMQError, CapacityError) as e:
+                log.warning("control channel: cannot connect back to %s: %s", sender, e)
+
+    def _peers_sent_to(self) -> list[str]:
+        return list(self._dealers)
 
     def _superseded(self, msg: wire.Message) -> None:
         self.stats.superseded_frames += 1
         if self.stats.superseded_frames == 1:
             log.info("control channel %s: frames of a replaced connection arrive; their rooms fail", self._endpoint)
-        rooms = wire.rooms_of(msg)
-        if rooms and self._on_rooms_failed is not None:
-            reason = "control channel: the frame came on a connection its peer has since replaced"
-            self._call(self._on_rooms_failed, rooms, reason)
-
-    def _protocol_error(self, error: RemoteProtocolError) -> None:
-        self.stats.protocol_errors += 1
-        log.warning("control channel %s: %s (rooms %s)", self._endpoint, error, error.rooms)
-        if error.rooms and self._on_rooms_failed is not None:
-            self._call(self._on_rooms_failed, error.rooms, str(error))
-
-    def _heartbeat(self) -> bytes:
-        return wire.encode(wire.Heartbeat(session_id=self.session_id, epoch=self.epoch, seq=self._seq))
-
-    def _tick(self, now: float) -> None:
-        self._seq += 1
-        beat = self._heartbeat()
-        for endpoint in list(self._dealers):
-            if self._send_now(endpoint, [beat], ()):
-                self.stats.heartbeats_sent += 1
-        for dead in self._liveness.expire(now):
-            self._peer_dead(dead, drop=True)
-
-    def _peer_dead(self, dead: DeadPeer, *, drop: bool, quiet: bool = False) -> None:
-        self.stats.peers_dead += 1
-        if not quiet:
-            log.warning("control channel: peer %s (session %s) is dead: %s (this channel's counters: %s)", dead.endpoint,
-                        dead.session_id, dead.reason, {k: v for k, v in vars(self.stats).items() if v})
-        if drop:
-            self._drop_peer(dead.endpoint)
-        if self._on_peer_dead is not None:
-            self._call(self._on_peer_dead, dead)
-
-    def _call(self, fn: Callable[..., object], *args: object) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            self.stats.callback_errors += 1
-            log.exception("control channel: callback %r failed", getattr(fn, "__qualname__", fn))
+        self._fail_rooms(wire.rooms_of(msg), "control channel: the frame came on a connection its peer has since replaced")
 
     def _shutdown(self) -> None:
         """On the I/O thread: last flush, bounded linger, close sockets, end the context."""

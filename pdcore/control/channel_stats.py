@@ -37,5 +37,8 @@ class ChannelStats:
     proven: int = 0  # accepted connections that a frame then came on (no longer pending)
     pending_evicted: int = 0  # of those: cut to keep at most max_pending (the oldest idle one first)
     reserve_cuts: int = 0  # pending connections whose client sent nothing, cut to give the fd reserve back
+    handshake_timeouts: int = 0  # tcp plane: handshakes cut at handshake_timeout
+    frames_refused: int = 0  # tcp plane: sealed frames refused (a wrong tag, seq or length), each ending its connection
+    frames_truncated: int = 0  # tcp plane: connections that ended mid-frame
     connect_retries: int = 0  # connects to peers libzmq tries again (refused, or no descriptor was free)
     connects_remade: int = 0  # of those: a new DEALER's first, made again by the channel (see _dealer_handshakes)

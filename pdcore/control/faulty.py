@@ -1,11 +1,12 @@
-"""``faulty:zmq``: the ZeroMQ control channel with faults on the way out, for chaos runs.
+"""``faulty:zmq`` and ``faulty:tcp``: a control plane with faults on the way out, for chaos runs.
 
-``FaultyChannel`` is a ``ControlChannel`` whose outgoing frames are dropped, held
+``Faults`` gives a plane (``FaultyChannel``: the ZeroMQ one; ``FaultyTcpPlane``: the TCP one)
+outgoing frames that are are dropped, held
 back (per-peer order kept), duplicated or corrupted (1 to 3 bytes of the encoded
-frame flipped) at seeded rates (``seed``, ``drop``, ``delay`` with
-``max_delay`` seconds, ``dup``, ``corrupt``). Frames leave through the I/O
-thread's send step, so the faults sit there; held-back frames go out from the
-flush the I/O thread runs at least every heartbeat interval. ``faults`` counts
+frame flipped, before any seal) at seeded rates (``seed``, ``drop``, ``delay`` with
+``max_delay`` seconds, ``dup``, ``corrupt``). Frames leave through the plane's
+send step, so the faults sit there; held-back frames go out from the
+flush the plane's loop runs at least every heartbeat interval. ``faults`` counts
 what was done; ``samples`` keeps corrupted frames that still decoded (what
 became what), which the wire's CRC-32 should make rare.
 """
@@ -19,15 +20,18 @@ from typing import Any
 
 from . import wire
 from .channel import ControlChannel
+from .tcp_plane import TcpPlane
 
-__all__ = ["FaultyChannel"]
+__all__ = ["Faults", "FaultyChannel", "FaultyTcpPlane"]
 
 
 def _short(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class FaultyChannel(ControlChannel):
+class Faults:
+    """The faults, over whichever plane comes after it in the bases."""
+
     def __init__(self, *args: Any, seed: int = 0, drop: float = 0.0, delay: float = 0.0, max_delay: float = 0.2,
                  dup: float = 0.0, corrupt: float = 0.0, **kwargs: Any) -> None:
         for name, rate in (("drop", drop), ("delay", delay), ("dup", dup), ("corrupt", corrupt)):
@@ -43,7 +47,7 @@ class FaultyChannel(ControlChannel):
     def _send_now(self, endpoint: str, frames: list[bytes], rooms: tuple[int, ...]) -> bool:
         """Each frame of the message meets its own faults; what is neither lost nor held back goes on as one message."""
         out = [copy for frame in frames for copy in self._faults(endpoint, frame, rooms)]
-        return super()._send_now(endpoint, out, rooms) if out else True  # all "sent": lost or held on the way
+        return super()._send_now(endpoint, out, rooms) if out else True  # type: ignore[misc]  # all "sent": lost or held on the way
 
     def _faults(self, endpoint: str, frame: bytes, rooms: tuple[int, ...]) -> list[bytes]:
         """The copies of ``frame`` that go now (none: dropped, or held back behind the peer's held frames)."""
@@ -83,18 +87,26 @@ class FaultyChannel(ControlChannel):
         return [frame] * copies
 
     def _frames_waiting(self) -> bool:
-        return bool(self._delayed) or super()._frames_waiting()
+        return bool(self._delayed) or super()._frames_waiting()  # type: ignore[misc]
 
     def _flush(self) -> None:
         now = time.monotonic()
         for endpoint, queue in list(self._delayed.items()):
             while queue and queue[0][0] <= now:
                 _, frame, rooms = queue.popleft()
-                super()._send_now(endpoint, [frame], rooms)
+                super()._send_now(endpoint, [frame], rooms)  # type: ignore[misc]
             if not queue:
                 del self._delayed[endpoint]
-        super()._flush()
+        super()._flush()  # type: ignore[misc]
 
     def _drop_peer(self, endpoint: str) -> None:
         self._delayed.pop(endpoint, None)
-        super()._drop_peer(endpoint)
+        super()._drop_peer(endpoint)  # type: ignore[misc]
+
+
+class FaultyChannel(Faults, ControlChannel):
+    """``faulty:zmq``."""
+
+
+class FaultyTcpPlane(Faults, TcpPlane):
+    """``faulty:tcp``."""

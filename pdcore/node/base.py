@@ -238,9 +238,11 @@ class PeerBase:
     def handoffs(self) -> int:
         """Thread hand-offs so far, a cost metric the benchmarks divide by requests: inputs the driver's
         thread took from other threads (the scheduler's calls, control frames, completions, I/O results)
-        plus frames handed to the control plane's thread. The transport's own threads are not counted."""
+        plus frames handed to the control plane's thread (on a plane whose loop is the driver's, none).
+        The transport's own threads are not counted."""
         stats = getattr(self._channel, "stats", None)
-        frames = 0 if stats is None else stats.sent - stats.heartbeats_sent
+        hands_off = getattr(self._channel, "FRAMES_HAND_OFF", True)
+        frames = 0 if stats is None or not hands_off else stats.sent - stats.heartbeats_sent
         return self.stats.get("handoffs", 0) + frames
 
     def control_sends(self) -> tuple[int, int]:

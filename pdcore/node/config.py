@@ -113,8 +113,9 @@ class NodeConfig:
     host: str = "127.0.0.1"
     transport: str = "tcp"
     transport_options: Mapping[str, Any] = field(default_factory=dict)
-    #: the control plane by name (``pdcore.control.plane``): "zmq", or "faulty:zmq" with ``control_options``
-    control: str = "zmq"
+    #: the control plane by name (``pdcore.control.plane``): "zmq" or "tcp", or "faulty:zmq" / "faulty:tcp"
+    #: with ``control_options``
+    control: str = "tcp"
     control_options: Mapping[str, Any] = field(default_factory=dict)
     heartbeat_interval: float = 1.0
     dead_after: float = 10.0
@@ -136,8 +137,9 @@ class NodeConfig:
 
         if self.control not in PLANES:
             raise config_error(self, "control", f"must be one of {', '.join(PLANES)}, got {self.control!r}")
-        if self.control == "zmq" and self.control_options:
-            raise config_error(self, "control_options", f"the 'zmq' plane takes none, got {sorted(self.control_options)}")
+        if self.control in ("zmq", "tcp") and self.control_options:
+            raise config_error(self, "control_options",
+                               f"the {self.control!r} plane takes none, got {sorted(self.control_options)}")
         if self.max_pending < 1:
             raise config_error(self, "max_pending", f"must be positive, got {self.max_pending}")
         if self.device_memory not in DEVICE_MEMORY:

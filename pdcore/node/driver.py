@@ -43,7 +43,7 @@ from .perform import Performer
 if TYPE_CHECKING:
     from transport.base import Transport
 
-    from ..control.channel import ControlChannel
+    from ..control.plane_base import PlaneBase
 
 __all__ = ["Driver"]
 
@@ -51,6 +51,7 @@ log = logging.getLogger("pdcore.driver")
 
 TICK = 0.05  # the longest the engines wait for their clock when idle
 _IO_THREADS = 4
+_BATCH = 64  # inputs taken between two passes of a plane's loop under a stream of them
 _LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on an I/O thread
 
 
@@ -62,7 +63,7 @@ class Driver(Performer):
         name: str,
         *,
         transport: Transport,
-        channel: ControlChannel,
+        channel: PlaneBase,
         secret: bytes | None,
         max_inputs: int,
         io_queue: int,
@@ -72,13 +73,20 @@ class Driver(Performer):
         self.stats.setdefault("handoffs", 0)  # inputs this thread took from another (a cost metric)
         self._secret = secret
         self._max_inputs = max_inputs
-        self._inbox: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], bool] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], bool, bool] | None] = queue.SimpleQueue()
         self._queued = 0  # bounded inputs queued (the scheduler's and the control plane's)
         self._count_lock = threading.Lock()
         self._io_items: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(io_queue)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ident: int | None = None  # the driver thread's
         self._io_threads: list[threading.Thread] = []
+        # a plane whose loop this thread runs ("tcp"): it waits on the inbox's wake-ups and its sockets together
+        self._serve: Callable[[float], None] | None = getattr(channel, "serve", None)
+        self._wake: Callable[[], None] = lambda: None
+        if self._serve is not None:
+            channel.drive_externally()  # type: ignore[attr-defined]
+            self._wake = channel.wake  # type: ignore[attr-defined]
 
     def depths(self) -> dict[str, int]:
         """Inputs and I/O items queued now (a metric)."""
@@ -96,17 +104,26 @@ class Driver(Performer):
             if self._queued >= self._max_inputs:
                 raise CapacityError(f"{self._name}: {self._queued} inputs already queued")
             self._queued += 1
-        self._inbox.put((fn, args, True))
+        self._put((fn, args, True))
 
     def submit_result(self, fn: Callable[..., Any], *args: Any) -> None:
         """As ``submit``, for what the planes answer (completions, I/O results): never refused, never lost
         while the driver runs (bounded by its source: the transport's in-flight writes, the I/O queue)."""
         if not self._stop.is_set():
-            self._inbox.put((fn, args, False))
+            self._put((fn, args, False))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` (no ``now``, no engine) on the driver's thread, after what is queued (tests)."""
-        self._inbox.put((lambda *a: fn(*a[:-1]), args, False))
+        self._put((lambda *a: fn(*a[:-1]), args, False))
+
+    def _put(self, item: tuple[Callable[..., Any], tuple[Any, ...], bool]) -> None:
+        """Into the inbox; from another thread, a hand-off: counted, and the loop woken if it waits on a plane's
+        sockets (what the driver's own thread puts, a frame its plane read, it takes in its next pass)."""
+        if threading.get_ident() == self._ident:
+            self._inbox.put((*item, False))
+            return
+        self._inbox.put((*item, True))
+        self._wake()
 
     # -- start and stop -------------------------------------------------------------------------
 
@@ -122,6 +139,7 @@ class Driver(Performer):
         """Stop the driver and the I/O threads (each within ``deadline``); idempotent."""
         self._stop.set()
         self._inbox.put(None)
+        self._wake()
         for _ in self._io_threads:
             try:
                 self._io_items.put_nowait(None)  # wake an idle I/O thread at once
@@ -146,31 +164,66 @@ class Driver(Performer):
         """Inputs in arrival order; the engines' clock (``tick``) when their next deadline passes. A queued
         input is taken without asking the engines for their deadlines again: that question is asked only
         when the inbox runs dry, so under a stream of inputs a deadline waits at most ``TICK``."""
+        self._ident = threading.get_ident()
+        if self._serve is not None:
+            self._run_serving(self._serve)
+            return
         next_tick = due = time.monotonic()
         inbox = self._inbox
         while not self._stop.is_set():
             try:
                 item = inbox.get_nowait()
             except queue.Empty:
-                due = min(next_tick, self.next_deadline(),
-                          min((e.next_deadline() for e in self._engines), default=next_tick))
+                due = min(next_tick, self._due(next_tick))
                 try:
                     item = inbox.get(timeout=max(0.0, due - time.monotonic()))
                 except queue.Empty:
                     item = None
             if item is not None:
-                self.stats["handoffs"] += 1
-                fn, args, counted = item
-                if counted:
-                    with self._count_lock:
-                        self._queued -= 1
-                self.input(fn, args)
+                self._take(item)
             now = time.monotonic()
             if now >= due:
-                self.expire(now)
-                for engine in self._engines:
-                    self.input(engine.tick, ())
+                self._tick_engines(now)
                 next_tick = due = now + TICK  # the engines' own deadlines: asked again once the inbox is dry
+
+    def _run_serving(self, serve: Callable[[float], None]) -> None:
+        """``_run`` with a plane's loop: up to ``_BATCH`` inputs, then one pass of the plane (it sends what
+        they owe its peers and reads what came), waiting in it only when the inbox is dry."""
+        next_tick = due = time.monotonic()
+        inbox = self._inbox
+        while not self._stop.is_set():
+            for _ in range(_BATCH):
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    due = min(next_tick, self._due(next_tick))
+                    serve(max(0.0, due - time.monotonic()))
+                    break
+                if item is not None:
+                    self._take(item)
+            else:
+                serve(0.0)
+            now = time.monotonic()
+            if now >= due:
+                self._tick_engines(now)
+                next_tick = due = now + TICK
+
+    def _due(self, default: float) -> float:
+        return min(self.next_deadline(), min((e.next_deadline() for e in self._engines), default=default))
+
+    def _take(self, item: tuple[Callable[..., Any], tuple[Any, ...], bool, bool]) -> None:
+        fn, args, counted, foreign = item
+        if foreign:
+            self.stats["handoffs"] += 1
+        if counted:
+            with self._count_lock:
+                self._queued -= 1
+        self.input(fn, args)
+
+    def _tick_engines(self, now: float) -> None:
+        self.expire(now)
+        for engine in self._engines:
+            self.input(engine.tick, ())
 
     # -- the I/O threads ----------------------------------------------------------------------------
 

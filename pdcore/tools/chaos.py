@@ -75,6 +75,8 @@ def parser() -> CliParser:
     p.add_argument("--seed", type=int_range(0, (1 << 63) - 1), default=None, metavar="N",
                    help="seeds the requests and the fault schedule (a non-negative integer; default: random, printed)")
     p.add_argument("--transport", type=transport_name, default=d.transport, metavar="NAME", help=transport_help())
+    p.add_argument("--control", choices=("zmq", "tcp"), default=d.control,
+                   help="the control plane (faulty:<it> with control faults; default: %(default)s)")
     p.add_argument("--tp", type=int, default=d.prefill_tp, choices=(1, 2),
                    help="ranks per replica, prefill and decode alike (1: no torch.distributed group; default: %(default)s)")
     p.add_argument("--fail-rate", type=fraction, default=d.fail_rate, metavar="F",
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     seconds = args.seconds if args.seconds is not None else (None if args.requests is not None else d.seconds)
     plan = ChaosPlan(
-        seed=seed, seconds=seconds, requests=args.requests, transport=args.transport, fail_rate=args.fail_rate,
+        seed=seed, seconds=seconds, requests=args.requests, transport=args.transport, control=args.control, fail_rate=args.fail_rate,
         land_rate=args.land_rate, delay=args.delay, control_drop=args.control_drop, control_delay=args.control_delay,
         control_dup=args.control_dup, control_corrupt=args.control_corrupt, kills=not args.no_kills,
         pauses=not args.no_pauses, dead_after=args.dead_after, window=args.window, verbose=not args.quiet,
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..core.table import IMPLEMENTATION
 
     print(f"pdcore chaos: seed {seed}, {plan.replicas}P(tp{plan.prefill_tp}) -> {plan.replicas}D(tp{plan.decode_tp}), "
-          f"transport {plan.transport}, dead_after {plan.dead_after:g} s, "
+          f"transport {plan.transport}, control {plan.control}, dead_after {plan.dead_after:g} s, "
           + (f"{plan.seconds:g} s" if plan.seconds is not None else f"{plan.requests} requests")
           + f", {IMPLEMENTATION} state table", flush=True)
     with RunProgress("chaos", mode=args.progress) as progress:

@@ -194,7 +194,7 @@ def report(outcome: ChaosOutcome, *, verbose: bool = False) -> int:
 def _replay_args(plan: ChaosPlan) -> str:
     d = ChaosPlan().slower(plan.slow)
     args = [f"--seconds {plan.seconds:g}" if plan.seconds is not None else f"--requests {plan.requests}",
-            f"--transport {plan.transport}"]
+            f"--transport {plan.transport}", f"--control {plan.control}"]
     for name in ("fail_rate", "land_rate", "delay", "control_drop", "control_delay", "control_dup", "control_corrupt",
                  "dead_after", "window", "layers", "page_bytes", "num_pages", "max_pages"):
         if getattr(plan, name) != getattr(d, name):

@@ -35,6 +35,7 @@ class ChaosPlan:
     fail_rate: float = 0.03  # data plane: batches failed (faulty:<inner> only)
     land_rate: float = 0.5  # of those, posted first (their bytes land)
     delay: float = 0.005  # data plane: extra completion delay, seconds (max)
+    control: str = "tcp"  # the control plane; with control faults, faulty:<this>
     control_drop: float = 0.002
     control_delay: float = 0.02  # fraction of frames held back (up to control_max_delay s, order kept)
     control_max_delay: float = 0.2

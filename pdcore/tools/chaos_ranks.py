@@ -158,9 +158,9 @@ def _knobs(plan: ChaosPlan, role: str, index: int, gen: int, rank: int) -> dict[
     if plan.transport.startswith("faulty:"):
         options = {"seed": plan.rank_seed(role, index, gen, rank, "transport"), "fail_rate": plan.fail_rate,
                    "land_rate": plan.land_rate, "delay": plan.delay}
-    control: dict[str, Any] = {}
+    control: dict[str, Any] = {"control": plan.control}
     if any((plan.control_drop, plan.control_delay, plan.control_dup, plan.control_corrupt)):
-        control = {"control": "faulty:zmq", "control_options": {
+        control = {"control": f"faulty:{plan.control}", "control_options": {
             "seed": plan.rank_seed(role, index, gen, rank, "control"), "drop": plan.control_drop,
             "delay": plan.control_delay, "max_delay": plan.control_max_delay, "dup": plan.control_dup,
             "corrupt": plan.control_corrupt}}

@@ -63,6 +63,7 @@ class Plan:
     num_pages: int = 512
     window: int = 32
     transport: str = "tcp"
+    control: str = "tcp"
     timeout: float = 120.0
     heartbeat_interval: float = 0.25
     dead_after: float = 2.5
@@ -200,6 +201,7 @@ def _knobs(plan: Plan, tp: int) -> dict[str, Any]:
         "kv_layout": plan.kv,
         "num_pages": plan.num_pages,
         "transport": plan.transport,
+        "control": plan.control,
         "capacity": max(64, len(plan.requests)),
         **timings(plan),
         "unsafe_no_grants": not plan.grants,

@@ -69,6 +69,9 @@ def parser() -> CliParser:
     p.add_argument("--max-pages", type=int_range(1, 4096), default=16, metavar="N",
                    help="pages per request: 1..this, at random (1..4096; default: %(default)s)")
     p.add_argument("--transport", type=transport_name, default="tcp", metavar="NAME", help=transport_help())
+    p.add_argument("--control", choices=("zmq", "tcp"), default="tcp",
+                   help="the control plane: ZeroMQ with CURVE, or sealed frames over TCP on the driver's thread "
+                        "(default: %(default)s)")
     p.add_argument("--kv-device", choices=KV_DEVICES, default="cpu",
                    help="where the KV cache (and, with --epd, the embedding buffers) live: cpu, cuda (staged through "
                         "pinned host memory) or standin (host memory the peers stage as device memory, with copies "
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         page_bytes=args.page_bytes,
         num_pages=num_pages,
         transport=args.transport,
+        control=args.control,
         timeout=args.timeout,
         secret=secret,
         kv=kv,
@@ -163,6 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         shape = (f"{kv.layers} layers, {heads} of {kv.head_bytes} B, {kv.page_tokens} tokens a page"
                  f"{', layer-wise' if args.layerwise else ''}{', tiny model' if args.model == 'tiny' else ''}")
     line = (f"pdcore demo: {args.requests} requests, prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, "
-            f"{shape}, transport {args.transport}, {IMPLEMENTATION} state table, {auth_note}"
+            f"{shape}, transport {args.transport}, control {args.control}, {IMPLEMENTATION} state table, {auth_note}"
             f"{'' if args.kv_device == 'cpu' else f', KV on {args.kv_device}'}")
     return announce_and_run(line, plan, run, report, args)

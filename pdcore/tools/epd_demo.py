@@ -295,7 +295,7 @@ def _encode_rank(plan: EpdPlan, index: int, rank: int, port: int, stop: Any, out
     peer, sender = EncodePeer.start(EncodeConfig(
         send_buffers=sends.given, bootstrap_host="127.0.0.1", bootstrap_port=port, device_memory=device_memory(pd.kv_device),
         tp_size=enc.tp, tp_rank=tp_rank, dp_size=enc.dp, dp_rank=dp_rank, park_timeout=plan.park_timeout,
-        transport=pd.transport, heartbeat_interval=pd.heartbeat_interval, dead_after=pd.dead_after,
+        transport=pd.transport, control=pd.control, heartbeat_interval=pd.heartbeat_interval, dead_after=pd.dead_after,
         tombstone_ttl=pd.tombstone_ttl, secret=pd.secret,
     ))
     try:
@@ -804,6 +804,7 @@ def main(args: argparse.Namespace, cli: argparse.ArgumentParser, *, secret: byte
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, shard=args.epd_shard, deepstack=args.deepstack,
         hidden=args.hidden, max_rows=args.max_rows, max_images=args.max_images, max_pages=args.max_pages,
         layers=args.layers, page_bytes=args.page_bytes, num_pages=num_pages, transport=args.transport,
+        control=args.control,
         timeout=args.timeout, secret=secret, kv_device=args.kv_device,
     )
     plan.embed_timeout = plan.park_timeout = max(10.0, min(60.0, args.timeout))

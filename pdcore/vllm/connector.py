@@ -258,7 +258,7 @@ class PdcoreConnector(KVConnectorBase_V1):
         secret = opts.secret()
         knobs = dict(opts.timeouts)
         common = dict(kv_buffers=caches, page_bytes=page_bytes, num_pages=num_pages, tp_size=tp_size,
-                      tp_rank=tp_rank, host=opts.host, secret=secret, kv_layout=layout, **knobs)
+                      tp_rank=tp_rank, host=opts.host, control=opts.control, secret=secret, kv_layout=layout, **knobs)
         if self._producer:
             from ..pd.config import PrefillConfig
             from ..pd.prefill import PrefillPeer

@@ -66,7 +66,7 @@ def transfer_params(room: int, bootstrap_host: str, bootstrap_port: int) -> dict
 
 
 _SECONDS = ("bootstrap_timeout", "waiting_timeout", "dead_after", "start_timeout")
-_KEYS = {"bootstrap_host", "bootstrap_port", "bootstrap", "host", "secret_file", "layerwise_min_pages",
+_KEYS = {"bootstrap_host", "bootstrap_port", "bootstrap", "host", "control", "secret_file", "layerwise_min_pages",
          "max_transfers", *_SECONDS}
 
 
@@ -78,6 +78,8 @@ class ConnectorOptions:
       ranks register with; ``bootstrap`` ("auto"): "start" one in the rank-0 worker, "join" one that
       runs already (``python -m pdcore bootstrap``), or "auto": start one, join if the port is taken.
     - ``host`` (127.0.0.1): the address this rank's control channel and transport listen on.
+    - ``control`` ("tcp"): the control plane, "tcp" (sealed frames, its loop on the driver's thread)
+      or "zmq" (ZeroMQ with CURVE: frames encrypted on the wire). Every instance must name the same.
     - ``secret_file``: the deployment secret; else ``$PDCORE_SECRET_FILE``; with neither the
       planes run unauthenticated (pdcore warns once).
     - ``layerwise_min_pages`` (16): prefill: prompts of at least this many blocks are written layer
@@ -94,6 +96,7 @@ class ConnectorOptions:
     bootstrap_port: int = 8998
     bootstrap: str = "auto"
     host: str = "127.0.0.1"
+    control: str = "tcp"
     secret_file: str | None = None
     layerwise_min_pages: int = 16
     max_transfers: int = 1024
@@ -130,6 +133,9 @@ def options_from(extra: Mapping[str, Any] | None) -> ConnectorOptions:
     mode = extra.get("bootstrap", "auto")
     if mode not in ("auto", "start", "join"):
         raise ValueError(f"{where}['bootstrap'] must be 'auto', 'start' or 'join', got {mode!r}")
+    control = extra.get("control", "tcp")
+    if control not in ("tcp", "zmq"):
+        raise ValueError(f"{where}['control'] must be 'tcp' or 'zmq', got {control!r}")
     secret_file = extra.get("secret_file")
     if secret_file is not None and (not isinstance(secret_file, (str, os.PathLike)) or not str(secret_file)):
         raise ValueError(f"{where}['secret_file'] must be a path, got {secret_file!r}")
@@ -148,6 +154,6 @@ def options_from(extra: Mapping[str, Any] | None) -> ConnectorOptions:
             timeouts.append((name, float(value)))
     return ConnectorOptions(
         bootstrap_host=extra.get("bootstrap_host", "127.0.0.1"), bootstrap_port=port, bootstrap=mode,
-        host=extra.get("host", "127.0.0.1"), secret_file=None if secret_file is None else str(secret_file),
+        host=extra.get("host", "127.0.0.1"), control=control, secret_file=None if secret_file is None else str(secret_file),
         layerwise_min_pages=layerwise, max_transfers=bound, timeouts=tuple(timeouts),
     )

@@ -1,0 +1,566 @@
+"""The ``"tcp"`` control plane: sealed frames over plain TCP, its loop run by the driver's own thread.
+
+Why: on the ZeroMQ plane a lone message crosses four threads (the driver, the
+channel's I/O thread and ZeroMQ's on each side) and costs about five
+wake-ups. Here the driver's thread is the plane's loop (``serve``, called by
+``pdcore.node.driver.Driver`` between its inputs): it waits on its inbox and its
+control sockets together, sends each peer the frames a pass owes it in one
+``send``, and reads frames where the engines run. One wake-up per side.
+
+- **Connections:** a rank sends on connections it dials and receives on
+  those it accepts, one each way per pair of ranks (as the ZeroMQ plane's
+  DEALER and ROUTER): per-peer FIFO, and the dialer's hello names the
+  endpoint answers go to. Dialing, accepting and handshakes run on the
+  gatekeeper thread (``pdcore.control.tcp_gate``), never on the loop.
+- **Authentication** (``secret``): a mutual challenge-response with a key
+  derived from the deployment secret, then a keyed BLAKE2b tag over each frame
+  and its sequence number (``pdcore.control.tcp_frames``, which also says
+  what this gives up against CURVE). A refused frame is counted
+  (``stats.frames_refused``) and ends its connection; the dialer dials again.
+- **Bounds:** frames wait for a connection at most ``_CONNECT_WAIT`` (then
+  their rooms fail), with dials retried at a growing interval; bytes a slow
+  peer's socket has not taken are at most ``_MAX_REST`` (past it a frame's
+  rooms fail: "full"); at most ``max_queue`` frames queued from other threads.
+- **Liveness, quotas, delivery** are ``pdcore.control.plane_base``'s, as on
+  the ZeroMQ plane.
+
+Without a driver (tests, benchmarks) ``start()`` runs the loop on a thread of
+its own; ``drive_externally()`` before ``start()`` hands it to the caller, who
+then calls ``serve`` and ``wake``, and closes the plane after its loop ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from transport.loglimit import LogLimit
+
+from . import auth, tcp_frames as tf, wire
+from .plane_base import PlaneBase, format_endpoint
+from .tcp_gate import Gate, Ready
+from ..core.deadline import Deadline, DeadlineExceeded
+from ..core.errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
+
+__all__ = ["TcpPlane"]
+
+log = logging.getLogger("pdcore.control")
+
+_CONNECT_WAIT: Final = 5.0  # seconds frames wait for a connection to their peer before their rooms fail
+_MAX_REST: Final = 16 << 20  # bytes a peer's socket may owe us (it did not take them yet) before frames fail
+_RECV_BYTES: Final = 1 << 18  # read per readable connection per pass
+_RETRY_FIRST, _RETRY_MAX = 0.05, 1.0  # seconds between dials of a peer that refused or was not there
+_REFUSED_LOG_EVERY: Final = 10.0
+
+
+@dataclass
+class _Out:
+    """The way to one peer: its connection once dialled, and the frames that wait for it."""
+
+    endpoint: str
+    frames: list[tuple[bytes, tuple[int, ...]]] = field(default_factory=list)
+    since: float | None = None  # when the oldest waiting frame began to wait for a connection
+    sock: socket.socket | None = None
+    sealer: tf.Sealer | None = None
+    rest: bytearray = field(default_factory=bytearray)  # sealed bytes the socket did not take yet
+    dialing: bool = False
+    retry_at: float = 0.0
+    backoff: float = _RETRY_FIRST
+    verdict: bool = False  # the listener's verdict came (OK)
+
+
+@dataclass
+class _In:
+    sock: socket.socket
+    sender: str
+    opener: tf.Opener
+
+
+class TcpPlane(PlaneBase):
+    """A control plane whose loop is ``serve`` (see the module docstring)."""
+
+    FRAMES_HAND_OFF = False  # sent on the thread that runs the loop
+
+    def __init__(self, on_message: Any, *, secret: bytes | None = None, linger: float = 1.0, **kwargs: Any) -> None:
+        kwargs.pop("sndhwm", None)  # the ZeroMQ plane's: this one's bound is _MAX_REST
+        super().__init__(on_message, **kwargs)
+        self._key = auth.derive_key(auth.check_secret(secret, "control channel"), tf.KEY_LABEL) if secret is not None else None
+        self._linger = linger
+        self._sel: selectors.BaseSelector = selectors.DefaultSelector()  # made again at start (nothing open before)
+        self._sel.close()
+        self._outs: dict[str, _Out] = {}
+        self._ins: dict[int, _In] = {}
+        self._dirty: set[str] = set()  # endpoints with frames to send this pass
+        self._foreign: collections.deque[tuple[str, bytes | None, tuple[int, ...]]] = collections.deque()
+        self._ready: collections.deque[Ready] = collections.deque()
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._wake_owed = False
+        self._gate: Gate | None = None
+        self._listener: socket.socket | None = None
+        self._driven = False
+        self._loop_ident: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+        self._next_beat = self._last_tick = 0.0
+        self._refused_logged = LogLimit(_REFUSED_LOG_EVERY, max_keys=64)
+        self._endpoints: set[str] = set()
+
+    # -- caller side ----------------------------------------------------------------------------
+
+    def drive_externally(self) -> None:
+        """The caller's thread will run the loop (``serve``); before ``start``."""
+        if self._listener is not None:
+            raise StartError("control plane: drive_externally() after start()")
+        self._driven = True
+
+    def start(self) -> str:
+        """Bind, start the gatekeeper (and the loop's own thread unless driven); returns the endpoint."""
+        if self._listener is not None:
+            raise StartError("control channel: start() may be called once")
+        if self._advertise in ("0.0.0.0", "::", ""):
+            raise StartError(f"control channel: bound to wildcard {self._host!r}; pass advertise_host")
+        if self._key is None:
+            auth.warn_unauthenticated("control channel")
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self._host, 0))
+            listener.listen(512)
+            endpoint = format_endpoint(self._advertise, listener.getsockname()[1])
+            wire.check_endpoint(endpoint)
+        except (OSError, LocalProtocolError) as e:
+            listener.close()
+            raise StartError(f"control channel: cannot bind {self._host!r}: {e}") from e
+        self._listener, self._endpoint = listener, endpoint
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._gate = Gate(listener, own_endpoint=endpoint, key=self._key, max_pending=self._max_pending,
+                          handshake_timeout=self._handshake_timeout, stats=self.stats,
+                          on_ready=self._on_ready)
+        self._gate.start()
+        self._next_beat = self._last_tick = time.monotonic()
+        if not self._driven:
+            self._thread = threading.Thread(target=self._run_own, name=f"pdcore-control-{endpoint.rsplit(':', 1)[1]}",
+                                            daemon=True)
+            self._thread.start()
+        return endpoint
+
+    def send(self, endpoint: str, msg: wire.Message) -> None:
+        """Queue ``msg`` for the peer at ``endpoint``; never blocks. On the loop's thread it goes out with
+        the pass's other frames to that peer; from another thread the loop is woken for it.
+
+        Raises ``LocalProtocolError`` (bad message or endpoint), ``CapacityError`` (too many frames queued
+        from other threads), ``PeerError`` (closed or not started)."""
+        frame = wire.encode(msg)
+        if type(endpoint) is not str or endpoint not in self._endpoints:
+            wire.check_endpoint(endpoint)
+            if len(self._endpoints) >= 2 * self._max_peers:
+                self._endpoints.clear()
+            self._endpoints.add(endpoint)
+        self._enqueue(endpoint, frame, wire.rooms_of(msg))
+
+    def forget(self, endpoint: str) -> None:
+        """Drop the way to ``endpoint`` (frames waiting for it are discarded) and stop watching it."""
+        self._enqueue(endpoint, None, ())
+
+    def _enqueue(self, endpoint: str, frame: bytes | None, rooms: tuple[int, ...]) -> None:
+        if self._listener is None or self._stopping:
+            raise PeerError("control channel: not running")
+        if threading.get_ident() == self._loop_ident:
+            self._queue(endpoint, frame, rooms)
+            return
+        if len(self._foreign) >= self._max_queue:
+            raise CapacityError(f"control channel: {self._max_queue} frames already queued")
+        self._foreign.append((endpoint, frame, rooms))
+        self.wake()
+
+    def wake(self) -> None:
+        """Return the loop from its wait (any thread; one byte however many ask before it reads it)."""
+        if not self._wake_owed and self._wake_w is not None:
+            self._wake_owed = True
+            try:
+                self._wake_w.send(b"\0")
+            except OSError:  # full: a wake-up is pending anyway; closed: nothing to wake
+                pass
+
+    def queued(self) -> int:
+        """Frames queued from other threads for the loop now (a metric)."""
+        return len(self._foreign)
+
+    def pending_connections(self) -> int:
+        """Accepted connections in their handshake now (at most ``max_pending``)."""
+        return self._gate.pending() if self._gate is not None else 0
+
+    def close(self, deadline: Deadline | None = None) -> None:
+        """Stop the loop (its own thread; a driven loop must have ended) and the gatekeeper, send what is
+        queued within ``linger``, close every socket. Idempotent; ``DeadlineExceeded`` if a thread lives on."""
+        deadline = deadline or Deadline.after(5.0)
+        if self._listener is None or self._closed:
+            return
+        if threading.get_ident() == self._loop_ident and self._thread is not None:
+            raise RuntimeError("control channel: close() called from a callback")
+        self._stopping = True
+        assert self._gate is not None
+        if not self._gate.close(deadline):  # first: nothing new comes from it, and the listener is its
+            raise DeadlineExceeded("control channel: the gatekeeper did not stop by the deadline")
+        thread = self._thread
+        if thread is not None:
+            self.wake()
+            thread.join(deadline.remaining())
+            if thread.is_alive():
+                raise DeadlineExceeded("control channel: the loop thread did not stop by the deadline")
+        else:
+            self._shutdown(deadline)
+
+    def __enter__(self) -> TcpPlane:
+        if self._listener is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _run_own(self) -> None:
+        try:
+            while not self._stopping:
+                self.serve(self._interval)
+        except Exception:
+            log.exception("control channel %s: loop failed", self._endpoint)
+        finally:
+            self._shutdown(Deadline.after(self._linger + 1.0))
+
+    def serve(self, timeout: float) -> None:
+        """One pass of the loop: send what is owed, wait up to ``timeout`` for a socket or a wake-up, read
+        every readable connection (delivering its frames), send again, beat the heart when it is time."""
+        if self._loop_ident is None:
+            self._loop_ident = threading.get_ident()
+        if self._stopping:
+            return
+        self._take_foreign()
+        self._flush()
+        now = time.monotonic()
+        wait = min(timeout, self._next_beat - now, self._retry_due(now))
+        for key, mask in self._sel.select(max(0.0, wait)):
+            what = key.data
+            if what is None:
+                self._drain_wake()
+            elif type(what) is _In:
+                self._read_in(what)
+            else:
+                self._out_event(what, mask)
+        while self._ready:
+            self._adopt(self._ready.popleft())
+        self._take_foreign()
+        now = time.monotonic()
+        if now >= self._next_beat:
+            if now - self._last_tick > max(3 * self._interval, self._liveness.dead_after / 2):
+                self._liveness.pardon(now)  # we were stopped: silence while we slept proves nothing
+            self._tick(now)
+            for out in self._outs.values():
+                self._dial(out, now)  # the way to a peer we heard from, or one whose connection ended
+            self._last_tick, self._next_beat = now, now + self._interval
+        self._flush()
+
+    def _retry_due(self, now: float) -> float:
+        waiting = [o.retry_at for o in self._outs.values() if o.frames and o.sock is None and not o.dialing]
+        return min(waiting) - now if waiting else _CONNECT_WAIT
+
+    def _drain_wake(self) -> None:
+        assert self._wake_r is not None
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        self._wake_owed = False  # after the read: a wake-up asked for from here on sends its byte
+
+    def _on_ready(self, ready: Ready) -> None:
+        """The gatekeeper's thread: a connection (or a failed dial) for the loop."""
+        self._ready.append(ready)
+        self.wake()
+
+    def _take_foreign(self) -> None:
+        foreign = self._foreign
+        while foreign:
+            self._queue(*foreign.popleft())
+
+    def _queue(self, endpoint: str, frame: bytes | None, rooms: tuple[int, ...]) -> None:
+        if frame is None:
+            self._flush_one(endpoint)
+            self._drop_peer(endpoint)
+            return
+        out = self._outs.get(endpoint)
+        if out is None:
+            out = self._out(endpoint)
+            if out is None:
+                self._fail_rooms(rooms, f"control channel: already connected to {self._max_peers} peers")
+                return
+        out.frames.append((frame, rooms))
+        self._dirty.add(endpoint)
+
+    def _out(self, endpoint: str) -> _Out | None:
+        if len(self._outs) >= self._max_peers:
+            return None
+        out = self._outs[endpoint] = _Out(endpoint)
+        self._liveness.track(endpoint, time.monotonic())
+        return out
+
+    # -- sending ------------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for endpoint in dirty:
+            self._flush_one(endpoint)
+
+    def _flush_one(self, endpoint: str) -> None:
+        out = self._outs.get(endpoint)
+        if out is None or not out.frames:
+            return
+        if out.sock is None:
+            now = time.monotonic()
+            since = out.since = out.since or now
+            if now - since > _CONNECT_WAIT:
+                frames, out.frames, out.since = out.frames, [], None
+                self.stats.send_failures += 1
+                self._fail_rooms(tuple(r for _, rooms in frames for r in rooms),
+                                 f"control channel to {endpoint}: no connection within {_CONNECT_WAIT:g} s")
+            else:
+                self._dial(out, now)
+            return
+        frames, out.frames, out.since = out.frames, [], None
+        self._send_now(endpoint, [f for f, _ in frames], tuple(r for _, rooms in frames for r in rooms))
+
+    def _dial(self, out: _Out, now: float) -> None:
+        if out.sock is None and not out.dialing and now >= out.retry_at and self._gate is not None:
+            out.dialing = True
+            self._gate.dial(out.endpoint)
+
+    def _send_now(self, endpoint: str, frames: list[bytes], rooms: tuple[int, ...]) -> bool:
+        """``frames`` to ``endpoint`` in one ``send``; where that cannot be, ``rooms`` fail."""
+        out = self._outs.get(endpoint)
+        if out is None or out.sock is None or out.sealer is None:
+            return False  # a heartbeat with no connection yet: the next one goes
+        size = sum(len(f) for f in frames) + len(frames) * (tf.HEADER.size + tf.TAG_BYTES)
+        if len(out.rest) + size > _MAX_REST:
+            return self._send_failed(rooms, f"control channel to {endpoint} is full (peer slow or gone)")
+        seal = out.sealer.seal
+        data = b"".join(part for f in frames for part in seal(f))
+        self.stats.sent += len(frames)
+        self.stats.messages_sent += 1
+        if out.rest:
+            out.rest += data
+            return True
+        try:
+            n = out.sock.send(data)
+        except BlockingIOError:
+            n = 0
+        except OSError as e:
+            self._lost(out, f"connection broke: {e}")
+            return self._send_failed(rooms, f"control channel to {endpoint}: {e}")
+        if n < len(data):
+            out.rest += data[n:]
+            self._sel.modify(out.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, out)
+        return True
+
+    def _send_failed(self, rooms: tuple[int, ...], reason: str) -> bool:
+        self.stats.send_failures += 1
+        log.warning("%s", reason)
+        self._fail_rooms(rooms, reason)
+        return False
+
+    def _out_event(self, out: _Out, mask: int) -> None:
+        sock = out.sock
+        if sock is None:
+            return
+        if mask & selectors.EVENT_READ:
+            try:
+                data = sock.recv(64)
+            except BlockingIOError:
+                data = None
+            except OSError as e:
+                self._lost(out, f"connection broke: {e}")
+                return
+            if data == b"":
+                self._lost(out, "the peer closed the connection")
+                return
+            if data and not out.verdict:
+                if data[0] != tf.OK:
+                    why = tf.VERDICTS.get(data[0], f"verdict {data[0]}")
+                    self._auth_failed(out.endpoint, why, dead=True)
+                    return
+                out.verdict = True
+        if mask & selectors.EVENT_WRITE and out.rest:
+            try:
+                n = sock.send(out.rest)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._lost(out, f"connection broke: {e}")
+                return
+            del out.rest[:n]
+            if not out.rest:
+                self._sel.modify(sock, selectors.EVENT_READ, out)
+
+    def _lost(self, out: _Out, why: str) -> None:
+        """The connection to ``out`` ended: frames it had not sent are lost (as in a socket's buffer); the
+        next frame dials again."""
+        log.debug("control channel %s: connection to %s lost: %s", self._endpoint, out.endpoint, why)
+        self._close_out(out)
+
+    def _close_out(self, out: _Out) -> None:
+        if out.sock is not None:
+            try:
+                self._sel.unregister(out.sock)
+            except (KeyError, ValueError):
+                pass
+            out.sock.close()
+        out.sock, out.sealer, out.verdict = None, None, False
+        out.rest = bytearray()
+
+    def _adopt(self, ready: Ready) -> None:
+        """A finished handshake from the gatekeeper."""
+        if ready.kind == "in":
+            assert ready.sock is not None
+            self._adopt_in(ready.sock, ready.endpoint, ready.key, ready.extra)
+            return
+        out = self._outs.get(ready.endpoint)
+        if ready.kind == "fail":
+            if out is None:
+                return
+            out.dialing = False
+            if ready.auth:
+                self._auth_failed(ready.endpoint, ready.reason, dead=True)
+                return
+            self.stats.connect_retries += 1
+            out.retry_at = time.monotonic() + out.backoff
+            out.backoff = min(2 * out.backoff, _RETRY_MAX)
+            if out.frames:
+                self._dirty.add(out.endpoint)
+            return
+        assert ready.sock is not None
+        if out is None or out.sock is not None or self._stopping:
+            ready.sock.close()  # dropped (or closing) while it was dialled
+            return
+        out.sock, out.sealer, out.dialing, out.backoff = ready.sock, tf.Sealer(ready.key), False, _RETRY_FIRST
+        self._sel.register(ready.sock, selectors.EVENT_READ, out)
+        self._dirty.add(out.endpoint)
+
+    # -- receiving ----------------------------------------------------------------------------------
+
+    def _adopt_in(self, sock: socket.socket, sender: str, key: bytes, extra: bytes) -> None:
+        if len(self._ins) >= 2 * self._max_peers:
+            oldest = next(iter(self._ins.values()))
+            self._close_in(oldest)
+        conn = _In(sock, sender, tf.Opener(key))
+        self._ins[sock.fileno()] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        if extra:
+            self._deliver(conn, extra)
+
+    def _read_in(self, conn: _In) -> None:
+        try:
+            data = conn.sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            if conn.opener.partial:
+                self.stats.frames_truncated += 1
+                log.warning("control channel %s: the connection from %s ended mid-frame", self._endpoint, conn.sender)
+            self._close_in(conn)
+            return
+        self._deliver(conn, data)
+
+    def _deliver(self, conn: _In, data: bytes) -> None:
+        bodies, error = conn.opener.feed(data)
+        if bodies:
+            self.stats.received += 1  # reads that brought frames (as ZeroMQ messages on the other plane)
+        for body in bodies:
+            try:
+                self._received(conn.sender, body, wire.decode(body))
+            except RemoteProtocolError as e:
+                self._protocol_error(e)
+            except Exception:  # a bug of ours: logged and counted, the plane keeps serving
+                self.stats.internal_errors += 1
+                log.exception("control channel %s: failed to handle a frame", self._endpoint)
+        if error is not None:
+            self.stats.frames_refused += 1
+            if self._refused_logged.ready(conn.sender) is not None:
+                log.warning("control channel %s: refused a frame from %s: %s; its connection ends (more counted in "
+                            "stats.frames_refused)", self._endpoint, conn.sender, error)
+            self._close_in(conn)
+
+    def _close_in(self, conn: _In) -> None:
+        if self._ins.pop(conn.sock.fileno(), None) is not None:
+            self._sel.unregister(conn.sock)
+            conn.sock.close()
+
+    # -- the base's hooks -------------------------------------------------------------------------------
+
+    def _on_loop(self) -> bool:
+        return threading.get_ident() == self._loop_ident
+
+    def _answer(self, sender: str) -> None:
+        if sender in self._outs:
+            return
+        out = self._out(sender)
+        if out is None:
+            log.warning("control channel: cannot connect back to %s: already connected to %d peers", sender,
+                        self._max_peers)
+        else:
+            self._dial(out, time.monotonic())
+
+    def _peers_sent_to(self) -> list[str]:
+        return [e for e, o in self._outs.items() if o.sock is not None]
+
+    def _drop_peer(self, endpoint: str) -> None:
+        out = self._outs.pop(endpoint, None)
+        if out is not None:
+            self._close_out(out)
+        self._liveness.forget(endpoint)
+
+    # -- the end --------------------------------------------------------------------------------------
+
+    def _shutdown(self, deadline: Deadline) -> None:
+        """Last flush; what the sockets owe goes within ``linger`` (and the deadline); close everything."""
+        self._stopping = True
+        try:
+            self._take_foreign()
+            self._flush()
+            until = Deadline.after(min(self._linger, deadline.remaining()))
+            for out in self._outs.values():
+                if out.sock is not None and out.rest and not until.expired():
+                    out.sock.settimeout(max(0.001, until.remaining()))
+                    try:
+                        out.sock.sendall(out.rest)
+                    except OSError:
+                        pass
+        except Exception:
+            log.exception("control channel: final flush failed")
+        for out in list(self._outs.values()):
+            self._close_out(out)
+        for conn in list(self._ins.values()):
+            self._close_in(conn)
+        for ready in self._ready:
+            if ready.sock is not None:
+                ready.sock.close()
+        self._closed = True
+        self._sel.close()
+        for s in (self._wake_r, self._wake_w, self._listener):
+            if s is not None:
+                s.close()
