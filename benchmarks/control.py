@@ -26,6 +26,14 @@ This process sends ``Status`` frames; the echo process sends each back; this
 process's main thread waits for the answers.
 
 - ``lone``: one message in flight (ping-pong): no burst shares a wake-up.
+  This process's main thread sends each and waits for its answer, so on
+  this side every message also crosses between the caller and the plane's
+  thread (a scheduler's call to its driver, and back).
+- ``relay``: one message in flight, answered on both sides by the plane's
+  callback thread (where a driver reads it: the ``tcp`` plane's loop, the
+  ZeroMQ channel's I/O thread): a message as one driver sends it to another,
+  without the caller's hops. The main thread starts the relay and waits for
+  its end.
 - ``burst``: ``--burst`` messages sent back to back, then their answers
   awaited: frames to one peer in one pass of the control thread share a
   ZeroMQ message.
@@ -73,6 +81,9 @@ _TIMEOUT = 60.0
 _LEN = struct.Struct("<I")
 
 
+RELAY = 1 << 40  # a room with this bit: a relay message, answered on the callback thread; the rest counts down
+
+
 def _status(room: int) -> wire.Status:
     return wire.Status(room=room, state=3, rank=0, first_token=room & 0xFFFF, cached_tokens=7)
 
@@ -84,7 +95,7 @@ def _echo(conn: Any, secret: bytes | None, plane: str) -> None:
 
     def on_message(sender: str, msg: wire.Message) -> None:
         if type(msg) is wire.Status:
-            if plane == "tcp":
+            if plane == "tcp" or msg.room & RELAY:
                 channel.send(sender, msg)
             else:
                 inbox.put((sender, msg))
@@ -157,7 +168,7 @@ class Floor:
         sock, out = self.sock, _LEN.pack(len(self.frame)) + self.frame
 
         def body() -> None:
-            step = 1 if mode == "lone" else burst
+            step = burst if mode == "burst" else 1  # (relay: its floor is the lone ping-pong)
             for start in range(0, messages, step):
                 n = min(step, messages - start)
                 sock.sendall(out * n)
@@ -180,7 +191,10 @@ class Pair:
 
         def on_message(sender: str, msg: wire.Message) -> None:
             if type(msg) is wire.Status:
-                self.answers.put(msg)
+                if msg.room & RELAY and msg.room != RELAY:
+                    self.channel.send(sender, _status(msg.room - 1))  # on with the relay, from this thread
+                else:
+                    self.answers.put(msg)
 
         ctx = mp.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
@@ -202,6 +216,10 @@ class Pair:
     def run(self, mode: str, messages: int, burst: int = 32) -> dict[str, float]:
         """``messages`` sent and answered; per message (each way counts): CPU µs, wake-ups, wall µs."""
         def body() -> None:
+            if mode == "relay":
+                self.channel.send(self.peer, _status(RELAY | (messages - 1)))
+                self._answer()
+                return
             if mode == "lone":
                 for i in range(messages):
                     self.channel.send(self.peer, _status(i))
@@ -247,8 +265,8 @@ def main() -> int:
             say(f"control: {plane}, {name}")
             pair = Pair(secret, plane)
             try:
-                got: dict[str, list[dict[str, float]]] = {"lone": [], "burst": []}
-                base: dict[str, list[dict[str, float]]] = {"lone": [], "burst": []}
+                got: dict[str, list[dict[str, float]]] = {"lone": [], "relay": [], "burst": []}
+                base: dict[str, list[dict[str, float]]] = {"lone": [], "relay": [], "burst": []}
                 for _ in range(repeats):
                     for mode in got:  # taking turns, the floor's runs between ours
                         got[mode].append(pair.run(mode, messages, args.burst))

@@ -40,7 +40,10 @@ from its first ``begin`` to the last room's conclusion), ``floor_cpu_us_per_item
 the floor processes' over a floor run, ``cpu_ratio_floor_vs_epd`` the second
 over the first: on a 2-core machine the throughput follows it, and it is the
 steadier figure when the machine is loaded from elsewhere.
-``frames_per_message``: both ranks' control frames over the ZeroMQ messages that carried
+Both control planes in the same run: the ranks run on ``"tcp"`` (the default); a second pair of
+ranks on ``"zmq"`` takes turns with them and the floor (``zmq_gbps``, ``zmq_ratio`` against the same
+floor, ``zmq_handoffs_per_item``).
+``frames_per_message``: both ranks' control frames over the messages that carried
 them, heartbeats aside (``PeerBase.control_sends``; see ``benchmarks/control.py``).
 ``wakeups_per_item`` and ``floor_wakeups_per_item``: the voluntary context
 switches of every thread of those processes, per item (``benchmarks/pd.py``
@@ -113,7 +116,7 @@ QUICK_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
 # ----------------------------------------------------------------------------- throughput: the prefill process
 
 
-def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
+def _prefill_main(conn: Connection, slots: int, poll_interval: float, control: str) -> None:
     """A prefill rank with its receiver; on ``("run", rooms, rows, encode_port, check)`` receives one item per room."""
     from pdcore import EmbeddingItem, PrefillConfig, PrefillPeer, ReceiverConfig
     from pdcore.control.bootstrap import BootstrapServer
@@ -123,7 +126,7 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
     slot_rows = MAX_ITEM // ROW_BYTES
     peer, _ = PrefillPeer.start(PrefillConfig(
         kv_buffers=[np.zeros(8 * 4096, np.uint8)], page_bytes=4096, num_pages=8,
-        bootstrap_host="127.0.0.1", bootstrap_port=port,
+        bootstrap_host="127.0.0.1", bootstrap_port=port, control=control,
     ))
     try:
         recv = peer.embedding_receiver(ReceiverConfig(
@@ -170,9 +173,10 @@ def _prefill_main(conn: Connection, slots: int, poll_interval: float) -> None:
 
 
 class Epd:
-    """This process's encode rank and the spawned prefill rank, kept for the whole benchmark."""
+    """This process's encode rank and the spawned prefill rank (both on the control plane ``control``),
+    kept for the whole benchmark."""
 
-    def __init__(self, slots: int, poll_interval: float) -> None:
+    def __init__(self, slots: int, poll_interval: float, control: str = "tcp") -> None:
         from pdcore import EncodeConfig, EncodePeer
         from pdcore.control.bootstrap import BootstrapServer
 
@@ -181,11 +185,11 @@ class Epd:
         self.send_buffer = np.random.default_rng(0).integers(0, 256, MAX_ITEM, dtype=np.uint8)
         self.peer, self.sender = EncodePeer.start(EncodeConfig(
             send_buffers=[self.send_buffer], bootstrap_host="127.0.0.1", bootstrap_port=self.port,
-            max_rooms=8192, park_timeout=600.0,
+            max_rooms=8192, park_timeout=600.0, control=control,
         ))
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.child = ctx.Process(target=_prefill_main, args=(child, slots, poll_interval), daemon=True)
+        self.child = ctx.Process(target=_prefill_main, args=(child, slots, poll_interval, control), daemon=True)
         self.child.start()
         hello = _recv(self.pipe, 120, "the prefill process")
         if hello != "ready":
@@ -247,10 +251,11 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
     slot_pages = MAX_ITEM // PAGE
     say(f"throughput: starting the encode and prefill ranks and the floor's two processes ({args.slots} slots)")
     floor = Floor(1, 1, PAGE, args.slots * slot_pages)
-    epd = None
+    epd = zmq = None
     rows = []
     try:
         epd = Epd(args.slots, args.poll_interval)
+        zmq = Epd(args.slots, args.poll_interval, "zmq")  # the same on the other control plane, taking turns
         for item_bytes in sizes:
             items = max(2 * args.slots, args.mib * MiB // item_bytes)
             pages = item_bytes // PAGE
@@ -261,11 +266,17 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                 raise RuntimeError(f"the floor replays {writes} writes of {nbytes} bytes, not {items} of {item_bytes}")
             say(f"throughput: {items} items of {item_bytes // KiB} KiB, {args.repeats} runs each")
             epd.run(item_bytes, min(items, 4 * args.slots), check=True)  # warm-up, and the rows are right
+            zmq.run(item_bytes, min(items, 4 * args.slots), check=True)
             floor.once()
             epd_s, floor_s, handoffs, cpu, floor_cpu, woke, floor_woke, shared = [], [], [], [], [], [], [], []
+            zmq_s, zmq_handoffs = [], []
             for k in range(args.repeats):
-                for who in (("epd", "floor") if k % 2 == 0 else ("floor", "epd")):
-                    if who == "epd":
+                for who in (("epd", "zmq", "floor") if k % 2 == 0 else ("floor", "zmq", "epd")):
+                    if who == "zmq":
+                        seconds, n, *_ = zmq.run(item_bytes, items)
+                        zmq_s.append(seconds)
+                        zmq_handoffs.append(n / items)
+                    elif who == "epd":
                         seconds, n, used, w, per_message = epd.run(item_bytes, items)
                         epd_s.append(seconds)
                         shared.append(per_message)
@@ -291,11 +302,15 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                 "wakeups_per_item": round(statistics.median(woke), 2),
                 "floor_wakeups_per_item": round(statistics.median(floor_woke), 2),
                 "frames_per_message": round(statistics.median(shared), 2),
+                "zmq_gbps": round(bits / statistics.median(zmq_s) / 1e9, 3),
+                "zmq_ratio": round(bits / statistics.median(zmq_s) / 1e9 / floor_gbps, 3),
+                "zmq_handoffs_per_item": round(statistics.median(zmq_handoffs), 1),
                 "seconds_all": [round(s, 4) for s in epd_s], "floor_seconds_all": [round(s, 4) for s in floor_s],
             })
     finally:
-        if epd is not None:
-            epd.close()
+        for pair in (epd, zmq):
+            if pair is not None:
+                pair.close()
         floor.close()
     return rows
 
@@ -489,13 +504,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedding bytes, encode -> one prefill rank ({args.slots} slots, hidden {HIDDEN} {DTYPE}) vs the TCP "
               f"transport floor on the same writes; medians of {args.repeats} runs")
         print(f"{'item':>9} {'items':>6} {'MiB':>6} {'Gb/s':>8} {'floor':>8} {'ratio':>6} {'items/s':>9} {'floor items/s':>13} "
-              f"{'CPU µs/item':>11} {'floor':>6} {'CPU ratio':>9} {'wake-ups/item':>13} {'floor':>6} {'hand-offs/item':>14} {'frames/msg':>10}")
+              f"{'CPU µs/item':>11} {'floor':>6} {'CPU ratio':>9} {'wake-ups/item':>13} {'floor':>6} {'hand-offs/item':>14} {'frames/msg':>10} "
+              f"{'zmq Gb/s':>8} {'ratio':>6} {'hand-offs':>9}")
         for r in thr:
             print(f"{r['item_bytes'] // KiB:>6} KiB {r['items']:>6} {r['bytes'] / MiB:>6.0f} {r['gbps']:>8.2f} "
                   f"{r['floor_gbps']:>8.2f} {r['ratio']:>6.2f} {r['items_per_s']:>9.0f} {r['floor_items_per_s']:>13.0f} "
                   f"{r['cpu_us_per_item']:>11.0f} {r['floor_cpu_us_per_item']:>6.0f} {r['cpu_ratio_floor_vs_epd']:>9.2f} "
                   f"{r['wakeups_per_item']:>13.1f} {r['floor_wakeups_per_item']:>6.1f} {r['handoffs_per_item']:>14.1f} "
-                  f"{r['frames_per_message']:>10.2f}")
+                  f"{r['frames_per_message']:>10.2f} {r['zmq_gbps']:>8.2f} {r['zmq_ratio']:>6.2f} "
+                  f"{r['zmq_handoffs_per_item']:>9.1f}")
         if big:
             print(f"target: items >= 1 MiB at >= {TARGET_RATIO} x the floor -> "
                   f"{'met' if summary['meets_target'] else 'NOT met'} (min {summary['min_ratio_ge_1MiB']:.2f})")

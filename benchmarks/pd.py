@@ -50,7 +50,11 @@ another thread (the scheduler's calls, control frames, completions, look-up resu
 frames it handed to its control channel's thread, summed over the ranks, per request (the
 transport's internal threads are not counted; ``PeerBase.handoffs``).
 
-Control frames per ZeroMQ message (``frames_per_message``): every rank's control frames over the
+Control planes (``zmq_GBps``, ``ratio_tcp_vs_zmq``, ``zmq_handoffs_per_request``): every e2e run is on
+the default control plane, ``"tcp"`` (its loop on the driver's thread); the same requests run again on
+``"zmq"`` (a ZeroMQ I/O thread), both planes in the same run, taking turns.
+
+Control frames per message (``frames_per_message``): every rank's control frames over the
 messages that carried them, heartbeats aside (``PeerBase.control_sends``): the frames one peer is
 owed in one pass of a control channel's thread share a message, which costs a fraction of a lone
 one (``benchmarks/control.py``).
@@ -257,7 +261,7 @@ def _recv(conn: Connection, timeout: float, who: str) -> Any:
 
 def e2e_once(
     name: str, prefill: int, decode: int, args: argparse.Namespace, seed: int, exclude: set[int], *,
-    grants: bool = True, secret: bytes | None = SECRET,
+    grants: bool = True, secret: bytes | None = SECRET, control: str = "tcp",
 ) -> dict[str, Any]:
     """One ``demo.run``; returns its figures and the writes of every (prefill, decode, rank) pair."""
     from pdcore.tools.demo import Plan, make_requests, run
@@ -277,6 +281,7 @@ def e2e_once(
         timeout=args.timeout,
         grants=grants,
         secret=secret,
+        control=control,
     )
     sampler = CpuSampler(exclude)
     try:
@@ -324,6 +329,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
         if name not in args.configs:
             continue
         e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_, handoffs = [], [], [], [], [], [], [], [], [], []
+        zmq, zmq_handoffs = [], []
         woke, floor_woke, shared = [], [], []
         nbytes = nwrites = 0
         for k in range(args.repeats):
@@ -350,6 +356,10 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             bare.append(e2e_once(name, prefill, decode, args, seed=k, exclude={p.pid for p in floor.procs}, grants=False)["seconds"])
             say(f"{name}: the same run without a secret {k + 1}/{args.repeats}")
             open_.append(e2e_once(name, prefill, decode, args, seed=k, exclude={p.pid for p in floor.procs}, secret=None)["seconds"])
+            say(f"{name}: the same run on the zmq control plane {k + 1}/{args.repeats}")
+            z = e2e_once(name, prefill, decode, args, seed=k, exclude={p.pid for p in floor.procs}, control="zmq")
+            zmq.append(z["seconds"])
+            zmq_handoffs.append(z["handoffs"] / z["requests"])
             say(f"{name}: e2e {nbytes / r['seconds'] / 1e9:.3f} GB/s, floor {nbytes / statistics.median(floors[-args.floor_repeats:]) / 1e9:.3f} GB/s")
         sec, fsec = statistics.median(e2e), statistics.median(floors)
         rows.append({
@@ -389,6 +399,9 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "e2e_cpu_cores": round(statistics.median(c / s for c, s in zip(cpu, e2e)), 2),
             "floor_cpu_cores": round(statistics.median(c / s for c, s in zip(floor_cpu, floors)), 2),
             "handoffs_per_request": round(statistics.median(handoffs), 1),
+            "zmq_GBps": round(nbytes / statistics.median(zmq) / 1e9, 4),
+            "ratio_tcp_vs_zmq": round(statistics.median(zmq) / sec, 3),
+            "zmq_handoffs_per_request": round(statistics.median(zmq_handoffs), 1),
             "frames_per_message": round(statistics.median(shared), 2),
             "wakeups_per_request": round(statistics.median(woke), 1),
             "floor_wakeups_per_request": round(statistics.median(floor_woke), 1),
@@ -600,7 +613,7 @@ def _print_e2e(args: argparse.Namespace, e2e: list[dict[str, Any]], summary: dic
     print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
           f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
           f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13} "
-          f"{'wake-ups/req':>12} {'floor':>6} {'frames/msg':>10}")
+          f"{'wake-ups/req':>12} {'floor':>6} {'frames/msg':>10} {'zmq GB/s':>9} {'tcp/zmq':>7} {'zmq hand-offs':>13}")
     for r in e2e:
         print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
               f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
@@ -608,7 +621,8 @@ def _print_e2e(args: argparse.Namespace, e2e: list[dict[str, Any]], summary: dic
               f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
               f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
               f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f} "
-              f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f}")
+              f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f} "
+              f"{r['zmq_GBps']:>9.3f} {r['ratio_tcp_vs_zmq']:>7.2f} {r['zmq_handoffs_per_request']:>13.1f}")
     print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
           f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
           f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "

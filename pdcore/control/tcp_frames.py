@@ -206,28 +206,29 @@ class Opener:
         buf += data
         out: list[bytes] = []
         at, end = 0, len(buf)
-        key, blake = self._key, hashlib.blake2b
+        key, blake, size = self._key, hashlib.blake2b, HEADER.size
         error: FrameError | None = None
-        while end - at >= _OVERHEAD:
-            n, seq = HEADER.unpack_from(buf, at)
-            if n > self._max:
-                error = FrameError("length", f"a frame of {n} bytes (at most {self._max})")
-                break
-            if end - at < _OVERHEAD + n:
-                break
-            body_at = at + _OVERHEAD
-            h = blake(buf[at: at + HEADER.size], key=key, digest_size=TAG_BYTES)
-            body = bytes(buf[body_at: body_at + n])
-            h.update(body)
-            if not same_mac(h.digest(), bytes(buf[at + HEADER.size: body_at])):
-                error = FrameError("tag", f"frame {seq}: its tag does not verify (forged or corrupted)")
-                break
-            if seq != self._seq:
-                error = FrameError("seq", f"frame {seq} where {self._seq} was next (replayed, reordered or one lost)")
-                break
-            self._seq += 1
-            out.append(body)
-            at = body_at + n
+        with memoryview(buf) as mv:  # released before the buffer is trimmed
+            while end - at >= _OVERHEAD:
+                n, seq = HEADER.unpack_from(buf, at)
+                if n > self._max:
+                    error = FrameError("length", f"a frame of {n} bytes (at most {self._max})")
+                    break
+                body_at = at + _OVERHEAD
+                if end - body_at < n:
+                    break
+                body = bytes(mv[body_at: body_at + n])
+                h = blake(mv[at: at + size], key=key, digest_size=TAG_BYTES)
+                h.update(body)
+                if not same_mac(h.digest(), mv[at + size: body_at]):
+                    error = FrameError("tag", f"frame {seq}: its tag does not verify (forged or corrupted)")
+                    break
+                if seq != self._seq:
+                    error = FrameError("seq", f"frame {seq} where {self._seq} was next (replayed, reordered or one lost)")
+                    break
+                self._seq += 1
+                out.append(body)
+                at = body_at + n
         if error is not None:
             self._max = -1  # spent: every later byte is refused
             buf.clear()

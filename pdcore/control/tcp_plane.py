@@ -250,10 +250,14 @@ class TcpPlane(PlaneBase):
             self._loop_ident = threading.get_ident()
         if self._stopping:
             return
-        self._take_foreign()
-        self._flush()
+        if self._foreign:
+            self._take_foreign()
+        if self._dirty:
+            self._flush()
         now = time.monotonic()
-        wait = min(timeout, self._next_beat - now, self._retry_due(now))
+        wait = min(timeout, self._next_beat - now)
+        if self._dirty:  # frames that wait for a connection: come back for its retry or their deadline
+            wait = min(wait, self._waiting_due() - now)
         for key, mask in self._sel.select(max(0.0, wait)):
             what = key.data
             if what is None:
@@ -264,7 +268,8 @@ class TcpPlane(PlaneBase):
                 self._out_event(what, mask)
         while self._ready:
             self._adopt(self._ready.popleft())
-        self._take_foreign()
+        if self._foreign:
+            self._take_foreign()
         now = time.monotonic()
         if now >= self._next_beat:
             if now - self._last_tick > max(3 * self._interval, self._liveness.dead_after / 2):
@@ -273,11 +278,18 @@ class TcpPlane(PlaneBase):
             for out in self._outs.values():
                 self._dial(out, now)  # the way to a peer we heard from, or one whose connection ended
             self._last_tick, self._next_beat = now, now + self._interval
-        self._flush()
+        if self._dirty:
+            self._flush()
 
-    def _retry_due(self, now: float) -> float:
-        waiting = [o.retry_at for o in self._outs.values() if o.frames and o.sock is None and not o.dialing]
-        return min(waiting) - now if waiting else _CONNECT_WAIT
+    def _waiting_due(self) -> float:
+        """When the first of the frames waiting for a connection needs this loop: a dial to retry, or
+        their ``_CONNECT_WAIT`` to end."""
+        due = self._next_beat
+        for endpoint in self._dirty:
+            out = self._outs.get(endpoint)
+            if out is not None and out.sock is None:
+                due = min(due, (out.since or 0.0) + _CONNECT_WAIT, due if out.dialing else out.retry_at)
+        return due
 
     def _drain_wake(self) -> None:
         assert self._wake_r is not None
@@ -340,6 +352,7 @@ class TcpPlane(PlaneBase):
                                  f"control channel to {endpoint}: no connection within {_CONNECT_WAIT:g} s")
             else:
                 self._dial(out, now)
+                self._dirty.add(endpoint)  # still waiting: the next pass looks again
             return
         frames, out.frames, out.since = out.frames, [], None
         self._send_now(endpoint, [f for f, _ in frames], tuple(r for _, rooms in frames for r in rooms))
