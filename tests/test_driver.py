@@ -13,6 +13,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
+from pdcore.control.tcp_plane import TcpPlane
 from pdcore.core.deadline import Deadline
 from pdcore.node.driver import TICK, Driver
 
@@ -41,10 +44,16 @@ class Clocked:
         self.inputs += 1
 
 
-def test_a_stream_of_inputs_does_not_stop_the_engines_clock() -> None:
-    driver = Driver("clock", transport=None, channel=None, secret=None, max_inputs=1 << 20, io_queue=4)
+@pytest.mark.parametrize("plane", [None, "tcp"])
+def test_a_stream_of_inputs_does_not_stop_the_engines_clock(plane: str | None) -> None:
+    """Without a plane the driver waits on its inbox; with the "tcp" plane it runs the plane's loop
+    between inputs: either way the engines' clock goes on under a stream of inputs."""
+    channel = None if plane is None else TcpPlane(lambda s, m: None, session_id="clock")
+    driver = Driver("clock", transport=None, channel=channel, secret=None, max_inputs=1 << 20, io_queue=4)
     engine = Clocked()
     driver.attach(engine)
+    if channel is not None:
+        channel.start()
     driver.start()
     try:
         ready = threading.Event()
@@ -58,6 +67,8 @@ def test_a_stream_of_inputs_does_not_stop_the_engines_clock() -> None:
         assert done.wait(60.0), "the driver did not take the stream's inputs"
     finally:
         driver.close(Deadline.after(5.0))
+        if channel is not None:
+            channel.close(Deadline.after(5.0))
     assert engine.inputs == STREAM
     during = [n for n in engine.at_ticks[ticks_before:] if n < STREAM]
     bounds = [0, *during, STREAM]  # from the stream's start to its end

@@ -188,20 +188,27 @@ class Driver(Performer):
 
     def _run_serving(self, serve: Callable[[float], None]) -> None:
         """``_run`` with a plane's loop: up to ``_BATCH`` inputs, then one pass of the plane (it sends what
-        they owe its peers and reads what came), waiting in it only when the inbox is dry."""
+        they owe its peers and reads what came), waiting in it only when the inbox is dry. The clock is
+        looked at after every input, as in ``_run``."""
         next_tick = due = time.monotonic()
         inbox = self._inbox
         while not self._stop.is_set():
+            waited = False
             for _ in range(_BATCH):
                 try:
                     item = inbox.get_nowait()
                 except queue.Empty:
                     due = min(next_tick, self._due(next_tick))
                     serve(max(0.0, due - time.monotonic()))
+                    waited = True
                     break
                 if item is not None:
                     self._take(item)
-            else:
+                now = time.monotonic()
+                if now >= due:
+                    self._tick_engines(now)
+                    next_tick = due = now + TICK
+            if not waited:
                 serve(0.0)
             now = time.monotonic()
             if now >= due:
