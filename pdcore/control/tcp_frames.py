@@ -40,6 +40,7 @@ without the receiver refusing it.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from typing import Final
@@ -220,7 +221,7 @@ class Opener:
                 body = bytes(mv[body_at: body_at + n])
                 h = blake(mv[at: at + size], key=key, digest_size=TAG_BYTES)
                 h.update(body)
-                if not same_mac(h.digest(), mv[at + size: body_at]):
+                if not hmac.compare_digest(h.digest(), mv[at + size: body_at]):
                     error = FrameError("tag", f"frame {seq}: its tag does not verify (forged or corrupted)")
                     break
                 if seq != self._seq:
