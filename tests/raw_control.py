@@ -22,7 +22,7 @@ from pdcore.control.auth import derive_key
 WAIT = 5.0
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
         chunk = sock.recv(n - len(out))
@@ -52,11 +52,11 @@ class RawControl:
         listener_nonce = b""
         if key is not None:
             hello = tf.Hello(True, nonce, me_bytes.decode("ascii", "replace"))
-            challenge = _recv_exact(self.tcp, tf.CHALLENGE_BYTES)
+            challenge = recv_exact(self.tcp, tf.CHALLENGE_BYTES)
             if len(challenge) == tf.CHALLENGE_BYTES:
                 listener_nonce = challenge[:16]
                 self.tcp.sendall(tf.proof(key, hello, listener_nonce))
-        self.verdict = _recv_exact(self.tcp, 1)
+        self.verdict = recv_exact(self.tcp, 1)
         self._sealer = tf.Sealer(tf.session_key(key, nonce, listener_nonce))
 
     def send(self, *frames: bytes) -> None:

@@ -22,22 +22,13 @@ from pdcore.control import tcp_frames as tf, tcp_plane, wire
 from pdcore.control.auth import derive_key
 from pdcore.control.tcp_plane import TcpPlane
 from pdcore.core.deadline import Deadline
+from raw_control import recv_exact
 from test_control import WAIT, Inbox, control_threads, wait_for
 
 SECRET = b"the deployment secret, 32 bytes."
 OTHER = b"another deployment's secret....."
 KEY = derive_key(SECRET, tf.KEY_LABEL)
 ME = "tcp://127.0.0.1:9"  # the raw client's claimed endpoint (nobody listens there)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            break
-        out += chunk
-    return out
 
 
 _OPEN: list[socket.socket] = []  # the raw dialers' sockets, closed after each test

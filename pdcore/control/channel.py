@@ -78,7 +78,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 import zmq
 from zmq.utils import monitor, z85
@@ -92,7 +92,7 @@ from .handshake import (
 )
 from .liveness import DeadPeer, PeerLiveness
 from .pending import MAX_PENDING, PendingConnections
-from .plane_base import HANDSHAKE_TIMEOUT, OnMessage, OnPeerBack, OnPeerDead, OnRoomsFailed, PlaneBase, format_endpoint
+from .plane_base import HANDSHAKE_TIMEOUT, OnMessage, PlaneBase, format_endpoint
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, LocalProtocolError, PeerError, RemoteProtocolError, StartError
 
@@ -120,34 +120,13 @@ class ControlChannel(PlaneBase):
     """One bound ROUTER, DEALERs to peers, and the I/O thread that runs them."""
 
     def __init__(
-        self,
-        on_message: OnMessage,
-        *,
-        session_id: str,
-        epoch: int = 0,
-        on_rooms_failed: OnRoomsFailed | None = None,
-        on_peer_dead: OnPeerDead | None = None,
-        on_peer_back: OnPeerBack | None = None,
-        host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        heartbeat_interval: float = 1.0,
-        dead_after: float = 10.0,
-        max_queue: int = 4096,
-        sndhwm: int = 1000,
-        linger: float = 1.0,
-        max_peers: int = 1024,
-        max_bytes_per_sender: int = 64 << 20,
-        max_bytes_total: int | None = None,
-        max_pending: int = MAX_PENDING,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        secret: bytes | None = None,
+        self, on_message: OnMessage, *, sndhwm: int = 1000, linger: float = 1.0, secret: bytes | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            on_message, session_id=session_id, epoch=epoch, on_rooms_failed=on_rooms_failed, on_peer_dead=on_peer_dead,
-            on_peer_back=on_peer_back, host=host, advertise_host=advertise_host, heartbeat_interval=heartbeat_interval,
-            dead_after=dead_after, max_queue=max_queue, max_peers=max_peers, max_bytes_per_sender=max_bytes_per_sender,
-            max_bytes_total=max_bytes_total, max_pending=max_pending, handshake_timeout=handshake_timeout,
-        )
+        """``options``: ``PlaneBase``'s (``session_id``, the callbacks, ``host``, timing, bounds); ``sndhwm``
+        bounds the ZeroMQ messages queued to one peer, ``linger`` what ``close`` waits for them."""
+        super().__init__(on_message, **options)
+        max_pending, handshake_timeout = self._max_pending, self._handshake_timeout
         self._conns = PendingConnections(max_pending, self.stats, self._handshake_failed)
         self._windows = Windows(self._conns)  # this channel's openings of the fd reserve
         self._spares = Spares(self._new_dealer, self._windows)  # DEALERs made ahead, with monitors
@@ -178,7 +157,6 @@ class ControlChannel(PlaneBase):
         self._router: zmq.Socket[bytes] | None = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._senders: dict[bytes, str] = {}  # routing ids already validated (checked once, not per frame)
-        self._endpoints: set[str] = set()  # endpoints ``send`` validated already (the callers' threads)
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._wake_owed = False  # a wake-up byte is on its way: a later frame of the same pass needs none
@@ -264,21 +242,6 @@ class ControlChannel(PlaneBase):
         mon.connect(address)
         return mon
 
-    def send(self, endpoint: str, msg: wire.Message) -> None:
-        """Queue ``msg`` for the peer at ``endpoint``; never blocks.
-
-        Raises ``LocalProtocolError`` (bad message or endpoint), ``CapacityError``
-        (outgoing queue full: the caller fails the rooms), ``PeerError`` (closed
-        or not started). Frames that cannot leave later fail via ``on_rooms_failed``.
-        """
-        frame = wire.encode(msg)
-        if type(endpoint) is not str or endpoint not in self._endpoints:  # checked once per endpoint, as senders are
-            wire.check_endpoint(endpoint)
-            if len(self._endpoints) >= 2 * self._max_peers:  # bounded: forget them all, they are checked again
-                self._endpoints.clear()
-            self._endpoints.add(endpoint)
-        self._enqueue(endpoint, frame, wire.rooms_of(msg))
-
     def queued(self) -> int:
         """Frames queued for the I/O thread now (a metric)."""
         return len(self._outq)
@@ -288,10 +251,6 @@ class ControlChannel(PlaneBase):
         read the monitor to its end left them: at most ``max_pending`` (libzmq may have accepted a
         burst more since: the next pass cuts it)."""
         return self._conns.seen
-
-    def forget(self, endpoint: str) -> None:
-        """Drop the DEALER to ``endpoint`` (queued frames are discarded) and stop watching it."""
-        self._enqueue(endpoint, None, ())
 
     def _enqueue(self, endpoint: str, frame: bytes | None, rooms: tuple[int, ...]) -> None:
         if self._thread is None or self._stopping:
@@ -327,14 +286,6 @@ class ControlChannel(PlaneBase):
         thread.join(deadline.remaining())
         if thread.is_alive():  # it still closes its sockets itself when it gets there
             raise DeadlineExceeded("control channel: the I/O thread did not stop by the deadline")
-
-    def __enter__(self) -> ControlChannel:
-        if self._thread is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ I/O thread
 

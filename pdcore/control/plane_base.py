@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from transport.loglimit import LogLimit
 
@@ -121,6 +121,7 @@ class PlaneBase:
         self._max_pending = max_pending
         self._handshake_timeout = handshake_timeout
         self._endpoint: str | None = None
+        self._endpoints: set[str] = set()  # endpoints ``send`` validated already (the callers' threads)
         self._seq = 0
 
     # -- what each plane does its own way ----------------------------------------------------------
@@ -129,12 +130,6 @@ class PlaneBase:
         raise NotImplementedError
 
     def close(self, deadline: Deadline | None = None) -> None:
-        raise NotImplementedError
-
-    def send(self, endpoint: str, msg: wire.Message) -> None:
-        raise NotImplementedError
-
-    def forget(self, endpoint: str) -> None:
         raise NotImplementedError
 
     def queued(self) -> int:
@@ -159,6 +154,10 @@ class PlaneBase:
     def _drop_peer(self, endpoint: str) -> None:
         raise NotImplementedError
 
+    def _enqueue(self, endpoint: str, frame: bytes | None, rooms: tuple[int, ...]) -> None:
+        """``frame`` (None: forget ``endpoint``) for the loop, or ``PeerError``/``CapacityError``."""
+        raise NotImplementedError
+
     # -- caller side ----------------------------------------------------------------------------
 
     @property
@@ -167,6 +166,33 @@ class PlaneBase:
         if self._endpoint is None:
             raise PeerError("control channel: not started")
         return self._endpoint
+
+    def send(self, endpoint: str, msg: wire.Message) -> None:
+        """Queue ``msg`` for the peer at ``endpoint``; never blocks.
+
+        Raises ``LocalProtocolError`` (bad message or endpoint), ``CapacityError``
+        (outgoing queue full: the caller fails the rooms), ``PeerError`` (closed
+        or not started). Frames that cannot leave later fail via ``on_rooms_failed``.
+        """
+        frame = wire.encode(msg)
+        if type(endpoint) is not str or endpoint not in self._endpoints:  # checked once per endpoint, as senders are
+            wire.check_endpoint(endpoint)
+            if len(self._endpoints) >= 2 * self._max_peers:  # bounded: forget them all, they are checked again
+                self._endpoints.clear()
+            self._endpoints.add(endpoint)
+        self._enqueue(endpoint, frame, wire.rooms_of(msg))
+
+    def forget(self, endpoint: str) -> None:
+        """Drop the way to ``endpoint`` (frames queued for it are discarded) and stop watching it."""
+        self._enqueue(endpoint, None, ())
+
+    def __enter__(self) -> Self:
+        if self._endpoint is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def hold(self) -> Callable[[], None]:
         """Inside ``on_message``: keep the frame being delivered counted against its sender after

@@ -111,7 +111,6 @@ class TcpPlane(PlaneBase):
         self._closed = False
         self._next_beat = self._last_tick = 0.0
         self._refused_logged = LogLimit(_REFUSED_LOG_EVERY, max_keys=64)
-        self._endpoints: set[str] = set()
 
     # -- caller side ----------------------------------------------------------------------------
 
@@ -156,24 +155,6 @@ class TcpPlane(PlaneBase):
                                             daemon=True)
             self._thread.start()
         return endpoint
-
-    def send(self, endpoint: str, msg: wire.Message) -> None:
-        """Queue ``msg`` for the peer at ``endpoint``; never blocks. On the loop's thread it goes out with
-        the pass's other frames to that peer; from another thread the loop is woken for it.
-
-        Raises ``LocalProtocolError`` (bad message or endpoint), ``CapacityError`` (too many frames queued
-        from other threads), ``PeerError`` (closed or not started)."""
-        frame = wire.encode(msg)
-        if type(endpoint) is not str or endpoint not in self._endpoints:
-            wire.check_endpoint(endpoint)
-            if len(self._endpoints) >= 2 * self._max_peers:
-                self._endpoints.clear()
-            self._endpoints.add(endpoint)
-        self._enqueue(endpoint, frame, wire.rooms_of(msg))
-
-    def forget(self, endpoint: str) -> None:
-        """Drop the way to ``endpoint`` (frames waiting for it are discarded) and stop watching it."""
-        self._enqueue(endpoint, None, ())
 
     def _enqueue(self, endpoint: str, frame: bytes | None, rooms: tuple[int, ...]) -> None:
         if self._listener is None or self._stopping:
@@ -223,14 +204,6 @@ class TcpPlane(PlaneBase):
                 raise DeadlineExceeded("control channel: the loop thread did not stop by the deadline")
         else:
             self._shutdown(deadline)
-
-    def __enter__(self) -> TcpPlane:
-        if self._listener is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- the loop ---------------------------------------------------------------------------------
 
