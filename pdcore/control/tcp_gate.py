@@ -307,6 +307,9 @@ class Gate:
         return len(shake.buf) >= shake.need
 
     def _closed_early(self, shake: _Shake) -> None:
+        if shake.inbound and shake.nonce:  # it hung up on our challenge: it holds another secret (or went away)
+            self._stats.auth_failures += 1
+            log.debug("control plane %s: %s hung up on our challenge", self._own, shake.endpoint)
         verdict = shake.buf[0] if not shake.inbound and len(shake.buf) == 1 else None
         if verdict in tf.VERDICTS:
             self._fail(shake, tf.VERDICTS[verdict], auth=True)

@@ -443,6 +443,8 @@ class TcpPlane(PlaneBase):
             return
         out.sock, out.sealer, out.dialing, out.backoff = ready.sock, tf.Sealer(ready.key), False, _RETRY_FIRST
         self._sel.register(ready.sock, selectors.EVENT_READ, out)
+        if self._send_now(out.endpoint, [self._heartbeat()], ()):  # first: who we are, before any frame
+            self.stats.heartbeats_sent += 1
         self._dirty.add(out.endpoint)
 
     # -- receiving ----------------------------------------------------------------------------------
