@@ -32,3 +32,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 @pytest.fixture(scope="session", params=[pytest.param("cython", marks=pytest.mark.compiled), "python"])
 def table_impl(request: pytest.FixtureRequest) -> ModuleType:
     return importlib.import_module(TWINS[request.param])
+
+
+@pytest.fixture(params=["zmq", "tcp"])
+def plane(request: pytest.FixtureRequest) -> str:
+    """Each control plane by name: a test that takes it runs on both."""
+    return str(request.param)

@@ -38,11 +38,6 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
 PLANES = {"zmq": ControlChannel, "tcp": TcpPlane}
 
 
-@pytest.fixture(params=sorted(PLANES))
-def plane(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 class Inbox:
     """Collects what a channel's callbacks report, for the test thread to wait on."""
 

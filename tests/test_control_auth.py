@@ -24,7 +24,7 @@ from pdcore.control.channel import ControlChannel, curve_keys
 from pdcore.core.deadline import Deadline
 
 from raw_control import RawControl
-from test_control import PLANES, WAIT, Inbox, control_threads, plane, wait_for  # noqa: F401  (plane: a fixture)
+from test_control import PLANES, WAIT, Inbox, control_threads, wait_for
 
 SECRET = b"deployment-secret-0123456789abcdef"
 OTHER = b"another-deployment-secret-0000000"

@@ -43,11 +43,6 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rpartition(":")[2])
 
 
-@pytest.fixture(params=["zmq", "tcp"])
-def plane(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def flooded(plane: str) -> Iterator[tuple[Child, str]]:
     """A channel in a process limited to ``NOFILE`` open files, under a flood of ``FLOOD`` idle

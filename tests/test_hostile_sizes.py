@@ -22,11 +22,6 @@ pytestmark = pytest.mark.timeout(120)
 HOSTILE = "tcp://127.0.0.1:9"  # well-formed, nobody listens: answers to it go nowhere
 
 
-@pytest.fixture(params=["zmq", "tcp"])
-def plane(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def pair(plane: str) -> Any:
     p = Pair(prefill={"max_parked_pages": 50_000}, control=plane)
