@@ -158,7 +158,8 @@ def run_channel(
     """A control plane (``plane``, by name) that echoes each ``Abort`` to its sender (reason
     ``"echo"``), in a process limited to ``nofile`` open files; with ``slow`` its I/O thread is slowed
     (``slow_thread``). Commands: ``("stats",)`` -> the channel's stats, its pending connections and
-    this process's open fds; ``("stop",)``."""
+    this process's open fds; ``("exhaust",)`` -> how many descriptors it took to use up the soft limit (held
+    to the end); ``("send", endpoint, room)`` -> an ``Abort`` of ``room`` sent to ``endpoint``; ``("stop",)``."""
     _lower_nofile(nofile)
     from dataclasses import asdict
 
@@ -178,7 +179,20 @@ def run_channel(
         slow_thread(io_thread.native_id)
     conn.send(("endpoint", endpoint))
 
-    def answer(cmd: str) -> Any:
+    held: list[int] = []  # descriptors "exhaust" took: this process's other users of its limit
+
+    def answer(cmd: str, *args: Any) -> Any:
+        if cmd == "exhaust":  # take every descriptor the soft limit leaves (the reserve's are above it)
+            while True:
+                try:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+                except OSError as e:
+                    if e.errno != errno.EMFILE:
+                        raise
+                    return len(held)
+        if cmd == "send":
+            channel.send(args[0], wire.Abort(room=args[1], reason="from the exhausted"))
+            return None
         if cmd == "stats":
             pending = getattr(channel, "pending_connections", lambda: None)()  # None: a channel without the bound
             # counting takes a descriptor, and libzmq accepts the flood's connections up to the limit before

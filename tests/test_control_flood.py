@@ -238,6 +238,32 @@ def test_pending_connections_stay_bounded_and_cuts_touch_no_other_socket(secret:
     assert control_threads() == []
 
 
+def test_a_process_out_of_descriptors_still_connects_to_a_peer_through_the_reserve(plane: str) -> None:
+    """Deterministic (the fast flood above only samples it by timing): every descriptor under the
+    process's soft limit is taken (by anything: here the child itself), and the channel must open a new
+    connection to a peer it never talked to. The tcp plane's dial takes a descriptor of the reserve
+    (``pdcore.control.fd_reserve``: ``FD_RESERVE`` descriptors between the soft and the hard limit,
+    opened only for the planes' own connects); without it nothing ever frees one and the frame never
+    leaves. The ZeroMQ plane gets there with the reserve, or, when nothing else takes descriptors (no
+    flood), by making its DEALER again, which frees three: only the flood above tells the two apart."""
+    child = Child(run_channel, NOFILE, SECRET, {}, plane)
+    inbox = Inbox(plane)
+    peer = inbox.channel("prefill-0", secret=SECRET)
+    peer.start()
+    try:
+        child.wait("endpoint", 30)
+        taken = child.call("exhaust")
+        assert taken > 0
+        child.call("send", peer.endpoint, 5)
+        sender, msg = inbox.messages.get(timeout=WAIT)
+        assert msg == wire.Abort(room=5, reason="from the exhausted"), msg
+        stats = child.call("stats")
+        assert stats["send_failures"] == 0 and stats["internal_errors"] == 0, stats
+    finally:
+        peer.close(Deadline.after(WAIT))
+        child.close()
+
+
 def test_a_peer_connection_stops_being_pending_at_once() -> None:
     """A connection a frame came on is no longer pending (the frame names its fd); and each side's
     DEALER sends a heartbeat as soon as its handshake succeeds, so the connection a channel opens to

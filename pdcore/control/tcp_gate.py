@@ -11,7 +11,10 @@ sink's hello has them:
   every one has spoken), so a flood of idle connections cannot keep a peer out;
 - each handshake ends within ``handshake_timeout``, or it is cut;
 - out of descriptors (``EMFILE``), accepting pauses briefly after cutting the
-  oldest idle connection, rather than spinning on a listener that stays readable.
+  oldest idle connection, rather than spinning on a listener that stays readable;
+- a dial's socket may take the descriptors ``pdcore.control.fd_reserve`` keeps
+  over the soft limit (the ZeroMQ plane's rule for its own connects): a
+  process whose other users took every descriptor still reaches its peers.
 
 A dial's failure is handed on with its reason (``auth`` true when the other side
 proved it holds another secret, or refused ours); the loop decides what waits.
@@ -35,6 +38,7 @@ from transport.secret import MAC_BYTES, NONCE_BYTES
 
 from . import tcp_frames as tf
 from .channel_stats import ChannelStats
+from .fd_reserve import fd_reserve
 from ..core.deadline import Deadline
 
 __all__ = ["Gate", "Ready"]
@@ -247,12 +251,16 @@ class Gate:
     def _start_dial(self, endpoint: str) -> None:
         host, port = endpoint[6:].rsplit(":", 1)
         host = host.strip("[]")
+        reserve = fd_reserve.open()  # our own connect: the descriptors kept over the soft limit may serve it
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError as e:
             self._on_ready(Ready("fail", endpoint, None, reason=f"no socket: {e}"))
             return
+        finally:
+            if reserve:
+                fd_reserve.close()
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         shake = _Shake(sock, time.monotonic(), inbound=False, endpoint=endpoint, need=0)

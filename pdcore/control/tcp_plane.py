@@ -43,6 +43,7 @@ from typing import Any, Final
 from transport.loglimit import LogLimit
 
 from . import auth, tcp_frames as tf, wire
+from .fd_reserve import fd_reserve
 from .plane_base import PlaneBase, format_endpoint
 from .tcp_gate import Gate, Ready
 from ..core.deadline import Deadline, DeadlineExceeded
@@ -128,6 +129,7 @@ class TcpPlane(PlaneBase):
             raise StartError(f"control channel: bound to wildcard {self._host!r}; pass advertise_host")
         if self._key is None:
             auth.warn_unauthenticated("control channel")
+        fd_reserve.setup()  # descriptors kept for our own dials (tcp_gate)
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
