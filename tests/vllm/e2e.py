@@ -70,9 +70,11 @@ CONCURRENCY = 32
 # decode's pdcore dead_after: how soon a killed prefill is noticed. Eight vLLM processes on two cores starve pdcore's
 # control threads: 5 s was missed under load, and so was 15 s (a CI run of 2026-12-04: decode tp 2's rank 0
 # judged prefill dead 15.7 s into the load, its rank 1 did not, and the requests that came after the verdict landed:
-# prefill was alive and its frames came late, not never). A bound for this machine's contention, not a speed: the load
-# still asserts every request.
-DEAD_AFTER = 30.0
+# prefill was alive and its frames came late, not never), and so was 30 s (a CI rehearsal of 2026-12-04 on the tcp
+# control plane: rank 0 heard nothing from prefill for 31 s while rank 1 did, and prefill heard both ranks; the
+# passing runs' TTFT p99 of 19-24 s are the same stall, absorbed). The stall is open (the closing note of that day);
+# this is a bound for this machine's contention, not a speed: the load still asserts every request.
+DEAD_AFTER = 60.0
 BOOTSTRAP_TIMEOUT = 20.0  # decode's: how long a request whose prefill cannot be found waits for it
 
 ENV = {
