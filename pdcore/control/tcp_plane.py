@@ -227,7 +227,7 @@ class TcpPlane(PlaneBase):
             return
         if self._foreign:
             self._take_foreign()
-        if self._dirty:
+        if self._frames_waiting():
             self._flush()
         now = time.monotonic()
         wait = min(timeout, self._next_beat - now)
@@ -253,8 +253,12 @@ class TcpPlane(PlaneBase):
             for out in self._outs.values():
                 self._dial(out, now)  # the way to a peer we heard from, or one whose connection ended
             self._last_tick, self._next_beat = now, now + self._interval
-        if self._dirty:
+        if self._frames_waiting():
             self._flush()
+
+    def _frames_waiting(self) -> bool:
+        """Frames to send this pass (a wrapper's held-back ones count too: ``pdcore.control.faulty``)."""
+        return bool(self._dirty)
 
     def _waiting_due(self) -> float:
         """When the first of the frames waiting for a connection needs this loop: a dial to retry, or
@@ -263,7 +267,9 @@ class TcpPlane(PlaneBase):
         for endpoint in self._dirty:
             out = self._outs.get(endpoint)
             if out is not None and out.sock is None:
-                due = min(due, (out.since or 0.0) + _CONNECT_WAIT, due if out.dialing else out.retry_at)
+                due = min(due, (out.since or 0.0) + _CONNECT_WAIT)
+                if not out.dialing:
+                    due = min(due, out.retry_at)
         return due
 
     def _drain_wake(self) -> None:
