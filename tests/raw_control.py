@@ -57,14 +57,14 @@ class RawControl:
                 listener_nonce = challenge[:16]
                 self.tcp.sendall(tf.proof(key, hello, listener_nonce))
         self.verdict = recv_exact(self.tcp, 1)
-        self._sealer = tf.Sealer(tf.session_key(key, nonce, listener_nonce))
+        self.sealer = tf.Sealer(tf.session_key(key, nonce, listener_nonce))
 
     def send(self, *frames: bytes) -> None:
         if self.plane == "zmq":
             self._sock.send_multipart(list(frames))
             return
         try:
-            self.tcp.sendall(b"".join(part for f in frames for part in self._sealer.seal(f)))
+            self.tcp.sendall(b"".join(part for f in frames for part in self.sealer.seal(f)))
         except OSError:
             pass  # the plane ended this connection (it refused the hello or a frame): as a hostile client sees it
 

@@ -19,15 +19,13 @@ from typing import Any
 import pytest
 
 from pdcore.control import tcp_frames as tf, tcp_plane, wire
-from pdcore.control.auth import derive_key
 from pdcore.control.tcp_plane import TcpPlane
 from pdcore.core.deadline import Deadline
-from raw_control import recv_exact
+from raw_control import RawControl, recv_exact
 from test_control import WAIT, Inbox, control_threads, wait_for
 
 SECRET = b"the deployment secret, 32 bytes."
 OTHER = b"another deployment's secret....."
-KEY = derive_key(SECRET, tf.KEY_LABEL)
 ME = "tcp://127.0.0.1:9"  # the raw client's claimed endpoint (nobody listens there)
 
 
@@ -41,27 +39,14 @@ def _close_raw_sockets() -> Iterator[None]:
         _OPEN.pop().close()
 
 
-class RawDialer:
-    """A client that runs the handshake by hand: with ``secret`` (the deployment's or not) or without."""
+class RawDialer(RawControl):
+    """``raw_control``'s tcp client (the handshake by hand, with ``secret``: the deployment's, another, or
+    none), with frames built one by one and a check that the plane ended the connection."""
 
     def __init__(self, endpoint: str, secret: bytes | None = SECRET, me: str = ME) -> None:
-        host, port = endpoint[6:].rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=WAIT)
+        super().__init__(endpoint, "tcp", me, secret=secret)
+        self.sock = self.tcp
         _OPEN.append(self.sock)
-        key = derive_key(secret, tf.KEY_LABEL) if secret is not None else None
-        hello = tf.Hello(key is not None, os.urandom(16), me)
-        self.sock.sendall(tf.encode_hello(hello))
-        listener_nonce = b""
-        if key is not None:
-            challenge = recv_exact(self.sock, tf.CHALLENGE_BYTES)
-            if len(challenge) == tf.CHALLENGE_BYTES:
-                try:
-                    listener_nonce = tf.check_challenge(key, hello, challenge)
-                except tf.HandshakeError:
-                    listener_nonce = challenge[:16]  # an outsider answers anyway: the listener must refuse it
-                self.sock.sendall(tf.proof(key, hello, listener_nonce))
-        self.verdict = recv_exact(self.sock, 1)
-        self.sealer = tf.Sealer(tf.session_key(key, hello.nonce, listener_nonce))
 
     def frame(self, msg: wire.Message) -> bytes:
         head, body = self.sealer.seal(wire.encode(msg))
