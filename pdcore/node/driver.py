@@ -18,6 +18,13 @@ performs the engines' actions in order:
 - ``Connect`` and ``LookUp`` on the I/O threads (they wait on other hosts), their
   results submitted back.
 
+Completions from the transport's threads travel together: the first one that finds none waiting puts
+one entry in the queue (and wakes the driver), the ones that come before the driver takes it join it,
+and the driver runs them all, in their order, as one hand-off. Under load completions come in bursts,
+and each alone cost a queue entry, a wake-up and a hand-off. They are never caused by a concurrent
+input of another thread (a completion follows its post, made here), so running a burst at its first
+one's place in the queue reorders nothing that was ordered.
+
 Bounds: the inputs the scheduler's calls and the control plane make are counted
 against ``max_inputs`` (past it ``submit`` raises ``CapacityError``, which the
 caller turns into a failure of what it concerns); completions and I/O results
@@ -55,6 +62,10 @@ _BATCH = 64  # inputs taken between two passes of a plane's loop under a stream 
 _LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on an I/O thread
 
 
+def _COMPLETIONS(*_: Any) -> None:
+    """The queue's entry for the completions waiting in ``Driver._done`` (never called)."""
+
+
 class Driver(Performer):
     """Runs ``engines`` (attached with ``attach``) on one thread over ``transport`` and ``channel``."""
 
@@ -81,6 +92,8 @@ class Driver(Performer):
         self._thread: threading.Thread | None = None
         self._ident: int | None = None  # the driver thread's
         self._io_threads: list[threading.Thread] = []
+        self._done: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # completions waiting (the module docstring)
+        self._done_lock = threading.Lock()
         # a plane whose loop this thread runs ("tcp"): it waits on the inbox's wake-ups and its sockets together
         self._serve: Callable[[float], None] | None = getattr(channel, "serve", None)
         self._wake: Callable[[], None] = lambda: None
@@ -222,9 +235,17 @@ class Driver(Performer):
         fn, args, counted, foreign = item
         if foreign:
             self.stats["handoffs"] += 1
+            k = "ho:" + getattr(fn, "__qualname__", "?")
+            self.stats[k] = self.stats.get(k, 0) + 1
         if counted:
             with self._count_lock:
                 self._queued -= 1
+        if fn is _COMPLETIONS:
+            with self._done_lock:
+                done, self._done = self._done, []
+            for fn, args in done:
+                self.input(fn, args)
+            return
         self.input(fn, args)
 
     def _tick_engines(self, now: float) -> None:
@@ -246,7 +267,18 @@ class Driver(Performer):
                 engine.looked_up(action.server, None, {}, None, time.monotonic())
 
     def _result(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.submit_result(fn, *args)
+        """A completion (a transport's thread): it joins those waiting for the driver, or is their first."""
+        if self._stop.is_set():
+            return
+        if threading.get_ident() == self._ident:
+            self._inbox.put((fn, args, False, False))
+            return
+        with self._done_lock:
+            first = not self._done
+            self._done.append((fn, args))
+        if first:
+            self._inbox.put((_COMPLETIONS, (), False, True))
+            self._wake()
 
     def _io_run(self) -> None:
         while not self._stop.is_set():
