@@ -32,9 +32,9 @@ the goal is >= 0.8 for items >= 1 MiB. Each figure is the median of
 (which goes first alternates too) so load from elsewhere hits both alike.
 The first run of each size is an untimed warm-up that also checks the
 landed rows against the source (CRC32). ``handoffs_per_item``: the thread
-hand-offs of both ranks during a timed run (``PeerBase.handoffs``: inputs
-their driver threads took from other threads plus frames handed to their
-control channels' threads), per item. ``cpu_us_per_item``: the CPU of both
+hand-offs of both ranks during a timed run (``PeerBase.handoffs``: takes of
+inputs from other threads by their driver threads, what queued while a driver
+worked being one, plus frames handed to their control channels' threads), per item. ``cpu_us_per_item``: the CPU of both
 processes per item (the prefill rank's over its timed part, the encode rank's
 from its first ``begin`` to the last room's conclusion), ``floor_cpu_us_per_item``
 the floor processes' over a floor run, ``cpu_ratio_floor_vs_epd`` the second

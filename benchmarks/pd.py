@@ -45,10 +45,11 @@ run with the floor runs right after it. Every cache, the e2e ranks' and the
 floor's, is written once before timing (``Plan.prefault``), so no side pays
 first-touch page faults inside the timed part.
 
-Thread hand-offs (``handoffs_per_request``): every rank's inputs its driver thread took from
-another thread (the scheduler's calls, control frames, completions, look-up results) plus the
-frames it handed to its control channel's thread, summed over the ranks, per request (the
-transport's internal threads are not counted; ``PeerBase.handoffs``).
+Thread hand-offs (``handoffs_per_request``): every rank's takes of inputs from other threads by its
+driver thread (the scheduler's calls, control frames, completions, look-up results; what they queued
+while the driver worked is one take) plus the frames it handed to its control channel's thread,
+summed over the ranks, per request (the transport's internal threads are not counted;
+``PeerBase.handoffs``). ``handed_inputs_per_request``: the inputs in those takes.
 
 Control planes (``zmq_GBps``, ``ratio_tcp_vs_zmq``, ``zmq_handoffs_per_request``): every e2e run is on
 the default control plane, ``"tcp"`` (its loop on the driver's thread); the same requests run again on
@@ -317,6 +318,7 @@ def e2e_once(
         "mixes": [mixes[k] for k in sorted(mixes)],
         # every rank's thread hand-offs (driver inputs from other threads, frames to the channel's thread)
         "handoffs": sum(r["handoffs"] for r in ranks),
+        "lane_inputs": sum(r["lane_inputs"] for r in ranks),
         # every rank's control frames and the ZeroMQ messages that carried them (heartbeats aside)
         "frames": sum(r["control_sends"][0] for r in ranks),
         "messages": sum(r["control_sends"][1] for r in ranks),
@@ -329,7 +331,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
         if name not in args.configs:
             continue
         e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_, handoffs = [], [], [], [], [], [], [], [], [], []
-        zmq, zmq_handoffs = [], []
+        zmq, zmq_handoffs, handed = [], [], []
         woke, floor_woke, shared = [], [], []
         nbytes = nwrites = 0
         for k in range(args.repeats):
@@ -344,6 +346,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             tails.append(r["tail"])
             runs.append(r["run_seconds"])
             handoffs.append(r["handoffs"] / r["requests"])
+            handed.append(r["lane_inputs"] / r["requests"])
             shared.append(r["frames"] / max(1, r["messages"]))
             woke.append(r["wakeups"] / r["requests"])
             for _ in range(args.floor_repeats):
@@ -399,6 +402,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "e2e_cpu_cores": round(statistics.median(c / s for c, s in zip(cpu, e2e)), 2),
             "floor_cpu_cores": round(statistics.median(c / s for c, s in zip(floor_cpu, floors)), 2),
             "handoffs_per_request": round(statistics.median(handoffs), 1),
+            "handed_inputs_per_request": round(statistics.median(handed), 1),
             "zmq_GBps": round(nbytes / statistics.median(zmq) / 1e9, 4),
             "ratio_tcp_vs_zmq": round(statistics.median(zmq) / sec, 3),
             "zmq_handoffs_per_request": round(statistics.median(zmq_handoffs), 1),
@@ -613,7 +617,7 @@ def _print_e2e(args: argparse.Namespace, e2e: list[dict[str, Any]], summary: dic
     print(f"{'config':6} {'requests':>8} {'MB':>8} {'writes':>7} {'req/s':>8} {'GB/s':>7} {'floor req/s':>11} "
           f"{'floor GB/s':>10} {'ratio':>6} {'range':>11} {'CPU s/GB':>8} {'floor':>6} {'CPU ratio':>9} {'run GB/s':>9} {'tail s':>7} "
           f"{'no-grant GB/s':>13} {'grants/none':>11} {'open GB/s':>9} {'secret/open':>11} {'hand-offs/req':>13} "
-          f"{'wake-ups/req':>12} {'floor':>6} {'frames/msg':>10} {'zmq GB/s':>9} {'tcp/zmq':>7} {'zmq hand-offs':>13}")
+          f"{'inputs/req':>10} {'wake-ups/req':>12} {'floor':>6} {'frames/msg':>10} {'zmq GB/s':>9} {'tcp/zmq':>7} {'zmq hand-offs':>13}")
     for r in e2e:
         print(f"{r['config']:6} {r['requests']:>8} {r['bytes'] / 1e6:>8.0f} {r['writes']:>7} {r['e2e_requests_per_s']:>8.0f} "
               f"{r['e2e_GBps']:>7.3f} {r['floor_requests_per_s']:>11.0f} {r['floor_GBps']:>10.3f} "
@@ -621,7 +625,7 @@ def _print_e2e(args: argparse.Namespace, e2e: list[dict[str, Any]], summary: dic
               f"{r['e2e_GBps_run_seconds']:>9.3f} {r['shutdown_tail_seconds']:>7.2f} "
               f"{r['no_grants_GBps']:>13.3f} {r['ratio_grants_vs_none']:>11.2f} "
               f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f} "
-              f"{r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f} "
+              f"{r['handed_inputs_per_request']:>10.1f} {r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f} "
               f"{r['zmq_GBps']:>9.3f} {r['ratio_tcp_vs_zmq']:>7.2f} {r['zmq_handoffs_per_request']:>13.1f}")
     print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
           f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "

@@ -236,10 +236,11 @@ class PeerBase:
         raise StartError(f"{self.ROLE} peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
 
     def handoffs(self) -> int:
-        """Thread hand-offs so far, a cost metric the benchmarks divide by requests: inputs the driver's
-        thread took from other threads (the scheduler's calls, control frames, completions, I/O results)
-        plus frames handed to the control plane's thread (on a plane whose loop is the driver's, none).
-        The transport's own threads are not counted."""
+        """Thread hand-offs so far, a cost metric the benchmarks divide by requests: the times the driver's
+        thread took inputs from other threads (the scheduler's calls, control frames, completions, I/O
+        results; what they queued while it worked counts once, ``pdcore.node.driver``'s lane, and
+        ``stats["lane_inputs"]`` counts the inputs) plus frames handed to the control plane's thread (on a
+        plane whose loop is the driver's, none). The transport's own threads are not counted."""
         stats = getattr(self._channel, "stats", None)
         hands_off = getattr(self._channel, "FRAMES_HAND_OFF", True)
         frames = 0 if stats is None or not hands_off else stats.sent - stats.heartbeats_sent

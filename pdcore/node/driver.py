@@ -18,12 +18,14 @@ performs the engines' actions in order:
 - ``Connect`` and ``LookUp`` on the I/O threads (they wait on other hosts), their
   results submitted back.
 
-Completions from the transport's threads travel together: the first one that finds none waiting puts
-one entry in the queue (and wakes the driver), the ones that come before the driver takes it join it,
-and the driver runs them all, in their order, as one hand-off. Under load completions come in bursts,
-and each alone cost a queue entry, a wake-up and a hand-off. They are never caused by a concurrent
-input of another thread (a completion follows its post, made here), so running a burst at its first
-one's place in the queue reorders nothing that was ordered.
+Inputs from other threads travel together (one lane, in the order they came): the first that finds
+the lane empty puts one entry in the queue and wakes the driver; those that come before the driver
+takes it join it, and the driver takes them as one hand-off, at most ``_BURST`` at a time with its
+clock looked at in between. Under load they come in bursts (a transport's completions, a scheduler
+round's calls), and each alone cost a queue entry, a wake-up and a hand-off. What the driver's own
+thread queues (frames its plane read) keeps its own place in the queue, so an input of another thread
+may run before one queued here earlier: never one it could have known of (the driver had not taken it,
+so no other thread saw its effects).
 
 Bounds: the inputs the scheduler's calls and the control plane make are counted
 against ``max_inputs`` (past it ``submit`` raises ``CapacityError``, which the
@@ -59,11 +61,10 @@ log = logging.getLogger("pdcore.driver")
 TICK = 0.05  # the longest the engines wait for their clock when idle
 _IO_THREADS = 4
 _BATCH = 64  # inputs taken between two passes of a plane's loop under a stream of them
+_BURST = 16  # inputs of the lane taken at once (the clock is looked at between two bursts)
+_LANE = ("lane",)  # the inbox's entry for the lane: a hand-off
+_LANE_ON = ("lane, on",)  # the rest of a lane longer than a burst: the same hand-off, taken on
 _LOOKUP_SLICE = 2.0  # seconds one bootstrap request may take on an I/O thread
-
-
-def _COMPLETIONS(*_: Any) -> None:
-    """The queue's entry for the completions waiting in ``Driver._done`` (never called)."""
 
 
 class Driver(Performer):
@@ -81,10 +82,11 @@ class Driver(Performer):
         stats: dict[str, int] | None = None,
     ) -> None:
         super().__init__(name, transport=transport, channel=channel, clock=time.monotonic, stats=stats)
-        self.stats.setdefault("handoffs", 0)  # inputs this thread took from another (a cost metric)
+        self.stats.setdefault("handoffs", 0)  # bursts of inputs this thread took from others (a cost metric)
+        self.stats.setdefault("lane_inputs", 0)  # the inputs in them
         self._secret = secret
         self._max_inputs = max_inputs
-        self._inbox: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], bool, bool] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._queued = 0  # bounded inputs queued (the scheduler's and the control plane's)
         self._count_lock = threading.Lock()
         self._io_items: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(io_queue)
@@ -92,8 +94,8 @@ class Driver(Performer):
         self._thread: threading.Thread | None = None
         self._ident: int | None = None  # the driver thread's
         self._io_threads: list[threading.Thread] = []
-        self._done: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # completions waiting (the module docstring)
-        self._done_lock = threading.Lock()
+        self._lane: list[tuple[Callable[..., Any], tuple[Any, ...], bool]] = []  # other threads' inputs (see above)
+        self._lane_lock = threading.Lock()
         # a plane whose loop this thread runs ("tcp"): it waits on the inbox's wake-ups and its sockets together
         self._serve: Callable[[float], None] | None = getattr(channel, "serve", None)
         self._wake: Callable[[], None] = lambda: None
@@ -130,13 +132,17 @@ class Driver(Performer):
         self._put((lambda *a: fn(*a[:-1]), args, False))
 
     def _put(self, item: tuple[Callable[..., Any], tuple[Any, ...], bool]) -> None:
-        """Into the inbox; from another thread, a hand-off: counted, and the loop woken if it waits on a plane's
-        sockets (what the driver's own thread puts, a frame its plane read, it takes in its next pass)."""
+        """Into the inbox; from another thread, into the lane (the module docstring): its first input puts the
+        lane's entry in the inbox and wakes the loop if it waits on a plane's sockets."""
         if threading.get_ident() == self._ident:
-            self._inbox.put((*item, False))
+            self._inbox.put(item)
             return
-        self._inbox.put((*item, True))
-        self._wake()
+        with self._lane_lock:
+            first = not self._lane
+            self._lane.append(item)
+        if first:
+            self._inbox.put(_LANE)
+            self._wake()
 
     # -- start and stop -------------------------------------------------------------------------
 
@@ -231,21 +237,27 @@ class Driver(Performer):
     def _due(self, default: float) -> float:
         return min(self.next_deadline(), min((e.next_deadline() for e in self._engines), default=default))
 
-    def _take(self, item: tuple[Callable[..., Any], tuple[Any, ...], bool, bool]) -> None:
-        fn, args, counted, foreign = item
-        if foreign:
-            self.stats["handoffs"] += 1
-            k = "ho:" + getattr(fn, "__qualname__", "?")
-            self.stats[k] = self.stats.get(k, 0) + 1
+    def _take(self, item: Any) -> None:
+        if item is _LANE or item is _LANE_ON:
+            with self._lane_lock:
+                burst = self._lane[:_BURST]
+                del self._lane[:_BURST]
+                more = bool(self._lane)
+            if item is _LANE:
+                self.stats["handoffs"] += 1
+            self.stats["lane_inputs"] += len(burst)
+            if more:  # the rest after the clock's look (an entry of this thread's: no hand-off, no wake-up)
+                self._inbox.put(_LANE_ON)
+            for one in burst:
+                self._take_one(one)
+            return
+        self._take_one(item)
+
+    def _take_one(self, item: tuple[Callable[..., Any], tuple[Any, ...], bool]) -> None:
+        fn, args, counted = item
         if counted:
             with self._count_lock:
                 self._queued -= 1
-        if fn is _COMPLETIONS:
-            with self._done_lock:
-                done, self._done = self._done, []
-            for fn, args in done:
-                self.input(fn, args)
-            return
         self.input(fn, args)
 
     def _tick_engines(self, now: float) -> None:
@@ -267,18 +279,7 @@ class Driver(Performer):
                 engine.looked_up(action.server, None, {}, None, time.monotonic())
 
     def _result(self, fn: Callable[..., Any], *args: Any) -> None:
-        """A completion (a transport's thread): it joins those waiting for the driver, or is their first."""
-        if self._stop.is_set():
-            return
-        if threading.get_ident() == self._ident:
-            self._inbox.put((fn, args, False, False))
-            return
-        with self._done_lock:
-            first = not self._done
-            self._done.append((fn, args))
-        if first:
-            self._inbox.put((_COMPLETIONS, (), False, True))
-            self._wake()
+        self.submit_result(fn, *args)
 
     def _io_run(self) -> None:
         while not self._stop.is_set():

@@ -235,6 +235,7 @@ def _leftovers(peer: Any, plan: Plan) -> dict[str, Any]:
         "tombstones": d["engines"][peer.ROLE]["tombstones"],
         "maps": maps,
         "handoffs": peer.handoffs(),
+        "lane_inputs": peer.stats.get("lane_inputs", 0),
         "control_sends": peer.control_sends(),
     }
 
