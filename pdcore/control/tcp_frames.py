@@ -200,7 +200,7 @@ class Opener:
         """Bytes of a frame begun and not complete (a connection ending now ends mid-frame)."""
         return len(self._buf)
 
-    def feed(self, data: bytes) -> tuple[list[bytes], FrameError | None]:
+    def feed(self, data: bytes | memoryview) -> tuple[list[bytes], FrameError | None]:
         """The bodies of the frames ``data`` completes, in order, and the refusal that stopped them (then
         the opener is spent: the connection ends, nothing after a refused frame can be trusted)."""
         buf = self._buf
