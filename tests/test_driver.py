@@ -11,8 +11,11 @@ counts inputs, not seconds.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -22,6 +25,23 @@ from pdcore.node.driver import TICK, Driver
 
 WORK = 0.001  # seconds each input sleeps (at least)
 STREAM = 300  # inputs queued back to back: at least 0.3 s of the driver's work
+
+
+@contextlib.contextmanager
+def _running(plane: str | None, engine: Any) -> Iterator[Driver]:
+    """A real driver of ``engine``, on its inbox alone or running a real "tcp" plane's loop; closed after."""
+    channel = None if plane is None else TcpPlane(lambda s, m: None, session_id="driver")
+    driver = Driver("driver", transport=None, channel=channel, secret=None, max_inputs=1 << 20, io_queue=4)
+    driver.attach(engine)
+    if channel is not None:
+        channel.start()
+    driver.start()
+    try:
+        yield driver
+    finally:
+        driver.close(Deadline.after(5.0))
+        if channel is not None:
+            channel.close(Deadline.after(5.0))
 
 
 class Clocked:
@@ -49,14 +69,8 @@ class Clocked:
 def test_a_stream_of_inputs_does_not_stop_the_engines_clock(plane: str | None) -> None:
     """Without a plane the driver waits on its inbox; with the "tcp" plane it runs the plane's loop
     between inputs: either way the engines' clock goes on under a stream of inputs."""
-    channel = None if plane is None else TcpPlane(lambda s, m: None, session_id="clock")
-    driver = Driver("clock", transport=None, channel=channel, secret=None, max_inputs=1 << 20, io_queue=4)
     engine = Clocked()
-    driver.attach(engine)
-    if channel is not None:
-        channel.start()
-    driver.start()
-    try:
+    with _running(plane, engine) as driver:
         ready = threading.Event()
         driver.call(ready.set)
         assert ready.wait(5.0)
@@ -66,10 +80,6 @@ def test_a_stream_of_inputs_does_not_stop_the_engines_clock(plane: str | None) -
         done = threading.Event()
         driver.call(done.set)
         assert done.wait(60.0), "the driver did not take the stream's inputs"
-    finally:
-        driver.close(Deadline.after(5.0))
-        if channel is not None:
-            channel.close(Deadline.after(5.0))
     assert engine.inputs == STREAM
     during = [n for n in engine.at_ticks[ticks_before:] if n < STREAM]
     bounds = [0, *during, STREAM]  # from the stream's start to its end
@@ -110,14 +120,8 @@ def test_inputs_from_other_threads_while_the_driver_works_are_one_hand_off_in_th
     thread) costs one queue entry and one hand-off, taken in bursts (more than one here), each input
     once, in the order they came; the next input after the lane was taken starts another. The outside
     view (fewer hand-offs per request) is ``benchmarks/pd.py``'s."""
-    channel = None if plane is None else TcpPlane(lambda s, m: None, session_id="burst")
-    driver = Driver("burst", transport=None, channel=channel, secret=None, max_inputs=1 << 10, io_queue=4)
     engine = Held()
-    driver.attach(engine)
-    if channel is not None:
-        channel.start()
-    driver.start()
-    try:
+    with _running(plane, engine) as driver:
         driver.submit(engine.hold)
         assert engine.busy.wait(10.0)
         before, inputs = driver.stats["handoffs"], driver.stats["lane_inputs"]
@@ -136,7 +140,3 @@ def test_inputs_from_other_threads_while_the_driver_works_are_one_hand_off_in_th
         driver.call(again.set)
         assert again.wait(10.0)
         assert driver.stats["handoffs"] == before + 2
-    finally:
-        driver.close(Deadline.after(5.0))
-        if channel is not None:
-            channel.close(Deadline.after(5.0))
