@@ -9,6 +9,7 @@ free prefill's blocks before its transfer ended, report a failed load without it
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -19,7 +20,9 @@ import pytest
 from pdcore import DecodeConfig, DecodePeer, PrefillConfig, PrefillPeer
 from pdcore.control.bootstrap import BootstrapServer
 from pdcore.core.deadline import Deadline
-from pdcore.vllm.book import ConsumerWorker, Finish, Load, ProducerWorker, Register, SchedulerBook, StepPlan, pages_for
+from pdcore.vllm.book import (
+    SLOW_AFTER, ConsumerWorker, Finish, Load, ProducerWorker, Register, SchedulerBook, StepPlan, pages_for,
+)
 from pdcore.vllm.params import Transfer, options_from, transfer_of, transfer_params
 from pdcore.vllm.version import UnsupportedVllm, check_vllm_version
 
@@ -155,7 +158,7 @@ class _Peers:
 
     PAGE, PAGES = 1024, 16
 
-    def __init__(self, layerwise_min_pages: int = 16, prefill_capacity: int = 4096) -> None:
+    def __init__(self, layerwise_min_pages: int = 16, prefill_capacity: int = 4096, clock=time.monotonic) -> None:
         knobs = dict(page_bytes=self.PAGE, num_pages=self.PAGES, heartbeat_interval=0.05, dead_after=30.0,
                      bootstrap_timeout=30.0, waiting_timeout=30.0, tombstone_ttl=30.0)
         self.server = BootstrapServer()
@@ -166,8 +169,8 @@ class _Peers:
                                                              bootstrap_port=self.port, layerwise_min_pages=1,
                                                              capacity=prefill_capacity, **knobs))
         self.dpeer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=self.d_cache, **knobs))
-        self.prefill = ProducerWorker(self.ppeer, outbox, layerwise_min_pages=layerwise_min_pages)
-        self.decode = ConsumerWorker(self.dpeer, inbox)
+        self.prefill = ProducerWorker(self.ppeer, outbox, layerwise_min_pages=layerwise_min_pages, clock=clock)
+        self.decode = ConsumerWorker(self.dpeer, inbox, clock=clock)
         self.transfer = Transfer(0, "127.0.0.1", self.port)
 
     def fill(self, pages: tuple[int, ...], seed: int) -> list[np.ndarray]:
@@ -344,3 +347,30 @@ def test_a_request_preempted_mid_stream_is_aborted_and_one_preempted_before_it_s
     pp.prefill.take(StepPlan(finishes=[Finish("later", second, 3)]))
     pp.steps(lambda s, r, e: "d2" in r)
     assert all(np.array_equal(a, b) for a, b in zip(pp.pages_of_decode((12,)), data))
+
+
+def test_a_transfer_that_waits_long_is_said_once_with_its_state_and_what_the_rank_holds(peers, caplog) -> None:
+    """Decode loads a request prefill never registers, prefill registers one decode never loads: past
+    ``SLOW_AFTER`` of the workers' clock each worker names its request once (its room, its age, its state
+    in the table) with what its rank's peer holds; a request younger than that is not named, and neither
+    is one named before. (The clock is the workers' only: the peers run on real time.)"""
+    now = [1000.0]
+    pp = peers(clock=lambda: now[0])
+    t, lone = pp.transfer, Transfer(1, "127.0.0.1", pp.port)
+    pp.decode.take(StepPlan(loads=[Load("d", t, (3,))]))
+    pp.prefill.take(StepPlan(registers=[Register("p", lone)]))
+    caplog.set_level(logging.WARNING, logger="pdcore.vllm")
+    pp.steps(lambda s, r, e: True)
+    assert not [r for r in caplog.records if "waiting over" in r.getMessage()]
+    now[0] += SLOW_AFTER + 1
+    pp.decode.take(StepPlan(loads=[Load("young", Transfer(2, "127.0.0.1", pp.port), (4,))]))
+    pp.steps(lambda s, r, e: True)
+    said = [r.getMessage() for r in caplog.records if "waiting over" in r.getMessage()]
+    assert len(said) == 2, said
+    decode = next(m for m in said if "decode request" in m)
+    prefill = next(m for m in said if "prefill request" in m)
+    assert "d (room 0, 11.0 s, " in decode and "young" not in decode and "this rank: queues" in decode
+    assert "p (room 1, 11.0 s, BOOTSTRAPPING)" in prefill and "prefill engine" in prefill
+    now[0] += 5.0
+    pp.steps(lambda s, r, e: True)
+    assert len([r for r in caplog.records if "waiting over" in r.getMessage()]) == 2, "each is said once"

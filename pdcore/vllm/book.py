@@ -44,7 +44,8 @@ agree without a message.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,69 @@ __all__ = ["pages_for", "Register", "Load", "Finish", "StepPlan", "SchedulerBook
            "ConsumerWorker"]
 
 log = logging.getLogger("pdcore.vllm")
+
+SLOW_AFTER = 10.0  # seconds a transfer may wait before its worker says so (once a request), with what its rank holds
+_NAMED = 5  # slow requests named in one line
+
+
+class _Laggards:
+    """Transfers that wait long, said in the log once each, with what this rank's peer holds now.
+
+    Why: a transfer waits on things spread over processes (a look-up, the other side's announcement,
+    a data connection, a frame); when one waits far longer than its peers, the line each rank writes says
+    which rank waits, in which state, and what its queues and engine hold, where a stall would otherwise
+    show only as a slow request. Looked at once a second at most, from the step that polls."""
+
+    def __init__(self, peer: Any, what: str, after: float, clock: Callable[[], float]) -> None:
+        self._peer, self._what, self._after, self._clock = peer, what, after, clock
+        self._next = 0.0
+
+    def check(self, waiting: Iterable[tuple[str, Any]]) -> None:
+        """``waiting``: (rid, its state object with ``since``, ``told`` and ``transfer``), oldest first."""
+        now = self._clock()
+        if now < self._next:
+            return
+        self._next = now + 1.0
+        late = []
+        for rid, st in waiting:
+            if now - st.since <= self._after:
+                break  # the rest came later
+            if not st.told:
+                st.told = True
+                late.append((rid, st))
+        if not late:
+            return
+        named = "; ".join(f"{rid} (room {st.transfer.room}, {now - st.since:.1f} s, {self._state(rid)})"
+                          for rid, st in late[:_NAMED])
+        more = f" and {len(late) - _NAMED} more" if len(late) > _NAMED else ""
+        log.warning("pdcore: %d %s request(s) waiting over %g s for their transfer: %s%s; this rank: %s",
+                    len(late), self._what, self._after, named, more, self._digest())
+
+    def _state(self, rid: str) -> str:
+        try:
+            return str(self._peer.state(rid).name)
+        except Exception:  # a diagnostic: whatever it cannot read, it says so
+            return "state unknown"
+
+    def _digest(self) -> str:
+        """The non-zero parts of the peer's ``diagnostics()`` that say where a transfer waits."""
+        try:
+            d = self._peer.diagnostics()
+        except Exception as e:
+            return f"diagnostics failed: {e}"
+        parts = [f"queues {_nonzero(d.get('queues', {}))}"]
+        for role, held in d.get("engines", {}).items():
+            parts.append(f"{role} engine {_nonzero(held)}")
+        channel = d.get("channel", {})
+        parts.append("control " + _nonzero({k: channel.get(k, 0) for k in (
+            "peers_dead", "auth_failures", "connect_retries", "send_failures", "handshake_timeouts", "frames_refused",
+            "protocol_errors", "quota_drops")}))
+        return ", ".join(parts)
+
+
+def _nonzero(values: dict[str, Any]) -> str:
+    kept = {k: v for k, v in values.items() if isinstance(v, (int, float)) and v}
+    return str(kept) if kept else "{}"
 
 
 def pages_for(prompt_tokens: int, block_size: int) -> int:
@@ -247,6 +311,8 @@ class SchedulerBook:
 @dataclass
 class _Sending:
     transfer: Transfer
+    since: float = 0.0  # when the worker registered it (``_Laggards``)
+    told: bool = False  # the log said it waits long
     pages: tuple[int, ...] | None = None
     first_token: int | None = None
     finished: bool = False  # vLLM sent its Finish (first token or abort)
@@ -259,8 +325,11 @@ class _Sending:
 class ProducerWorker:
     """A prefill worker's side: one ``PrefillPeer`` rank and its outbox."""
 
-    def __init__(self, peer: Any, outbox: Any, replica: Any = None, layerwise_min_pages: int = 16) -> None:
+    def __init__(self, peer: Any, outbox: Any, replica: Any = None, layerwise_min_pages: int = 16, *,
+                 slow_after: float = SLOW_AFTER, clock: Callable[[], float] = time.monotonic) -> None:
         self._peer = peer
+        self._clock = clock
+        self._laggards = _Laggards(peer, "prefill", slow_after, clock)
         self._outbox = outbox
         self._layerwise_min_pages = layerwise_min_pages  # shorter prompts go whole (pdcore would hold them anyway)
         self._replica = replica
@@ -278,7 +347,7 @@ class ProducerWorker:
             if reg.rid in self._reqs:
                 continue
             t = reg.transfer
-            st = self._reqs[reg.rid] = _Sending(t)
+            st = self._reqs[reg.rid] = _Sending(t, since=self._clock())
             try:
                 self._peer.register(reg.rid, BootstrapInfo(t.host, t.port, t.room))
             except PdError as e:  # (never an error of the engine: this request is served here alone)
@@ -351,6 +420,8 @@ class ProducerWorker:
             self._vllm_finished.discard(rid)
         # a request vLLM finished without ever registering it here is not ours to report
         self._vllm_finished.intersection_update(self._reqs)
+        # waiting for decode's announcements (what comes after is vLLM's queue and forward pass)
+        self._laggards.check((rid, st) for rid, st in self._reqs.items() if not (st.bootstrapped or st.ended))
         return done
 
     def take_ready(self) -> set[str]:
@@ -380,14 +451,19 @@ class _Loading:
     transfer: Transfer
     pages: tuple[int, ...]
     index: int
+    since: float = 0.0  # when the worker registered it (``_Laggards``)
+    told: bool = False  # the log said it waits long
     aborted: bool = False
 
 
 class ConsumerWorker:
     """A decode worker's side: one ``DecodePeer`` rank and its inbox."""
 
-    def __init__(self, peer: Any, inbox: Any, replica: Any = None) -> None:
+    def __init__(self, peer: Any, inbox: Any, replica: Any = None, *, slow_after: float = SLOW_AFTER,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._peer = peer
+        self._clock = clock
+        self._laggards = _Laggards(peer, "decode", slow_after, clock)
         self._inbox = inbox
         self._replica = replica
         self._reqs: dict[str, _Loading] = {}
@@ -401,7 +477,7 @@ class ConsumerWorker:
         vLLM gave up."""
         for load in plan.loads:
             t = load.transfer
-            self._reqs[load.rid] = _Loading(t, load.pages, self._next_index)
+            self._reqs[load.rid] = _Loading(t, load.pages, self._next_index, since=self._clock())
             self._next_index = (self._next_index + 1) % (1 << 31)
             try:
                 self._peer.register(load.rid, BootstrapInfo(t.host, t.port, t.room))
@@ -457,6 +533,7 @@ class ConsumerWorker:
                                 event.reason)
         for rid in received:
             del self._reqs[rid]
+        self._laggards.check((rid, st) for rid, st in self._reqs.items() if not st.aborted)
         return received, errors
 
     def landed(self, rid: str, pages: tuple[int, ...]) -> None:
