@@ -72,8 +72,10 @@ CONCURRENCY = 32
 # judged prefill dead 15.7 s into the load, its rank 1 did not, and the requests that came after the verdict landed:
 # prefill was alive and its frames came late, not never), and so was 30 s (a CI rehearsal of 2026-12-04 on the tcp
 # control plane: rank 0 heard nothing from prefill for 31 s while rank 1 did, and prefill heard both ranks; the
-# passing runs' TTFT p99 of 19-24 s are the same stall, absorbed). The stall is open (the closing note of that day);
-# this is a bound for this machine's contention, not a speed: the load still asserts every request.
+# passing runs' TTFT p99 of 19-24 s are the same stall, absorbed). The stall is open; the connector's log of
+# transfers that wait long located it (2026-12-05): decode's requests waited announced (WAITING_FOR_INPUT, its
+# queues empty) while prefill's vLLM processes did not step for ~15 s. This is a bound for this machine's
+# contention, not a speed: the load still asserts every request.
 DEAD_AFTER = 60.0
 BOOTSTRAP_TIMEOUT = 20.0  # decode's: how long a request whose prefill cannot be found waits for it
 
