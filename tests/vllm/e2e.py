@@ -74,8 +74,10 @@ CONCURRENCY = 32
 # control plane: rank 0 heard nothing from prefill for 31 s while rank 1 did, and prefill heard both ranks; the
 # passing runs' TTFT p99 of 19-24 s are the same stall, absorbed). The stall is open; the connector's log of
 # transfers that wait long located it (2026-12-05): decode's requests waited announced (WAITING_FOR_INPUT, its
-# queues empty) while prefill's vLLM processes did not step for ~15 s. This is a bound for this machine's
-# contention, not a speed: the load still asserts every request.
+# queues empty) while prefill's vLLM processes did not step for ~15 s; and decode's engine steps without pause
+# while its requests wait for KV (per-process CPU, same day: its two workers ~80% each, its engine core ~25%, with
+# nothing to compute), which leaves prefill little of two cores. This is a bound for this machine's contention,
+# not a speed: the load still asserts every request.
 DEAD_AFTER = 60.0
 BOOTSTRAP_TIMEOUT = 20.0  # decode's: how long a request whose prefill cannot be found waits for it
 
