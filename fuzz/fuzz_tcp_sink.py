@@ -5,8 +5,9 @@ One buffer holds, between guard bytes, region A (no grant needed) and region B (
 5 gives this connection's source the middle quarter of B, grant 6 gives all of B to another source.
 Each input is the byte stream after the handshake: a helper thread sends it and closes its side,
 reading the acks; ``serve()`` runs until the connection ends, a refused frame's ack worded and
-served on as the transport does. Then every byte outside A and grant 5's range must still be zero,
-and the loop must have ended (it reads to the end of the stream, or stops at a frame that breaks the
+served on as the transport does, and a landed frame's note checked (it came through grant 5, the
+only grant this source may land through, and is at most ``MAX_NOTE`` bytes) and served on. Then every
+byte outside A and grant 5's range must still be zero, and the loop must have ended (it reads to the end of the stream, or stops at a frame that breaks the
 wire). Seeds are valid frames at this process's addresses, so mutations reach the checks. The loop
 is compiled, which atheris does not instrument: guided by no coverage, it would shrink the corpus to
 one byte; the harness's mutation loop over the seeds runs instead.
@@ -50,9 +51,9 @@ SINK.add_grant(5, ME, np.array([GRANTED[0]], np.uint64), np.array([GRANTED[1]], 
 SINK.add_grant(6, OTHER, np.array([B], np.uint64), np.array([SIZE], np.uint64))
 
 
-def _frame(seq: int, writes: list[tuple[int, int]], grant: int = 0) -> bytes:
-    head = tcp._FRAME.pack(seq, len(writes), 0, grant) + b"".join(struct.pack("<QQ", a, n) for a, n in writes)
-    return head + b"".join(bytes([seq & 0xFF or 1]) * n for _, n in writes)
+def _frame(seq: int, writes: list[tuple[int, int]], grant: int = 0, note: bytes = b"") -> bytes:
+    head = tcp._FRAME.pack(seq, len(writes), len(note), grant) + b"".join(struct.pack("<QQ", a, n) for a, n in writes)
+    return head + note + b"".join(bytes([seq & 0xFF or 1]) * n for _, n in writes)
 
 
 SEEDS = [
@@ -64,6 +65,8 @@ SEEDS = [
     _frame(8, [(B, 8)]),  # a guarded region without a grant: refused
     _frame(9, [(A + SIZE - 4, 8)]) + _frame(10, [(A, 4)]),  # past the region, then a good one
     _frame(11, [(A, 8)] * 3, grant=0) + _frame(12, [(GRANTED[0], 8)], grant=5),
+    _frame(13, [(GRANTED[0], 32), (GRANTED[0] + 64, 8)], grant=5, note=b"landed") + _frame(14, [(A, 4)]),
+    _frame(15, [(B, 8)], grant=6, note=b"n" * 40) + _frame(16, [(GRANTED[0], 8)], grant=5, note=b"x"),  # refused, then one
 ]
 
 
@@ -85,8 +88,12 @@ def test_one_input(data: bytes) -> None:
     helper.start()
     conn = SINK.connection(b, b, ME, 64, 0.2)
     try:
-        for _ in range(len(data) + 2):  # at most one refusal per byte: it must end before
+        for _ in range(len(data) + 2):  # at most one refusal or note per byte: it must end before
             result = conn.serve()
+            if result[0] == FAST.SERVE_NOTED:
+                _, grant, note = result
+                assert grant == 5 and 0 < len(note) <= FAST.MAX_NOTE, result
+                continue
             if result[0] != FAST.SERVE_REFUSED:
                 assert result[0] in (FAST.SERVE_CLOSED, FAST.SERVE_BROKEN, FAST.SERVE_STALLED), result
                 break

@@ -23,6 +23,8 @@ SERVE_CLOSED: int
 SERVE_BROKEN: int
 SERVE_STALLED: int
 SERVE_STOPPED: int
+SERVE_NOTED: int
+MAX_NOTE: int
 POST_SENT: int
 POST_WAKE: int
 POST_FULL: int
@@ -45,6 +47,7 @@ def frame(
     loc_views: list[Any],
     rem_starts: np.ndarray,
     rem_lengths: np.ndarray,
+    note: bytes = b"",
 ) -> tuple[int, int, list[Any] | None]: ...
 
 class Sink:
@@ -66,7 +69,7 @@ class SinkConn:
     def __init__(self, sink: Sink, sock: Any, acks: Any, source: bytes, max_writes: int, stall: float) -> None: ...
     def close(self) -> None: ...
     def retained(self) -> int: ...
-    def serve(self) -> tuple[int, ...]: ...
+    def serve(self) -> tuple[Any, ...]: ...
     def refuse(self, seq: int, err: int, message: bytes, nbytes: int) -> None: ...
 
 class Completions:
@@ -101,6 +104,7 @@ class Source:
         loc_views: list[Any],
         rem_starts: np.ndarray,
         rem_lengths: np.ndarray,
+        note: bytes = b"",
     ) -> tuple[int, Any]: ...
     def close(self) -> None: ...
     def send_blocking(self) -> int: ...

@@ -5,7 +5,7 @@ signatures, results and errors; ``transport.tcp`` chooses, like ``transport.plan
 One extension module, ``transport._tcp_fast``, written in rooms that Cython ``include``s here, in
 this order (each room uses what the ones before it declare):
 
-- ``_tcp_fast_frame.pxi``: a batch's checks at the source and its frame head; ``frame``.
+- ``_tcp_fast_frame.pxi``: a batch's checks at the source and its frame head (with its note); ``frame``.
 - ``_tcp_fast_sink.pxi``: ``Sink``, the sink's landing table: the regions and live grants every
   frame is checked against, and the mark of each connection landing a frame.
 - ``_tcp_fast_sinkconn.pxi``: ``SinkConn``, one sink connection's loop, which reads a frame, checks
@@ -48,7 +48,9 @@ __all__ = [
     "LAND_OK",
     "LAND_OUTSIDE_GRANT",
     "LAND_OUTSIDE_REGIONS",
+    "MAX_NOTE",
     "SERVE_BROKEN",
+    "SERVE_NOTED",
     "SERVE_CLOSED",
     "SERVE_REFUSED",
     "SERVE_STALLED",
@@ -77,7 +79,8 @@ FRAME_SIZE = 24
 ACK_SIZE = 20
 
 cdef enum:  # the wire's sizes, and what both sides' I/O loops share
-    _HEAD = 24  # seq u64, count u32, 0 u32, grant u64
+    _HEAD = 24  # seq u64, count u32, note length u32, grant u64 (the note follows the descriptors)
+    _MAX_NOTE = 4096  # the longest note a frame carries (transport.limits.MAX_NOTE; tcp_wire checks they agree)
     _PAIR = 16  # addr u64, length u64
     _ACK = 20  # seq u64, status u32, errno i32, message length u32
     # The most a sink connection keeps in each of its buffers between frames (64 KiB and a little): a

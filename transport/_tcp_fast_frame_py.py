@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
-FRAME_SIZE = 24  # seq u64, count u32, 0 u32, grant u64
+from .limits import MAX_NOTE
+
+FRAME_SIZE = 24  # seq u64, count u32, note length u32, grant u64 (the note follows the descriptors)
 ACK_SIZE = 20  # seq u64, status u32, errno i32, message length u32
 
 FRAME_OK = 0
@@ -21,6 +23,7 @@ FRAME_LOCAL_OUTSIDE = 2  # the local range is not inside one local region
 FRAME_REMOTE_OUTSIDE = 3  # the remote range is not inside one region of the peer's endpoint
 
 _HEAD = struct.Struct("<QIIQ")
+_SEQ = struct.Struct("<Q")  # a frame head's first field, written once the frame has its seq
 _PAIR = struct.Struct("<QQ")
 _ACK = struct.Struct("<QIiI")
 
@@ -71,6 +74,19 @@ def _seconds(value: Any) -> float:
     return float(value)
 
 
+def _check_note(note: bytes, n: int, grant: int) -> None:
+    """``ValueError`` unless ``note`` may ride a frame of ``n`` writes through ``grant``: a sink breaks
+    the connection on any other (``transport.tcp`` words the caller's error first)."""
+    if not note:
+        return
+    if len(note) > MAX_NOTE:
+        raise ValueError(f"a note holds at most {MAX_NOTE} bytes, got {len(note)}")
+    if n == 0:
+        raise ValueError("a note rides a frame of at least one write")
+    if grant == 0:
+        raise ValueError("a note rides a frame through a grant (grant 0)")
+
+
 def frame(
     batch: np.ndarray,
     grant: int,
@@ -79,14 +95,17 @@ def frame(
     loc_views: list[memoryview],
     rem_starts: np.ndarray,
     rem_lengths: np.ndarray,
+    note: bytes = b"",
 ) -> tuple[int, int, list[Any] | None]:
-    """Check a batch (a C-contiguous ``(n, 3)`` ``uint64`` array) and build what goes on the wire.
+    """Check a batch (a C-contiguous ``(n, 3)`` ``uint64`` array) and its ``note`` (``ValueError``:
+    longer than ``MAX_NOTE``, or on a frame without writes or without a grant) and build what goes on
+    the wire.
 
     Returns ``(code, index, bufs)``: ``code`` 0 and ``bufs`` = ``[head, view, view, ...]`` (``head``
     a writable ``memoryview`` of a ``bytearray``: the frame header with seq 0, then the descriptor
-    pairs; one local view per write), or a ``FRAME_*`` code, the index of the first write that
-    fails it, and None. A zero length anywhere fails first; then, write by write, the local range,
-    then the remote one.
+    pairs, then the note; one local view per write), or a ``FRAME_*`` code, the index of the first
+    write that fails it, and None. A zero length anywhere fails first; then, write by write, the
+    local range, then the remote one.
     """
     _array(batch, np.uint64, 2)
     for a in (loc_starts, loc_lengths, rem_starts, rem_lengths):
@@ -94,14 +113,17 @@ def frame(
     _of(loc_views, list, "loc_views")
     if len(loc_lengths) != len(loc_starts) or len(rem_lengths) != len(rem_starts) or len(loc_views) != len(loc_starts):
         raise ValueError("region starts, lengths and views differ in length")
+    _of(note, bytes, "note")
+    _check_note(note, len(batch), grant)
     rows = batch.tolist()
     for i, (_la, _ra, n) in enumerate(rows):
         if n == 0:
             return FRAME_ZERO_LENGTH, i, None
     ls, ll = loc_starts.tolist(), loc_lengths.tolist()
     rs, rl = rem_starts.tolist(), rem_lengths.tolist()
-    head = bytearray(FRAME_SIZE + _PAIR.size * len(rows))
-    _HEAD.pack_into(head, 0, 0, len(rows), 0, grant)
+    head = bytearray(FRAME_SIZE + _PAIR.size * len(rows) + len(note))
+    _HEAD.pack_into(head, 0, 0, len(rows), len(note), grant)
+    head[FRAME_SIZE + _PAIR.size * len(rows) :] = note
     bufs: list[Any] = [memoryview(head)]
     for i, (la, ra, n) in enumerate(rows):
         j = _find(ls, ll, la, n)

@@ -21,9 +21,10 @@ and the sink's side, with its I/O and its lock:
   rules, ``check`` says what a frame would get), and which connection is landing a frame through which
   grant and into which regions: what ``revoke`` (``wait_grant``, ``cut_grant``) and ``deregister``
   (``wait_region``) wait on.
-- ``SinkConn``: one connection's loop (``serve``): read a frame, check it, receive its payload into
-  place, ack; it returns to the caller only to have a refused frame's ack worded (``refuse``), or
-  when the connection ends.
+- ``SinkConn``: one connection's loop (``serve``): read a frame (and its note), check it, receive its
+  payload into place, ack; it returns to the caller only to have a refused frame's ack worded
+  (``refuse``), to hand on a landed frame's note (``SERVE_NOTED``, before its ack goes out), or when
+  the connection ends.
 
 The twin is written in rooms, each a module of its own that this one re-exports (every name the
 twin loader, ``transport.tcp`` and the tests use is importable from here): ``_tcp_fast_frame_py``
@@ -53,6 +54,7 @@ from ._tcp_fast_frame_py import (
     FRAME_REMOTE_OUTSIDE,
     FRAME_SIZE,
     FRAME_ZERO_LENGTH,
+    MAX_NOTE,
     frame,
 )
 from ._tcp_fast_sink_py import (
@@ -64,7 +66,8 @@ from ._tcp_fast_sink_py import (
     LAND_OUTSIDE_REGIONS,
     Sink,
 )
-from ._tcp_fast_sinkconn_py import SERVE_BROKEN, SERVE_CLOSED, SERVE_REFUSED, SERVE_STALLED, SERVE_STOPPED, SinkConn
+from ._tcp_fast_sinkconn_py import (SERVE_BROKEN, SERVE_CLOSED, SERVE_NOTED, SERVE_REFUSED, SERVE_STALLED, SERVE_STOPPED,
+                                    SinkConn)
 from ._tcp_fast_source_py import (
     ACKS_BAD,
     ACKS_CLOSED,
@@ -95,7 +98,9 @@ __all__ = [
     "LAND_OK",
     "LAND_OUTSIDE_GRANT",
     "LAND_OUTSIDE_REGIONS",
+    "MAX_NOTE",
     "SERVE_BROKEN",
+    "SERVE_NOTED",
     "SERVE_CLOSED",
     "SERVE_REFUSED",
     "SERVE_STALLED",

@@ -1,22 +1,26 @@
 # Included by _tcp_fast.pyx: one sink connection and its loop. ``SinkConn.serve`` runs ``_serve``
-# without the GIL: read a frame's header and descriptors, check them against the ``Sink`` (marking
-# the connection landing), receive the payload straight into place, clear the mark, gather the ack.
+# without the GIL: read a frame's header, descriptors and note, check them against the ``Sink``
+# (marking the connection landing), receive the payload straight into place, clear the mark, gather
+# the ack (and return a landed frame's note before that ack goes out).
 # The helpers below it are the loop's steps; each read and send waits in ticks of the socket's kernel
 # timeout and ends the connection through ``_failed``.
 
-# serve()'s results: a refused frame (the caller words the ack and calls refuse()), or how the connection ended
+# serve()'s results: a refused frame (the caller words the ack and calls refuse()), a landed frame's note
+# (the caller hands it on, then calls serve() again, which sends its ack), or how the connection ended
 cdef enum:
     _SERVE_REFUSED = 0
     _SERVE_CLOSED = 1  # the peer closed the connection, or it broke (errno in the result)
     _SERVE_BROKEN = 2  # a frame broke the wire format: the stream cannot be trusted past it
     _SERVE_STALLED = 3  # the peer sent nothing for ``stall`` seconds mid-frame (or took no ack for that long)
     _SERVE_STOPPED = 4  # the transport is closing
+    _SERVE_NOTED = 5  # a frame with a note landed: its ack is queued, not yet sent
 
 SERVE_REFUSED = _SERVE_REFUSED
 SERVE_CLOSED = _SERVE_CLOSED
 SERVE_BROKEN = _SERVE_BROKEN
 SERVE_STALLED = _SERVE_STALLED
 SERVE_STOPPED = _SERVE_STOPPED
+SERVE_NOTED = _SERVE_NOTED
 
 cdef enum:
     _ACK_GATHER = 16  # acks gathered at most under load
@@ -28,9 +32,12 @@ cdef uint64_t _ACK_GATHER_BYTES = 1 << 20
 cdef class SinkConn:
     """One data connection past its handshake (acks go out on ``acks``, its ack connection, or the same
     socket): ``serve()`` runs its loop without the GIL until a frame is refused (the caller words the
-    ack: ``refuse()``, then ``serve()`` again) or the connection ends.
+    ack: ``refuse()``, then ``serve()`` again), a frame with a note landed (the caller hands the note on,
+    then ``serve()`` again sends its ack) or the connection ends.
 
-    Per frame: read its header and descriptors; check every write (``Sink`` mutex held; on success the
+    Per frame: read its header, descriptors and note (one read: the note follows the descriptors); a
+    note longer than ``MAX_NOTE``, or on a frame without writes or without a grant, breaks the wire
+    format. Check every write (``Sink`` mutex held; on success the
     connection is marked landing through the frame's grant, into its regions); receive the payload
     straight into place (the mutex not held), with up to 40 bytes more, the next frame's header and
     first descriptor when they are already there; clear the mark (waking a revoke or deregister that
@@ -70,6 +77,8 @@ cdef class SinkConn:
     cdef int r_code
     cdef Py_ssize_t r_index
     cdef Py_ssize_t r_count
+    cdef size_t r_note  # a landed frame's note: where it starts in ``hb`` (past the read-ahead) and its length
+    cdef size_t r_notelen
 
     def __cinit__(self, Sink sink not None, sock not None, acks not None, bytes source not None, uint64_t max_writes,
                   double stall):
@@ -135,15 +144,19 @@ cdef class SinkConn:
         return n
 
     def serve(self):
-        """Land frames until one is refused or the connection ends. Returns ``(SERVE_REFUSED, seq, code,
-        index, count, addr, length, grant, total)`` for a refused frame (its header and descriptors
-        read, its payload not yet: ``refuse()`` drops it), else ``(SERVE_*, errno)``."""
+        """Land frames until one is refused, one with a note landed, or the connection ends. Returns
+        ``(SERVE_REFUSED, seq, code, index, count, addr, length, grant, total)`` for a refused frame (its
+        header, descriptors and note read, its payload not yet: ``refuse()`` drops it), ``(SERVE_NOTED,
+        grant, note)`` for a frame with a note whose every byte landed (its ack queued: the next
+        ``serve()`` sends it), else ``(SERVE_*, errno)``."""
         cdef int r
         cdef const unsigned char* d
         if not self.attached:
             raise ValueError("serve() on a closed connection")
         with nogil:
             r = _serve(self)
+        if r == _SERVE_NOTED:  # (the note is still in hb: the payload's read-ahead ends before it)
+            return r, self.r_grant, PyBytes_FromStringAndSize(<char*>self.hb + self.r_note, <Py_ssize_t>self.r_notelen)
         if r != _SERVE_REFUSED:
             return r, self.err
         d = self.hb + _HEAD + _PAIR * self.r_index
@@ -406,9 +419,11 @@ cdef int _grow(SinkConn s, size_t need) noexcept nogil:
 
 cdef int _serve(SinkConn s) noexcept nogil:
     """``SinkConn.serve`` without the GIL: land frame after frame. ``_SERVE_REFUSED`` (what was refused
-    in the ``r_*`` fields), or how the connection ended."""
+    in the ``r_*`` fields), ``_SERVE_NOTED`` (a frame with a note landed and its ack is queued: the
+    grant and where the note is in the ``r_*`` fields), or how the connection ended."""
     cdef int r, code
     cdef uint64_t seq, grant, total
+    cdef uint32_t nnote
     cdef Py_ssize_t count, index = 0
     cdef size_t need
     cdef const unsigned char* d
@@ -425,10 +440,15 @@ cdef int _serve(SinkConn s) noexcept nogil:
                 return r
         seq = _get64(s.hb)
         count = <Py_ssize_t>_get32(s.hb + 8)
+        nnote = _get32(s.hb + 12)
         grant = _get64(s.hb + 16)
         if <uint64_t>count > s.max_writes:
             return _SERVE_BROKEN
-        need = _HEAD + _PAIR * <size_t>count
+        if nnote and (nnote > _MAX_NOTE or count == 0 or grant == 0):
+            return _SERVE_BROKEN  # no source sends it: a note vouches for writes landed through a grant
+        # a note follows the descriptors: read with them (a frame with one has writes, so what was read
+        # ahead, at most _AHEAD bytes, ends before the note, and the payload's read-ahead leaves it be)
+        need = _HEAD + _PAIR * <size_t>count + nnote
         if s.hlen < need:
             r = _grow(s, need + _AHEAD)
             if r:
@@ -463,6 +483,9 @@ cdef int _serve(SinkConn s) noexcept nogil:
             s.err = ENOMEM
             return _SERVE_CLOSED
         s.acked_bytes += total
+        if nnote:  # its ack waits in the queue until the caller has handed the note on
+            s.r_grant, s.r_note, s.r_notelen = grant, _HEAD + _PAIR * <size_t>count, nnote
+            return _SERVE_NOTED
         r = _flush_full(s)
         if r:
             return r

@@ -1,9 +1,10 @@
 """The pure twin's ``SinkConn``, one sink connection and its loop: part of ``transport._tcp_fast_py``,
 which re-exports it (see there for the contract).
 
-``serve`` reads a frame, checks it against the ``Sink`` (marking the connection landing), receives its
-payload into place, clears the mark and gathers the ack; it returns to the caller only to have a
-refused frame's ack worded (``refuse``), or when the connection ends. Every read and send of the loop
+``serve`` reads a frame (header, descriptors and note), checks it against the ``Sink`` (marking the
+connection landing), receives its payload into place, clears the mark and gathers the ack; it returns
+to the caller only to have a refused frame's ack worded (``refuse``), to hand on a landed frame's note
+(before its ack goes out), or when the connection ends. Every read and send of the loop
 goes through ``_io``, so each waits in ticks of the socket's kernel timeout and ends by the same rules.
 """
 
@@ -13,7 +14,7 @@ import socket
 import time
 from typing import Any
 
-from ._tcp_fast_frame_py import _ACK, _HEAD, _IOV_CHUNK, _PAIR, _TICK, FRAME_SIZE, _of, _seconds, _u64
+from ._tcp_fast_frame_py import _ACK, _HEAD, _IOV_CHUNK, _PAIR, _TICK, FRAME_SIZE, MAX_NOTE, _of, _seconds, _u64
 from ._tcp_fast_sink_py import LAND_OK, Sink, _total
 
 SERVE_REFUSED = 0
@@ -21,6 +22,7 @@ SERVE_CLOSED = 1  # the peer closed the connection, or it broke (errno in the re
 SERVE_BROKEN = 2  # a frame broke the wire format: the stream cannot be trusted past it
 SERVE_STALLED = 3  # the peer sent nothing for ``stall`` seconds mid-frame (or took no ack for that long)
 SERVE_STOPPED = 4  # the transport is closing
+SERVE_NOTED = 5  # a frame with a note landed: its ack is queued, not yet sent
 
 _AHEAD = 40  # bytes a sink may read past a payload: the next frame's header and first descriptor
 _ACK_GATHER = 16  # acks gathered at most under load
@@ -44,9 +46,12 @@ class _End(Exception):
 class SinkConn:
     """One data connection past its handshake (acks go out on ``acks``, its ack connection, or the same
     socket): ``serve()`` runs its loop until a frame is refused (the caller words the ack: ``refuse()``,
-    then ``serve()`` again) or the connection ends.
+    then ``serve()`` again), a frame with a note landed (the caller hands the note on, then ``serve()``
+    again sends its ack) or the connection ends.
 
-    Per frame: read its header and descriptors; check every write (``Sink`` lock held; on success the
+    Per frame: read its header, descriptors and note (one read: the note follows the descriptors); a
+    note longer than ``MAX_NOTE``, or on a frame without writes or without a grant, breaks the wire
+    format. Check every write (``Sink`` lock held; on success the
     connection is marked landing through the frame's grant, into its regions); receive the payload
     straight into place (the lock not held), with up to 40 bytes more, the next frame's header and
     first descriptor when they are already there; clear the mark (waking a revoke or deregister that
@@ -112,10 +117,12 @@ class SinkConn:
         self._discard = nbytes
         self._acked_bytes += nbytes  # counted as landed bytes are: the gather bound
 
-    def serve(self) -> tuple[int, ...]:
-        """Land frames until one is refused or the connection ends. Returns ``(SERVE_REFUSED, seq, code,
-        index, count, addr, length, grant, total)`` for a refused frame (its header and descriptors
-        read, its payload not yet: ``refuse()`` drops it), else ``(SERVE_*, errno)``."""
+    def serve(self) -> tuple[Any, ...]:
+        """Land frames until one is refused, one with a note landed, or the connection ends. Returns
+        ``(SERVE_REFUSED, seq, code, index, count, addr, length, grant, total)`` for a refused frame (its
+        header, descriptors and note read, its payload not yet: ``refuse()`` drops it), ``(SERVE_NOTED,
+        grant, note)`` for a frame with a note whose every byte landed (its ack queued: the next
+        ``serve()`` sends it), else ``(SERVE_*, errno)``."""
         if not self._attached:
             raise ValueError("serve() on a closed connection")
         try:
@@ -123,7 +130,7 @@ class SinkConn:
         except _End as e:
             return e.result
 
-    def _serve(self) -> tuple[int, ...]:
+    def _serve(self) -> tuple[Any, ...]:
         hb = self._hb
         while True:
             self._between()
@@ -131,13 +138,17 @@ class SinkConn:
                 # a frame's first 40 bytes are never payload: its header and first descriptor, or (a frame
                 # without writes) its header and the next frame's first bytes
                 self._read_some(FRAME_SIZE)
-            seq, count, _, grant = _HEAD.unpack_from(hb)
+            seq, count, nnote, grant = _HEAD.unpack_from(hb)
             if count > self._max_writes:
                 raise _End(SERVE_BROKEN)
-            need = FRAME_SIZE + _PAIR.size * count
+            if nnote and (nnote > MAX_NOTE or not count or not grant):
+                raise _End(SERVE_BROKEN)  # no source sends it: a note vouches for writes landed through a grant
+            ends = FRAME_SIZE + _PAIR.size * count
+            need = ends + nnote  # the note follows the descriptors: read with them
             if len(hb) < need:
                 hb += self._read(need - len(hb))
-            desc = bytes(hb[FRAME_SIZE:need])
+            desc = bytes(hb[FRAME_SIZE:ends])
+            note = bytes(hb[ends:need]) if nnote else b""
             self._drained = False
             code, index, views = self._mark(desc, grant)
             if code:
@@ -159,6 +170,8 @@ class SinkConn:
             del desc, views
             self._acks.append(_ACK.pack(seq, 0, 0, 0))
             self._acked_bytes += total
+            if nnote:  # its ack waits in the queue until the caller has handed the note on
+                return SERVE_NOTED, grant, note
             self._flush_full()
 
     def _between(self) -> None:

@@ -116,10 +116,10 @@ cdef class Source:
 
     def post(self, batch, uint64_t grant, on_done, ids,
              cnp.ndarray loc_starts not None, cnp.ndarray loc_lengths not None, list loc_views not None,
-             cnp.ndarray rem_starts not None, cnp.ndarray rem_lengths not None):
+             cnp.ndarray rem_starts not None, cnp.ndarray rem_lengths not None, bytes note not None=b""):
         """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array,
         ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
-        index in ``index``), take a slot, give it the next seq and the next batch id from ``ids`` (both
+        index in ``index``; its ``note`` as ``frame`` does, a ``ValueError``), take a slot, give it the next seq and the next batch id from ``ids`` (both
         at once: a peer's ids go up in the order its frames go out) and post it. Returns ``(code,
         batch id or None)``: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread), ``POST_FULL``,
         ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends it (and what
@@ -141,6 +141,7 @@ cdef class Source:
         if n > self.max_writes:
             return _POST_TOO_MANY, None
         _regions(&r, loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths)
+        _check_note(len(note), n, grant)
         code = _check_batch(w, n, &r, &index)
         if code:
             self.index = index
@@ -153,7 +154,7 @@ cdef class Source:
         # mutex): two writers never both take the last one.
         self.slots += 1
         try:
-            f = _new_frame(w, n, grant)
+            f = _new_frame(w, n, grant, note)
         except BaseException:
             self.slots -= 1
             raise
@@ -510,17 +511,19 @@ cdef Py_ssize_t _fill(iovec* iov, Py_ssize_t room, _Frame f, size_t off, bint* w
     return n
 
 
-cdef _Frame _new_frame(const uint64_t* w, Py_ssize_t n, uint64_t grant):
-    """The frame of a checked batch: its head (seq 0 until ``_line_up``) and, as iovecs in one
-    allocation with it, the head and then each write's local range, straight from registered memory."""
-    cdef size_t heads = _HEAD + _PAIR * <size_t>n
+cdef _Frame _new_frame(const uint64_t* w, Py_ssize_t n, uint64_t grant, bytes note):
+    """The frame of a checked batch: its head (seq 0 until ``_line_up``; the note at its end, so it goes
+    out in the same ``sendmsg``) and, as iovecs in one allocation with it, the head and then each
+    write's local range, straight from registered memory."""
+    cdef size_t nnote = <size_t>len(note)
+    cdef size_t heads = _HEAD + _PAIR * <size_t>n + nnote
     cdef Py_ssize_t i
     cdef _Frame f = _Frame.__new__(_Frame)
     f.iov = <iovec*>malloc(<size_t>(n + 1) * sizeof(iovec) + heads)
     if f.iov == NULL:
         raise MemoryError()
     cdef unsigned char* h = <unsigned char*>(f.iov + n + 1)
-    _put_head(h, w, n, grant)
+    _put_head(h, w, n, grant, <const unsigned char*><const char*>note, nnote)
     f.iov[0].iov_base = h
     f.iov[0].iov_len = heads
     f.nbytes = heads

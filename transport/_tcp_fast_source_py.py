@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._tcp_fast_completions_py import Completions, _error_of, _Frame
-from ._tcp_fast_frame_py import _ACK, _HEAD, _IOV_CHUNK, _TICK, ACK_SIZE, _seconds, _u64, frame
+from ._tcp_fast_frame_py import _ACK, _IOV_CHUNK, _SEQ, _TICK, ACK_SIZE, _seconds, _u64, frame
 
 POST_SENT = 0  # posted: on the wire, or queued behind a send in progress that will take it
 POST_WAKE = 4  # posted: the sender thread must send the rest (the socket was full)
@@ -103,11 +103,11 @@ class Source:
         with self._mu:
             return not self._sending and (self._out is not None or bool(self._unsent))
 
-    def post(self, batch: Any, grant: int, on_done: Any, ids: Any, loc_starts: np.ndarray,
-             loc_lengths: np.ndarray, loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray) -> tuple[int, Any]:
+    def post(self, batch: Any, grant: int, on_done: Any, ids: Any, loc_starts: np.ndarray, loc_lengths: np.ndarray,
+             loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray, note: bytes = b"") -> tuple[int, Any]:
         """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array,
         ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
-        index in ``index``), take a slot, give it the next seq and the next batch id from ``ids`` (both
+        index in ``index``; its ``note`` as ``frame`` does, a ``ValueError``), take a slot, give it the next seq and the next batch id from ``ids`` (both
         at once: a peer's ids go up in the order its frames go out) and post it. Returns ``(code,
         batch id or None)``: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread), ``POST_FULL``,
         ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends it (and what
@@ -118,7 +118,7 @@ class Source:
         if len(batch) > self._max_writes:
             return POST_TOO_MANY, None
         grant = _u64(grant, "grant")
-        code, index, bufs = frame(batch, grant, loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths)
+        code, index, bufs = frame(batch, grant, loc_starts, loc_lengths, loc_views, rem_starts, rem_lengths, note)
         if bufs is None:
             self.index = index
             return code, None
@@ -140,7 +140,7 @@ class Source:
                 raise
             self._seq += 1
             f.seq = self._seq
-            _HEAD.pack_into(bufs[0], 0, self._seq, len(bufs) - 1, 0, grant)
+            _SEQ.pack_into(bufs[0], 0, self._seq)  # (frame wrote the rest of the header, and the note)
             if not self._nflight:
                 self.last_progress = time.monotonic()
             self._nflight += 1

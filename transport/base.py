@@ -60,6 +60,35 @@ How each transport keeps the promise:
   ``revoke(..., settled=True)`` (the caller knows every write through the
   grant completed at the source, e.g. it reported success) needs no wait.
 
+Notes: a completion that rides the data path
+--------------------------------------------
+``write(..., grant=key, note=b"...")`` attaches a small opaque byte string, the
+**note** (at most ``MAX_NOTE`` = 4096 bytes), to a batch, so that the layer
+above need not send "the data landed" on the control channel after it. The sink
+hands it to the handler its owner installed with ``on_note(handler)``:
+``handler(grant_key, note)``, on a transport thread, under the callbacks' rules
+below (must not block; an exception goes to ``threading.excepthook`` and the
+transport carries on). With no handler installed a received note is dropped
+(and counted, ``notes_dropped`` where the transport keeps the count).
+
+What the sink promises: a note is handed only if **every write of its batch
+landed through the batch's grant** (live, given to that connection's source,
+every write inside it: the frame was accepted, as for any batch through a
+grant), and **no earlier batch through the same grant on the same connection
+was refused** (the sink keeps, per connection, the grants whose batches it
+refused: a source whose earlier batch was refused cannot vouch for "all landed"
+with a later note). It is handed **before the batch's ack is sent**: when the
+source's ``on_done(batch_id, None)`` runs, the sink's handler has already
+returned. A batch whose completion is an error may or may not have had its note
+handed (the ack may have been lost after the note went): the layer above lives
+with that. Notes are handed in the order their batches landed, per connection.
+
+``write`` raises ``TransportError(op="write")``, posting nothing, for a note
+that is not ``bytes``, and for a non-empty one that is longer than
+``MAX_NOTE``, on a batch without a grant (``grant=0``), on a batch of no
+writes, or on a transport whose ``carries_notes`` is False (verbs today: see
+its docstring). A wrapper carries its inner transport's notes.
+
 Guarantees every transport gives (the conformance suite in
 ``tests/transport/`` checks them):
 
@@ -140,6 +169,7 @@ from .accepting import OUT_OF_RESOURCES, AcceptBackoff
 from .completions import Batch, Completion, CompletionQueue, OnDone, as_batch, call_on_done, deliver, take_slot
 from .deadline import Deadline
 from .endpoint import Endpoint, decode_endpoint, encode_endpoint, new_instance_id
+from .notes import MAX_NOTE, NoteHandler, call_on_note, check_handler, check_note
 from .regions import Grant, GrantTable, Region, RegionTable, buffer_span, byte_view, grant_ranges
 from .secret import (
     HELLO_TIMEOUT,
@@ -157,9 +187,10 @@ from .secret import (
 
 __all__ = [
     "AcceptBackoff", "AuthFailures", "Batch", "Completion", "CompletionQueue", "Endpoint", "Grant", "GrantTable",
-    "HELLO_TIMEOUT", "MAC_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "NONCE_BYTES", "OUT_OF_RESOURCES",
-    "OnDone", "PeerHandle", "Region", "RegionTable", "Transport", "as_batch", "auth_failed", "buffer_span",
-    "byte_view", "call_on_done", "check_secret", "close_once", "decode_endpoint", "deliver", "derive_key", "encode_endpoint",
+    "HELLO_TIMEOUT", "MAC_BYTES", "MAX_NOTE", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "NONCE_BYTES", "OUT_OF_RESOURCES",
+    "NoteHandler", "OnDone", "PeerHandle", "Region", "RegionTable", "Transport", "as_batch", "auth_failed", "buffer_span",
+    "byte_view", "call_on_done", "call_on_note", "check_handler", "check_note", "check_secret", "close_once", "decode_endpoint", "deliver",
+    "derive_key", "encode_endpoint",
     "grant_ranges", "hello_mac", "new_instance_id", "same_mac", "take_slot",
 ]
 
@@ -254,11 +285,26 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
-              deadline: Deadline | None = None, grant: int = 0) -> int:
+              deadline: Deadline | None = None, grant: int = 0, note: bytes = b"") -> int:
         """Post a batch; return its id. See the module docstring for validation, order and back-pressure.
 
         ``grant`` is the key of the sink's :class:`Grant` the writes go through (0: none, for regions
-        registered without ``require_grant``)."""
+        registered without ``require_grant``). ``note`` (at most ``MAX_NOTE`` bytes; needs a grant, a
+        write and ``carries_notes``) rides the batch to the sink's ``on_note`` handler, handed there
+        once every byte of the batch landed and before its ack goes (module docstring, "Notes")."""
+
+    @property
+    @abc.abstractmethod
+    def carries_notes(self) -> bool:
+        """Whether ``write(..., note=...)`` may carry a note to the sink (else a note raises)."""
+
+    @abc.abstractmethod
+    def on_note(self, handler: NoteHandler | None) -> None:
+        """Install ``handler(grant_key, note)`` for the notes that reach this sink (``None`` removes it).
+
+        Called on a transport thread, before the note's batch is acked; it must not block, and an
+        exception it raises goes to ``threading.excepthook`` (module docstring, "Notes"). On a transport
+        that does not carry notes it is kept and never called."""
 
     @abc.abstractmethod
     def completions(self, max_items: int = 1024, *, deadline: Deadline | None = None) -> list[Completion]:

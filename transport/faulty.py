@@ -16,6 +16,12 @@ injects two faults into ``write``:
 - **late completions**: every completion (failed or not) is delivered after an
   extra random ``[0, delay]`` seconds.
 
+A batch's note (``write(..., note=...)``) goes to the inner transport only with
+the whole batch: a batch failed before posting, or of which only a prefix is
+posted, carries no note (its sink hears nothing of it, as the contract allows
+for a failed batch); a batch failed after posting all of it keeps its note, so
+the sink may have handed it although the source hears "failed" (also allowed).
+
 By name: ``transport.create("faulty:tcp", seed=1, fail_rate=0.05, **tcp_options)``;
 the registry hands the options named in :data:`WRAPPER_OPTIONS` to the wrapper
 and every other option to the inner transport (``create("tcp", **tcp_options)``),
@@ -137,8 +143,10 @@ class FaultyTransport(Wrapping, Transport):
     # ------------------------------------------------------------------ writes
 
     def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
-              deadline: Deadline | None = None, grant: int = 0) -> int:
+              deadline: Deadline | None = None, grant: int = 0, note: bytes = b"") -> int:
         arr = as_batch(batch)
+        if note or type(note) is not bytes:
+            self._check_note(note, len(arr), grant)
         with self._lock:
             if self._closing:
                 raise TransportError("transport is closed", op="write")
@@ -160,9 +168,11 @@ class FaultyTransport(Wrapping, Transport):
             self.stats["failed_unposted"] += 1
             self._resolve(peer, entry, None)
             return entry.batch_id
+        whole = post_prefix == len(arr)  # only a whole batch carries its note: a prefix did not all land
         try:
             self.inner.write(
-                peer, arr[:post_prefix], lambda _bid, error: self._resolve(peer, entry, error), deadline=deadline, grant=grant
+                peer, arr[:post_prefix], lambda _bid, error: self._resolve(peer, entry, error), deadline=deadline, grant=grant,
+                note=note if whole else b"",
             )
         except BaseException:
             with self._lock:  # nothing was posted: forget the entry (later ones may now be first)

@@ -5,3 +5,8 @@ sockets, even indirectly) can use the bound without pulling in the region tables
 """
 
 U64_MAX = (1 << 64) - 1  # the largest address, length, key or room
+MAX_NOTE = 4096  # the most bytes of a note riding a batch (``Transport.write(..., note=...)``)
+
+# The longest note a batch carries (``Transport.write(..., note=...)``; ``transport/base.py``, "Notes"): what a
+# sink reads with a frame's header, so it stays small.
+MAX_NOTE = 4096

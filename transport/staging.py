@@ -34,6 +34,10 @@ What holds through the wrapper (``transport/base.py``'s promises):
   gathering, is posted to ``inner`` from the caller's thread (no copy, no thread hop; a completion
   callback of ours around it). Behind a batch still gathering it waits its turn like the rest.
 - **Callbacks** run on an inner transport thread or a copier thread, never inside ``write``.
+- **Notes** ride their batch: checked in ``write`` (against the inner transport's
+  ``carries_notes``), handed to ``inner`` with the batch once it is gathered. At the sink the inner
+  transport hands them (``on_note`` passes through) once the bytes are in the *mirror*: the owner
+  still calls ``land`` to copy them into the device, as without a note.
 
 Sink side, and the fence: bytes that reach a sink land in its *mirror*; ``land`` copies them into
 the device. ``revoke(grant)`` first revokes at the inner transport (nothing more lands in the mirror
@@ -100,6 +104,7 @@ class _Entry:
     arr: np.ndarray
     on_done: OnDone | None
     grant: int
+    note: bytes = b""  # rides the batch to the inner transport
     gathering: int = 0  # gathers not yet done
     resolved: bool = False
     error: TransportError | None = None
@@ -366,8 +371,10 @@ class StagedTransport(Wrapping, Transport):
     # ------------------------------------------------------------------ writes
 
     def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
-              deadline: Deadline | None = None, grant: int = 0) -> int:
+              deadline: Deadline | None = None, grant: int = 0, note: bytes = b"") -> int:
         arr = as_batch(batch)
+        if note or type(note) is not bytes:
+            self._check_note(note, len(arr), grant)
         gathers: dict[_Device, list[tuple[int, int]]] = {}
         staging = bool(self._devices) or self._mode == "standin"
         # With only host memory registered the inner transport checks what it is handed: at once for a
@@ -389,7 +396,7 @@ class StagedTransport(Wrapping, Transport):
                 raise TransportError("transport is closed", op="write")
             p = self._peers.setdefault(peer.id, _PeerQueue())
             self._take_slot(p, deadline)
-            e = _Entry(next(self._ids), arr, on_done, grant, gathering=len(gathers))
+            e = _Entry(next(self._ids), arr, on_done, grant, note, gathering=len(gathers))
             p.order.append(e)
             direct = not gathers and not p.unposted and not p.pumping
             if direct:
@@ -454,7 +461,7 @@ class StagedTransport(Wrapping, Transport):
 
     def _post(self, peer: PeerHandle, p: _PeerQueue, e: _Entry) -> None:
         """Hand one batch to the inner transport (raises what its ``write`` raises)."""
-        self.inner.write(peer, e.arr, functools.partial(self._inner_done, peer, p, e), grant=e.grant)
+        self.inner.write(peer, e.arr, functools.partial(self._inner_done, peer, p, e), grant=e.grant, note=e.note)
 
     def _inner_done(self, peer: PeerHandle, p: _PeerQueue, e: _Entry, _batch_id: int, error: TransportError | None) -> None:
         self._resolve(p, e, error)

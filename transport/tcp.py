@@ -52,8 +52,10 @@ syscall on it runs without the GIL:
    clear the mark. Acks are gathered while further frames are already waiting
    (at most 16 batches or 1 MiB) and sent before the loop would block: at
    once for a lone batch (its payload read found nothing after it). It comes
-   back to Python only to have a refused frame's ack worded (``tcp_sink._refusal``),
-   and at the end. No GIL hand-off per frame.
+   back to Python only to have a refused frame's ack worded (``tcp_sink._refusal``), to
+   hand a landed frame's note to the owner's handler before its ack goes out
+   (``tcp_sink._noted``; a frame without a note never comes back), and at the end.
+   No GIL hand-off per frame.
 3. The source's ack reader wakes for the acks (one hand-off per group: it
    takes every ack that came in one ``recv``). Its loop (``Source.acks``) runs
    without the GIL: it matches each ack against the oldest frame in flight and
@@ -117,11 +119,13 @@ from .base import (
     Grant,
     AuthFailures,
     GrantTable,
+    NoteHandler,
     Region,
     RegionTable,
     Transport,
     buffer_span,
     byte_view,
+    check_handler,
     check_secret,
     close_once,
     derive_key,
@@ -177,7 +181,12 @@ class TcpTransport(SourceSide, SinkSide, Transport):
     batch a sink accepts, 1 Mi), ``max_sinks`` (authenticated connections at once, 1024: past it
     a new one is refused), ``secret`` (bytes of 16..4096, default None: the deployment secret;
     with it every connection handshake is a mutual challenge-response, see the module
-    docstrings; failed handshakes are counted in ``auth_failures``)."""
+    docstrings; failed handshakes are counted in ``auth_failures``).
+
+    It carries notes (``carries_notes``): a batch's note rides its frame, after the descriptors, and
+    the sink hands it to the ``on_note`` handler before the frame's ack goes out (``tcp_wire.py``).
+    ``notes_dropped`` counts the notes that came while no handler was installed, ``notes_withheld``
+    those not handed because an earlier frame of their connection was refused through their grant."""
 
     name: ClassVar[str] = "tcp"
 
@@ -205,6 +214,9 @@ class TcpTransport(SourceSide, SinkSide, Transport):
         self._max_sinks = max_sinks
         self.refused_connections = 0  # past max_sinks (or with _MAX_HELLOS cut handshakes still ending) and closed
         self.evicted_handshakes = 0  # handshakes cut to make room for a newcomer (_MAX_HELLOS in progress)
+        self.notes_dropped = 0  # notes that landed while no handler was installed (on_note)
+        self.notes_withheld = 0  # notes through a grant one of their connection's earlier frames was refused through
+        self._note_handler: NoteHandler | None = None
         self._max_inflight = max_inflight
         self._peer_timeout = float(peer_timeout)
         self._poll = min(0.25, self._peer_timeout / 4)
@@ -278,6 +290,16 @@ class TcpTransport(SourceSide, SinkSide, Transport):
     def revoke_method(self) -> str:
         """How ``revoke`` enforces: ``"sink check"`` (the sink checks every write against its grant)."""
         return "sink check"
+
+    @property
+    def carries_notes(self) -> bool:
+        """True: a note rides its batch's frame (``tcp_wire.py``)."""
+        return True
+
+    def on_note(self, handler: NoteHandler | None) -> None:
+        """Install the handler every sink thread hands landed notes to (read once per note: a change
+        applies to the next one)."""
+        self._note_handler = check_handler(handler)
 
     def register(self, buf: Any, *, require_grant: bool = False) -> Region:
         self._check_open("register")

@@ -38,6 +38,15 @@ frame names, given to this connection's source (or, with grant 0, inside a regio
 without ``require_grant``); if one is not, it reads and discards the payload (the stream stays in
 sync) and acks with an error (worded here, ``_refusal``, so both twins give the same). A frame
 that breaks the wire format closes the connection.
+
+Notes (``transport/base.py``, "Notes"; the wire in ``tcp_wire.py``): the loop returns a landed
+frame's note with its ack queued, not yet sent; ``_noted`` hands it to the owner's handler on this
+thread, and the next ``serve()`` sends the ack, so a source that has the ack knows the handler
+returned. Each connection keeps the grants its refused frames named (``_Refusals``): a later note
+through one of them is withheld (``notes_withheld``), since the source cannot vouch that all of its
+writes through that grant landed. A revoked grant leaves the record once it is full (no frame lands
+through it again, so no note through it is handed anyway); past ``MAX_REFUSED_GRANTS`` grants still
+live, the source misbehaves (a real one writes within its grants) and its connection is closed.
 """
 
 from __future__ import annotations
@@ -49,15 +58,16 @@ import queue
 import selectors
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .accepting import client_spoke
-from .base import HELLO_TIMEOUT, MAC_BYTES, NONCE_BYTES, AcceptBackoff, AuthFailures
+from .base import HELLO_TIMEOUT, MAC_BYTES, NONCE_BYTES, AcceptBackoff, AuthFailures, GrantTable, NoteHandler, call_on_note
 from .deadline import Deadline
 from .tcp_hello import (AT_CAP, AUTH_FAILED, AUTH_REQUIRED, AUTH_UNSUPPORTED, ACKS, BUSY, HELLO_REPLY, MAGIC, NO_PAIR,
                         OK, VERSION, WRONG_INSTANCE, Hello, HelloError, challenge, check_proof, decode_hello,
                         hello_size)
-from .tcp_wire import MAX_HELLOS, MAX_MSG, PeerGone, fast as _fast, kernel_timeouts, recv_by, tune
+from .tcp_wire import MAX_HELLOS, MAX_MSG, MAX_REFUSED_GRANTS, PeerGone, fast as _fast, kernel_timeouts, recv_by, tune
 
 _PAIR_POLL = 0.05  # seconds: how often a data connection waiting for its ack connection looks for its end
 
@@ -68,6 +78,11 @@ class SinkSide:
 
     refused_connections: int
     evicted_handshakes: int
+    notes_dropped: int
+    notes_withheld: int
+    _note_handler: NoteHandler | None
+    _grants: GrantTable  # the live grants, guarded by _table_lock
+    _table_lock: threading.Lock
     _instance: bytes
     _key: bytes | None
     _auth: AuthFailures
@@ -280,7 +295,8 @@ class SinkSide:
         """One accepted connection: the handshake; then, for a data connection, its ack connection
         (the source opens it once this one is in) and ``_fast.SinkConn.serve``, which lands its
         frames without the GIL and acks on the other, returning here only to have a refused frame's
-        ack worded, or at the end. An ack connection's thread ends once it handed the socket over."""
+        ack worded or a landed frame's note handed on (``_noted``), or at the end. An ack connection's
+        thread ends once it handed the socket over."""
         served = acks = None
         handed = False
         waiter: queue.SimpleQueue[socket.socket | None] = queue.SimpleQueue()
@@ -301,11 +317,17 @@ class SinkSide:
             if acks is None:
                 return
             served = self._table.connection(conn, acks, hello.source, self._max_batch_writes, self._peer_timeout)
+            refusals = _Refusals(self._live_grant)
             while True:
                 result = served.serve()
+                if result[0] == _fast.SERVE_NOTED:
+                    self._noted(result[1], result[2], refusals)  # before serve() sends its frame's ack
+                    continue
                 if result[0] != _fast.SERVE_REFUSED:
                     return  # the source lost its connection (or broke the wire): it fails its own batches
                 _, seq, code, index, count, target, length, grant, total = result
+                if not refusals.add(grant):
+                    return  # refused through too many live grants: a misbehaving source
                 err, message = _refusal(code, index, count, target, length, grant)
                 served.refuse(seq, err, message.encode()[:MAX_MSG], total)
         except (PeerGone, OSError):
@@ -323,6 +345,49 @@ class SinkSide:
                 self._hellos.pop(sid, None)
                 self._evicting.discard(sid)
             self._freed.set()  # an acceptor backing off for want of descriptors may try again
+
+    def _noted(self, grant: int, note: bytes, refusals: _Refusals) -> None:
+        """A frame with a note landed through ``grant`` (its ack not yet sent): hand the note to the
+        owner's handler, unless an earlier frame of this connection was refused through that grant
+        (withheld) or no handler is installed (dropped)."""
+        if grant in refusals:
+            with self._lock:
+                self.notes_withheld += 1
+            return
+        handler = self._note_handler
+        if handler is None:
+            with self._lock:
+                self.notes_dropped += 1
+            return
+        call_on_note(handler, grant, note)
+
+    def _live_grant(self, key: int) -> bool:
+        """Whether grant ``key`` is live at this sink now (a revoked one never is again: keys are not reused)."""
+        with self._table_lock:
+            return self._grants.get(key) is not None
+
+
+class _Refusals:
+    """One data connection's record of the grants its refused frames named: a note through one of them
+    is withheld. Bounded: once ``MAX_REFUSED_GRANTS`` are kept, the ones no longer live (``live``) are
+    forgotten (every later frame through them is refused anyway), and a source still past the bound
+    through live grants is cut (``add`` says so)."""
+
+    def __init__(self, live: Callable[[int], bool]) -> None:
+        self._grants: set[int] = set()
+        self._live = live
+
+    def __contains__(self, grant: int) -> bool:
+        return grant in self._grants
+
+    def add(self, grant: int) -> bool:
+        """Record a refusal through ``grant`` (0, no grant: nothing to record); False past the bound."""
+        if not grant:
+            return True
+        self._grants.add(grant)
+        if len(self._grants) > MAX_REFUSED_GRANTS:
+            self._grants = {g for g in self._grants if self._live(g)}
+        return len(self._grants) <= MAX_REFUSED_GRANTS
 
 
 def _reply(conn: socket.socket, status: int) -> None:

@@ -48,6 +48,7 @@ from .base import (
     PeerHandle,
     RegionTable,
     as_batch,
+    check_note,
     decode_endpoint,
     call_on_done,
 )
@@ -271,17 +272,22 @@ class SourceSide:
             p.src.close()  # its sockets, once no writer is sending on them
 
     def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
-              deadline: Deadline | None = None, grant: int = 0) -> int:
+              deadline: Deadline | None = None, grant: int = 0, note: bytes = b"") -> int:
+        """A ``note`` goes at the end of the frame's head, in the same ``sendmsg`` (``tcp_wire.py``)."""
         p = self._own(peer)
         if not 0 <= grant < 1 << 64:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
+        if note or type(note) is not bytes:  # (a batch without a note pays for this test alone)
+            batch = as_batch(batch)
+            check_note(note, len(batch), grant, True, self.name)
         snap = self._snap
         rem_starts, rem_lengths = p.remote_ranges
         src = p.src
         while True:
             # one pass: every local and remote range checked, a slot taken, the head (header with its
             # seq, descriptors) built, and the frame sent from this thread if nobody is sending
-            code, batch_id = src.post(batch, grant, on_done, self._batch_ids, snap[0], snap[1], snap[4], rem_starts, rem_lengths)
+            code, batch_id = src.post(batch, grant, on_done, self._batch_ids, snap[0], snap[1], snap[4], rem_starts, rem_lengths,
+                                      note)
             if code == _POSTED:
                 return batch_id
             if code == _POSTED_WAKE:  # the socket is full: the sender thread sends the rest when it drains

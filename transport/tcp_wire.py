@@ -7,9 +7,18 @@ they sit here so that neither side imports the other. The hello that opens each 
 
 Wire (little-endian), after a connection's handshake:
 
-- batch frame, source → sink on the data connection: ``seq u64, count u32, 0 u32, grant u64``
-  (``FRAME``), then ``count`` pairs ``(remote_addr u64, length u64)``, then the payload of every
-  write in order.
+- batch frame, source → sink on the data connection: ``seq u64, count u32, note length u32,
+  grant u64`` (``FRAME``), then ``count`` pairs ``(remote_addr u64, length u64)``, then the note
+  (``note length`` bytes, 0 for a batch without one), then the payload of every write in order. The
+  sink reads the header, the descriptors and the note as one header read, checks the writes, then
+  lands the payload. A frame whose note length exceeds ``MAX_NOTE`` (4096), or that carries a note
+  with ``count == 0`` or ``grant == 0``, breaks the wire format (the connection closes; no source
+  sends it). A note is handed to the sink's handler (``on_note``) only once every write of its frame
+  landed through the frame's grant (live, given to that connection's source, every write inside it),
+  only if no earlier frame through that grant on this data connection was refused (the sink keeps
+  those grants per connection, ``MAX_REFUSED_GRANTS`` of them at most, past which it closes the
+  connection as a misbehaving source), and before the frame's ack is sent: a source that has the
+  ack knows the sink's handler returned.
 - ack, sink → source on the ack connection, one per batch in the order received:
   ``seq u64, status u32 (0 ok), errno i32, message length u32`` (``ACK``), then the UTF-8 message
   (at most ``MAX_MSG`` bytes).
@@ -37,6 +46,7 @@ import numpy as np
 
 from .base import Region
 from .deadline import Deadline
+from .limits import MAX_NOTE
 from .twins import load
 
 if TYPE_CHECKING:
@@ -46,10 +56,14 @@ else:
 
 # Handshakes a sink runs at once (its BUSY status, and the source's word for it, name this bound).
 MAX_HELLOS = 64
-FRAME = struct.Struct("<QIIQ")  # seq, count, 0, grant
+FRAME = struct.Struct("<QIIQ")  # seq, count, note length, grant
 ACK = struct.Struct("<QIiI")
-assert FRAME.size == fast.FRAME_SIZE and ACK.size == fast.ACK_SIZE
+assert FRAME.size == fast.FRAME_SIZE and ACK.size == fast.ACK_SIZE and fast.MAX_NOTE == MAX_NOTE
 MAX_MSG = fast.MAX_MSG
+# Grants one data connection's frames were refused through, kept for its notes' sake (see the wire
+# above). Revoked ones are forgotten when the record is full (nothing lands through them again); a
+# source refused through more live grants than this writes outside what it was given: not a real one.
+MAX_REFUSED_GRANTS = 1024
 NO_RANGES = np.zeros(0, np.uint64)
 TICK = (BlockingIOError, TimeoutError)
 

@@ -66,7 +66,9 @@ from .base import (
     CompletionQueue,
     Endpoint,
     GrantTable,
+    NoteHandler,
     Region,
+    check_handler,
     check_secret,
     close_once,
     derive_key,
@@ -136,6 +138,7 @@ class VerbsTransport(VerbsSource, VerbsSink, VerbsGrants):
     """
 
     name: ClassVar[str] = "verbs"
+    _note_handler: NoteHandler | None = None  # on_note's: kept, never called (carries_notes)
 
     def __init__(
         self,
@@ -293,6 +296,18 @@ class VerbsTransport(VerbsSource, VerbsSink, VerbsGrants):
         """How ``revoke`` (not settled) enforces: ``"memory window"`` (the grant's windows are
         invalidated), or on a device without type 2 windows ``"queue pair to error"``."""
         return "memory window" if self._windows else "queue pair to error"
+
+    @property
+    def carries_notes(self) -> bool:
+        """False: a batch's WRITEs land without the sink's CPU, so nothing at the sink sees a batch
+        complete to hand its note on. (A WRITE with immediate as the batch's last work request could
+        carry one, at the cost of a receive queue per sink QP: not done.) ``write(..., note=...)``
+        with a note raises; the layer above says "landed" on its control channel instead."""
+        return False
+
+    def on_note(self, handler: NoteHandler | None) -> None:
+        """Kept, never called: this transport carries no notes (``carries_notes``)."""
+        self._note_handler = check_handler(handler)
 
     @property
     def memory_windows(self) -> bool:

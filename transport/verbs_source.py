@@ -27,6 +27,7 @@ from .base import (
     RegionTable,
     as_batch,
     auth_failed,
+    check_note,
     decode_endpoint,
     deliver,
     take_slot,
@@ -134,12 +135,15 @@ class VerbsSource(VerbsState):
             self._peers.pop(p.id, None)
 
     def write(self, peer: PeerHandle, batch: Batch, on_done: OnDone | None = None, *,
-              deadline: Deadline | None = None, grant: int = 0) -> int:
+              deadline: Deadline | None = None, grant: int = 0, note: bytes = b"") -> int:
         """With memory windows each WRITE carries the rkey of grant ``grant``'s window that holds it (a
         write outside them fails its batch; an unknown or revoked key raises ``EACCES``; a key whose
         windows have not arrived yet waits for them, at most ``deadline`` or 1 s). Without windows
         ``grant`` is not sent (the WRITE carries the region's rkey); it must be a u64, and not a key
-        the sink had revoked when this connection was made (module docstring)."""
+        the sink had revoked when this connection was made (module docstring). A non-empty ``note``
+        raises: verbs carries none (``carries_notes``)."""
+        if note or type(note) is not bytes:
+            check_note(note, len(as_batch(batch)), grant, self.carries_notes, self.name)
         p = self._own(peer, "write")
         try:
             key = operator.index(grant)

@@ -2,15 +2,16 @@
 
 A wrapper changes how batches (or memory) travel, not who it is: its instance id,
 its counters of refused handshakes and connections, its revoke method, its
-grants, regions, endpoint and connections are the inner transport's, passed
-through here so the two wrappers say them once.
+grants, regions, endpoint and connections, and whether and to whom it carries
+notes, are the inner transport's, passed through here so the two wrappers say
+them once.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .base import Grant, PeerHandle, Region, Transport
+from .base import Grant, NoteHandler, PeerHandle, Region, Transport, check_note
 from .deadline import Deadline
 
 __all__ = ["Wrapping"]
@@ -54,6 +55,20 @@ class Wrapping:
     def windows_live(self) -> int:
         """The inner transport's memory windows bound now (0 without them)."""
         return int(getattr(self.inner, "windows_live", 0))
+
+    @property
+    def carries_notes(self) -> bool:
+        """The inner transport's: a note rides the batch the wrapper hands it."""
+        return self.inner.carries_notes
+
+    def on_note(self, handler: NoteHandler | None) -> None:
+        """The inner transport's sink hands the notes (a staged sink's owner still calls ``land``)."""
+        self.inner.on_note(handler)
+
+    def _check_note(self, note: Any, writes: int, grant: int) -> None:
+        """``write``'s check of a note against the inner transport (``base.check_note``), before the
+        wrapper does anything with the batch: it may never reach the inner transport's own check."""
+        check_note(note, writes, grant, self.inner.carries_notes, self.inner.name)
 
     def grant(self, source: bytes, ranges: Any) -> Grant:
         return self.inner.grant(source, ranges)

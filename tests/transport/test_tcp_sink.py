@@ -3,7 +3,8 @@ twins: a hand-written source on one end of a loopback connection, ``serve()`` on
 other. What the transport builds on: a frame is acked at once when nothing follows it, a refused one
 lands nothing and keeps the stream in place, and the landing mark holds ``wait_grant`` and
 ``wait_region`` until the frame is in or its connection is cut (``cut_grant``), after which the loop
-writes nothing more.
+writes nothing more. A landed frame's note comes back from ``serve()`` before its ack goes out, and a
+note the wire cannot carry ends the connection.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import queue
+import select
 import socket
 import struct
 import threading
@@ -29,9 +31,10 @@ ME = b"S" * 16
 TICK = 0.05  # the sink socket's kernel timeouts: a blocked call returns this often to check stop and stalls
 
 
-def _frame(seq: int, writes: list[tuple[int, bytes]], grant: int = 0) -> bytes:
-    head = tcp._FRAME.pack(seq, len(writes), 0, grant)
-    return head + b"".join(struct.pack("<QQ", a, len(d)) for a, d in writes) + b"".join(d for _, d in writes)
+def _frame(seq: int, writes: list[tuple[int, bytes]], grant: int = 0, note: bytes = b"") -> bytes:
+    head = tcp._FRAME.pack(seq, len(writes), len(note), grant)
+    desc = b"".join(struct.pack("<QQ", a, len(d)) for a, d in writes)
+    return head + desc + note + b"".join(d for _, d in writes)
 
 
 class Loop:
@@ -284,3 +287,63 @@ def test_stop_ends_an_idle_loop_and_a_stall_or_a_broken_frame_ends_a_connection(
     closed.served.close()
     with pytest.raises(ValueError):
         closed.served.serve()
+
+
+def _nothing_to_read(sock: socket.socket) -> bool:
+    """Whether no byte waits on ``sock`` now (an ack not sent yet)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return not readable
+
+
+def test_a_landed_notes_frame_returns_its_note_before_its_ack_goes_out(loops: Any) -> None:
+    """``serve()`` hands back a landed frame's note with its ack queued, not sent: the next ``serve()``
+    sends it. Frames without a note around it land and ack as before, in order."""
+    loop = loops(guarded=True)
+    loop.sink.add_grant(5, ME, np.array([loop.addr], np.uint64), np.array([1 << 16], np.uint64))
+    note = bytes(range(256)) * 16  # MAX_NOTE bytes, every byte value
+    assert len(note) == loop.impl.MAX_NOTE
+    writes = [(loop.addr + 64 * i, bytes([i + 1]) * 48) for i in range(3)]
+    loop.src.sendall(_frame(1, writes, grant=5, note=note))
+    assert loop.result() == (loop.impl.SERVE_NOTED, 5, note)
+    assert all((loop.mem[64 * i : 64 * i + 48] == i + 1).all() for i in range(3)), "the note came before its bytes"
+    assert _nothing_to_read(loop.src), "the ack went out before the note was handed on"
+    loop.serve()
+    assert loop.ack() == (1, 0, 0, b"")
+    loop.src.sendall(_frame(2, [(loop.addr + 4000, b"\x02")], grant=5) + _frame(3, writes[:1], grant=5, note=b"3"))
+    assert loop.result() == (loop.impl.SERVE_NOTED, 5, b"3")
+    loop.serve()
+    assert [loop.ack() for _ in range(2)] == [(2, 0, 0, b""), (3, 0, 0, b"")] and loop.mem[4000] == 2
+    loop.src.sendall(_frame(4, [(loop.addr + 9000, b"\x04")], grant=5))  # no note: no return from serve()
+    assert loop.ack() == (4, 0, 0, b"") and loop.mem[9000] == 4
+    assert loop.results.empty()
+
+
+def test_a_refused_frame_with_a_note_returns_no_note_and_keeps_the_stream_in_place(loops: Any) -> None:
+    loop = loops(guarded=True)
+    loop.sink.add_grant(5, ME, np.array([loop.addr], np.uint64), np.array([4096], np.uint64))
+    outside = _frame(1, [(loop.addr + 4090, b"\x01" * 16)], grant=5, note=b"all of room 1 landed")
+    loop.src.sendall(outside + _frame(2, [(loop.addr + 8, b"\x02" * 8)], grant=5, note=b"two"))
+    result = loop.result()
+    assert result[:3] == (loop.impl.SERVE_REFUSED, 1, loop.impl.LAND_OUTSIDE_GRANT) and result[7:] == (5, 16)
+    loop.served.refuse(1, errno.EACCES, b"", result[8])
+    loop.serve()
+    assert loop.result() == (loop.impl.SERVE_NOTED, 5, b"two")  # the stream kept its place past the note
+    loop.serve()
+    assert [loop.ack()[:2] for _ in range(2)] == [(1, 1), (2, 0)]
+    assert not loop.mem[4090:4106].any() and (loop.mem[8:16] == 2).all()
+
+
+@pytest.mark.parametrize("bad", ["too long", "no writes", "no grant"])
+def test_a_note_the_wire_cannot_carry_breaks_the_connection(loops: Any, bad: str) -> None:
+    """A real source never sends one (``write`` refuses it): the stream cannot be trusted past it."""
+    loop = loops(guarded=bad != "no grant")
+    loop.sink.add_grant(5, ME, np.array([loop.addr], np.uint64), np.array([1 << 16], np.uint64))
+    limit = loop.impl.MAX_NOTE
+    frame = {
+        "too long": _frame(1, [(loop.addr, b"\x01" * 8)], grant=5, note=b"n" * (limit + 1)),
+        "no writes": _frame(1, [], grant=5, note=b"n"),
+        "no grant": _frame(1, [(loop.addr, b"\x01" * 8)], grant=0, note=b"n"),
+    }[bad]
+    loop.src.sendall(frame)
+    assert loop.result() == (loop.impl.SERVE_BROKEN, 0)
+    assert not loop.mem.any()

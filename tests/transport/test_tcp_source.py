@@ -52,11 +52,11 @@ class Pair:
         self.local = (np.array([self.addr], np.uint64), np.array([size], np.uint64), [memoryview(self.mem)])
         self.remote = (np.array([REMOTE], np.uint64), np.array([1 << 30], np.uint64))
 
-    def post(self, writes: Any, on_done: Any = None, batch_id: int = 0, grant: int = 0) -> int:
+    def post(self, writes: Any, on_done: Any = None, batch_id: int = 0, grant: int = 0, note: bytes = b"") -> int:
         """Post with this ``batch_id``; the code (and the id is checked to be the one posted)."""
         batch = writes if not isinstance(writes, list) else np.array(writes, np.uint64).reshape(-1, 3)
         ids = iter([batch_id])
-        code, got = self.src.post(batch, grant, on_done, ids, *self.local, *self.remote)
+        code, got = self.src.post(batch, grant, on_done, ids, *self.local, *self.remote, note)
         if code in (self.impl.POST_SENT, self.impl.POST_WAKE):
             assert got == batch_id, (code, got)
         else:  # nothing posted: no id taken
@@ -66,11 +66,13 @@ class Pair:
     def write(self, offset: int, n: int, dest: int = 0) -> list[tuple[int, int, int]]:
         return [(self.addr + offset, REMOTE + dest, n)]
 
-    def frame(self) -> tuple[int, int, list[tuple[int, int]], bytes]:
-        """The next frame on the wire: ``(seq, grant, [(remote addr, length)], payload)``."""
-        seq, count, zero, grant = tcp._FRAME.unpack(self.recv(tcp._FRAME.size))
-        assert zero == 0
+    def frame(self, note: bytes = b"") -> tuple[int, int, list[tuple[int, int]], bytes]:
+        """The next frame on the wire, carrying ``note``: ``(seq, grant, [(remote addr, length)], payload)``."""
+        seq, count, nnote, grant = tcp._FRAME.unpack(self.recv(tcp._FRAME.size))
+        assert nnote == len(note)
         desc = [struct.unpack("<QQ", self.recv(16)) for _ in range(count)]
+        if nnote:
+            assert self.recv(nnote) == note
         return seq, grant, desc, self.recv(sum(n for _, n in desc))
 
     def recv(self, n: int) -> bytes:
@@ -329,3 +331,18 @@ def test_source_twins_agree(ops: list[tuple[Any, ...]]) -> None:
 
     compiled, pure = importlib.import_module("transport._tcp_fast"), importlib.import_module("transport._tcp_fast_py")
     assert _run(compiled, ops) == _run(pure, ops)
+
+
+def test_a_note_goes_out_after_its_frames_descriptors_and_a_bad_one_posts_nothing(pairs: Any) -> None:
+    p = pairs()
+    note = bytes(range(256)) * 16
+    for bad, grant, writes in [(note + b"!", 7, p.write(0, 8)), (b"n", 0, p.write(0, 8)), (b"n", 7, [])]:
+        with pytest.raises(ValueError):
+            p.post(writes, grant=grant, note=bad)
+        assert p.src.slots == 0 and p.src.in_flight == 0
+    with pytest.raises(TypeError):
+        p.post(p.write(0, 8), grant=7, note="n")  # type: ignore[arg-type]
+    assert p.post(p.write(16, 8) + p.write(64, 4, dest=100), batch_id=1, grant=7, note=note) == p.impl.POST_SENT
+    assert p.post(p.write(0, 2), batch_id=2, grant=7) == p.impl.POST_SENT
+    assert p.frame(note) == (1, 7, [(REMOTE, 8), (REMOTE + 100, 4)], bytes(p.mem[16:24]) + bytes(p.mem[64:68]))
+    assert p.frame() == (2, 7, [(REMOTE, 2)], bytes(p.mem[0:2]))

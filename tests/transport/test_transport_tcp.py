@@ -90,10 +90,10 @@ def _recv(s: socket.socket, n: int) -> bytes:
     return out
 
 
-def _frame(seq: int, writes: list[tuple[int, bytes]], grant: int = 0) -> bytes:
-    head = tcp._FRAME.pack(seq, len(writes), 0, grant)
+def _frame(seq: int, writes: list[tuple[int, bytes]], grant: int = 0, note: bytes = b"") -> bytes:
+    head = tcp._FRAME.pack(seq, len(writes), len(note), grant)
     desc = b"".join(struct.pack("<QQ", addr, len(data)) for addr, data in writes)
-    return head + desc + b"".join(data for _, data in writes)
+    return head + desc + note + b"".join(data for _, data in writes)
 
 
 def test_sink_validates_raw_frames_before_landing_anything(sink: transport.Transport) -> None:
@@ -308,6 +308,117 @@ def test_sink_checks_each_frame_against_the_grant_it_names(sink: transport.Trans
         assert int(dst.astype(bool).sum()) == 8
     with pytest.raises(ValueError, match="outside every registered region"):
         sink.grant(me, [(r.addr + 4000, 200)])
+
+
+def _cut(s: _Raw) -> bool:
+    """Whether the sink closed ``s``'s connections (its ack connection reads the end, or a reset)."""
+    assert s.acks is not None
+    try:
+        return s.acks.recv(1) == b""  # the socket's 5 s timeout bounds the wait
+    except ConnectionResetError:
+        return True
+
+
+class _Notes:
+    """A sink's note handler that records what it was handed."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int, bytes]] = []
+
+    def __call__(self, key: int, note: bytes) -> None:
+        self.got.append((key, note))
+
+
+@pytest.mark.parametrize("bad", ["too long", "no writes", "no grant"])
+def test_a_raw_note_the_wire_cannot_carry_cuts_its_connection_and_the_sink_serves_others(
+        sink: transport.Transport, bad: str) -> None:
+    dst = np.zeros(4096, np.uint8)
+    r = sink.register(dst, require_grant=True)
+    me = b"S" * 16
+    g = sink.grant(me, [(r.addr, 4096)])
+    notes = _Notes()
+    sink.on_note(notes)
+    frame = {
+        "too long": _frame(1, [(r.addr, b"\x01" * 8)], grant=g.key, note=b"n" * (transport.base.MAX_NOTE + 1)),
+        "no writes": _frame(1, [], grant=g.key, note=b"n"),
+        "no grant": _frame(1, [(r.addr, b"\x01" * 8)], grant=0, note=b"n"),
+    }[bad]
+    with _dial(sink, source=me) as good, _dial(sink, source=me) as hostile:
+        assert good.status() == 0 and hostile.status() == 0
+        hostile.sendall(frame)
+        assert _cut(hostile), "the sink went on reading a stream past a note it cannot carry"
+        good.sendall(_frame(2, [(r.addr + 8, b"\x02" * 8)], grant=g.key, note=b"fine"))
+        assert _ack(good)[:2] == (2, 0)
+    assert notes.got == [(g.key, b"fine")] and not dst[:8].any() and (dst[8:16] == 2).all()
+
+
+def test_a_raw_note_through_a_grant_refused_earlier_on_its_connection_is_withheld(sink: transport.Transport) -> None:
+    """The frame lands and is acked as any other; only its note is not handed (the source cannot vouch
+    that all it wrote through that grant landed). Another grant, or another connection, is not held."""
+    dst = np.zeros(4096, np.uint8)
+    r = sink.register(dst, require_grant=True)
+    me = b"S" * 16
+    g1, g2 = sink.grant(me, [(r.addr, 2048)]), sink.grant(me, [(r.addr + 2048, 2048)])
+    notes = _Notes()
+    sink.on_note(notes)
+    with _dial(sink, source=me) as s:
+        assert s.status() == 0
+        s.sendall(_frame(1, [(r.addr + 2040, b"\x01" * 16)], grant=g1.key))  # 8 bytes past g1: refused
+        s.sendall(_frame(2, [(r.addr, b"\x02" * 8)], grant=g1.key, note=b"g1 landed"))
+        s.sendall(_frame(3, [(r.addr + 2048, b"\x03" * 8)], grant=g2.key, note=b"g2 landed"))
+        assert [_ack(s)[:2] for _ in range(3)] == [(1, 1), (2, 0), (3, 0)]
+    with _dial(sink, source=me) as s:
+        assert s.status() == 0
+        s.sendall(_frame(4, [(r.addr + 8, b"\x04" * 8)], grant=g1.key, note=b"g1 again"))
+        assert _ack(s)[:2] == (4, 0)
+    assert notes.got == [(g2.key, b"g2 landed"), (g1.key, b"g1 again")]
+    assert sink.notes_withheld == 1 and sink.notes_dropped == 0  # type: ignore[attr-defined]
+    assert (dst[:8] == 2).all() and not dst[2040:2048].any()
+
+
+def _refused_run(s: _Raw, r: Any, keys: list[int], chunk: int = 64) -> list[tuple[int, int]]:
+    """Send a frame through each of ``keys`` (each refused), ``chunk`` at a time, reading their acks:
+    the ``(seq, status)`` of every ack that came before the sink closed the connection."""
+    acks: list[tuple[int, int]] = []
+    for start in range(0, len(keys), chunk):
+        part = keys[start : start + chunk]
+        try:
+            s.sendall(b"".join(_frame(start + i + 1, [(r.addr, b"\x09" * 8)], grant=k) for i, k in enumerate(part)))
+            for _ in part:
+                acks.append(_ack(s)[:2])
+        except (ConnectionError, BrokenPipeError):
+            break
+    return acks
+
+
+def test_a_source_refused_through_too_many_live_grants_is_cut_and_revoked_ones_are_forgotten(
+        sink: transport.Transport) -> None:
+    """A connection keeps the grants its refused frames named (for its notes), at most 1024 of them:
+    grants no longer live leave the record (no frame lands through them again), while a source refused
+    through more live grants than that misbehaves and is cut."""
+    from transport.tcp_wire import MAX_REFUSED_GRANTS
+
+    dst = np.zeros(4096, np.uint8)
+    r = sink.register(dst, require_grant=True)
+    me, other = b"S" * 16, b"T" * 16
+    g = sink.grant(me, [(r.addr, 4096)])
+    notes = _Notes()
+    sink.on_note(notes)
+    many = MAX_REFUSED_GRANTS + 64
+    with _dial(sink, source=me) as s:  # through grants never given (as a revoked one): all refused, none kept
+        assert s.status() == 0
+        acks = _refused_run(s, r, [g.key + 1000 + i for i in range(many)])
+        assert acks == [(seq, 1) for seq in range(1, many + 1)]
+        s.sendall(_frame(many + 1, [(r.addr + 8, b"\x05" * 8)], grant=g.key, note=b"still served"))
+        assert _ack(s)[:2] == (many + 1, 0)
+    assert notes.got == [(g.key, b"still served")]
+    theirs = [sink.grant(other, [(r.addr, 4096)]).key for _ in range(MAX_REFUSED_GRANTS + 1)]
+    with _dial(sink, source=me) as s:  # through live grants of another source: cut past the bound
+        assert s.status() == 0
+        acks = _refused_run(s, r, theirs)
+        assert _cut(s)
+    assert len(acks) <= MAX_REFUSED_GRANTS and all(status == 1 for _, status in acks)
+    assert int(dst.astype(bool).sum()) == 8
 
 
 def test_revoke_cuts_a_frame_stalled_mid_payload_and_nothing_lands_after_it(sink: transport.Transport) -> None:
@@ -636,6 +747,29 @@ def test_frame_edges(fast_impl: ModuleType) -> None:
     assert frame([(4096, _TOP - 1, 2)])[:2] == (3, 0)  # one byte past 2**64 on the remote side
     code, index, bufs = frame([])
     assert (code, index) == (0, 0) and bytes(bufs[0]) == tcp._FRAME.pack(0, 0, 0, 0) and bufs[1:] == []
+
+
+def test_a_frames_note_follows_its_descriptors_and_one_the_wire_cannot_carry_is_refused(fast_impl: ModuleType) -> None:
+    """The note is the end of the head (one ``sendmsg`` with the frame), its length in the header's
+    third field; a note the sink would break the connection on is a ``ValueError`` before any check."""
+    local, remote = [(4096, 4096)], [(_TOP - 4096, 4096)]
+    args = (*_arrays(local), [_Span(0)], *_arrays(remote))
+    batch = np.array([(4096, _TOP - 4096, 16), (4200, _TOP - 100, 8)], np.uint64)
+    note = bytes(range(256)) * 16
+    code, index, bufs = fast_impl.frame(batch, 7, *args, note)
+    desc = struct.pack("<QQQQ", _TOP - 4096, 16, _TOP - 100, 8)
+    assert (code, index) == (0, 0) and bytes(bufs[0]) == tcp._FRAME.pack(0, 2, 4096, 7) + desc + note
+    assert bufs[1:] == [(0, 0, 16), (0, 104, 112)]
+    for bad, grant, what in [(note + b"!", 7, "at most 4096"), (b"n", 0, "through a grant")]:
+        with pytest.raises(ValueError, match=what):
+            fast_impl.frame(batch, grant, *args, bad)
+    with pytest.raises(ValueError, match="at least one write"):
+        fast_impl.frame(batch[:0], 7, *args, b"n")
+    with pytest.raises(ValueError, match="through a grant"):  # before the batch's own checks
+        fast_impl.frame(np.array([(0, 0, 0)], np.uint64), 0, *args, b"n")
+    with pytest.raises(TypeError):
+        fast_impl.frame(batch, 7, *args, bytearray(b"n"))
+    assert fast_impl.MAX_NOTE == transport.base.MAX_NOTE == 4096
 
 
 def test_the_transport_uses_the_chosen_twin() -> None:
