@@ -47,23 +47,23 @@ def _cache(tp: int) -> list[np.ndarray]:
     return [np.zeros(PAGES * LAYOUT.page_bytes(tp), np.uint8) for _ in range(LAYOUT.buffers)]
 
 
-def _decode(tp: int = 1, staged: bool = False) -> DecodeEngine:
+def _decode(tp: int = 1, staged: bool = False, **services: Any) -> DecodeEngine:
     cfg = DecodeConfig(kv_buffers=_cache(tp), page_bytes=LAYOUT.page_bytes(tp), num_pages=PAGES, tp_size=tp,
                        tp_rank=0, kv_layout=LAYOUT, bootstrap_timeout=30.0, waiting_timeout=30.0)
     table = StateTable(16, bootstrap_timeout=30.0, waiting_timeout=30.0)
     layout = Layout([b.ctypes.data for b in cfg.kv_buffers], cfg.page_bytes_per_buffer, PAGES)
     return DecodeEngine(Services(config=cfg, session_id="decode-1", epoch=1, table=table, endpoint=b"d",
-                                 layout=layout, staged=staged))
+                                 layout=layout, staged=staged, **services))
 
 
-def _prefill() -> PrefillEngine:
+def _prefill(**services: Any) -> PrefillEngine:
     cfg = PrefillConfig(kv_buffers=_cache(1), page_bytes=LAYOUT.page_bytes(1), num_pages=PAGES, tp_size=1,
                         tp_rank=0, kv_layout=LAYOUT, bootstrap_timeout=30.0, waiting_timeout=30.0,
                         bootstrap_host=SERVER[0], bootstrap_port=SERVER[1])
     table = StateTable(16, bootstrap_timeout=30.0, waiting_timeout=30.0)
     layout = Layout([b.ctypes.data for b in cfg.kv_buffers], cfg.page_bytes_per_buffer, PAGES)
     return PrefillEngine(Services(config=cfg, session_id="prefill-1", epoch=1, table=table, endpoint=b"p",
-                                  layout=layout))
+                                  layout=layout, **services))
 
 
 def _register_decode(engine: PrefillEngine, decode: str) -> Connect:

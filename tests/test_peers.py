@@ -51,19 +51,19 @@ def _hold_writes(peer: Any, rid: str | None = None) -> tuple[list[tuple[Any, ...
     real = transport.write
     held: list[tuple[Any, ...]] = []
 
-    def write(handle: Any, batch: Any, on_done: Any = None, *, deadline: Any = None, grant: int = 0) -> int:
+    def write(handle: Any, batch: Any, on_done: Any = None, **kw: Any) -> int:
         entry = getattr(on_done, "token", None)
         if rid is not None and getattr(entry, "rid", None) != rid:
-            return real(handle, batch, on_done, deadline=deadline, grant=grant)
-        held.append((handle, batch, on_done, deadline, grant))
+            return real(handle, batch, on_done, **kw)
+        held.append((handle, batch, on_done, kw))
         return -len(held)
 
     transport.write = write
 
     def release() -> None:
         del transport.write  # back to the class's method
-        for handle, batch, on_done, deadline, grant in held:
-            real(handle, batch, on_done, deadline=deadline, grant=grant)
+        for handle, batch, on_done, kw in held:
+            real(handle, batch, on_done, **kw)
 
     return held, release
 
@@ -101,7 +101,8 @@ def test_control_sends_count_the_frames_and_the_messages_that_carried_them(make_
               "heartbeats on both sides (every 50 ms here)")
     sent = {side: tuple(n - b for n, b in zip(peer.control_sends(), before[side]))
             for side, peer in (("prefill", pair.prefill), ("decode", pair.decode))}
-    assert 0 < sent["prefill"][1] <= sent["prefill"][0] == len(rids)  # a Status a room: heartbeats are not counted
+    # heartbeats are not counted; a room's success rode its last write (TCP carries notes), no Status
+    assert sent["prefill"] == (0, 0), sent
     assert 0 < sent["decode"][1] <= sent["decode"][0]
     assert sent["decode"][0] == len(rids) + 1, sent  # the pair's Register, an Announce a room
 
@@ -143,7 +144,7 @@ def test_decode_hands_pages_back_only_after_revoking_and_late_writes_land_nothin
     pair.pump(lambda: bool(pair.ended("decode", rid)), "decode to fail the room", timeout=timeout + 15)
     assert pair.ended("decode", rid) == "Failed"
     # white-box: the transport's own grant record (a transport has no public question for one grant)
-    assert not pair.decode._transport._grants.get(held[0][4]), "the pages went back with the grant still live"
+    assert not pair.decode._transport._grants.get(held[0][3]["grant"]), "the pages went back with the grant still live"
     _fill_canary(pair, rid)
     pair.pump(lambda: _failed(pair.prefill, rid), "prefill to fail the room")
     pair.rounds(3)

@@ -110,6 +110,8 @@ class PeerBase:
             )
             self._engine = self._make_engine(self._services())
             self._driver.attach(self._engine)
+            if hasattr(self._engine, "noted"):  # a sink's engine takes the statuses that ride writes
+                self._transport.on_note(self._on_note)
             self._channel.start()
             stack.callback(self._channel.close)
             self._publish(stack)
@@ -124,7 +126,7 @@ class PeerBase:
                                     table=getattr(self, "_table", None), endpoint=self._transport.endpoint(),
                                     regions=regions, layout=getattr(self, "_layout", None),
                                     counts=getattr(self, "counts", None), stats=self.stats, deliver=self._deliver,
-                                    staged=self._staged)
+                                    staged=self._staged, notes=self._config.data_path_completion and self._transport.carries_notes)
         base.update(extra)
         return Services(**base)
 
@@ -342,6 +344,11 @@ class PeerBase:
         except PdError as e:
             release()
             self._on_rooms_failed(wire.rooms_of(msg), f"{self.ROLE} peer overloaded: {e}")
+
+    def _on_note(self, grant: int, note: bytes) -> None:
+        """A note rode a batch that landed here (a transport thread): the engine that granted it hears."""
+        if self._driver is not None:
+            self._driver.submit_result(self._engine.noted, grant, note)  # type: ignore[union-attr]
 
     def _on_rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         self.stats["protocol_errors"] += 1

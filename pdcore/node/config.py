@@ -106,6 +106,11 @@ class NodeConfig:
     then), and leaves host memory as it is. ``"standin"`` treats every buffer as
     device memory of a stand-in device (CPU memory copied by a thread whose copies
     finish late and out of order): what CI runs the staging path on, without a GPU.
+
+    ``data_path_completion`` (True): where the transport carries notes (``"tcp"``),
+    a room's success rides its last write, and no control frame follows it; False
+    sends it on the control plane, as a transport without notes (``"verbs"``)
+    always does. Failures, aborts and fences travel on the control plane either way.
     """
 
     tp_size: int = 1
@@ -124,6 +129,7 @@ class NodeConfig:
     max_pending: int = 4096
     secret: bytes | None = field(default=None, repr=False)
     device_memory: str = "auto"
+    data_path_completion: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp_size <= 1024 or not 0 <= self.tp_rank < self.tp_size:
@@ -144,6 +150,8 @@ class NodeConfig:
             raise config_error(self, "max_pending", f"must be positive, got {self.max_pending}")
         if self.device_memory not in DEVICE_MEMORY:
             raise config_error(self, "device_memory", f"must be one of {', '.join(DEVICE_MEMORY)}, got {self.device_memory!r}")
+        if not isinstance(self.data_path_completion, bool):
+            raise config_error(self, "data_path_completion", f"must be True or False, got {self.data_path_completion!r}")
 
 
 def check_registration(config: Any) -> None:

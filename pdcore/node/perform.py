@@ -148,7 +148,10 @@ class Performer:
         """Post now, never waiting; False if the sink is at its in-flight bound (nothing was posted)."""
         done = _Written(self, engine, post.token, post.handle)
         try:
-            self._transport.write(post.handle, post.batch, done, grant=post.grant)
+            if post.note:
+                self._transport.write(post.handle, post.batch, done, grant=post.grant, note=post.note)
+            else:  # every transport takes this call; only those that carry notes take ``note``
+                self._transport.write(post.handle, post.batch, done, grant=post.grant)
         except CapacityError:
             return False
         except PdError as e:

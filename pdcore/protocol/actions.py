@@ -14,6 +14,7 @@ action         the driver does                            and feeds back
                off the engine's thread
 ``Disconnect`` drop a data connection (fails its writes)  nothing
 ``Post``       post one batch of writes through a grant   ``written(token, error)``, once
+               (with its ``note``, if any)
 ``Grant``      grant a source the right to write ranges   ``granted(token, grant, error)``,
                                                           before the next action
 ``Revoke``     revoke a grant; nothing lands through it   ``revoked(token, error)``, before
@@ -67,13 +68,16 @@ class Post(NamedTuple):
     """Write ``batch`` (``(local, remote, length)`` rows) to the peer of ``handle`` through ``grant``.
 
     ``wait``: seconds it may stay parked while the sink is at its in-flight bound (the driver never
-    waits for it: it posts it from the sink's completions, or fails it with ``written`` after that)."""
+    waits for it: it posts it from the sink's completions, or fails it with ``written`` after that).
+    ``note``: bytes the sink's engine is handed once every byte of the batch landed (``noted``), only
+    where ``Services.notes`` says the transport carries them: an encoded control frame."""
 
     handle: Any
     batch: Any
     grant: int
     token: Any
     wait: float
+    note: bytes = b""
 
 
 class Grant(NamedTuple):

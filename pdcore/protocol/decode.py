@@ -116,6 +116,7 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
         self._layout: Layout = services.layout  # type: ignore[assignment]  # a decode peer always has one
         self._requests: dict[str, _Request] = {}
         self._by_source: dict[tuple[str, int], _Request] = {}
+        self._by_grant: dict[int, tuple[_Request, _Link]] = {}  # live grant key -> its request and source
         self._lookups = Lookups(
             self._lookup_keys, lambda request: (request.room, request.dp_rank), self._looked_up, self._out.append,
         )
@@ -174,6 +175,7 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
         request.granting -= 1
         if grant is not None:
             link.grant = grant
+            self._by_grant[grant.key] = (request, link)
         if error is not None and not request.grant_error:
             request.grant_error = error
             self._fire(request.rid, Trigger.FAIL, now, f"cannot grant the pages to the prefill rank: {error}")
@@ -230,7 +232,7 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
                 for link in request.links:
                     if link.grant is not None:
                         self._out.append(Revoke(("landed", link.grant), link.grant, True, REVOKE_WAIT))
-                        link.grant = None
+                        self._ungrant(link)
 
     def close(self, now: float) -> None:
         for request in self._requests.values():
@@ -425,6 +427,31 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
                 return
             self._landed(request, now)
 
+    def noted(self, grant: int, note: bytes, now: float) -> None:
+        """A note that rode a batch through ``grant`` (the transport's ``on_note``): every byte of that batch,
+        and of the batches through it before, landed. It is the source's success ``Status``, as on the control
+        plane (failures travel there only), and as authentic as the bytes: the grant is given to that source's
+        transport alone. A note that is not its room's success fails the room (bad input of that source),
+        nothing else."""
+        found = self._by_grant.get(grant)
+        if found is None:
+            return  # revoked meanwhile: its request ended, nothing waits for the note
+        request, link = found
+        try:
+            msg = wire.decode(note)
+        except PdError as e:
+            msg, why = None, str(e)
+        else:
+            ok = type(msg) is wire.Status and msg.room == request.room and msg.state == State.SUCCESS
+            why = "" if ok else f"a {type(msg).__name__} of room {getattr(msg, 'room', '?')}, not room {request.room}'s success"
+        if why:
+            stats = self.services.stats
+            if stats is not None:
+                stats["protocol_errors"] = stats.get("protocol_errors", 0) + 1
+            self._fire(request.rid, Trigger.FAIL, now, f"prefill rank {link.endpoint} sent a bad note: {why}"[: wire.MAX_REASON])
+            return
+        self.message(link.endpoint, msg, now)  # type: ignore[arg-type]  # a Status when why is empty
+
     def scattered(self, request: _Request, error: str | None, now: float) -> None:
         """The answer to a ``Land``: the room's pages are in device memory (or could not be copied there).
         A fence asked for meanwhile waited for this answer (``_revoke``): it goes on now."""
@@ -479,8 +506,13 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
             self._unrevoked.add(request, now)
             return
         if link.grant is not None:
-            link.grant = None
+            self._ungrant(link)
             self._revoke(request, now)
+
+    def _ungrant(self, link: _Link) -> None:
+        """``link``'s grant is revoked (or on its way): a note through it is nobody's now."""
+        self._by_grant.pop(link.grant.key, None)
+        link.grant = None
 
     def _abort_unannounced(self, request: _Request) -> None:
         """A room that failed here before its pages were announced armed no fence, so no ``Abort``

@@ -192,6 +192,7 @@ class Services(Generic[ConfigT, TableT]):
     stats: dict[str, int] | None = None  # the peer's counters the engine adds to (None: its own)
     deliver: Callable[[str, Any, Any], None] = lambda kind, key, value: None
     staged: bool = False  # the memory written here is device memory staged through host memory: landings are copied in (``Land``)
+    notes: bool = False  # the transport carries a note with a batch (``Post.note``): a room's success rides its last write
 
 
 @dataclass(eq=False)

@@ -10,7 +10,13 @@ bounded ``Parking``. The model executor hands the prefilled pages over
 (``hand_over``: whole, or layer by layer); the engine plans coalesced writes
 once per hand-over, posts them (TRANSFERRING, the fence armed) and, when the
 transport confirmed every batch landed, sends ``Status`` with the first token
-to each decode rank it writes to (SUCCESS). A room that fails is told to every
+to each decode rank it writes to (SUCCESS). Where the transport carries notes
+(``Services.notes``), that ``Status`` rides each decode rank's last batch
+instead: the sink hands it to its engine once the batch's bytes landed, and no
+control frame follows. A room that fails afterwards here (its ack lost, a fence
+of the replica) may then have succeeded at decode: decode's KV is whole, and
+only this rank counts a failure. ``usage`` recorded after the finishing
+hand-over is too late for a status that rode. A room that fails is told to every
 decode rank of it exactly once, whenever that rank announced (before the
 failure, or after it, even after the room settled: from the tombstone).
 
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from transport.limits import MAX_NOTE
 from transport.plan import Layout
 
 from ..control import wire
@@ -60,6 +67,7 @@ class _Dst:
     pages: Any  # its destination page ids (np.uint32: 4 bytes a page, not a tuple's ~36)
     grant: int  # its transport grant for those pages
     owed: bool  # this rank writes to it (False: it only told us of the room: MLA, replicated heads)
+    noted: bool = False  # the room's success status rode its last write (``Post.note``): no ``Status`` follows
 
 
 @dataclass(eq=False)
@@ -207,6 +215,15 @@ class PrefillEngine(Engine[PrefillSettings, DrivenTable]):
         lo = entry.sent
         batches = [(sink, dst, writes[lo * rows : hi * rows]) for sink, dst, writes, rows in entry.plans if hi > lo]
         batches = [b for b in batches if len(b[2])]
+        note = b""
+        if finish is not None:
+            entry.first_token, entry.candidates = finish
+            if self.services.notes and batches:  # the status rides each decode rank's last batch
+                success = self._success(entry, now)
+                if success is None:
+                    return  # failed here, nothing posted
+                if len(success[1]) <= MAX_NOTE:  # (a longer one goes on the control plane)
+                    note = success[1]
         entry.inflight += len(batches)  # counted before "writes posted": an abort in between must not ack "drained"
         entry.landing += len(batches)
         if self._fire(rid, Trigger.WRITES_POSTED, now) in (None, State.FAILED):
@@ -215,12 +232,11 @@ class PrefillEngine(Engine[PrefillSettings, DrivenTable]):
             self._drained(entry, now)  # failed meanwhile: post nothing, and owe no ack for it
             return
         entry.sent = max(lo, hi)
-        if finish is not None:
-            entry.final = True
-            entry.first_token, entry.candidates = finish
+        entry.final = entry.final or finish is not None
         wait = self._config.fence_timeout
         for sink, dst, batch in batches:
-            self._out.append(Post(sink.handle, batch, dst.grant, entry, wait))
+            dst.noted = dst.noted or bool(note)
+            self._out.append(Post(sink.handle, batch, dst.grant, entry, wait, note))
         self._check_landed(entry, now)  # nothing was left to post (or it all landed already)
 
     def fence(self, rids: list[str], now: float) -> None:
@@ -430,13 +446,25 @@ class PrefillEngine(Engine[PrefillSettings, DrivenTable]):
         self._drained(entry, now)
 
     def _check_landed(self, entry: _Room, now: float) -> None:
-        """Once the hand-over finished and every batch landed: the room succeeds here; its decode ranks hear.
-
-        The ``Status`` is built and encoded first: if it cannot be sent, the room fails here and its decode
-        ranks get a failure naming why, so the two sides never end one Succeeded and the other timed out."""
+        """Once the hand-over finished and every batch landed: the room succeeds here; its decode ranks hear,
+        each one whose last batch did not carry the news already (``_Dst.noted``)."""
         if not entry.final or entry.landing or entry.success_told:
             return
         entry.success_told = True
+        untold = [endpoint for endpoint, dst in entry.dsts.items() if dst.owed and not dst.noted]
+        success = self._success(entry, now) if untold else None
+        if untold and success is None:
+            return
+        if self._fire(entry.rid, Trigger.WRITES_LANDED, now) == State.SUCCESS and success is not None:
+            # success is told only for a room still live here: never for one this rank already failed
+            for endpoint in untold:
+                self._tell(endpoint, success[0])
+
+    def _success(self, entry: _Room, now: float) -> tuple[wire.Status, bytes] | None:
+        """The room's success ``Status`` with the first token, and its frame: what its decode ranks are told, on
+        the control plane or riding the last write. If it cannot be encoded, the room fails here and its decode
+        ranks get a failure naming why (None), so the two sides never end one Succeeded (its scheduler would
+        free the pages) and the other timed out."""
         status = wire.Status(
             room=entry.room,
             state=State.SUCCESS,
@@ -446,16 +474,12 @@ class PrefillEngine(Engine[PrefillSettings, DrivenTable]):
             first_token_logprob=entry.logprob,
             spec_candidate_ids=entry.candidates,
         )
-        try:  # before the room may succeed: a status that cannot leave must not end as Succeeded here
-            wire.encode(status)  # (its scheduler would free the pages) while decode waits out waiting_timeout
+        try:
+            frame = wire.encode(status)
         except LocalProtocolError as e:
             self._fail(entry, f"the first token's status cannot be sent: {e}"[: wire.MAX_REASON], now)
-            return
-        if self._fire(entry.rid, Trigger.WRITES_LANDED, now) == State.SUCCESS:
-            # success is told only for a room still live here: never for one this rank already failed
-            for endpoint, dst in list(entry.dsts.items()):
-                if dst.owed:
-                    self._tell(endpoint, status)
+            return None
+        return status, frame
 
     # -- failing ----------------------------------------------------------------------------
 
