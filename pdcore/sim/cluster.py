@@ -218,6 +218,8 @@ class SimRank:
                                result=self.input)
         self.performer = SimPerformer(self)
         self.performer.attach(self.engine)
+        if isinstance(self.engine, DecodeEngine):  # the statuses that ride writes, as a peer installs it
+            self.transport.on_note(lambda grant, note: self.input(self.engine.noted, grant, note))
         if receiver is not None:
             self.recv_table = ReceiveTable(
                 receiver.slots, receiver.slot_rows, max_requests=receiver.max_requests, max_items=receiver.max_items,
@@ -240,7 +242,7 @@ class SimRank:
         regions = tuple(wire.Region(addr=r.addr, length=r.length, key=r.key) for r in self.transport.regions())
         return Services(config=self.config, session_id=self.session_id, epoch=self.epoch, table=table,
                         endpoint=self.transport.endpoint(), regions=regions, layout=self.layout, deliver=self._deliver,
-                        staged=self.staged)
+                        staged=self.staged, notes=self.transport.carries_notes)
 
     def _deliver(self, kind: str, key: Any, value: Any) -> None:
         if kind == "landed":

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,8 @@ class SimHandle:
     dst: SimTransport
     closed: bool = False
     inflight: int = 0  # batches posted and not completed
+    unlanded: set[int] = field(default_factory=set)  # batches posted that neither landed nor failed yet
+    spoiled: set[int] = field(default_factory=set)  # grants a batch failed through: notes through them are not handed
 
 
 @dataclass
@@ -68,6 +70,7 @@ class DataFaults:
     max_inflight: int = 64  # batches in flight per connection before ``write`` refuses
     staged: bool = False  # buffers registered now are device memory: the transport stages them (as ``transport.staging``)
     copy_error: float = 0.0  # share of copies into device memory that fail
+    notes: bool = False  # the transport carries notes (TCP's): a batch's note is handed to the sink once it landed
 
 
 class SimTransport:
@@ -88,6 +91,7 @@ class SimTransport:
         self._mirrors: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         self.copying: list[list[tuple[int, int]]] = []  # ranges (mirror addresses) being copied into device memory
         self.mirror_map = MirrorMap()  # a staged buffer's address -> its mirror's (an encode chunk names the buffer)
+        self.note_handler: Any = None  # (grant key, note) once a batch with a note landed here
         fabric.transports[self.instance] = self
 
     # -- what a driver performs -------------------------------------------------------------
@@ -141,9 +145,20 @@ class SimTransport:
     def disconnect(self, handle: SimHandle, *, deadline: Any = None) -> None:
         handle.closed = True
 
-    def write(self, handle: SimHandle, batch: Any, on_done: Any = None, *, deadline: Any = None, grant: int = 0) -> int:
+    @property
+    def carries_notes(self) -> bool:
+        return self._fabric.faults.notes
+
+    def on_note(self, handler: Any) -> None:
+        self.note_handler = handler
+
+    def write(self, handle: SimHandle, batch: Any, on_done: Any = None, *, deadline: Any = None, grant: int = 0,
+              note: bytes = b"") -> int:
         if handle.closed:
             raise TransportError("the connection is closed", op="write")
+        if note and not (self.carries_notes and grant and len(batch)):
+            raise TransportError("a note rides a batch of writes through a grant, on a transport that carries notes",
+                                 op="write")
         fabric = self._fabric
         if handle.inflight >= fabric.faults.max_inflight:
             if deadline is not None:  # a real transport would wait here, on the sink, on the driver's thread
@@ -156,7 +171,7 @@ class SimTransport:
             self._copy(rows[:, 0].tolist(), rows[:, 2].tolist(), gather=True)
         handle.inflight += 1
         batch_id = next(self._fabric.ids)
-        self._fabric.send(handle, rows, on_done, batch_id, grant)
+        self._fabric.send(handle, rows, on_done, batch_id, grant, note)
         return batch_id
 
     # -- device memory (staged) ----------------------------------------------------------
@@ -226,7 +241,7 @@ class Fabric:
         self.on_grant: Any = None  # (sink, grant) when a sink grants
         self.stats = {"batches": 0, "landed": 0, "refused": 0, "lost": 0, "errors": 0, "dropped": 0, "frozen": 0, "full": 0,
                       "posts_refused": 0, "grants_refused": 0, "revokes_refused": 0, "copied_in": 0,
-                      "copies_failed": 0}
+                      "copies_failed": 0, "noted": 0}
         self.blocked = 0  # writes that would have waited for room at a full sink (a driver never may)
 
     def refused(self, what: str) -> bool:
@@ -259,9 +274,10 @@ class Fabric:
             d += self.world.rng.random() * f.jitter
         return d
 
-    def send(self, handle: SimHandle, rows: np.ndarray, on_done: Any, batch_id: int, grant: int) -> None:
+    def send(self, handle: SimHandle, rows: np.ndarray, on_done: Any, batch_id: int, grant: int, note: bytes) -> None:
         self.stats["batches"] += 1
-        self.world.after(self._delay(), self._land, handle, rows, on_done, batch_id, grant)
+        handle.unlanded.add(batch_id)
+        self.world.after(self._delay(), self._land, handle, rows, on_done, batch_id, grant, note)
 
     def killed(self, transport: SimTransport) -> None:
         """A rank's process is gone: batches held for it while it was paused fail at their sources now (their
@@ -277,14 +293,19 @@ class Fabric:
         for args in frozen:
             self.world.after(self._delay(), self._land, *args)
 
-    def _land(self, handle: SimHandle, rows: np.ndarray, on_done: Any, batch_id: int, grant: int) -> None:
+    def _land(self, handle: SimHandle, rows: np.ndarray, on_done: Any, batch_id: int, grant: int, note: bytes) -> None:
         src, dst = handle.src, handle.dst
         if src.killed:
             self.stats["lost"] += 1
+            handle.unlanded.discard(batch_id)
             return  # a killed process sends nothing more, and hears nothing
         if (src.paused or dst.paused) and not (handle.closed or dst.killed):  # a stopped process sends nothing,
             self.stats["frozen"] += 1  # and receives nothing (a dead one breaks the connection)
-            (src if src.paused else dst).frozen.append((handle, rows, on_done, batch_id, grant))
+            (src if src.paused else dst).frozen.append((handle, rows, on_done, batch_id, grant, note))
+            return
+        if note and any(b < batch_id for b in handle.unlanded):
+            # a connection lands its batches in order (TCP): a note is handed only after those before it
+            self.world.after(self._delay(), self._land, handle, rows, on_done, batch_id, grant, note)
             return
         if handle.closed or dst.killed:
             error = TransportError("the connection was lost", op="write")
@@ -308,6 +329,12 @@ class Fabric:
                     ctypes.memmove(remote, local, length)
                 self.stats["landed"] += 1
                 error = None
+                if note and grant not in handle.spoiled and dst.note_handler is not None:
+                    self.stats["noted"] += 1  # before the completion, as the TCP sink hands it before its ack
+                    dst.note_handler(grant, note)
+        handle.unlanded.discard(batch_id)
+        if error is not None:
+            handle.spoiled.add(grant)
         self.world.after(self._delay(), self._done, handle, on_done, batch_id, error)
 
     def copy_in(self, sink: SimTransport, spans: list[tuple[int, int]], on_done: Any) -> None:

@@ -41,12 +41,14 @@ class Shape:
     shard_rows: bool
     page_bytes: int = 16  # opaque pages (no layout)
     prefill_dp: bool = False  # the prefill replicas are the DP groups of one deployment (one bootstrap server)
+    notes: bool = False  # the transport carries notes (TCP's): a room's success rides its last write
 
     def describe(self) -> str:
         lay = "opaque" if self.layout is None else f"{self.layout.order} H{self.layout.kv_heads}"
         epd = f" E{self.encode_tp}{' sharded' if self.shard_rows else ' full'}" if self.encode_tp else ""
         dp = " dp" if self.prefill_dp else ""
-        return f"P{self.prefill_tp}{dp} D{self.decode_tp} {lay}{' layerwise' if self.layerwise else ''}{epd}"
+        notes = " notes" if self.notes else ""
+        return f"P{self.prefill_tp}{dp} D{self.decode_tp} {lay}{' layerwise' if self.layerwise else ''}{epd}{notes}"
 
 
 @dataclass
@@ -159,6 +161,8 @@ def draw(seed: int, world: World, *, scale: int = 0) -> tuple[Shape, Faults]:
     # DP groups of one deployment need one layout for all; without a KV layout, one page size: one tp
     shape.prefill_dp = not scale and n_p > 1 and (layout is not None or len(set(prefill_tp)) == 1) and \
         rng.random() < 0.7
+    # both completion paths, half the seeds each, from a stream of its own (the world's stream stays the same)
+    shape.notes = random.Random(f"notes:{seed}").random() < 0.5
     f = Faults()
     mix = rng.random()
     if mix < 0.15:

@@ -61,6 +61,7 @@ class Simulation(PdSchedulers, EpdSchedulers, FaultLoop, Invariants):
                              wire_check=wire_check)
         if self.faults.sink_full:
             self.planes.fabric.faults.max_inflight = self.world.rng.randint(1, 4)
+        self.planes.fabric.faults.notes = self.shape.notes  # the deployment's transport, not a fault
         self._apply_faults(on=True)
         if self.faults.slow_lookups:
             self.planes.lookup_delay = self.planes.connect_delay = self.faults.slow_lookups * self.world.rng.random()
