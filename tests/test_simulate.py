@@ -95,6 +95,16 @@ def test_one_dp_group_in_trouble_fails_no_request_toward_its_siblings(seed: int)
 
 
 @pytest.mark.parametrize("seed", range(2))
+def test_a_success_that_rides_its_last_write_comes_after_every_byte_before_it(seed: int) -> None:
+    """Layer by layer, into sinks that take a few batches at a time (the driver parks the rest), with the room's
+    success riding its last batch: decode must hand the landing to its scheduler only once every layer's bytes
+    are in its pages, so the posts parked for a sink must go in the order they came."""
+    layout = KvLayout(order="hnd", kv_heads=2, head_bytes=4, page_tokens=2, layers=2)
+    shape = Shape(layout, [1], [1], [], layerwise=True, shard_rows=False, notes=True)
+    Simulation(seed, shape=shape, faults=Faults(sink_full=1.0)).run(admit=0.5)
+
+
+@pytest.mark.parametrize("seed", range(2))
 def test_refused_grants_never_outlive_the_fence(seed: int) -> None:
     """Decode tp 1 takes its heads from two prefill ranks: two grants a request, some refused. A failed
     request's pages go back only once every grant made for them was revoked."""

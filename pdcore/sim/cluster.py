@@ -79,6 +79,7 @@ class Planes:
         self.faults = PlaneFaults()
         self._ports = itertools.count(20000)
         self.work_errors = 0
+        self.on_landed: Any = None  # (decode rank, rid) when its engine hands a landing to the scheduler's side
         self.stats = {"lookups_timed_out": 0, "lookups_partial": 0, "lookups_failed": 0, "lookups_garbled": 0,
                       "connects_failed": 0, "inputs_refused": 0}
 
@@ -190,6 +191,7 @@ class SimRank:
         self.transport = SimTransport(planes.fabric, name)
         self.channel = SimChannel(planes.network, self, self.endpoint)
         self.killed = self.paused = False
+        self.violation: Violation | None = None  # one an invariant found inside an engine input (``_deliver``)
         self._backlog: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         self._calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []  # scheduler calls made while paused
         self.buffers = buffers
@@ -247,6 +249,11 @@ class SimRank:
     def _deliver(self, kind: str, key: Any, value: Any) -> None:
         if kind == "landed":
             self.landed.add(key)
+            if self.planes.on_landed is not None:
+                try:
+                    self.planes.on_landed(self, key)
+                except Violation as v:  # raised here, the performer would take it for the engine's bug
+                    self.violation = v
         self.front.deliver(kind, key, value)
 
     @property
@@ -306,6 +313,8 @@ class SimRank:
         stats = self.performer.stats
         before = stats["work_errors"]
         self.performer.input(fn, args)
+        if self.violation is not None:
+            raise self.violation
         if stats["work_errors"] != before:
             self.planes.work_errors += 1
             raise Violation(f"bounds: an engine input of {self.name} raised ({getattr(fn, '__qualname__', fn)}; "

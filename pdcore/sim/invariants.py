@@ -125,7 +125,6 @@ class Invariants:
 
     def _check_landed(self, req: PdRequest, events: list[list[Any]]) -> None:
         replica = req.decode
-        tp = len(replica.ranks)
         for rank, r in enumerate(replica.ranks):
             done = next(e for e in events[rank] if e.rid == req.rid)
             if type(done) is not RemotePrefillDone:
@@ -137,12 +136,24 @@ class Invariants:
             if remote.bootstrap_token != req.first_token or remote.cached_tokens != req.cached or not same_lp:
                 raise Violation(f"bytes: {req.rid} on {r.name} carried {remote}, prefill sent token "
                                 f"{req.first_token}, cached {req.cached}, logprob {req.logprob}")
-            pb = r.layout.page_bytes[0]
-            for pair, page in enumerate(req.d_pages):
-                want = self._content(req, rank, tp, pair)
-                for b, view in enumerate(r.views):
-                    if view[page * pb : (page + 1) * pb] != want[b]:
-                        raise Violation(f"bytes: {req.rid} on {r.name}: page {page} buffer {b} is not what prefill sent")
+            self._pages_hold(req, rank, r)
+
+    def _delivered_check(self, r: SimRank, rid: str) -> None:
+        """A decode engine hands a landing to its scheduler's side only once every byte of it is in place (the
+        round that reports it comes later, and late bytes could still make it in time for the check there)."""
+        replica = next((rep for rep in self.decode if r in rep.ranks), None)
+        req = None if replica is None else self._by_replica[replica].get(rid)
+        if req is not None and req.announced:
+            self._pages_hold(req, replica.ranks.index(r), r)
+
+    def _pages_hold(self, req: PdRequest, rank: int, r: SimRank) -> None:
+        """Every page of ``req`` on decode rank ``r`` (rank ``rank`` of its replica) holds what prefill sent."""
+        pb = r.layout.page_bytes[0]
+        for pair, page in enumerate(req.d_pages):
+            want = self._content(req, rank, len(req.decode.ranks), pair)
+            for b, view in enumerate(r.views):
+                if view[page * pb : (page + 1) * pb] != want[b]:
+                    raise Violation(f"bytes: {req.rid} on {r.name}: page {page} buffer {b} is not what prefill sent")
 
     # -- the fence -----------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class Simulation(PdSchedulers, EpdSchedulers, FaultLoop, Invariants):
             self.planes.lookup_delay = self.planes.connect_delay = self.faults.slow_lookups * self.world.rng.random()
         self.planes.fabric.on_land = self._landed_check
         self.planes.fabric.on_grant = self._granted
+        self.planes.on_landed = self._delivered_check
         self._sinks: dict[Any, tuple[str, Replica, SimRank, int]] = {}  # transport -> (kind, replica, rank, index)
         self._grant_owner: dict[tuple[Any, int], Any] = {}
         self._slot_grant: dict[tuple[Any, int], int] = {}  # (sink, receive slot) -> the last grant of it
