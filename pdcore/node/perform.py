@@ -148,10 +148,7 @@ class Performer:
         """Post now, never waiting; False if the sink is at its in-flight bound (nothing was posted)."""
         done = _Written(self, engine, post.token, post.handle)
         try:
-            if post.note:
-                self._transport.write(post.handle, post.batch, done, grant=post.grant, note=post.note)
-            else:  # every transport takes this call; only those that carry notes take ``note``
-                self._transport.write(post.handle, post.batch, done, grant=post.grant)
+            self._transport.write(post.handle, post.batch, done, grant=post.grant, note=post.note)
         except CapacityError:
             return False
         except PdError as e:
