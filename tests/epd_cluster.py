@@ -243,9 +243,11 @@ def encode_rank(cluster: Cluster, deployment: int, dp_rank: int, tp_rank: int, p
         # the prefill ranks may still be settling: stay up (bounded) so nobody sees this rank vanish
         if not stop.wait(max(0.0, deadline.remaining()) + 30.0):
             errors.append("the parent never said stop")
+        frames = peer.control_sends()[0]
     finally:
         peer.close()
-    return {"rooms": [img.room for img in rooms], "concluded": order, "errors": errors[:_MAX_ERRORS]}
+    return {"rooms": [img.room for img in rooms], "concluded": order, "errors": errors[:_MAX_ERRORS],
+            "frames": frames}
 
 
 def _encode_main(cluster: Cluster, deployment: int, dp_rank: int, tp_rank: int, port: int, stop: Any, out: Any) -> None:

@@ -1,6 +1,7 @@
 """A room's success rides its last write (``Services.notes``), sans-IO: the prefill engine puts its ``Status`` on
 each decode rank's last batch and sends none on the control plane; the decode engine takes a note that came
-through one of its live grants as that source's ``Status``, and a bad one fails that room alone. The same engines
+through one of its live grants as that source's ``Status``, and a bad one fails that room alone. EPD alike: an
+encode rank's ``EmbedStatus`` rides its write into the asker's slot, and the receiver takes it. The same engines
 under the simulator run both completion paths (half the seeds each: ``Shape.notes``); ``tests/transport`` holds
 the TCP sink's side of the promise, and ``test_peers.py`` real peers over it (prefill sends no frame a room)."""
 
@@ -9,20 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_engine_defects import _bootstrapped, _decode, _info, _prefill, _register_decode
+from test_engine_defects import (_bootstrapped, _decode, _encode_room, _encoder, _Handle, _info, _prefill,
+                                 _receiver, _recv_round, _register_decode, _stage, _to_encoder)
 from transport.base import Grant
 
 from pdcore.control import wire
 from pdcore.core._spec import State
-from pdcore.protocol.actions import Grant as GrantAction, Post, Send
+from pdcore.protocol.actions import Connect, Grant as GrantAction, Post, Send
 from pdcore.protocol.decode import DecodeEngine
 from pdcore.protocol.prefill import PrefillEngine
 
 DECODE = "tcp://10.1.0.1:7000"
-
-
-class _Handle:
-    closed = False
 
 
 def _handed_over(engine: PrefillEngine, room: int, finish: tuple[int, Any]) -> list[Post]:
@@ -127,3 +125,45 @@ def test_a_note_through_a_grant_no_longer_live_changes_nothing() -> None:
     engine.noted(1, _note(5), 0.4)
     assert engine.services.table.state("r") != State.SUCCESS
 
+
+
+# -- EPD: an encode rank's write into a prefill rank's slot ------------------------------------------------------
+
+
+def _asked_and_posted(notes: bool) -> tuple[Any, Any, Any, list[int], Post]:
+    """A prefill rank's receiver stages one image (room 5) and asks the encode rank, which has its rows: the
+    receiver, its table, the encoder, the rooms the encoder concluded, and its post of the rows."""
+    receiver, table = _receiver()
+    encoder, concluded = _encoder(epoch=1, notes=notes)
+    _encode_room(encoder, 5, 0.0)
+    actions = _to_encoder(encoder, _stage(receiver, table, "r", 5, 0.0), 0.1)
+    (connect,) = [a for a in actions if type(a) is Connect]
+    encoder.connected(connect.token, _Handle(), "", 0.1)
+    (post,) = [a for a in encoder.take_actions() if type(a) is Post]
+    return receiver, table, encoder, concluded, post
+
+
+def test_an_encode_ranks_success_rides_its_write_and_lands_the_item() -> None:
+    receiver, table, encoder, concluded, post = _asked_and_posted(notes=True)
+    status = wire.decode(post.note)
+    assert type(status) is wire.EmbedStatus and (status.room, status.ok, status.rank) == (5, True, 0)
+    receiver.noted(post.grant, post.note, 0.2)  # the sink hands it before the write's ack
+    encoder.written(post.token, None, 0.3)
+    assert [a for a in encoder.take_actions() if type(a) is Send] == []  # the note told the asker already
+    assert concluded == [5]
+    assert table.settle(table.encode(0.4))[0].rid == "r"  # the receiver's round lands the request
+
+
+def test_without_notes_the_encode_ranks_success_goes_on_the_control_plane() -> None:
+    _, _, encoder, _, post = _asked_and_posted(notes=False)
+    assert post.note == b""
+    encoder.written(post.token, None, 0.3)
+    told = [a.msg for a in encoder.take_actions() if type(a) is Send]
+    assert [(type(m), m.room, m.ok) for m in told] == [(wire.EmbedStatus, 5, True)]
+
+
+def test_a_receivers_bad_note_fails_its_request() -> None:
+    receiver, table, _, _, post = _asked_and_posted(notes=True)
+    receiver.noted(post.grant, wire.encode(wire.EmbedStatus(room=6, ok=True, rank=0)), 0.2)  # another room's
+    receiver.noted(post.grant + 1, post.note, 0.2)  # a grant the receiver never made: nothing
+    assert [rid for rid, _ in _recv_round(receiver, table, 0.3)] == ["r"]

@@ -314,13 +314,13 @@ def _receiver() -> tuple[ReceiverEngine, Any]:
     return engine, table
 
 
-def _encoder(epoch: int) -> tuple[EncodeEngine, list[int]]:
+def _encoder(epoch: int, **services: Any) -> tuple[EncodeEngine, list[int]]:
     """An encode rank (tp 1), incarnation ``epoch``; the rooms it concluded, as its scheduler hears them."""
     cfg = EncodeConfig(send_buffers=[np.zeros(64, np.uint8)], tp_size=1, tp_rank=0, bootstrap_host=ENCODE_SERVER[0],
                        bootstrap_port=ENCODE_SERVER[1], park_timeout=30.0)
     concluded: list[int] = []
     engine = EncodeEngine(Services(config=cfg, session_id=f"encode-{epoch}", epoch=epoch, table=SendRooms.of(cfg),
-                                   deliver=lambda kind, room, _: concluded.append(room)))
+                                   deliver=lambda kind, room, _: concluded.append(room), **services))
     return engine, concluded
 
 

@@ -85,6 +85,11 @@ def test_e1_to_p2_sharded_with_deepstack() -> None:
     outcome = run_cluster(cluster)
     check(cluster, outcome)
     assert all(res["stats"]["landed"] > 0 for res in outcome.prefill)
+    # control frames the encode ranks sent: only the statuses no write could carry (an empty share has no write, a
+    # failed image none that landed); every other success rode its write into the asker's slot
+    images = [img for r in cluster.requests for img in r.images]
+    owed = sum(2 if img.fail else sum(share(img.rows, k, 2, True)[1] == 0 for k in range(2)) for img in images)
+    assert sum(res["frames"] for res in outcome.encode.values()) == owed, (owed, outcome.encode)
     for how in ("late", "missing", "shard", "concluded"):  # the checks see what a broken program would do
         with pytest.raises(AssertionError):
             check(cluster, _broken(outcome, how))

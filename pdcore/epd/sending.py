@@ -79,6 +79,7 @@ class SendRooms:
         # ended, or waits for a later deadline) are dropped when they reach the top or when they outnumber the rooms.
         self._waiting: list[tuple[float, int, _Room]] = []
         self._serial = itertools.count()
+        self.notes = False  # an asker's success rides its write (the engine sets it from ``Services.notes``)
 
     @classmethod
     def of(cls, config: Any) -> SendRooms:
@@ -220,8 +221,9 @@ class SendRooms:
             out += self._fail(entry, f"prefill rank {endpoint} lost: {reason}", now)
         return out
 
-    def written(self, room: int, rank: int, error: str, now: float) -> list[Action]:
-        """A write of ``room`` to prefill ``rank`` completed (``error`` empty) or failed."""
+    def written(self, room: int, rank: int, error: str, now: float, noted: bool = False) -> list[Action]:
+        """A write of ``room`` to prefill ``rank`` completed (``error`` empty) or failed; ``noted``: the asker's
+        success rode it (told already, if it landed)."""
         entry = self._rooms.get(room)
         if entry is None or entry.writing <= 0:
             return []
@@ -230,7 +232,8 @@ class SendRooms:
         out: list[Action] = []
         if asked is not None and rank not in entry.told:  # each asker hears one final status
             entry.told.add(rank)
-            out.append(self._tell(asked[0], room, not error, f"writing the rows failed: {error}" if error else ""))
+            if error or not noted:
+                out.append(self._tell(asked[0], room, not error, f"writing the rows failed: {error}" if error else ""))
         if error:  # the room fails: the askers not told yet hear it now, not when their own writes complete
             out += self._fail(entry, f"writing the rows to prefill rank {rank} failed: {error}", now)
         if entry.writing == 0 and self._rooms.get(room) is entry:
@@ -300,6 +303,7 @@ class SendRooms:
         row = chunk.hidden * chunk.itemsize
         deep = chunk.deepstack_width * chunk.itemsize
         entry.writing = 0
+        note = wire.encode(self._tell("", entry.room, True, "").msg) if self.notes else b""
         for endpoint, ask in entry.asks.values():
             if ask.row_count == 0:
                 entry.told.add(ask.rank)
@@ -308,7 +312,7 @@ class SendRooms:
             batch = [(chunk.source + ask.row_start * row, ask.addr, ask.row_count * row)]
             if deep:
                 batch.append((chunk.deepstack_source + ask.row_start * deep, ask.deepstack_addr, ask.row_count * deep))
-            out.append(Write(entry.room, endpoint, ask.rank, tuple(batch), ask.grant))
+            out.append(Write(entry.room, endpoint, ask.rank, tuple(batch), ask.grant, note))
             entry.writing += 1
         if entry.writing == 0:
             self._conclude(entry, f"room {entry.room} was sent already", now)

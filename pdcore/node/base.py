@@ -110,8 +110,7 @@ class PeerBase:
             )
             self._engine = self._make_engine(self._services())
             self._driver.attach(self._engine)
-            if hasattr(self._engine, "noted"):  # a sink's engine takes the statuses that ride writes
-                self._transport.on_note(self._on_note)
+            self._transport.on_note(self._on_note)
             self._channel.start()
             stack.callback(self._channel.close)
             self._publish(stack)
@@ -346,9 +345,16 @@ class PeerBase:
             self._on_rooms_failed(wire.rooms_of(msg), f"{self.ROLE} peer overloaded: {e}")
 
     def _on_note(self, grant: int, note: bytes) -> None:
-        """A note rode a batch that landed here (a transport thread): the engine that granted it hears."""
-        if self._driver is not None:
-            self._driver.submit_result(self._engine.noted, grant, note)  # type: ignore[union-attr]
+        """A note rode a batch that landed here (a transport thread): the engine that grants what is written here
+        hears (a decode rank's, or a prefill rank's EPD receiver; one a peer)."""
+        driver = self._driver
+        if driver is None:
+            return
+        for engine in driver.engines:
+            noted = getattr(engine, "noted", None)
+            if noted is not None:
+                driver.submit_result(noted, grant, note)
+                return
 
     def _on_rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         self.stats["protocol_errors"] += 1

@@ -37,13 +37,15 @@ WRITE_WAIT = 5.0  # seconds a write may wait for room in the transport before it
 
 class Write(NamedTuple):
     """The rooms' rules: write ``batch`` (``(source, destination, length)`` triples) to the prefill rank at
-    ``endpoint`` through its ``grant``; report the completion with ``written(room, rank, error)``."""
+    ``endpoint`` through its ``grant``; report the completion with ``written(room, rank, error, noted)``.
+    ``note``: the asker's success (an encoded ``EmbedStatus``) rides the batch (``Post.note``)."""
 
     room: int
     endpoint: str
     rank: int
     batch: tuple[tuple[int, int, int], ...]
     grant: int
+    note: bytes = b""
 
 
 class Tell(NamedTuple):
@@ -71,6 +73,7 @@ class EncodeEngine(Engine[EncodeSettings, RoomRules]):
         if services.table is None:
             raise LocalProtocolError("encode engine: services.table must hold the rooms' rules (SendRooms)")
         self._rooms = services.table
+        self._rooms.notes = services.notes  # an asker's success rides its write where the transport carries notes
         self._sinks: dict[str, _Sink] = {}
         self.stats = services.stats if services.stats is not None else {}
         self.stats.setdefault("aborts_before_begin", 0)  # aborts from prefill of rooms the scheduler had not begun
@@ -180,11 +183,11 @@ class EncodeEngine(Engine[EncodeSettings, RoomRules]):
             if not sink.connecting:
                 self._connect(write.endpoint, sink)
             return
-        self._out.append(Post(sink.handle, write.batch, write.grant, write, WRITE_WAIT))
+        self._out.append(Post(sink.handle, write.batch, write.grant, write, WRITE_WAIT, write.note))
 
     def written(self, write: Write, error: str | None, now: float) -> None:
         """A write completed (``error`` None) or failed: tell the asker, conclude the room."""
-        self._act(self._rooms.written(write.room, write.rank, error or "", now), now)
+        self._act(self._rooms.written(write.room, write.rank, error or "", now, bool(write.note)), now)
 
     # -- failures from outside -------------------------------------------------------------
 

@@ -83,6 +83,7 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
         self._items: dict[tuple[str, int], _Item] = {}
         self._by_rid: dict[str, list[_Item]] = {}
         self._by_source: dict[tuple[str, int], _Item] = {}  # (encode endpoint, room) -> item
+        self._by_grant: dict[int, _Item] = {}  # the grant key of an item asked and not landed -> the item
         self._slot_owner: dict[int, _Item] = {}
         self._early: dict[tuple[str, int], Any] = {}  # asks the table handed out before their ``staged`` input
         self._lookups = Lookups(self._lookup_keys, lambda record: record.item.room, self._looked_up, self._out.append)
@@ -147,6 +148,7 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             record.dropped = True
             if record.source is not None:
                 self._by_source.pop((record.source, record.item.room), None)
+                self._by_grant.pop(record.grant.key if record.grant is not None else 0, None)
             if record.landed:
                 continue
             why = f"failed on the prefill replica: {reasons.get(record.rid, '')}"[: wire.MAX_REASON]
@@ -230,6 +232,8 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
         services = self.services
         record.source = endpoint
         self._by_source[(endpoint, item.room)] = record
+        if grant is not None:
+            self._by_grant[grant.key] = record
         self._tell(endpoint, wire.EmbedAsk(
             room=item.room, session_id=services.session_id, epoch=services.epoch, rank=self._rank, ranks=self._ranks,
             sharded=cfg.shard_rows, rows=item.rows, row_start=record.row_start, row_count=record.row_count,
@@ -330,10 +334,31 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             return
         record.landed = True
         del self._by_source[(sender, msg.room)]
+        self._by_grant.pop(record.grant.key if record.grant is not None else 0, None)
         if self.services.staged and record.slot is not None:  # in host staging: on the device, it lands
             self._out.append(Land(record, self._slot_ranges(record)))
             return
         self._landed(record, now)
+
+    def noted(self, grant: int, note: bytes, now: float) -> None:
+        """A note that rode an encode rank's write through ``grant`` (the transport's ``on_note``): every byte
+        of it landed in the item's slot. It is that rank's success ``EmbedStatus``, as on the control plane,
+        and as authentic as the rows: the grant is given to that rank's transport alone. One that is not its
+        room's success fails the item's request (bad input of that rank), nothing else."""
+        record = self._by_grant.get(grant)
+        if record is None or record.source is None:
+            return  # landed or dropped meanwhile: nothing waits for the note
+        try:
+            msg = wire.decode(note)
+        except PdError as e:
+            msg, why = None, str(e)
+        else:
+            ok = type(msg) is wire.EmbedStatus and msg.room == record.item.room and msg.ok
+            why = "" if ok else f"a {type(msg).__name__} of room {getattr(msg, 'room', '?')}, not room {record.item.room}'s success"
+        if why:
+            self._fail(record.rid, f"encode rank {record.source} sent a bad note: {why}"[: wire.MAX_REASON], now)
+            return
+        self.message(record.source, msg, now)  # type: ignore[arg-type]  # an EmbedStatus when why is empty
 
     def scattered(self, record: _Item, error: str | None, now: float) -> None:
         """The answer to a ``Land``: the item's rows are in device memory, or could not be copied there (its

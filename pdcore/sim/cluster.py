@@ -220,8 +220,6 @@ class SimRank:
                                result=self.input)
         self.performer = SimPerformer(self)
         self.performer.attach(self.engine)
-        if isinstance(self.engine, DecodeEngine):  # the statuses that ride writes, as a peer installs it
-            self.transport.on_note(lambda grant, note: self.input(self.engine.noted, grant, note))
         if receiver is not None:
             self.recv_table = ReceiveTable(
                 receiver.slots, receiver.slot_rows, max_requests=receiver.max_requests, max_items=receiver.max_items,
@@ -236,6 +234,9 @@ class SimRank:
             self.performer.attach(self.receiver)
             self.recv_front = ReceiverFront(table=self.recv_table, engine=self.receiver, submit=self.submit,
                                             result=self.input)
+        sinks = [engine for engine in self.performer.engines if hasattr(engine, "noted")]
+        if sinks:  # the statuses that ride writes go to the engine that granted them, as a peer's do
+            self.transport.on_note(lambda grant, note, noted=sinks[0].noted: self.input(noted, grant, note))
         self.world.after(TICK * self.world.rng.random(), self._tick)
 
     def _services(self, table: Any) -> Services:
