@@ -23,13 +23,14 @@ from pdcore.protocol.prefill import PrefillEngine
 DECODE = "tcp://10.1.0.1:7000"
 
 
-def _handed_over(engine: PrefillEngine, room: int, finish: tuple[int, Any]) -> list[Post]:
-    """``room`` registered, announced by one decode rank (tp 1) and handed over whole: the posts."""
+def _handed_over(engine: PrefillEngine, room: int, finish: tuple[int, Any], grant: int = 9) -> list[Post]:
+    """``room`` registered, announced by one decode rank (tp 1; its pages granted as ``grant``, 0: none) and handed
+    over whole: the posts."""
     engine.connected(_register_decode(engine, DECODE).token, _Handle(), "", 0.1)
     engine.services.table.register("r", 0.1)
     engine.register("r", room, 0.1)
     engine.message(DECODE, wire.Announce(room=room, session_id="decode-1", epoch=1, page_ids=(0, 1),
-                                         request_pool_index=0, grant=9), 0.2)
+                                         request_pool_index=0, grant=grant), 0.2)
     engine.take_actions()
     engine.hand_over("r", (3, 4), None, finish, (5, -0.5), 0.3)
     posts = [a for a in engine.take_actions() if type(a) is Post]
@@ -53,9 +54,12 @@ def test_the_success_rides_the_last_batch_and_no_status_follows_it() -> None:
     assert engine.services.table.state("r") == State.SUCCESS
 
 
-def test_without_notes_the_success_goes_on_the_control_plane() -> None:
-    engine = _prefill(notes=False)
-    (post,) = _handed_over(engine, 42, (7, None))
+@pytest.mark.parametrize(("notes", "grant"), [(False, 9), (True, 0)], ids=["no notes", "no grant"])
+def test_without_notes_or_a_grant_the_success_goes_on_the_control_plane(notes: bool, grant: int) -> None:
+    """A transport without notes, or pages announced without a grant (``unsafe_no_grants``: a note vouches for
+    its source through the grant its write landed by)."""
+    engine = _prefill(notes=notes)
+    (post,) = _handed_over(engine, 42, (7, None), grant)
     assert post.note == b""
     engine.written(post.token, None, 0.4)
     assert [(m.room, m.state, m.first_token) for m in _statuses(engine)] == [(42, State.SUCCESS, 7)]

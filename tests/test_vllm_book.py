@@ -158,7 +158,8 @@ class _Peers:
 
     PAGE, PAGES = 1024, 16
 
-    def __init__(self, layerwise_min_pages: int = 16, prefill_capacity: int = 4096, clock=time.monotonic) -> None:
+    def __init__(self, layerwise_min_pages: int = 16, prefill_capacity: int = 4096, clock=time.monotonic,
+                 idle_wait: float = 0.01) -> None:
         knobs = dict(page_bytes=self.PAGE, num_pages=self.PAGES, heartbeat_interval=0.05, dead_after=30.0,
                      bootstrap_timeout=30.0, waiting_timeout=30.0, tombstone_ttl=30.0)
         self.server = BootstrapServer()
@@ -169,8 +170,9 @@ class _Peers:
                                                              bootstrap_port=self.port, layerwise_min_pages=1,
                                                              capacity=prefill_capacity, **knobs))
         self.dpeer, inbox = DecodePeer.start(DecodeConfig(kv_buffers=self.d_cache, **knobs))
-        self.prefill = ProducerWorker(self.ppeer, outbox, layerwise_min_pages=layerwise_min_pages, clock=clock)
-        self.decode = ConsumerWorker(self.dpeer, inbox, clock=clock)
+        self.prefill = ProducerWorker(self.ppeer, outbox, layerwise_min_pages=layerwise_min_pages, clock=clock,
+                                      idle_wait=idle_wait)
+        self.decode = ConsumerWorker(self.dpeer, inbox, clock=clock, idle_wait=idle_wait)
         self.transfer = Transfer(0, "127.0.0.1", self.port)
 
     def fill(self, pages: tuple[int, ...], seed: int) -> list[np.ndarray]:
@@ -374,3 +376,35 @@ def test_a_transfer_that_waits_long_is_said_once_with_its_state_and_what_the_ran
     now[0] += 5.0
     pp.steps(lambda s, r, e: True)
     assert len([r for r in caplog.records if "waiting over" in r.getMessage()]) == 2, "each is said once"
+
+
+def test_a_step_that_computes_nothing_waits_for_the_peers_news_and_one_that_computes_polls_at_once(peers) -> None:
+    """While requests wait for their transfers, vLLM steps again and again with nothing scheduled; each such step
+    polls (an agreement round). Its workers wait for their peer's news first, bounded by ``idle_wait``: here a
+    bound no step reaches (30 s), so the request lands only because the news ends each wait. A step that
+    computed something (or one with nothing to wait for) polls at once."""
+    pp = peers(idle_wait=30.0)
+    src, dst = (3,), (9,)
+    data = pp.fill(src, seed=4)
+    _announced(pp, dst)
+    assert pp.prefill._idle.waits == pp.decode._idle.waits == 0  # no step was idle
+    pp.prefill.take(StepPlan(finishes=[Finish("p", src, 17)]))  # the forward pass: not idle
+    pp.decode.take(StepPlan(idle=True))
+    _, received, _ = pp.steps(lambda s, r, e: "d" in r)
+    assert received == {"d"} and all(np.array_equal(a, b) for a, b in zip(pp.pages_of_decode(dst), data))
+    assert pp.decode._idle.waits >= 1 and pp.prefill._idle.waits == 0
+    pp.decode.take(StepPlan(idle=True))  # idle, nothing left to wait for: no wait
+    waits = pp.decode._idle.waits
+    pp.decode.step_done()
+    assert pp.decode._idle.waits == waits
+
+
+def test_wait_for_news_ends_at_the_drivers_next_input(peers) -> None:
+    """A peer's ``wait_for_news``: a decode rank told of a request looks its deployment up (I/O, then an input on
+    the driver's thread); the wait ends there, far ahead of its 30 s bound."""
+    from pdcore import BootstrapInfo
+
+    pp = peers()
+    pp.dpeer.wait_for_news(0.0)  # what happened while the peers started
+    pp.dpeer.register("n", BootstrapInfo("127.0.0.1", pp.port, 7))
+    assert pp.dpeer.wait_for_news(30.0) is True

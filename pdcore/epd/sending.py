@@ -312,7 +312,7 @@ class SendRooms:
             batch = [(chunk.source + ask.row_start * row, ask.addr, ask.row_count * row)]
             if deep:
                 batch.append((chunk.deepstack_source + ask.row_start * deep, ask.deepstack_addr, ask.row_count * deep))
-            out.append(Write(entry.room, endpoint, ask.rank, tuple(batch), ask.grant, note))
+            out.append(Write(entry.room, endpoint, ask.rank, tuple(batch), ask.grant, note if ask.grant else b""))
             entry.writing += 1
         if entry.writing == 0:
             self._conclude(entry, f"room {entry.room} was sent already", now)

@@ -236,6 +236,18 @@ class PeerBase:
                 raise StartError(f"{self.ROLE} peer: the bootstrap server refused {what}: {e}") from e
         raise StartError(f"{self.ROLE} peer: bootstrap server {cfg.bootstrap_host}:{cfg.bootstrap_port} unreachable: {last}")
 
+    def wait_for_news(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for this rank's driver to run an input (a frame, a completion, a note, a look-up
+        answer: what may change what ``poll`` reports) since the last call; whether one ran. For a scheduler with
+        nothing to compute but transfers to wait for: its next step costs a wake-up, not a spin of empty rounds.
+        It waits on this rank's driver alone, never on a peer, and never longer than ``seconds``."""
+        driver = self._driver
+        if driver is None:
+            return False
+        news = driver.news.wait(seconds)
+        driver.news.clear()
+        return news
+
     def handoffs(self) -> int:
         """Thread hand-offs so far, a cost metric the benchmarks divide by requests: the times the driver's
         thread took inputs from other threads (the scheduler's calls, control frames, completions, I/O

@@ -96,6 +96,7 @@ class Driver(Performer):
         self._io_threads: list[threading.Thread] = []
         self._lane: list[tuple[Callable[..., Any], tuple[Any, ...], bool]] = []  # other threads' inputs (see above)
         self._lane_lock = threading.Lock()
+        self.news = threading.Event()  # set once the driver ran an input (``PeerBase.wait_for_news``)
         # a plane whose loop this thread runs ("tcp"): it waits on the inbox's wake-ups and its sockets together
         self._serve: Callable[[float], None] | None = getattr(channel, "serve", None)
         self._wake: Callable[[], None] = lambda: None
@@ -238,6 +239,10 @@ class Driver(Performer):
         return min(self.next_deadline(), min((e.next_deadline() for e in self._engines), default=default))
 
     def _take(self, item: Any) -> None:
+        self._take_item(item)
+        self.news.set()
+
+    def _take_item(self, item: Any) -> None:
         if item is _LANE or item is _LANE_ON:
             with self._lane_lock:
                 burst = self._lane[:_BURST]

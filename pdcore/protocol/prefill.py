@@ -235,8 +235,9 @@ class PrefillEngine(Engine[PrefillSettings, DrivenTable]):
         entry.final = entry.final or finish is not None
         wait = self._config.fence_timeout
         for sink, dst, batch in batches:
-            dst.noted = dst.noted or bool(note)
-            self._out.append(Post(sink.handle, batch, dst.grant, entry, wait, note))
+            rides = note if dst.grant else b""  # a note rides a write through a grant (it vouches for its source)
+            dst.noted = dst.noted or bool(rides)
+            self._out.append(Post(sink.handle, batch, dst.grant, entry, wait, rides))
         self._check_landed(entry, now)  # nothing was left to post (or it all landed already)
 
     def fence(self, rids: list[str], now: float) -> None:

@@ -59,6 +59,11 @@ __all__ = ["pages_for", "Register", "Load", "Finish", "StepPlan", "SchedulerBook
 log = logging.getLogger("pdcore.vllm")
 
 SLOW_AFTER = 10.0  # seconds a transfer may wait before its worker says so (once a request), with what its rank holds
+# seconds a worker whose step computes nothing waits for its peer's news before it polls: vLLM steps again at once
+# while requests wait for their transfers, and each step's poll is an agreement round over the replica (on a small
+# machine decode's idle steps took most of two cores from prefill's forward passes); the wait ends at the peer's
+# first news, so a landing is seen as soon as without it, and a new request waits at most this long to be scheduled
+IDLE_WAIT = 0.01
 _NAMED = 5  # slow requests named in one line
 
 
@@ -117,6 +122,22 @@ class _Laggards:
         return ", ".join(parts)
 
 
+class _Idle:
+    """A worker's wait on a step that computes nothing (``IDLE_WAIT``): for its peer's news, bounded."""
+
+    def __init__(self, peer: Any, seconds: float) -> None:
+        self._peer = peer
+        self._seconds = seconds
+        self.step = False  # this step's plan said idle
+        self.waits = 0  # steps that waited (a metric the tests read)
+
+    def wait(self, waiting: bool) -> None:
+        """Before the poll of an idle step while transfers are ``waiting``: until the peer has news, or the bound."""
+        if self.step and waiting and self._seconds > 0:
+            self.waits += 1
+            self._peer.wait_for_news(self._seconds)
+
+
 def _nonzero(values: dict[str, Any]) -> str:
     kept = {k: v for k, v in values.items() if isinstance(v, (int, float)) and v}
     return str(kept) if kept else "{}"
@@ -167,6 +188,7 @@ class StepPlan:
     refusals: list[Register] = field(default_factory=list)  # prefill: rooms not taken (past max_transfers)
     preempted: list[str] = field(default_factory=list)  # prefill: requests vLLM preempted
     releases: list[Register] = field(default_factory=list)  # decode: rooms it needs nothing of (cached)
+    idle: bool = False  # the step schedules no tokens: its workers run nothing but the poll (``IDLE_WAIT``)
 
     def __bool__(self) -> bool:
         return bool(self.registers or self.loads or self.streams or self.finishes or self.aborts or self.refusals
@@ -326,9 +348,11 @@ class ProducerWorker:
     """A prefill worker's side: one ``PrefillPeer`` rank and its outbox."""
 
     def __init__(self, peer: Any, outbox: Any, replica: Any = None, layerwise_min_pages: int = 16, *,
-                 slow_after: float = SLOW_AFTER, clock: Callable[[], float] = time.monotonic) -> None:
+                 slow_after: float = SLOW_AFTER, clock: Callable[[], float] = time.monotonic,
+                 idle_wait: float = IDLE_WAIT) -> None:
         self._peer = peer
         self._clock = clock
+        self._idle = _Idle(peer, idle_wait)
         self._laggards = _Laggards(peer, "prefill", slow_after, clock)
         self._outbox = outbox
         self._layerwise_min_pages = layerwise_min_pages  # shorter prompts go whole (pdcore would hold them anyway)
@@ -341,6 +365,7 @@ class ProducerWorker:
 
     def take(self, plan: StepPlan) -> None:
         """A step's plan: register new requests, note the prompts that complete, hand over finishes."""
+        self._idle.step = plan.idle
         for reg in plan.refusals:  # not held here: decode hears at once (a tombstone answers its announcement)
             self._peer.abort_room(reg.rid, reg.transfer.room)
         for reg in plan.registers:
@@ -394,6 +419,7 @@ class ProducerWorker:
     def step_done(self, finished_req_ids: Iterable[str]) -> set[str]:
         """The end of a step: poll the peer; the requests whose transfer ended and vLLM finished."""
         self._streams = {}
+        self._idle.wait(bool(self._reqs))
         self._vllm_finished.update(finished_req_ids)
         for event in self._peer.poll(self._replica):
             st = self._reqs.get(event.rid)
@@ -460,9 +486,10 @@ class ConsumerWorker:
     """A decode worker's side: one ``DecodePeer`` rank and its inbox."""
 
     def __init__(self, peer: Any, inbox: Any, replica: Any = None, *, slow_after: float = SLOW_AFTER,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, idle_wait: float = IDLE_WAIT) -> None:
         self._peer = peer
         self._clock = clock
+        self._idle = _Idle(peer, idle_wait)
         self._laggards = _Laggards(peer, "decode", slow_after, clock)
         self._inbox = inbox
         self._replica = replica
@@ -475,6 +502,7 @@ class ConsumerWorker:
     def take(self, plan: StepPlan) -> None:
         """A step's plan: register the new loads, release the rooms decode needs nothing of, abort the loads
         vLLM gave up."""
+        self._idle.step = plan.idle
         for load in plan.loads:
             t = load.transfer
             self._reqs[load.rid] = _Loading(t, load.pages, self._next_index, since=self._clock())
@@ -505,6 +533,7 @@ class ConsumerWorker:
         of the failed ones (load errors: vLLM recomputes or fails them)."""
         received: set[str] = set()
         errors: set[int] = set()
+        self._idle.wait(bool(self._reqs) and not self._refused)
         for rid in self._refused:
             received.add(rid)
             errors.update(self._reqs[rid].pages)

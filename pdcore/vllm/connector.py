@@ -196,7 +196,9 @@ class PdcoreConnector(KVConnectorBase_V1):
                 if before < request.num_prompt_tokens <= before + n and self._kv_cache_manager is not None:
                     (block_ids,) = self._kv_cache_manager.get_block_ids(rid)
                     self._book.scheduled(rid, block_ids)
-        return PdcoreMetadata(self._book.take_plan())
+        plan = self._book.take_plan()
+        plan.idle = not scheduler_output.total_num_scheduled_tokens  # the workers run nothing but the poll
+        return PdcoreMetadata(plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._book is not None
