@@ -197,7 +197,7 @@ class PdcoreConnector(KVConnectorBase_V1):
                     (block_ids,) = self._kv_cache_manager.get_block_ids(rid)
                     self._book.scheduled(rid, block_ids)
         plan = self._book.take_plan()
-        plan.idle = not scheduler_output.total_num_scheduled_tokens  # the workers run nothing but the poll
+        plan.idle = not any(scheduler_output.num_scheduled_tokens.values())  # the workers run nothing but the poll
         return PdcoreMetadata(plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
