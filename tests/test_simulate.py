@@ -105,6 +105,18 @@ def test_a_success_that_rides_its_last_write_comes_after_every_byte_before_it(se
 
 
 @pytest.mark.parametrize("seed", range(2))
+def test_a_success_never_rides_a_new_connection_past_a_batch_lost_with_the_old(seed: int) -> None:
+    """Layer by layer, with the room's success riding its last batch, over data connections that break (a new
+    one is made) and batches that land late: a layer's batch lost with a broken connection may fail only after
+    the last batch went on the new one. The sink hands that note (the grant is live, nothing was refused on the
+    new connection), so prefill must not put it there: decode would land pages missing a layer (simulator seed
+    449516217 found it)."""
+    layout = KvLayout(order="hnd", kv_heads=2, head_bytes=4, page_tokens=2, layers=2)
+    shape = Shape(layout, [1], [1], [], layerwise=True, shard_rows=False, notes=True)
+    Simulation(seed, shape=shape, faults=Faults(connection_drop=0.05, data_jitter=0.02)).run(admit=0.5)
+
+
+@pytest.mark.parametrize("seed", range(2))
 def test_refused_grants_never_outlive_the_fence(seed: int) -> None:
     """Decode tp 1 takes its heads from two prefill ranks: two grants a request, some refused. A failed
     request's pages go back only once every grant made for them was revoked."""

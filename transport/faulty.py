@@ -21,6 +21,11 @@ the whole batch: a batch failed before posting, or of which only a prefix is
 posted, carries no note (its sink hears nothing of it, as the contract allows
 for a failed batch); a batch failed after posting all of it keeps its note, so
 the sink may have handed it although the source hears "failed" (also allowed).
+After a batch through a grant was failed without posting all of it, no later
+batch to that peer through that grant carries its note: the sink would take the
+note as the word that every byte written through the grant landed (a real sink
+withholds one after a refused frame; a lost connection takes the later frames
+with it).
 
 By name: ``transport.create("faulty:tcp", seed=1, fail_rate=0.05, **tcp_options)``;
 the registry hands the options named in :data:`WRAPPER_OPTIONS` to the wrapper
@@ -49,7 +54,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -73,6 +78,7 @@ __all__ = ["FaultyTransport", "WRAPPER_OPTIONS"]
 
 #: Options of ``create("faulty:<inner>", ...)`` that configure the wrapper; the others go to the inner transport.
 WRAPPER_OPTIONS = ("seed", "fail_rate", "land_rate", "delay")
+_MAX_SPOILED = 1 << 16  # (peer, grant) pairs remembered as spoiled (the oldest go first)
 
 
 @dataclass(eq=False, slots=True)
@@ -120,6 +126,8 @@ class FaultyTransport(Wrapping, Transport):
         self._closing = False
         self._closed = False
         self.stats = {"batches": 0, "failed_unposted": 0, "failed_posted": 0, "delayed": 0}
+        # (peer id, grant) a batch was failed through without posting all of it: its later notes stay here
+        self._spoiled: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._thread = threading.Thread(target=self._deliver_loop, name="pdcore-faulty-deliver", daemon=True)
         self._thread.start()
 
@@ -169,6 +177,12 @@ class FaultyTransport(Wrapping, Transport):
             self._resolve(peer, entry, None)
             return entry.batch_id
         whole = post_prefix == len(arr)  # only a whole batch carries its note: a prefix did not all land
+        with self._lock:
+            if not whole and grant:
+                self._spoiled[(peer.id, grant)] = None
+                if len(self._spoiled) > _MAX_SPOILED:
+                    self._spoiled.popitem(last=False)
+            whole = whole and (peer.id, grant) not in self._spoiled
         try:
             self.inner.write(
                 peer, arr[:post_prefix], lambda _bid, error: self._resolve(peer, entry, error), deadline=deadline, grant=grant,

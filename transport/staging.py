@@ -37,7 +37,10 @@ What holds through the wrapper (``transport/base.py``'s promises):
 - **Notes** ride their batch: checked in ``write`` (against the inner transport's
   ``carries_notes``), handed to ``inner`` with the batch once it is gathered. At the sink the inner
   transport hands them (``on_note`` passes through) once the bytes are in the *mirror*: the owner
-  still calls ``land`` to copy them into the device, as without a note.
+  still calls ``land`` to copy them into the device, as without a note. After a batch through a
+  grant failed before it reached the inner transport (its gather failed), later batches to that
+  peer through that grant go without their notes: the sink would take one as the word that every
+  byte written through the grant landed.
 
 Sink side, and the fence: bytes that reach a sink land in its *mirror*; ``land`` copies them into
 the device. ``revoke(grant)`` first revokes at the inner transport (nothing more lands in the mirror
@@ -79,6 +82,7 @@ __all__ = ["LandDone", "StagedTransport", "WRAPPER_OPTIONS"]
 
 #: Options of ``create("staged:<inner>", ...)`` that configure the wrapper; the others go to the inner transport.
 WRAPPER_OPTIONS = ("device", "seed", "max_delay", "stand_in")
+_MAX_SPOILED = 4096  # grants a peer queue remembers as spoiled (past it, the record starts again)
 #: ``land``'s completion: ``None`` once every byte is in device memory, else why not.
 LandDone = Callable[["str | None"], None]
 
@@ -118,6 +122,7 @@ class _PeerQueue:
     order: deque[_Entry] = field(default_factory=deque)
     unposted: deque[_Entry] = field(default_factory=deque)
     pumping: bool = False  # a thread is posting this peer's batches (one at a time keeps the order)
+    spoiled: set[int] = field(default_factory=set)  # grants a batch failed through unposted: no later note rides them
     delivering: bool = False  # a thread is delivering this peer's completions
 
 
@@ -495,6 +500,8 @@ class StagedTransport(Wrapping, Transport):
                     return
                 e = p.unposted.popleft()
                 error = e.error or (TransportError("transport is closed", op="write") if self._closed else None)
+                if e.grant in p.spoiled:
+                    e.note = b""  # an earlier batch through its grant never reached the sink
             if error is None:
                 try:
                     self._post(peer, p, e)
@@ -502,6 +509,11 @@ class StagedTransport(Wrapping, Transport):
                 except Exception as exc:
                     error = exc if isinstance(exc, TransportError) else TransportError(
                         f"posting the gathered batch failed: {exc!r}", op="write")
+            with self._cond:
+                if e.grant:
+                    if len(p.spoiled) >= _MAX_SPOILED:
+                        p.spoiled.clear()  # (bounded: a grant that old is revoked or its room ended)
+                    p.spoiled.add(e.grant)
             self._resolve(p, e, error)
 
     def _resolve(self, p: _PeerQueue, e: _Entry, error: TransportError | None) -> None:

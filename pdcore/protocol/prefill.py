@@ -68,6 +68,8 @@ class _Dst:
     grant: int  # its transport grant for those pages
     owed: bool  # this rank writes to it (False: it only told us of the room: MLA, replicated heads)
     noted: bool = False  # the room's success status rode its last write (``Post.note``): no ``Status`` follows
+    handle: Any = None  # the data connection its batches went on
+    moved: bool = False  # they went on two: a batch lost with the first cannot stop a note on the second
 
 
 @dataclass(eq=False)
@@ -235,7 +237,11 @@ class PrefillEngine(Engine[PrefillSettings, DrivenTable]):
         entry.final = entry.final or finish is not None
         wait = self._config.fence_timeout
         for sink, dst, batch in batches:
-            rides = note if dst.grant else b""  # a note rides a write through a grant (it vouches for its source)
+            dst.moved = dst.moved or (dst.handle is not None and dst.handle is not sink.handle)
+            dst.handle = sink.handle
+            # a note rides a write through a grant (so it vouches for its source), behind every earlier batch of the
+            # room on the same connection (the sink hands it only if those landed, in order, none refused)
+            rides = note if dst.grant and not dst.moved else b""
             dst.noted = dst.noted or bool(rides)
             self._out.append(Post(sink.handle, batch, dst.grant, entry, wait, rides))
         self._check_landed(entry, now)  # nothing was left to post (or it all landed already)
