@@ -169,6 +169,12 @@ class FaultyTransport(Wrapping, Transport):
             if fail:
                 how = "after posting" if post_prefix else "before posting"
                 entry.injected = TransportError(f"injected fault: batch failed {how}", op="write")
+            whole = post_prefix == len(arr)  # only a whole batch carries its note: a prefix did not all land
+            if not whole and grant:
+                self._spoiled[(peer.id, grant)] = None
+                if len(self._spoiled) > _MAX_SPOILED:
+                    self._spoiled.popitem(last=False)
+            whole = whole and (peer.id, grant) not in self._spoiled
             self.stats["batches"] += 1
             order = self._order.setdefault(peer.id, deque())
             order.append(entry)
@@ -176,13 +182,6 @@ class FaultyTransport(Wrapping, Transport):
             self.stats["failed_unposted"] += 1
             self._resolve(peer, entry, None)
             return entry.batch_id
-        whole = post_prefix == len(arr)  # only a whole batch carries its note: a prefix did not all land
-        with self._lock:
-            if not whole and grant:
-                self._spoiled[(peer.id, grant)] = None
-                if len(self._spoiled) > _MAX_SPOILED:
-                    self._spoiled.popitem(last=False)
-            whole = whole and (peer.id, grant) not in self._spoiled
         try:
             self.inner.write(
                 peer, arr[:post_prefix], lambda _bid, error: self._resolve(peer, entry, error), deadline=deadline, grant=grant,

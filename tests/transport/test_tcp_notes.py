@@ -235,6 +235,33 @@ def test_the_faulty_wrapper_passes_a_note_only_with_a_whole_batch(make_tcp: Make
         faulty.close()
 
 
+def test_the_faulty_wrapper_carries_no_note_through_a_grant_after_a_batch_it_never_posted(
+        make_tcp: MakeTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half the batches fail before posting anything (``land_rate=0``): from the first of them on, no batch
+    through that grant carries its note to the inner transport, the whole ones either."""
+    inner, dst_t = make_tcp(), make_tcp()
+    faulty = FaultyTransport(inner, seed=4, fail_rate=0.5, land_rate=0.0)
+    try:
+        link = Link(faulty, dst_t)
+        notes: list[bytes] = []
+        write = inner.write
+
+        def spy(peer: Any, batch: Any, on_done: Any = None, **kw: Any) -> int:
+            notes.append(kw["note"])
+            return write(peer, batch, on_done, **kw)
+
+        monkeypatch.setattr(inner, "write", spy)
+        done = Collector()
+        for k in range(16):
+            faulty.write(link.peer, [link.page(0)], done, grant=link.grant.key, note=b"%d" % k)
+        errors = [err is not None for _, err in done.wait(16)]
+        assert any(errors) and not all(errors), "the seed failed every batch or none: pick another"
+        first = errors.index(True)
+        assert notes == [b"%d" % k for k in range(first)] + [b""] * (16 - sum(errors) - first), notes
+    finally:
+        faulty.close()
+
+
 def test_a_staged_batch_carries_its_note_after_its_gather(make_staged: MakeTransport) -> None:
     """The note rides the batch the wrapper posts once its gathers are done, and the sink's inner
     transport hands it before ``on_done`` (its bytes are in the sink's mirror then: ``land`` moves them)."""
