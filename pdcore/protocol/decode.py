@@ -39,7 +39,7 @@ from ..core.events import RemotePrefill
 from ..kv.layout import KvLayout
 from ..kv.routing import routing
 from .actions import Grant, Land, Revoke
-from .engine import DecodeSettings, DrivenTable, Engine, Services, ends
+from .engine import DecodeSettings, DrivenTable, Engine, Services, ends, read_note
 from .lookups import Deployment, Lookups
 from .revokes import REVOKE_WAIT, RetryRevokes
 
@@ -437,20 +437,14 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
         if found is None:
             return  # revoked meanwhile: its request ended, nothing waits for the note
         request, link = found
-        try:
-            msg = wire.decode(note)
-        except PdError as e:
-            msg, why = None, str(e)
-        else:
-            ok = type(msg) is wire.Status and msg.room == request.room and msg.state == State.SUCCESS
-            why = "" if ok else f"a {type(msg).__name__} of room {getattr(msg, 'room', '?')}, not room {request.room}'s success"
+        msg, why = read_note(note, wire.Status, request.room, lambda status: status.state == State.SUCCESS)
         if why:
             stats = self.services.stats
             if stats is not None:
                 stats["protocol_errors"] = stats.get("protocol_errors", 0) + 1
             self._fire(request.rid, Trigger.FAIL, now, f"prefill rank {link.endpoint} sent a bad note: {why}"[: wire.MAX_REASON])
             return
-        self.message(link.endpoint, msg, now)  # type: ignore[arg-type]  # a Status when why is empty
+        self.message(link.endpoint, msg, now)
 
     def scattered(self, request: _Request, error: str | None, now: float) -> None:
         """The answer to a ``Land``: the room's pages are in device memory (or could not be copied there).

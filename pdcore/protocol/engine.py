@@ -34,7 +34,7 @@ from .actions import Action, Connect, Send
 if TYPE_CHECKING:  # the metrics' counters: their module keeps a clock, never imported here
     from ..control.metrics import Counts
 
-__all__ = ["Engine", "EngineInputs", "Services", "Sink", "ends",
+__all__ = ["Engine", "EngineInputs", "Services", "Sink", "ends", "read_note",
            "Dialing", "DrivenTable", "PrefillSettings", "DecodeSettings", "ReceiverSettings", "EncodeSettings",
            "ReceivingTable", "RoomRules"]
 
@@ -49,6 +49,19 @@ def ends(events: Iterable[Any]) -> Iterator[tuple[str, bool, str]]:
             yield event.rid, False, ""
         elif kind is Failed:
             yield event.rid, True, event.reason
+
+
+def read_note(note: bytes, kind: type, room: int, success: Callable[[Any], bool]) -> tuple[Any, str]:
+    """A note that rode a write into this rank's memory (``Transport.on_note``), decoded: ``(msg, "")`` when it is
+    a ``kind`` of ``room`` that ``success`` accepts (the sink engines take nothing else by that path), else
+    ``(None, why)``: bad input of its source, which costs that room alone."""
+    try:
+        msg = wire.decode(note)
+    except PdError as e:
+        return None, str(e)
+    if type(msg) is kind and msg.room == room and success(msg):  # type: ignore[union-attr]
+        return msg, ""
+    return None, f"a {type(msg).__name__} of room {getattr(msg, 'room', '?')}, not room {room}'s success"
 
 
 # -- what an engine is given: its role's configuration and table, as the engine reads them ------------------

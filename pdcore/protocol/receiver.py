@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..control import wire
 from ..core.errors import LocalProtocolError, PdError
 from .actions import Grant, Land, Revoke
-from .engine import Engine, ReceiverSettings, ReceivingTable, Services
+from .engine import Engine, ReceiverSettings, ReceivingTable, Services, read_note
 from .lookups import Deployment, Lookups
 from .revokes import REVOKE_WAIT, RetryRevokes
 
@@ -348,17 +348,11 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
         record = self._by_grant.get(grant)
         if record is None or record.source is None:
             return  # landed or dropped meanwhile: nothing waits for the note
-        try:
-            msg = wire.decode(note)
-        except PdError as e:
-            msg, why = None, str(e)
-        else:
-            ok = type(msg) is wire.EmbedStatus and msg.room == record.item.room and msg.ok
-            why = "" if ok else f"a {type(msg).__name__} of room {getattr(msg, 'room', '?')}, not room {record.item.room}'s success"
+        msg, why = read_note(note, wire.EmbedStatus, record.item.room, lambda status: status.ok)
         if why:
             self._fail(record.rid, f"encode rank {record.source} sent a bad note: {why}"[: wire.MAX_REASON], now)
             return
-        self.message(record.source, msg, now)  # type: ignore[arg-type]  # an EmbedStatus when why is empty
+        self.message(record.source, msg, now)
 
     def scattered(self, record: _Item, error: str | None, now: float) -> None:
         """The answer to a ``Land``: the item's rows are in device memory, or could not be copied there (its
