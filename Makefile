@@ -38,7 +38,7 @@ test-pure: $(STAMP)
 	PDCORE_PURE_PYTHON=1 $(PY) -m pytest -q -m "not rdma and not slow and not compiled" tests/transport tests/test_peers.py tests/test_peers_dp.py \
 		tests/test_fence_races.py tests/test_recovery.py tests/test_hostile_sizes.py tests/test_worker_never_waits.py \
 		tests/test_agreement_shm.py tests/test_transport_standalone.py tests/test_peers_auth.py tests/test_pd_calls.py \
-		tests/test_epd_types.py tests/test_epd_table.py tests/test_kv_plan.py tests/test_events.py
+		tests/test_epd_types.py tests/test_epd_table.py tests/test_kv_plan.py tests/test_events.py tests/test_tcp_plane.py
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --requests 40
 	PDCORE_PURE_PYTHON=1 $(PY) -m pdcore demo --epd --requests 40
 

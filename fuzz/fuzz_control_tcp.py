@@ -21,7 +21,7 @@ import _harness  # noqa: E402
 from _harness import feed_whole_and_split, main  # noqa: E402
 
 with _harness.atheris.instrument_imports(include=["pdcore.control"]) if _harness.atheris else contextlib.nullcontext():
-    from pdcore.control import tcp_frames as tf
+    from pdcore.control import tcp_frames as tf, wire
     from pdcore.control.auth import derive_key
 
 KEY = derive_key(b"fuzz: the deployment secret....", tf.KEY_LABEL)
@@ -35,7 +35,7 @@ BODIES = [b"first frame", b"", b"x" * 300]
 
 def sealed(bodies: list[bytes]) -> bytes:
     sealer = tf.Sealer(SESSION)
-    return b"".join(part for body in bodies for part in sealer.seal(body))
+    return sealer.seal_all(bodies)
 
 
 SEEDS = [tf.encode_hello(HELLO), tf.encode_hello(tf.Hello(False, b"m" * 16, "tcp://[::1]:1")), CHALLENGE, PROOF,
@@ -68,7 +68,7 @@ def check_macs(data: bytes) -> None:
 def check_frames(data: bytes) -> None:
     """Whatever comes out is a prefix of what was sealed: never a forged, reordered or repeated body."""
     for pieces in ([data], [data[: len(data) // 2], data[len(data) // 2:]]):
-        opener = tf.Opener(SESSION)
+        opener = tf.Opener(SESSION, wire.MAX_FRAME_BYTES)
         got: list[bytes] = []
         refused = False
         for piece in pieces:

@@ -31,6 +31,7 @@ TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pdcore.epd._types": ("pdcore.epd._types_py", ("DTYPE_ITEMSIZE", "EmbeddingChunk", "EmbeddingItem", "LandedItem",
                                                    "LandedRequest")),
     "pdcore.kv._heads": ("pdcore.kv._heads_py", ("cut",)),
+    "pdcore.control._seal": ("pdcore.control._seal_py", ("HEADER_BYTES", "TAG_BYTES", "MAX_KEY", "Sealer", "Opener")),
 }
 
 

@@ -64,7 +64,7 @@ class RawControl:
             self._sock.send_multipart(list(frames))
             return
         try:
-            self.tcp.sendall(b"".join(part for f in frames for part in self.sealer.seal(f)))
+            self.tcp.sendall(self.sealer.seal_all(list(frames)))
         except OSError:
             pass  # the plane ended this connection (it refused the hello or a frame): as a hostile client sees it
 

@@ -40,7 +40,6 @@ without the receiver refusing it.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import struct
 from dataclasses import dataclass
 from typing import Final
@@ -48,12 +47,18 @@ from typing import Final
 from transport.secret import MAC_BYTES, NONCE_BYTES, hello_mac, same_mac
 
 from . import wire
-from ..core.errors import LocalProtocolError
+from ..core.errors import FrameError, LocalProtocolError
+from ..twins import load
+
+_seal = load("pdcore.control._seal")
+#: ``Sealer(key).seal(body)``/``.seal_all(bodies)`` and ``Opener(key, max_body).feed(data)``: the frames'
+#: twins (``pdcore.control._seal_py`` says what they do, ``_seal.pyx`` why they are compiled)
+Sealer, Opener = _seal.Sealer, _seal.Opener
 
 __all__ = [
     "MAGIC", "VERSION", "HELLO", "Hello", "HandshakeError", "FrameError", "encode_hello", "decode_hello",
     "hello_size", "challenge", "check_challenge", "proof", "check_proof", "session_key", "Sealer", "Opener",
-    "OK", "AUTH_REQUIRED", "AUTH_UNSUPPORTED", "AUTH_FAILED", "BAD_HELLO", "VERDICTS", "HEADER", "TAG_BYTES",
+    "OK", "AUTH_REQUIRED", "AUTH_UNSUPPORTED", "AUTH_FAILED", "BAD_HELLO", "VERDICTS", "OVERHEAD", "TAG_BYTES",
     "KEY_LABEL", "CHALLENGE_BYTES",
 ]
 
@@ -77,22 +82,12 @@ VERDICTS: Final = {
     AUTH_FAILED: "the listener refused this rank's proof (a different deployment secret)",
     BAD_HELLO: "the listener did not understand the hello (another version?)",
 }
-HEADER: Final = struct.Struct("<IQ")  # body length, seq
-TAG_BYTES: Final = 16
-_OVERHEAD: Final = HEADER.size + TAG_BYTES
+TAG_BYTES: Final = _seal.TAG_BYTES
+OVERHEAD: Final = _seal.HEADER_BYTES + TAG_BYTES  # a frame's bytes besides its body
 
 
 class HandshakeError(Exception):
     """A handshake message that is malformed, or a MAC that does not verify."""
-
-
-class FrameError(Exception):
-    """A sealed frame refused: ``kind`` is ``"tag"`` (forged or corrupted), ``"seq"`` (replayed, reordered
-    or one missing) or ``"length"``; the connection it came on must end."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -164,75 +159,3 @@ def check_proof(key: bytes, hello: Hello, listener_nonce: bytes, data: bytes) ->
 def session_key(key: bytes | None, dialer_nonce: bytes, listener_nonce: bytes) -> bytes:
     """The frames' BLAKE2b key of one connection (fresh per connection: its nonces)."""
     return hashlib.blake2b(dialer_nonce + listener_nonce, key=key or b"", digest_size=32).digest()
-
-
-class Sealer:
-    """The dialer's side of a connection's frames: ``seal`` gives each its length, seq and tag."""
-
-    __slots__ = ("_key", "_seq")
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-        self._seq = 0
-
-    def seal(self, body: bytes) -> tuple[bytes, bytes]:
-        """The frame's head (length, seq, tag), to go on the wire right before ``body``."""
-        head = HEADER.pack(len(body), self._seq)
-        self._seq += 1
-        h = hashlib.blake2b(head, key=self._key, digest_size=TAG_BYTES)
-        h.update(body)
-        return head + h.digest(), body
-
-
-class Opener:
-    """The listener's side of a connection's frames: bytes in, verified bodies out, in order."""
-
-    __slots__ = ("_key", "_seq", "_buf", "_max")
-
-    def __init__(self, key: bytes, max_body: int = wire.MAX_FRAME_BYTES) -> None:
-        self._key = key
-        self._seq = 0
-        self._buf = bytearray()
-        self._max = max_body
-
-    @property
-    def partial(self) -> int:
-        """Bytes of a frame begun and not complete (a connection ending now ends mid-frame)."""
-        return len(self._buf)
-
-    def feed(self, data: bytes | memoryview) -> tuple[list[bytes], FrameError | None]:
-        """The bodies of the frames ``data`` completes, in order, and the refusal that stopped them (then
-        the opener is spent: the connection ends, nothing after a refused frame can be trusted)."""
-        buf = self._buf
-        buf += data
-        out: list[bytes] = []
-        at, end = 0, len(buf)
-        key, blake, size = self._key, hashlib.blake2b, HEADER.size
-        error: FrameError | None = None
-        with memoryview(buf) as mv:  # released before the buffer is trimmed
-            while end - at >= _OVERHEAD:
-                n, seq = HEADER.unpack_from(buf, at)
-                if n > self._max:
-                    error = FrameError("length", f"a frame of {n} bytes (at most {self._max})")
-                    break
-                body_at = at + _OVERHEAD
-                if end - body_at < n:
-                    break
-                body = bytes(mv[body_at: body_at + n])
-                h = blake(mv[at: at + size], key=key, digest_size=TAG_BYTES)
-                h.update(body)
-                if not hmac.compare_digest(h.digest(), mv[at + size: body_at]):
-                    error = FrameError("tag", f"frame {seq}: its tag does not verify (forged or corrupted)")
-                    break
-                if seq != self._seq:
-                    error = FrameError("seq", f"frame {seq} where {self._seq} was next (replayed, reordered or one lost)")
-                    break
-                self._seq += 1
-                out.append(body)
-                at = body_at + n
-        if error is not None:
-            self._max = -1  # spent: every later byte is refused
-            buf.clear()
-        else:
-            del buf[:at]
-        return out, error

@@ -390,11 +390,10 @@ class TcpPlane(PlaneBase):
         out = self._outs.get(endpoint)
         if out is None or out.sock is None or out.sealer is None:
             return False  # a heartbeat with no connection yet: the next one goes
-        size = sum(len(f) for f in frames) + len(frames) * (tf.HEADER.size + tf.TAG_BYTES)
+        size = sum(len(f) for f in frames) + len(frames) * tf.OVERHEAD
         if len(out.rest) + size > _MAX_REST:
             return self._send_failed(rooms, f"control channel to {endpoint} is full (peer slow or gone)")
-        seal = out.sealer.seal
-        data = b"".join(part for f in frames for part in seal(f))
+        data = out.sealer.seal_all(frames)
         self.stats.sent += len(frames)
         self.stats.messages_sent += 1
         if out.rest:
@@ -500,7 +499,7 @@ class TcpPlane(PlaneBase):
         if len(self._ins) >= 2 * self._max_peers:
             oldest = next(iter(self._ins.values()))
             self._close_in(oldest)
-        conn = _In(sock, sender, tf.Opener(key))
+        conn = _In(sock, sender, tf.Opener(key, wire.MAX_FRAME_BYTES))
         self._ins[sock.fileno()] = conn
         self._poll().add(sock, conn)
         if extra:

@@ -30,6 +30,7 @@ __all__ = [
     "LocalProtocolError",
     "RemoteProtocolError",
     "TransportError",
+    "FrameError",
     "refusal",
 ]
 
@@ -71,3 +72,13 @@ def refusal(submit: Callable[..., object], fn: Callable[..., object], *args: Any
     except PdError as e:
         return e
     return None
+
+
+class FrameError(Exception):
+    """A sealed frame of the ``"tcp"`` control plane refused (``pdcore.control.tcp_frames``): ``kind`` is
+    ``"tag"`` (forged or corrupted), ``"seq"`` (replayed, reordered or one missing) or ``"length"``; the
+    connection it came on must end. Returned by an opener, never raised."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
