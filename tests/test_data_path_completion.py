@@ -134,10 +134,10 @@ def test_a_note_through_a_grant_no_longer_live_changes_nothing() -> None:
 # -- EPD: an encode rank's write into a prefill rank's slot ------------------------------------------------------
 
 
-def _asked_and_posted(notes: bool) -> tuple[Any, Any, Any, list[int], Post]:
+def _asked_and_posted(notes: bool, **receiver_services: Any) -> tuple[Any, Any, Any, list[int], Post]:
     """A prefill rank's receiver stages one image (room 5) and asks the encode rank, which has its rows: the
     receiver, its table, the encoder, the rooms the encoder concluded, and its post of the rows."""
-    receiver, table = _receiver()
+    receiver, table = _receiver(**receiver_services)
     encoder, concluded = _encoder(epoch=1, notes=notes)
     _encode_room(encoder, 5, 0.0)
     actions = _to_encoder(encoder, _stage(receiver, table, "r", 5, 0.0), 0.1)
@@ -166,8 +166,10 @@ def test_without_notes_the_encode_ranks_success_goes_on_the_control_plane() -> N
     assert [(type(m), m.room, m.ok) for m in told] == [(wire.EmbedStatus, 5, True)]
 
 
-def test_a_receivers_bad_note_fails_its_request() -> None:
-    receiver, table, _, _, post = _asked_and_posted(notes=True)
+def test_a_receivers_bad_note_fails_its_request_and_is_counted() -> None:
+    stats: dict[str, int] = {}
+    receiver, table, _, _, post = _asked_and_posted(notes=True, stats=stats)
     receiver.noted(post.grant, wire.encode(wire.EmbedStatus(room=6, ok=True, rank=0)), 0.2)  # another room's
     receiver.noted(post.grant + 1, post.note, 0.2)  # a grant the receiver never made: nothing
     assert [rid for rid, _ in _recv_round(receiver, table, 0.3)] == ["r"]
+    assert stats == {"protocol_errors": 1}

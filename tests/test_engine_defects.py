@@ -305,11 +305,11 @@ class _Handle:
     closed = False
 
 
-def _receiver() -> tuple[ReceiverEngine, Any]:
+def _receiver(**services: Any) -> tuple[ReceiverEngine, Any]:
     cfg = ReceiverConfig(slots=4, slot_rows=ROWS, hidden=HIDDEN, dtype=DTYPE, timeout=30.0)
     table = ReceiveTable(cfg.slots, cfg.slot_rows, max_requests=cfg.max_requests, max_items=cfg.max_items, rank=0,
                          ranks=1, sharded=False, timeout=cfg.timeout)
-    engine = ReceiverEngine(Services(config=cfg, session_id="prefill-1", epoch=1, table=table, endpoint=b"p"),
+    engine = ReceiverEngine(Services(config=cfg, session_id="prefill-1", epoch=1, table=table, endpoint=b"p", **services),
                             tp_rank=0, tp_size=1, slots_addr=1 << 20)
     return engine, table
 

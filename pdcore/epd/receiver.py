@@ -85,7 +85,7 @@ class Receiver:
         # slots in device memory (or the stand-in device's) receive into host staging; rows() views the device
         self._staged = stages(transport, self._region)
         self._engine = ReceiverEngine(
-            Services(config=config, session_id=services.session_id, epoch=services.epoch, table=self._table,
+            Services(config=config, session_id=services.session_id, epoch=services.epoch, table=self._table, stats=services.stats,
                      endpoint=transport.endpoint(),  # now: it describes the slots just registered
                      staged=self._staged),
             tp_rank=tp_rank, tp_size=tp_size, slots_addr=self._region.addr,

@@ -439,9 +439,7 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
         request, link = found
         msg, why = read_note(note, wire.Status, request.room, lambda status: status.state == State.SUCCESS)
         if why:
-            stats = self.services.stats
-            if stats is not None:
-                stats["protocol_errors"] = stats.get("protocol_errors", 0) + 1
+            self._bad_input()
             self._fire(request.rid, Trigger.FAIL, now, f"prefill rank {link.endpoint} sent a bad note: {why}"[: wire.MAX_REASON])
             return
         self.message(link.endpoint, msg, now)

@@ -293,6 +293,13 @@ class Engine(Generic[ConfigT, TableT]):
     def unsent(self, token: Any, why: str, now: float) -> None:
         """A ``Send`` with a token could not be queued."""
 
+    def _bad_input(self) -> None:
+        """A peer's input refused here (a note that is not its room's success): counted with the frames
+        the control plane refused, in the peer's ``protocol_errors``."""
+        stats = self.services.stats
+        if stats is not None:
+            stats["protocol_errors"] = stats.get("protocol_errors", 0) + 1
+
     def _connect(self: Engine[Dialing, Any], sender: str, sink: Sink) -> None:
         """(Re)connect the data plane to ``sink``; ``connected((sender, sink), ...)`` answers."""
         sink.connecting = True

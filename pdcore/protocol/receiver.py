@@ -350,6 +350,7 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             return  # landed or dropped meanwhile: nothing waits for the note
         msg, why = read_note(note, wire.EmbedStatus, record.item.room, lambda status: status.ok)
         if why:
+            self._bad_input()
             self._fail(record.rid, f"encode rank {record.source} sent a bad note: {why}"[: wire.MAX_REASON], now)
             return
         self.message(record.source, msg, now)
