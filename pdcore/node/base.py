@@ -69,6 +69,7 @@ class PeerBase:
         self._closed = False
         self._driver: Driver | None = None
         self._engine: EngineInputs | None = None  # the role's engine (a prefill peer's receiver engine rides on the same driver)
+        self._noted: Any = None  # the engine that grants here's ``noted``, once a note found it (_on_note)
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
         self._staged = False  # the memory peers write into here is device memory (``pdcore.node.device``)
 
@@ -362,11 +363,12 @@ class PeerBase:
         driver = self._driver
         if driver is None:
             return
-        for engine in driver.engines:
-            noted = getattr(engine, "noted", None)
-            if noted is not None:
-                driver.submit_result(noted, grant, note)
+        noted = self._noted
+        if noted is None:  # looked for once: a driver's engines are only ever added, and one of a peer grants
+            noted = self._noted = next((e.noted for e in driver.engines if hasattr(e, "noted")), None)
+            if noted is None:
                 return
+        driver.submit_result(noted, grant, note)
 
     def _on_rooms_failed(self, rooms: tuple[int, ...], reason: str) -> None:
         self.stats["protocol_errors"] += 1
