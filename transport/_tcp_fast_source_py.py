@@ -39,6 +39,24 @@ _TICKED = -1  # a send waited one kernel timeout (or would block)
 _GONE = -3  # the peer failed while a send was under way
 
 
+_SMALL_BATCH = 16  # writes a list or tuple batch may hold to be taken as it is (an EPD item's: one or two)
+
+
+def _small_batch(batch: Any) -> np.ndarray | None:
+    """A ``list`` or ``tuple`` of 1 to ``_SMALL_BATCH`` ``(local, remote, length)`` triples of ``int`` (each a
+    ``tuple`` or ``list``) in 0..2**64-1, as a ``(n, 3)`` ``uint64`` array; None for anything else, which then
+    goes through ``as_batch`` (its conversion and its error messages). The compiled twin copies such a batch
+    without making an array (an EPD encode rank posts one triple per item)."""
+    if type(batch) is not list and type(batch) is not tuple or not 0 < len(batch) <= _SMALL_BATCH:
+        return None
+    for triple in batch:
+        if (type(triple) is not tuple and type(triple) is not list) or len(triple) != 3:
+            return None
+        if not all(type(v) is int and 0 <= v < 1 << 64 for v in triple):
+            return None
+    return np.array(batch, dtype=np.uint64)
+
+
 class Source:
     """One connected peer's batches, from ``post`` to their completion: their seq, the in-flight
     slots, the frames not yet sent and those awaiting acks, and the ack stream.
@@ -105,14 +123,18 @@ class Source:
 
     def post(self, batch: Any, grant: int, on_done: Any, ids: Any, loc_starts: np.ndarray, loc_lengths: np.ndarray,
              loc_views: list[Any], rem_starts: np.ndarray, rem_lengths: np.ndarray, note: bytes = b"") -> tuple[int, Any]:
-        """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array,
-        ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
+        """Check a batch (``POST_ARRAY`` unless it is a C-contiguous ``(n, 3)`` ``uint64`` numpy array or a
+        small one of ``int`` triples: ``_small_batch``), ``POST_TOO_MANY`` past ``max_writes``, then ``frame``'s checks and codes, the failing write's
         index in ``index``; its ``note`` as ``frame`` does, a ``ValueError``), take a slot, give it the next seq and the next batch id from ``ids`` (both
         at once: a peer's ids go up in the order its frames go out) and post it. Returns ``(code,
         batch id or None)``: ``POST_SENT``, ``POST_WAKE`` (wake the sender thread), ``POST_FULL``,
         ``POST_FAILED`` or a ``FRAME_*`` code. A writer that finds nobody sending sends it (and what
         queues behind it meanwhile) with ``MSG_DONTWAIT``."""
-        if (type(batch) is not np.ndarray or batch.dtype != np.uint64 or batch.ndim != 2 or batch.shape[1] != 3
+        if type(batch) is not np.ndarray:
+            batch = _small_batch(batch)
+            if batch is None:
+                return POST_ARRAY, None
+        elif (batch.dtype != np.uint64 or batch.ndim != 2 or batch.shape[1] != 3
                 or not (batch.flags.c_contiguous and batch.flags.aligned)):
             return POST_ARRAY, None
         if len(batch) > self._max_writes:

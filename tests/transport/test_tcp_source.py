@@ -116,7 +116,10 @@ def test_post_checks_a_batch_then_sends_it_from_the_callers_thread(pairs: Any) -
     p = pairs(max_writes=4)
     impl = p.impl
     assert p.post([(p.addr, REMOTE, 8)] * 5) == impl.POST_TOO_MANY
-    assert p.src.post([[1, 2, 3]], 0, None, iter([0]), *p.local, *p.remote) == (impl.POST_ARRAY, None)  # as_batch makes one
+    # a small list or tuple of int triples is taken as it is; anything else is as_batch's to make (or refuse)
+    assert p.src.post([[1, 2, 3]], 0, None, iter([0]), *p.local, *p.remote) == (impl.FRAME_LOCAL_OUTSIDE, None)
+    for other in ([[1.0, 2, 3]], [(1, 2)], [(1, 2, -3)], [(1, 2, 1 << 64)], [(np.uint64(1), 2, 3)], [1, 2, 3], ((1, 2, 3),) * 17, []):
+        assert p.src.post(other, 0, None, iter([0]), *p.local, *p.remote) == (impl.POST_ARRAY, None), other
     assert p.post(np.array([[p.addr, REMOTE, 8]], np.int64)) == impl.POST_ARRAY
     assert p.post(np.zeros((2, 6), np.uint64)[:, ::2]) == impl.POST_ARRAY  # not C-contiguous
     assert p.post([*p.write(0, 8), (p.addr, REMOTE, 0)]) == impl.FRAME_ZERO_LENGTH and p.src.index == 1
