@@ -315,10 +315,12 @@ class TcpPlane(PlaneBase):
         return due
 
     def _drain_wake(self) -> None:
+        """One read: ``wake`` sends a byte only while none is owed, so one is all there is (a second read
+        to find the socket empty was a syscall and an exception per wake-up; were there more, the socket
+        would be readable again at the next wait)."""
         assert self._wake_r is not None
         try:
-            while self._wake_r.recv(4096):
-                pass
+            self._wake_r.recv(64)
         except OSError:
             pass
         self._wake_owed = False  # after the read: a wake-up asked for from here on sends its byte
