@@ -25,6 +25,7 @@ IMPLEMENTATION = "python" if os.environ.get("PDCORE_PURE_PYTHON") == "1" else "c
 #: compiled module -> (its pure twin, the public names both define)
 TWINS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pdcore.core._table": ("pdcore.core._table_py", ("StateTable", "FINGERPRINT_BYTES")),
+    "pdcore.core._hash": ("pdcore.core.twin_common", ("rid_hash",)),  # the compiled tables' (the pure ones import it there)
     "pdcore.core._shm": ("pdcore.core._shm_py", ("ShmReducer",)),
     "pdcore.core._events": ("pdcore.core._events_py", ("FAILED_ELSEWHERE", "Bootstrapped", "Event", "Failed", "Succeeded")),
     "pdcore.epd._recv": ("pdcore.epd._recv_py", ("ReceiveTable", "Ask", "FINGERPRINT_BYTES")),

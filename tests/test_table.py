@@ -7,6 +7,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from pdcore.core._spec import CODE_FAILING, FREE, Fence, State, Trigger
 from pdcore.core.errors import CapacityError, CollectiveError, LocalProtocolError
@@ -359,6 +360,21 @@ def replica_round(tables: list, now: float = 0.0) -> list:
 def test_rid_hash_is_pinned(table_impl: ModuleType, rid: str, slot: int, value: int) -> None:
     """Ranks in different processes (and builds) must compute the same bits: a change here is a wire change."""
     assert table_impl.rid_hash(rid, slot) == value
+
+
+@pytest.mark.compiled
+@given(rid=st.text(max_size=80), slot=st.integers(0, (1 << 64) - 1))
+def test_the_compiled_rid_hash_is_its_twins(rid: str, slot: int) -> None:
+    """The compiled tables hash with ``pdcore.core._hash``; a rank of either build must get the same bits."""
+    from pdcore.core import _hash, twin_common
+
+    try:
+        want = twin_common.rid_hash(rid, slot)
+    except UnicodeEncodeError:  # a lone surrogate: neither can encode it
+        with pytest.raises(UnicodeEncodeError):
+            _hash.rid_hash(rid, slot)
+        return
+    assert _hash.rid_hash(rid, slot) == want
 
 
 @pytest.mark.parametrize(

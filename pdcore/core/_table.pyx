@@ -20,7 +20,8 @@ from . import _spec
 from ._spec import STATES, State, Timer, Trigger
 from .errors import CapacityError, CollectiveError, LocalProtocolError
 from .events import FAILED_ELSEWHERE, Bootstrapped, Failed, Succeeded
-from .twin_common import FINGERPRINT_BYTES, MAX_CAPACITY, check_config, mismatch_message, rid_hash
+from ._hash import rid_hash
+from .twin_common import FINGERPRINT_BYTES, MAX_CAPACITY, check_config, mismatch_message
 
 __all__ = ["StateTable", "FINGERPRINT_BYTES", "MAX_CAPACITY", "rid_hash"]
 

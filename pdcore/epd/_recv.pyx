@@ -18,7 +18,8 @@ import threading
 
 import numpy as np
 
-from ..core.twin_common import FINGERPRINT_BYTES, rid_hash
+from ..core._hash import rid_hash
+from ..core.twin_common import FINGERPRINT_BYTES
 from ..core.errors import CapacityError, CollectiveError, LocalProtocolError
 from ..core.events import FAILED_ELSEWHERE
 from . import _recv_spec
