@@ -48,8 +48,8 @@ def as_batch(batch: Batch) -> np.ndarray:
             arr = np.array(batch, dtype=np.uint64).reshape(-1, 3) if len(batch) else np.empty((0, 3), np.uint64)
         except (ValueError, TypeError, OverflowError) as e:
             raise TransportError(f"a batch is a sequence of (local, remote, length) triples: {e}", op="write") from e
-    # (count_nonzero, not min(): a write's path batch is one to a few triples, and a ufunc reduction's
-    # set-up was most of as_batch's cost on an EPD encode rank's driver)
+    # (count_nonzero, not min(): a batch is often a few triples, for which a ufunc reduction's set-up
+    # was most of as_batch's cost)
     if np.count_nonzero(arr[:, 2]) != len(arr):
         raise TransportError("a write in the batch has length 0", op="write")
     return arr

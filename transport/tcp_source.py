@@ -278,8 +278,8 @@ class SourceSide:
         if not 0 <= grant < 1 << 64:
             raise TransportError(f"a grant key is an unsigned 64-bit value, got {grant!r}", op="write")
         if note or type(note) is not bytes:  # (a batch without a note pays for this test alone)
-            if type(batch) is not list and type(batch) is not tuple:  # (a sequence's length is its writes': post
-                batch = as_batch(batch)  # takes a small one as it is, and as_batch checks the rest)
+            if type(batch) is not list and type(batch) is not tuple:  # (a list's length is its writes already:
+                batch = as_batch(batch)  # post takes a small one as it is, as_batch makes the rest an array)
             check_note(note, len(batch), grant, True, self.name)
         snap = self._snap
         rem_starts, rem_lengths = p.remote_ranges

@@ -69,7 +69,7 @@ class PeerBase:
         self._closed = False
         self._driver: Driver | None = None
         self._engine: EngineInputs | None = None  # the role's engine (a prefill peer's receiver engine rides on the same driver)
-        self._noted: Any = None  # the engine that grants here's ``noted``, once a note found it (_on_note)
+        self._noted: Any = None  # ``noted`` of the engine that grants here, once a note looked it up (_on_note)
         self.stats: dict[str, int] = {"work_errors": 0, "protocol_errors": 0}
         self._staged = False  # the memory peers write into here is device memory (``pdcore.node.device``)
 
