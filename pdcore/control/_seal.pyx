@@ -234,7 +234,7 @@ cdef class Opener:
         try:
             own = len(self._buf) > 0  # a frame begun before: the bytes join it, and are read from the buffer
             if own:
-                self._buf += (<const char*>view.buf)[:view.len]
+                self._buf += data
                 p, end = <const uint8_t*><const char*>self._buf, len(self._buf)
             else:
                 p, end = <const uint8_t*>view.buf, view.len
