@@ -80,10 +80,12 @@ class Quotas:
             if self._held_total + nbytes > self.total:
                 return True
             self._held[sender] = held
-            self._held_total += nbytes
-            stats.held_peak = max(stats.held_peak, held)
-            stats.held_total_peak = max(stats.held_total_peak, self._held_total)
-            dropped = self._over.pop(sender, 0)
+            total = self._held_total = self._held_total + nbytes
+            if held > stats.held_peak:  # (every frame passes here: no max() calls, no pops of empty dicts)
+                stats.held_peak = held
+            if total > stats.held_total_peak:
+                stats.held_total_peak = total
+            dropped = self._over.pop(sender, 0) if self._over else 0
             dropped_total, self._over_total = self._over_total, 0
         if dropped:
             log.info("control channel: sender %s is back under its quota after %d dropped frames", sender, dropped)
