@@ -30,6 +30,8 @@ assert pdcore.core.table.IMPLEMENTATION == "cython" and transport.plan.IMPLEMENT
 assert pdcore.epd.recv_table.ReceiveTable.__module__ == "pdcore.epd._recv" and pdcore.kv.planner.cut.__module__ == "pdcore.kv._heads"
 assert pdcore.Succeeded.__module__ == "pdcore.core._events"  # compiled from a .py, under another name
 assert EmbeddingItem.__module__ == "pdcore.epd._types"  # so are the EPD values
+import pdcore.control.tcp_frames, pdcore.core._hash
+assert pdcore.control.tcp_frames.Sealer.__module__ == "pdcore.control._seal"  # the control plane's sealed frames
 print(f"wheel: installed at {pdcore.__file__.rsplit('/', 2)[0]}, compiled twins in use")
 PY
 step "python -m pdcore demo from the installed wheel"
