@@ -54,7 +54,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,7 +72,7 @@ from .base import (
 )
 from .deadline import Deadline
 from .errors import StartError, TransportError
-from .wrapping import Wrapping
+from .wrapping import SpoiledGrants, Wrapping
 
 __all__ = ["FaultyTransport", "WRAPPER_OPTIONS"]
 
@@ -127,7 +127,7 @@ class FaultyTransport(Wrapping, Transport):
         self._closed = False
         self.stats = {"batches": 0, "failed_unposted": 0, "failed_posted": 0, "delayed": 0}
         # (peer id, grant) a batch was failed through without posting all of it: its later notes stay here
-        self._spoiled: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._spoiled = SpoiledGrants(_MAX_SPOILED)
         self._thread = threading.Thread(target=self._deliver_loop, name="pdcore-faulty-deliver", daemon=True)
         self._thread.start()
 
@@ -171,9 +171,7 @@ class FaultyTransport(Wrapping, Transport):
                 entry.injected = TransportError(f"injected fault: batch failed {how}", op="write")
             whole = post_prefix == len(arr)  # only a whole batch carries its note: a prefix did not all land
             if not whole and grant:
-                self._spoiled[(peer.id, grant)] = None
-                if len(self._spoiled) > _MAX_SPOILED:
-                    self._spoiled.popitem(last=False)
+                self._spoiled.spoil((peer.id, grant))
             whole = whole and (peer.id, grant) not in self._spoiled
             self.stats["batches"] += 1
             order = self._order.setdefault(peer.id, deque())

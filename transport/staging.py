@@ -76,13 +76,13 @@ from .base import (Batch, Completion, CompletionQueue, Grant, OnDone, PeerHandle
 from .deadline import Deadline
 from .device_copy import CLOSED, Copier, CudaCopier, StandInCopier, buffer_path, is_cuda_tensor
 from .errors import CapacityError, StartError, TransportError
-from .wrapping import Wrapping
+from .wrapping import SpoiledGrants, Wrapping
 
 __all__ = ["LandDone", "StagedTransport", "WRAPPER_OPTIONS"]
 
 #: Options of ``create("staged:<inner>", ...)`` that configure the wrapper; the others go to the inner transport.
 WRAPPER_OPTIONS = ("device", "seed", "max_delay", "stand_in")
-_MAX_SPOILED = 4096  # grants a peer queue remembers as spoiled (past it, the record starts again)
+_MAX_SPOILED = 4096  # grants a peer queue remembers as spoiled (past it, the oldest is forgotten)
 #: ``land``'s completion: ``None`` once every byte is in device memory, else why not.
 LandDone = Callable[["str | None"], None]
 
@@ -122,7 +122,8 @@ class _PeerQueue:
     order: deque[_Entry] = field(default_factory=deque)
     unposted: deque[_Entry] = field(default_factory=deque)
     pumping: bool = False  # a thread is posting this peer's batches (one at a time keeps the order)
-    spoiled: set[int] = field(default_factory=set)  # grants a batch failed through unposted: no later note rides them
+    # grants a batch failed through unposted: no later note rides them
+    spoiled: SpoiledGrants = field(default_factory=lambda: SpoiledGrants(_MAX_SPOILED))
     delivering: bool = False  # a thread is delivering this peer's completions
 
 
@@ -509,11 +510,9 @@ class StagedTransport(Wrapping, Transport):
                 except Exception as exc:
                     error = exc if isinstance(exc, TransportError) else TransportError(
                         f"posting the gathered batch failed: {exc!r}", op="write")
-            with self._cond:
-                if e.grant:
-                    if len(p.spoiled) >= _MAX_SPOILED:
-                        p.spoiled.clear()  # (bounded: a grant that old is revoked or its room ended)
-                    p.spoiled.add(e.grant)
+            if e.grant:
+                with self._cond:
+                    p.spoiled.spoil(e.grant)
             self._resolve(p, e, error)
 
     def _resolve(self, p: _PeerQueue, e: _Entry, error: TransportError | None) -> None:

@@ -9,12 +9,14 @@ them once.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 from .base import Grant, NoteHandler, PeerHandle, Region, Transport, check_note
 from .deadline import Deadline
 
-__all__ = ["Wrapping"]
+__all__ = ["SpoiledGrants", "Wrapping"]
 
 
 class Wrapping:
@@ -84,3 +86,26 @@ class Wrapping:
 
     def refresh(self, peer: PeerHandle, peer_endpoint: bytes) -> None:
         self.inner.refresh(peer, peer_endpoint)
+
+
+class SpoiledGrants:
+    """The grants (each under a key that also names its peer, where the record spans peers) a batch
+    failed through short of the sink: no later batch through one carries its note, since the sink
+    would take that note as the word that every byte written through the grant landed. Bounded:
+    past ``limit`` the oldest is forgotten (a grant that old is revoked, or its room ended). Callers
+    hold their own lock."""
+
+    __slots__ = ("_keys", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+        self._limit = limit
+
+    def spoil(self, key: Hashable) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self._limit:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys

@@ -22,6 +22,7 @@ from transport.errors import TransportError
 from transport.faulty import FaultyTransport
 from transport.tcp import TcpTransport
 from transport.verbs import VerbsTransport
+from transport.wrapping import SpoiledGrants
 
 from _transport_support import Collector, MakeTransport, granted_link, transport_maker
 
@@ -297,3 +298,10 @@ def test_a_staged_batch_carries_its_note_after_its_gather(make_staged: MakeTrans
     src_t.write(peer, batches[1], after, grant=g.key, note=b"after a lost batch")
     assert [err is None for _, err in after.wait(2)] == [False, True]
     assert notes.seen() == [(g.key, b"page 1"), (g.key, b"page 3")]
+
+
+def test_the_wrappers_record_of_spoiled_grants_forgets_only_the_oldest_past_its_bound() -> None:
+    spoiled = SpoiledGrants(3)
+    for key in (1, 2, 3, 1, 4):  # spoiling 1 again makes it the newest
+        spoiled.spoil(key)
+    assert [k in spoiled for k in (1, 2, 3, 4)] == [True, False, True, True]
