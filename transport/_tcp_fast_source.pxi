@@ -35,6 +35,9 @@ ACKS_FAILED = _ACKS_FAILED
 MAX_MSG = _MAX_MSG
 
 
+_U64_END = 1 << 64
+
+
 cdef enum:
     _SMALL_BATCH = 16  # writes a list or tuple batch may hold to be taken as it is (an EPD item's: one or two)
 
@@ -61,9 +64,6 @@ cdef Py_ssize_t _small_batch(object batch, uint64_t* out) except -1:
                 return 0
             out[3 * i + j] = v
     return n
-
-
-_U64_END = 1 << 64
 
 
 cdef class Source:

@@ -58,7 +58,7 @@ Sealer, Opener = _seal.Sealer, _seal.Opener
 __all__ = [
     "MAGIC", "VERSION", "HELLO", "Hello", "HandshakeError", "FrameError", "encode_hello", "decode_hello",
     "hello_size", "challenge", "check_challenge", "proof", "check_proof", "session_key", "Sealer", "Opener",
-    "OK", "AUTH_REQUIRED", "AUTH_UNSUPPORTED", "AUTH_FAILED", "BAD_HELLO", "VERDICTS", "OVERHEAD", "TAG_BYTES",
+    "OK", "AUTH_REQUIRED", "AUTH_UNSUPPORTED", "AUTH_FAILED", "BAD_HELLO", "VERDICTS", "OVERHEAD",
     "KEY_LABEL", "CHALLENGE_BYTES",
 ]
 
@@ -82,8 +82,7 @@ VERDICTS: Final = {
     AUTH_FAILED: "the listener refused this rank's proof (a different deployment secret)",
     BAD_HELLO: "the listener did not understand the hello (another version?)",
 }
-TAG_BYTES: Final = _seal.TAG_BYTES
-OVERHEAD: Final = _seal.HEADER_BYTES + TAG_BYTES  # a frame's bytes besides its body
+OVERHEAD: Final = _seal.HEADER_BYTES + _seal.TAG_BYTES  # a sealed frame's bytes besides its body
 
 
 class HandshakeError(Exception):
