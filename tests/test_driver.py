@@ -1,5 +1,5 @@
-"""The threaded driver's clock (the engines' deadlines are kept under a stream of inputs) and its lane
-(what other threads queue while it works is one hand-off).
+"""The threaded driver's clock (the engines' deadlines are kept under a stream of inputs), its lane
+(what other threads queue while it works is one hand-off) and its threads' names in the kernel.
 
 The driver asks the engines for their next deadline only when its inbox runs dry; under a stream
 that never lets it run dry, the clock still runs every ``TICK``. The engine here is a counter (the
@@ -12,6 +12,7 @@ counts inputs, not seconds.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -140,3 +141,17 @@ def test_inputs_from_other_threads_while_the_driver_works_are_one_hand_off_in_th
         driver.call(again.set)
         assert again.wait(10.0)
         assert driver.stats["handoffs"] == before + 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's thread names are read from /proc")
+def test_the_driver_and_its_io_threads_carry_their_names_to_the_kernel() -> None:
+    """What ``top -H`` and the benchmarks' per-thread figures show: the driver's threads by role, not ``python``."""
+    with _running("tcp", Clocked()):
+        named = {}
+        for t in threading.enumerate():
+            if t.name.startswith("pdcore-driver-"):
+                with open(f"/proc/self/task/{t.native_id}/comm") as f:
+                    named[t.name] = f.read().rstrip("\n")
+    assert named["pdcore-driver-driver"] == "driver-driver"
+    io = {python: kernel for python, kernel in named.items() if python.startswith("pdcore-driver-io-")}
+    assert io and all(kernel == python.removeprefix("pdcore-") for python, kernel in io.items()), io

@@ -59,6 +59,7 @@ import numpy as np
 
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .threads import named_thread
 
 __all__ = [
     "CLOSED",
@@ -260,7 +261,7 @@ class StandInCopier(Copier):
         self._fail = {"gather": 0, "scatter": 0}
         self._closing = False
         self.reordered = 0
-        self._thread = threading.Thread(target=self._run, name="pdcore-staging-standin", daemon=True)
+        self._thread = named_thread(self._run, "pdcore-staging-standin")
         self._thread.start()
 
     # ------------------------------------------------------------------ test hooks
@@ -415,8 +416,8 @@ class CudaCopier(Copier):
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._issued: queue.SimpleQueue[tuple[Any, _Job, Any] | None] = queue.SimpleQueue()
         self._seq = 0
-        self._issue_thread = threading.Thread(target=self._issue_loop, name="pdcore-staging-cuda-issue", daemon=True)
-        self._wait_thread = threading.Thread(target=self._wait_loop, name="pdcore-staging-cuda-wait", daemon=True)
+        self._issue_thread = named_thread(self._issue_loop, "pdcore-staging-cuda-issue")
+        self._wait_thread = named_thread(self._wait_loop, "pdcore-staging-cuda-wait")
         self._issue_thread.start()
         self._wait_thread.start()
 

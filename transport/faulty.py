@@ -72,6 +72,7 @@ from .base import (
 )
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .threads import named_thread
 from .wrapping import SpoiledGrants, Wrapping
 
 __all__ = ["FaultyTransport", "WRAPPER_OPTIONS"]
@@ -128,7 +129,7 @@ class FaultyTransport(Wrapping, Transport):
         self.stats = {"batches": 0, "failed_unposted": 0, "failed_posted": 0, "delayed": 0}
         # (peer id, grant) a batch was failed through without posting all of it: its later notes stay here
         self._spoiled = SpoiledGrants(_MAX_SPOILED)
-        self._thread = threading.Thread(target=self._deliver_loop, name="pdcore-faulty-deliver", daemon=True)
+        self._thread = named_thread(self._deliver_loop, "pdcore-faulty-deliver")
         self._thread.start()
 
     # ------------------------------------------------------------------ pass-through

@@ -146,6 +146,7 @@ from .tcp_hello import (
 from .tcp_sink import SinkSide
 from .tcp_source import SourceSide, _TcpPeer, refused
 from .tcp_wire import NO_RANGES, fast as _fast, ranges as _ranges
+from .threads import named_thread
 from .twins import IMPLEMENTATION
 # Read here by the tests and the fuzzer, as before the sides had modules of their own.
 from .tcp_hello import MAGIC  # noqa: F401
@@ -257,7 +258,7 @@ class TcpTransport(SourceSide, SinkSide, Transport):
             raise StartError(f"tcp transport: cannot listen on {host}:{port}: {e}") from e
         self._address = f"{advertise_host or host}:{self._listener.getsockname()[1]}".encode()
         self._wake_r, self._wake_w = socket.socketpair()
-        self._acceptor = threading.Thread(target=self._accept_loop, name="pdcore-tcp-accept", daemon=True)
+        self._acceptor = named_thread(self._accept_loop, "pdcore-tcp-accept")
         self._acceptor.start()
 
     # ------------------------------------------------------------------ registrations

@@ -68,6 +68,7 @@ from .tcp_hello import (AT_CAP, AUTH_FAILED, AUTH_REQUIRED, AUTH_UNSUPPORTED, AC
                         OK, VERSION, WRONG_INSTANCE, Hello, HelloError, challenge, check_proof, decode_hello,
                         hello_size)
 from .tcp_wire import MAX_HELLOS, MAX_MSG, MAX_REFUSED_GRANTS, PeerGone, fast as _fast, kernel_timeouts, recv_by, tune
+from .threads import named_thread
 
 _PAIR_POLL = 0.05  # seconds: how often a data connection waiting for its ack connection looks for its end
 
@@ -144,9 +145,7 @@ class SinkSide:
                             conn.close()
                             continue
                         sid = next(self._peer_ids)
-                        t = threading.Thread(
-                            target=self._sink_loop, args=(sid, conn, addr), name=f"pdcore-tcp-sink-{sid}", daemon=True
-                        )
+                        t = named_thread(self._sink_loop, f"pdcore-tcp-sink-{sid}", (sid, conn, addr))
                         self._sinks[sid] = (conn, t)
                         self._hellos[sid] = conn
                     t.start()

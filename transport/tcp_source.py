@@ -76,6 +76,7 @@ from .tcp_hello import (
     encode_hello,
 )
 from .tcp_wire import MAX_HELLOS, NO_RANGES, PeerGone, fast as _fast, kernel_timeouts, ranges, recv_by, tune
+from .threads import named_thread
 
 _CONNECT_TRIES = 3  # pairs a connect opens at most when a flood makes the sink cut or refuse them (_Crowded)
 # Source.post's results, as plain module ints: write() compares one per batch
@@ -178,7 +179,7 @@ class SourceSide:
                 raise TransportError("transport is closed", op="connect")
             self._peers[peer.id] = peer
         for target, role in ((self._send_loop, "send"), (self._ack_loop, "ack")):
-            t = threading.Thread(target=target, args=(peer,), name=f"pdcore-tcp-{role}-{peer.id}", daemon=True)
+            t = named_thread(target, f"pdcore-tcp-{role}-{peer.id}", (peer,))
             peer.threads.append(t)
             t.start()
         return peer

@@ -78,6 +78,7 @@ from .base import (
 from . import verbs_hello as hello
 from .deadline import Deadline
 from .errors import StartError, TransportError
+from .threads import named_thread
 from .verbs_device import (
     DEVICE_HINT,
     INSTALL_HINT,
@@ -255,8 +256,8 @@ class VerbsTransport(VerbsSource, VerbsSink, VerbsGrants):
         stack.callback(self._sel.close)
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._cq_thread = threading.Thread(target=self._cq_loop, name="pdcore-verbs-cq", daemon=True)
-        self._cm_thread = threading.Thread(target=self._cm_loop, name="pdcore-verbs-cm", daemon=True)
+        self._cq_thread = named_thread(self._cq_loop, "pdcore-verbs-cq")
+        self._cm_thread = named_thread(self._cm_loop, "pdcore-verbs-cm")
         self._cq_thread.start()
         stack.callback(self._stop_threads)
         self._cm_thread.start()

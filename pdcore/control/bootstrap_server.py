@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final
 
 from transport.loglimit import LogLimit
+from transport.threads import named_thread
 
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import RemoteProtocolError, StartError
@@ -324,7 +325,7 @@ class _Server(ThreadingHTTPServer):
                     except OSError:
                         pass
             if len(self._conns) < self.max_connections:
-                thread = threading.Thread(target=self._serve_one, args=(conn,), name="pdcore-bootstrap-conn", daemon=True)
+                thread = named_thread(self._serve_one, "pdcore-bootstrap-conn", (conn,))
                 self._conns[conn] = thread
                 self._handlers = {t for t in self._handlers if t.is_alive()}
                 self._handlers.add(thread)
@@ -519,7 +520,7 @@ class BootstrapServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._server = server
-        self._thread = threading.Thread(target=self._serve, name="pdcore-bootstrap", daemon=True)
+        self._thread = named_thread(self._serve, "pdcore-bootstrap")
         self._thread.start()
         return self.port
 

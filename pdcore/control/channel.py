@@ -83,6 +83,7 @@ from typing import Any, Final
 import zmq
 from zmq.utils import monitor, z85
 
+from transport.threads import named_thread
 
 from . import auth, wire
 from .channel_stats import ChannelStats
@@ -213,7 +214,7 @@ class ControlChannel(PlaneBase):
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._thread = threading.Thread(target=self._run, name=f"pdcore-control-{port}", daemon=True)
+        self._thread = named_thread(self._run, f"pdcore-control-{port}")
         self._thread.start()
         return endpoint
 

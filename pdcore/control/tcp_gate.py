@@ -28,13 +28,13 @@ import logging
 import os
 import selectors
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
 from transport.secret import MAC_BYTES, NONCE_BYTES
+from transport.threads import named_thread
 
 from . import tcp_frames as tf
 from .channel_stats import ChannelStats
@@ -101,8 +101,7 @@ class Gate:
             s.setblocking(False)
         self._stop = False
         self._paused_until = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"pdcore-control-gate-{own_endpoint.rsplit(':', 1)[1]}",
-                                        daemon=True)
+        self._thread = named_thread(self._run, f"pdcore-control-gate-{own_endpoint.rsplit(':', 1)[1]}")
 
     def start(self) -> None:
         self._thread.start()

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from transport.loglimit import LogLimit
+from transport.threads import named_thread
 
 from . import auth, tcp_frames as tf, wire
 from .fd_reserve import fd_reserve
@@ -193,8 +194,7 @@ class TcpPlane(PlaneBase):
         self._gate.start()
         self._next_beat = self._last_tick = time.monotonic()
         if not self._driven:
-            self._thread = threading.Thread(target=self._run_own, name=f"pdcore-control-{endpoint.rsplit(':', 1)[1]}",
-                                            daemon=True)
+            self._thread = named_thread(self._run_own, f"pdcore-control-{endpoint.rsplit(':', 1)[1]}")
             self._thread.start()
         return endpoint
 

@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from transport.threads import named_thread
+
 from ..control.bootstrap import BootstrapClient
 from ..core.deadline import Deadline, DeadlineExceeded
 from ..core.errors import CapacityError, PdError, PeerError
@@ -148,9 +150,8 @@ class Driver(Performer):
     # -- start and stop -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"pdcore-{self._name}-driver", daemon=True)
-        self._io_threads = [threading.Thread(target=self._io_run, name=f"pdcore-{self._name}-io-{i}", daemon=True)
-                            for i in range(_IO_THREADS)]
+        self._thread = named_thread(self._run, f"pdcore-{self._name}-driver")
+        self._io_threads = [named_thread(self._io_run, f"pdcore-{self._name}-io-{i}") for i in range(_IO_THREADS)]
         self._thread.start()
         for t in self._io_threads:
             t.start()

@@ -36,6 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from transport.threads import named_thread
+
 from .params import BOOTSTRAP_KEY, ROOM_KEY, split_address, transfer_params
 
 __all__ = ["Router", "main", "prefill_body", "decode_body", "local_body", "room_params", "serve"]
@@ -249,9 +251,8 @@ class _Handler(BaseHTTPRequestHandler):
         params = room_params(body, room, router.bootstrap)
         prefill = _Upstream(router.prefill, router.timeout)
         ex = _Exchange(_Upstream(router.decode, router.timeout))
-        threading.Thread(target=self._prefill, args=(prefill, body, params, ex), daemon=True,
-                         name=f"prefill-{room}").start()
-        threading.Thread(target=self._watch, args=(prefill, ex, room), daemon=True, name=f"watch-{room}").start()
+        named_thread(self._prefill, f"prefill-{room}", (prefill, body, params, ex)).start()
+        named_thread(self._watch, f"watch-{room}", (prefill, ex, room)).start()
         router.count("routed")
         try:
             self._answer(ex, decode_body(body, params), local_body(body), room)

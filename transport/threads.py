@@ -1,0 +1,59 @@
+"""Threads the operating system knows by their name.
+
+Python names its threads for itself only: ``top -H``, ``perf``, ``/proc/PID/task/TID/comm`` and a
+core dump all show every thread of an inference server as ``python``. A peer runs a dozen of them
+(its driver, its I/O threads, a control loop, the data plane's senders, ack readers and sinks), so
+the question an operator asks first, which of them burns the CPU, had no answer from outside the
+process. ``named_thread()`` makes a ``threading.Thread`` that, once running, gives the kernel its name
+too: the Python name less the ``pdcore-`` every one of them starts with, cut to the kernel's 15
+bytes (``tcp-sink-3``, ``decode-driver``, ``control-gate-41``). The benchmarks read CPU and
+wake-ups per thread this way (``benchmarks/_usage.py``).
+
+Linux only (``prctl(PR_SET_NAME)``); elsewhere, or if the call fails, the thread runs unnamed: a
+name is for looking at, nothing depends on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+__all__ = ["OS_NAME_BYTES", "named_thread", "os_name"]
+
+OS_NAME_BYTES: Final = 15  # TASK_COMM_LEN less its NUL
+_PR_SET_NAME: Final = 15
+_PREFIX: Final = "pdcore-"
+
+
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl: Final = _load_prctl()
+
+
+def os_name(name: str) -> bytes:
+    """The name the kernel gets for the thread Python calls ``name``."""
+    if name.startswith(_PREFIX):
+        name = name[len(_PREFIX):]
+    return name.encode("utf-8", "replace")[:OS_NAME_BYTES]
+
+
+def named_thread(target: Callable[..., object], name: str, args: tuple[Any, ...] = (), *, daemon: bool = True) -> threading.Thread:
+    """A thread (not started) that runs ``target(*args)`` under ``name``, which the kernel learns too."""
+    return threading.Thread(target=_run_named, args=(os_name(name), target, args), name=name, daemon=daemon)
+
+
+def _run_named(name: bytes, target: Callable[..., object], args: tuple[Any, ...]) -> None:
+    if _prctl is not None:
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)  # this thread's own name; a failure leaves it unnamed
+    target(*args)
