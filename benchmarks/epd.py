@@ -47,7 +47,10 @@ floor, ``zmq_handoffs_per_item``).
 them, heartbeats aside (``PeerBase.control_sends``; see ``benchmarks/control.py``).
 ``wakeups_per_item`` and ``floor_wakeups_per_item``: the voluntary context
 switches of every thread of those processes, per item (``benchmarks/pd.py``
-says what one costs). Units: ``gbps`` and ``floor_gbps``
+says what one costs). ``threads_per_item`` (a line per item size, the busiest
+first): both ranks' CPU µs and wake-ups per ``"<process> <thread>"`` (``encode
+encode-driver``, ``prefill tcp-sink``, ``prefill main``: the scheduler's loop) over the
+timed runs (``benchmarks/_usage.py``). Units: ``gbps`` and ``floor_gbps``
 are gigabits per second (1e9 bit/s).
 
 ``round`` rows: the scheduler-thread cost of the receiver's round with
@@ -100,7 +103,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
 
 from benchmarks.agreement import _shm_barrier, _sync, library_rounds  # noqa: E402
 from benchmarks._pipeline import RunClock, gloo_world, say  # noqa: E402
-from benchmarks._usage import OwnUsage  # noqa: E402
+from benchmarks._usage import OwnUsage, ThreadUsage, per_unit, thread_lines  # noqa: E402
 from benchmarks.pd import Floor, _recv  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -196,12 +199,13 @@ class Epd:
             raise RuntimeError(f"the prefill process did not start: {hello}")
         self.next_room = 1
 
-    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int, float, int, float]:
+    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int, float, int, float, dict[str, tuple[float, int]]]:
         """Seconds for the prefill rank to receive ``items`` items of ``item_bytes`` (its own clock); the
         thread hand-offs both ranks made meanwhile (``PeerBase.handoffs``); the CPU seconds and
         wake-ups of both processes: the prefill rank's over its timed part, the encode rank's (this
-        process) from its first ``begin`` to the last room's conclusion; and both ranks' control frames
-        per ZeroMQ message (``PeerBase.control_sends``)."""
+        process) from its first ``begin`` to the last room's conclusion; both ranks' control frames
+        per ZeroMQ message (``PeerBase.control_sends``); and both processes' CPU and wake-ups per thread
+        over the same span (``ThreadUsage``)."""
         from pdcore import EmbeddingChunk
 
         rows = item_bytes // ROW_BYTES
@@ -209,7 +213,7 @@ class Epd:
         self.next_room += items
         src = int(self.send_buffer.ctypes.data)
         handoffs, sends = self.peer.handoffs(), self.peer.control_sends()
-        usage = OwnUsage()
+        usage, threads = OwnUsage(), ThreadUsage([os.getpid(), self.child.pid])
         for room in rooms:  # the encode scheduler: every item's rows are ready before the prefill side starts
             if not self.sender.begin(room):
                 raise RuntimeError(f"encode rank refused room {room}")
@@ -232,7 +236,8 @@ class Epd:
         cpu, woke = usage.spent()
         cpu, woke = cpu + prefill_cpu, woke + prefill_woke
         frames, messages = (theirs + now - then for theirs, now, then in zip(prefill_sent, self.peer.control_sends(), sends))
-        return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs, cpu, woke, frames / max(1, messages)
+        per_thread = threads.spent()
+        return float(seconds), prefill_handoffs + self.peer.handoffs() - handoffs, cpu, woke, frames / max(1, messages), per_thread
 
     def close(self) -> None:
         try:
@@ -270,6 +275,7 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
             floor.once()
             epd_s, floor_s, handoffs, cpu, floor_cpu, woke, floor_woke, shared = [], [], [], [], [], [], [], []
             zmq_s, zmq_handoffs = [], []
+            threads: dict[str, tuple[float, int]] = {}  # every timed run's, summed
             for k in range(args.repeats):
                 for who in (("epd", "zmq", "floor") if k % 2 == 0 else ("floor", "zmq", "epd")):
                     if who == "zmq":
@@ -277,7 +283,9 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                         zmq_s.append(seconds)
                         zmq_handoffs.append(n / items)
                     elif who == "epd":
-                        seconds, n, used, w, per_message = epd.run(item_bytes, items)
+                        seconds, n, used, w, per_message, spent = epd.run(item_bytes, items)
+                        for key, (c, t) in spent.items():
+                            threads[key] = (threads.get(key, (0.0, 0))[0] + c, threads.get(key, (0.0, 0))[1] + t)
                         epd_s.append(seconds)
                         shared.append(per_message)
                         handoffs.append(n / items)
@@ -302,6 +310,7 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                 "wakeups_per_item": round(statistics.median(woke), 2),
                 "floor_wakeups_per_item": round(statistics.median(floor_woke), 2),
                 "frames_per_message": round(statistics.median(shared), 2),
+                "threads_per_item": per_unit(threads, items * args.repeats),
                 "zmq_gbps": round(bits / statistics.median(zmq_s) / 1e9, 3),
                 "zmq_ratio": round(bits / statistics.median(zmq_s) / 1e9 / floor_gbps, 3),
                 "zmq_handoffs_per_item": round(statistics.median(zmq_handoffs), 1),
@@ -513,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['wakeups_per_item']:>13.1f} {r['floor_wakeups_per_item']:>6.1f} {r['handoffs_per_item']:>14.1f} "
                   f"{r['frames_per_message']:>10.2f} {r['zmq_gbps']:>8.2f} {r['zmq_ratio']:>6.2f} "
                   f"{r['zmq_handoffs_per_item']:>9.1f}")
+        for r in thr:
+            print(f"{r['item_bytes'] // KiB} KiB threads: {thread_lines(r['threads_per_item'], 'item')}")
         if big:
             print(f"target: items >= 1 MiB at >= {TARGET_RATIO} x the floor -> "
                   f"{'met' if summary['meets_target'] else 'NOT met'} (min {summary['min_ratio_ge_1MiB']:.2f})")

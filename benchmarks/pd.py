@@ -67,6 +67,11 @@ that went to sleep waiting (a queue, a socket, a timer) and was woken: on this 2
 costs ~20-30 µs of CPU (a Python thread-to-thread hand-off measured ~21 µs, ``time.sleep(0)``
 ~30 µs), so they are the part of the per-request CPU that the Python work does not explain.
 
+Per thread (``threads_per_request``, printed as one line per configuration, the busiest first):
+the CPU µs and wake-ups of each ``"<process> <thread>"`` of the ranks (``decode tcp-sink``,
+``prefill prefill-driver``, ``decode main``: the scheduler's loop), summed over the ``"tcp"``
+runs (``benchmarks/_usage.py`` says how threads are named and read).
+
 CPU (Linux): ``e2e_cpu_s_per_GB`` is the user + system CPU of every rank
 process (sampled from ``/proc`` every 50 ms, interpolated to the first and
 last event, scaled to ``seconds``) per GB moved; ``floor_cpu_s_per_GB`` the
@@ -134,7 +139,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
     sys.path.insert(0, ROOT)
 
 from benchmarks._pipeline import RunClock, gloo_world, post_pipelined, say  # noqa: E402
-from benchmarks._usage import CpuSampler, Usage  # noqa: E402
+from benchmarks._usage import CpuSampler, Usage, per_unit, thread_lines  # noqa: E402
 
 TARGET_RATIO = 0.8  # end to end vs its floor, 1P1D and 2P2D
 GRANTS_TARGET = 0.95  # grants may cost at most 5% of end-to-end throughput
@@ -300,6 +305,7 @@ def e2e_once(
     first = min(stamp for log in logs for _, _, stamp in log)
     tail = max(0.0, returned - last)
     seconds = outcome.seconds - tail
+    scale = seconds / max(1e-9, last - first)
     nbytes = sum(r["bytes"] for r in outcome.decode.values())
     by_rid = {r.rid: r for r in requests}
     mixes: dict[tuple[int, int, int], list[tuple[list[int], list[int]]]] = {}
@@ -311,8 +317,9 @@ def e2e_once(
         "seconds": seconds,
         "run_seconds": outcome.seconds,
         "tail": tail,
-        "cpu": sampler.between(first, last) * seconds / max(1e-9, last - first),  # scaled to ``seconds``
-        "wakeups": sampler.wakeups_between(first, last) * seconds / max(1e-9, last - first),  # likewise
+        "cpu": sampler.between(first, last) * scale,  # scaled to ``seconds``
+        "wakeups": sampler.wakeups_between(first, last) * scale,  # likewise
+        "threads": {k: (c * scale, w * scale) for k, (c, w) in sampler.threads_between(first, last).items()},  # likewise
         "bytes": nbytes,
         "requests": len(requests),
         "mixes": [mixes[k] for k in sorted(mixes)],
@@ -333,6 +340,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
         e2e, floors, tails, runs, cpu, floor_cpu, per_run, bare, open_, handoffs = [], [], [], [], [], [], [], [], [], []
         zmq, zmq_handoffs, handed = [], [], []
         woke, floor_woke, shared = [], [], []
+        threads: dict[str, tuple[float, float]] = {}  # every tcp run's, summed
         nbytes = nwrites = 0
         for k in range(args.repeats):
             say(f"{name}: e2e run {k + 1}/{args.repeats} ({args.requests} requests)")
@@ -349,6 +357,8 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             handed.append(r["lane_inputs"] / r["requests"])
             shared.append(r["frames"] / max(1, r["messages"]))
             woke.append(r["wakeups"] / r["requests"])
+            for key, (c, w) in r["threads"].items():
+                threads[key] = (threads.get(key, (0.0, 0.0))[0] + c, threads.get(key, (0.0, 0.0))[1] + w)
             for _ in range(args.floor_repeats):
                 seconds, used = floor.once()
                 floors.append(seconds)
@@ -409,6 +419,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             "frames_per_message": round(statistics.median(shared), 2),
             "wakeups_per_request": round(statistics.median(woke), 1),
             "floor_wakeups_per_request": round(statistics.median(floor_woke), 1),
+            "threads_per_request": per_unit(threads, args.requests * args.repeats),
             "e2e_seconds_all": [round(s, 4) for s in e2e],
             "floor_seconds_all": [round(s, 4) for s in floors],
         })
@@ -627,6 +638,8 @@ def _print_e2e(args: argparse.Namespace, e2e: list[dict[str, Any]], summary: dic
               f"{r['open_GBps']:>9.3f} {r['ratio_secret_vs_open']:>11.2f} {r['handoffs_per_request']:>13.1f} "
               f"{r['handed_inputs_per_request']:>10.1f} {r['wakeups_per_request']:>12.1f} {r['floor_wakeups_per_request']:>6.1f} {r['frames_per_message']:>10.2f} "
               f"{r['zmq_GBps']:>9.3f} {r['ratio_tcp_vs_zmq']:>7.2f} {r['zmq_handoffs_per_request']:>13.1f}")
+    for r in e2e:
+        print(f"{r['config']} threads: {thread_lines(r['threads_per_request'], 'request')}")
     print(f"target: e2e/floor >= {TARGET_RATIO} -> {'met' if summary['meets_target'] else 'NOT met'}; "
           f"grants/none >= {GRANTS_TARGET} (grants cost <= 5%) -> {'met' if summary['grants_meet_target'] else 'NOT met'}; "
           f"secret/open >= {SECRET_TARGET} (authentication costs <= 3%) -> "
