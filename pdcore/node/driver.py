@@ -241,7 +241,8 @@ class Driver(Performer):
 
     def _take(self, item: Any) -> None:
         self._take_item(item)
-        self.news.set()
+        if not self.news.is_set():  # set() takes the event's lock and notifies even when it is set already
+            self.news.set()
 
     def _take_item(self, item: Any) -> None:
         if item is _LANE or item is _LANE_ON:
