@@ -28,8 +28,16 @@ def kernel_name(t: threading.Thread) -> str:
 
 
 def kernel_names(prefix: str) -> dict[str, str]:
-    """Python name -> kernel name of this process's live threads whose Python name starts with ``prefix``."""
-    return {t.name: kernel_name(t) for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()}
+    """Python name -> kernel name of this process's live threads whose Python name starts with ``prefix`` (one
+    that ends meanwhile, say an earlier test's, is left out)."""
+    out = {}
+    for t in threading.enumerate():
+        if t.name.startswith(prefix):
+            try:
+                out[t.name] = kernel_name(t)
+            except OSError:
+                pass
+    return out
 
 
 @pytest.fixture
