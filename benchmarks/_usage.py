@@ -130,6 +130,17 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def process_tree(pid: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """``pid`` and its live descendants, less those in ``exclude`` (and theirs)."""
+    out, todo = [pid], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in exclude and child not in out:
+                out.append(child)
+                todo.append(child)
+    return out
+
+
 class CpuSampler:
     """Samples the CPU seconds and the wake-ups of this process's descendants (the ranks) every ``period`` seconds.
 
@@ -160,13 +171,7 @@ class CpuSampler:
         samples = 0
         while not self._stop.wait(self._period):
             samples += 1
-            todo, seen = [os.getpid()], set()
-            while todo:
-                pid = todo.pop()
-                for child in _children(pid):
-                    if child not in self._exclude and child not in seen:
-                        seen.add(child)
-                        todo.append(child)
+            seen = process_tree(os.getpid(), self._exclude)[1:]
             now = time.time()
             for pid in seen:
                 c = cpu_seconds(pid)

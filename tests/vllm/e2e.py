@@ -28,7 +28,8 @@ with its log's tail):
    deadlines); prompts that share prefixes: decode loads only the blocks its cache lacks (its
    log says how many) and the tokens equal the reference's; then the load: 200 requests, 32 at a
    time, mixed lengths, some sharing prefixes, streamed, through the router and then at decode
-   alone (one instance): tokens identical, throughput and time to first token (p50, p99) of both;
+   alone (one instance): tokens identical, throughput and time to first token (p50, p99) of both,
+   and the CPU each server's and the router's processes spent meanwhile, by their busiest threads;
 8. the prefill server killed (SIGKILL) while two requests wait for their KV on the tp 2 decode
    server (``kv_load_failure_policy=fail``): both end with an error within ``dead_after`` and
    a margin, and decode holds no block afterwards; a request sent through the router while
@@ -58,6 +59,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.append(str(HERE.parent.parent))  # after site-packages: the benchmarks' /proc readers, not another pdcore
+from benchmarks._usage import ThreadUsage, process_tree  # noqa: E402
 from pdcore.vllm import tiny_model  # noqa: E402
 
 BLOCK = 32
@@ -289,6 +292,21 @@ def load(port: int, model: str, prompts: list[list[int]], params: dict | None = 
             "tps": sum(len(t) for t, _, _ in out) / wall, "p50": pick(0.5), "p99": pick(0.99)}
 
 
+def cpu_during(procs: list[Proc], fn: Any) -> tuple[Any, str]:
+    """``fn()``'s result, and the CPU the process trees of ``procs`` spent meanwhile in cores, each with its
+    busiest threads by their kernel names (pdcore's name themselves: ``decode-driver``, ``tcp-sink``)."""
+    usage = {p.name: ThreadUsage(process_tree(p.p.pid)) for p in procs}
+    started = time.monotonic()
+    result = fn()
+    wall = time.monotonic() - started
+    parts = []
+    for p in procs:
+        spent = sorted(((c, k) for k, (c, _) in usage[p.name].spent().items() if c > 0), reverse=True)
+        busiest = ", ".join(f"{k} {c / wall:.2f}" for c, k in spent[:5])
+        parts.append(f"{p.name} {sum(c for c, _ in spent) / wall:.2f} ({busiest})")
+    return result, "; ".join(parts)
+
+
 def load_prompts(rng: random.Random) -> list[list[int]]:
     """LOAD prompts of 2..200 tokens; a quarter extend one of 8 stems of 64 tokens (they share prefixes)."""
     stems = [[rng.randrange(3, tiny_model.VOCAB) for _ in range(64)] for _ in range(8)]
@@ -494,8 +512,8 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
         "its cache lacked")
 
     # 7c. the load: through pdcore, then at decode alone (one instance), the same kind of requests
-    pd_load = load(r2_port, model, loads[0])
-    one_load = load(d2_http, model, loads[1])
+    pd_load, pd_cpu = cpu_during([prefill, decode2, router2], lambda: load(r2_port, model, loads[0]))
+    one_load, one_cpu = cpu_during([decode2], lambda: load(d2_http, model, loads[1]))
     same_load = sum(t == ref_of[tuple(p)] for t, p in zip(pd_load["tokens"], loads[0]))
     same_one = sum(t == ref_of[tuple(p)] for t, p in zip(one_load["tokens"], loads[1]))
     check(same_load == LOAD and same_one == LOAD, f"load: {same_load}/{LOAD} through pdcore and {same_one}/{LOAD} "
@@ -504,6 +522,8 @@ def run(python: str, work: Path, procs: list[Proc], env: dict[str, str]) -> int:
         f"{pd_load['tps']:.0f} tokens/s, TTFT p50 {pd_load['p50']:.2f} s p99 {pd_load['p99']:.2f} s; one instance "
         f"{one_load['rps']:.1f} req/s, {one_load['tps']:.0f} tokens/s, TTFT p50 {one_load['p50']:.2f} s p99 "
         f"{one_load['p99']:.2f} s; all {2 * LOAD} identical to one instance")
+    say(f"CPU during the load through pdcore, in cores: {pd_cpu}")
+    say(f"CPU during the load at decode alone, in cores: {one_cpu}")
 
     # 8. the prefill server killed while two decode requests wait for their KV: policy fail, no hang
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
