@@ -5,7 +5,8 @@ Each test pins one defect found from outside (with real peers, sockets and proce
 the simulator let through: a grant that outlived its fence, one prefill rank's death failing requests
 toward its siblings, a failed data connect nobody told, a look-up answer that wedged its deployment, a
 landing reported for pages never announced, a staged room landed twice, an EPD receiver that believed an encode rank restarted at the same
-host:port had its registration. Their mutants are in ``tests/mutants/``.
+host:port had its registration, landed grants forgotten while the data plane refused their revokes (found by the
+simulator). Their mutants are in ``tests/mutants/``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _cache(tp: int) -> list[np.ndarray]:
     return [np.zeros(PAGES * LAYOUT.page_bytes(tp), np.uint8) for _ in range(LAYOUT.buffers)]
 
 
-def _decode(tp: int = 1, staged: bool = False, **services: Any) -> DecodeEngine:
+def _decode(tp: int = 1, staged: bool = False, max_pending: int = 4096, **services: Any) -> DecodeEngine:
     cfg = DecodeConfig(kv_buffers=_cache(tp), page_bytes=LAYOUT.page_bytes(tp), num_pages=PAGES, tp_size=tp,
-                       tp_rank=0, kv_layout=LAYOUT, bootstrap_timeout=30.0, waiting_timeout=30.0)
+                       tp_rank=0, kv_layout=LAYOUT, bootstrap_timeout=30.0, waiting_timeout=30.0,
+                       max_pending=max_pending)
     table = StateTable(16, bootstrap_timeout=30.0, waiting_timeout=30.0)
     layout = Layout([b.ctypes.data for b in cfg.kv_buffers], cfg.page_bytes_per_buffer, PAGES)
     return DecodeEngine(Services(config=cfg, session_id="decode-1", epoch=1, table=table, endpoint=b"d",
@@ -225,6 +227,48 @@ def _landed(engine: DecodeEngine, rid: str, room: int) -> None:
     assert engine.services.table.state(rid) == State.SUCCESS
 
 
+def test_a_decode_rank_whose_landed_grants_revokes_keep_failing_forgets_none_and_grants_no_more_past_its_bound() -> None:
+    """Decode's twin of the receiver's defect below: landed rooms' grants whose revokes keep being refused were
+    kept in a list bounded at 4 x max_pending and the oldest dropped past it, live in the data plane for good.
+    None may be forgotten; past the bound the next announcement's grant waits, and goes once one is confirmed."""
+    engine = _decode(max_pending=1)  # the bound: 4 landed grants
+    table = engine.services.table
+    for i in range(4):
+        rid, room = f"r{i}", 40 + i
+        _bootstrapped(engine, rid, room, _info((1,)))
+        engine.announce(rid, (1 + i,), 0, 0.1)
+        (grant,) = [a for a in engine.take_actions() if type(a) is GrantAction]
+        engine.granted(grant.token, Grant(100 + i, grant.source, tuple(grant.ranges)), None, 0.1)
+        engine.take_actions()
+        engine.message(_rank(0, 0).endpoint, wire.Status(room=room, state=State.SUCCESS, rank=0, first_token=3), 0.2)
+        engine.settled(_round(engine, 0.3), 0.3)
+        (revoke,) = [a for a in engine.take_actions() if type(a) is Revoke]
+        assert revoke.token[0] == "landed" and revoke.grant.key == 100 + i
+        engine.revoked(revoke.token, "revoke failed (refused)", 0.3)
+    assert engine.held()["landed_grants"] == 4
+    _bootstrapped(engine, "next", 50, _info((1,)))
+    engine.announce("next", (6,), 0, 0.4)
+    assert not [a for a in engine.take_actions() if type(a) in (GrantAction, Send)]
+    assert engine.held()["waiting_announcements"] == 1 and table.state("next") == State.WAITING_FOR_INPUT
+    now = 0.4
+    for _ in range(3):  # tick after tick every refused revoke is tried again, none dropped
+        now += 0.1
+        engine.tick(now)
+        retried = [a for a in engine.take_actions() if type(a) is Revoke]
+        assert sorted(a.grant.key for a in retried) == [100, 101, 102, 103]
+        for a in retried:
+            engine.revoked(a.token, "revoke failed (refused)", now)
+    now += 0.1
+    engine.tick(now)
+    retried = [a for a in engine.take_actions() if type(a) is Revoke]
+    engine.revoked(retried[0].token, None, now)
+    (grant,) = [a for a in engine.take_actions() if type(a) is GrantAction]
+    engine.granted(grant.token, Grant(200, grant.source, tuple(grant.ranges)), None, now)
+    announced = [a.msg for a in engine.take_actions() if type(a) is Send and type(a.msg) is wire.Announce]
+    assert [(m.room, m.grant) for m in announced] == [(50, 200)]
+    assert engine.held()["landed_grants"] == 3 and engine.held()["waiting_announcements"] == 0
+
+
 def test_a_landed_room_stays_landed_whatever_its_prefill_rank_says_or_does_after() -> None:
     """Every byte and the first token are here: prefill's late word (it failed the room after a pause cost it
     another decode rank) and its death before decode's next round change nothing."""
@@ -305,8 +349,8 @@ class _Handle:
     closed = False
 
 
-def _receiver(**services: Any) -> tuple[ReceiverEngine, Any]:
-    cfg = ReceiverConfig(slots=4, slot_rows=ROWS, hidden=HIDDEN, dtype=DTYPE, timeout=30.0)
+def _receiver(slots: int = 4, **services: Any) -> tuple[ReceiverEngine, Any]:
+    cfg = ReceiverConfig(slots=slots, slot_rows=ROWS, hidden=HIDDEN, dtype=DTYPE, timeout=30.0)
     table = ReceiveTable(cfg.slots, cfg.slot_rows, max_requests=cfg.max_requests, max_items=cfg.max_items, rank=0,
                          ranks=1, sharded=False, timeout=cfg.timeout)
     engine = ReceiverEngine(Services(config=cfg, session_id="prefill-1", epoch=1, table=table, endpoint=b"p", **services),
@@ -414,3 +458,49 @@ def test_a_request_whose_ask_an_encode_rank_refused_has_its_room_concluded_there
     _encode_room(encoder, 6, 0.5)
     actions = _to_encoder(encoder, _stage(receiver, table, "r2", 6, 0.5), 0.5)
     assert not [a for a in actions if type(a) is Send and type(a.msg) is wire.EmbedStatus], actions
+
+
+def test_a_receiver_whose_landed_grants_revokes_keep_failing_forgets_none_and_grants_no_more_past_its_bound() -> None:
+    """Landed items' grants whose revokes the data plane keeps refusing (simulator seed 468094089: 30% of revokes
+    refused while items landed fast): the receiver kept them in a list bounded at 4 x slots and dropped the oldest
+    past it, which left those grants live in the data plane for good. None may be forgotten; what bounds them is
+    that, while 4 x slots are unconfirmed, the next item's ask waits, and goes once a revoke is confirmed."""
+    receiver, table = _receiver(slots=1)  # the bound: 4 landed grants
+    bound = 4
+    grants = []
+    for i in range(bound):
+        (ask,) = [f for f in _stage(receiver, table, f"r{i}", 10 + i, float(i)) if type(f.msg) is wire.EmbedAsk]
+        receiver.message(ENCODER, wire.EmbedStatus(room=10 + i, ok=True, rank=0), float(i))
+        (revoke,) = [a for a in receiver.take_actions() if type(a) is Revoke]
+        assert revoke.token[0] == "landed" and revoke.grant.key == ask.msg.grant
+        receiver.revoked(revoke.token, "revoke failed (refused)", float(i))
+        grants.append(revoke.grant.key)
+        (landed,) = table.settle(table.encode(float(i)))
+        receiver.settled([landed.rid], [], table.take_fencing(), float(i))
+        table.release([landed.items[0].slot])
+    assert receiver.held()["landed_grants"] == bound
+    # the slot is free, the next item is staged: its ask waits, with no grant made
+    items = [EmbeddingItem(index=0, host=ENCODE_SERVER[0], port=ENCODE_SERVER[1], room=20, rows=ROWS)]
+    table.stage("r-next", items, 5.0)
+    receiver.staged("r-next", items, 5.0)
+    assert not [a for a in receiver.take_actions() if type(a) in (GrantAction, Send)]
+    assert receiver.held()["waiting_asks"] == 1
+    # tick after tick the refused revokes are all tried again, none dropped
+    now = 5.0
+    for _ in range(3):
+        now += 0.1
+        receiver.tick(now)
+        retried = [a for a in receiver.take_actions() if type(a) is Revoke]
+        assert sorted(a.grant.key for a in retried) == sorted(grants)
+        for a in retried:
+            receiver.revoked(a.token, "revoke failed (refused)", now)
+    # one is confirmed: under the bound, the waiting ask is granted and goes
+    now += 0.1
+    receiver.tick(now)
+    retried = [a for a in receiver.take_actions() if type(a) is Revoke]
+    receiver.revoked(retried[0].token, None, now)
+    (grant,) = [a for a in receiver.take_actions() if type(a) is GrantAction]
+    assert receiver.held()["waiting_asks"] == 0 and receiver.held()["landed_grants"] == bound - 1
+    receiver.granted(grant.token, Grant(999, grant.source, tuple(grant.ranges)), None, now)
+    asks = [a.msg for a in receiver.take_actions() if type(a) is Send and type(a.msg) is wire.EmbedAsk]
+    assert [(m.room, m.grant) for m in asks] == [(20, 999)]

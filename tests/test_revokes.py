@@ -1,8 +1,11 @@
-"""RetryRevokes: a fence whose revoke was refused is tried again, never forgotten; what nothing waits on is bounded."""
+"""RetryRevokes: a fence whose revoke was refused is tried again, never forgotten. LandedGrants: nor is the grant
+of what landed, and their number bounds new grants (``full``), not forgetting."""
 
 from __future__ import annotations
 
-from pdcore.protocol.revokes import RETRY, RetryRevokes
+from types import SimpleNamespace
+
+from pdcore.protocol.revokes import RETRY, LandedGrants, RetryRevokes
 
 
 def test_a_failed_revoke_is_due_again_retry_after_its_first_failure_and_once() -> None:
@@ -18,8 +21,8 @@ def test_a_failed_revoke_is_due_again_retry_after_its_first_failure_and_once() -
 
 def test_a_stream_of_new_failures_never_postpones_the_retry_of_an_old_one() -> None:
     """Revokes failing every RETRY/2 (a flaky data plane under load): each one is tried again within RETRY of
-    its failure, and, with a bound, none is dropped before it was tried again (a dropped grant stays live)."""
-    r: RetryRevokes[int] = RetryRevokes(limit=4)
+    its failure."""
+    r: RetryRevokes[int] = RetryRevokes()
     tried: dict[int, float] = {}
     step = RETRY / 2  # also how often the tick asks: a retry may come up to one step after it is owed
     for i in range(40):
@@ -30,11 +33,36 @@ def test_a_stream_of_new_failures_never_postpones_the_retry_of_an_old_one() -> N
     assert all(tried[i] - i * step <= RETRY + step for i in tried), tried
 
 
-def test_without_a_limit_nothing_is_dropped_and_with_one_the_oldest_go() -> None:
+def test_nothing_is_dropped_however_many_fail() -> None:
     fences: RetryRevokes[int] = RetryRevokes()
-    landed: RetryRevokes[int] = RetryRevokes(limit=3)
-    for i in range(10):
+    for i in range(1000):
         fences.add(i, now=0.0)
-        landed.add(i, now=0.0)
-    assert fences.due(RETRY) == list(range(10))
-    assert landed.due(RETRY) == [7, 8, 9]
+    assert fences.due(RETRY) == list(range(1000))
+
+
+def test_landed_grants_are_kept_until_a_revoke_is_confirmed_and_past_the_bound_it_is_full() -> None:
+    """Refused revokes of landed grants: every one is tried again, tick after tick, however many there are, until
+    its revoke goes through; while ``bound`` are unconfirmed the engine is told to grant nothing new."""
+    grants = [SimpleNamespace(key=k) for k in range(1, 11)]
+    landed = LandedGrants(bound=4)
+    for g in grants[:3]:
+        landed.failed(g, now=0.0)
+    assert len(landed) == 3 and not landed.full()
+    landed.failed(grants[3], now=0.0)
+    assert landed.full()
+    for g in grants[4:]:  # asks granted before the engine saw it full land too: none is forgotten
+        landed.failed(g, now=0.0)
+    now = 0.0
+    for _ in range(5):  # refused again and again
+        now += RETRY
+        due = landed.due(now)
+        assert [g.key for g in due] == [g.key for g in grants]
+        for g in due:
+            landed.failed(g, now)
+    assert len(landed) == 10 and landed.full()
+    for g in grants[:7]:
+        landed.confirmed(g)
+    assert len(landed) == 3 and not landed.full()
+    landed.confirmed(grants[0])  # confirmed twice: no harm
+    assert len(landed) == 3
+    assert [g.key for g in landed.due(now + RETRY)] == [8, 9, 10]  # a confirmed grant is not revoked again

@@ -41,7 +41,7 @@ from ..kv.routing import routing
 from .actions import Grant, Land, Revoke
 from .engine import DecodeSettings, DrivenTable, Engine, Services, ends, read_note
 from .lookups import Deployment, Lookups
-from .revokes import REVOKE_WAIT, RetryRevokes
+from .revokes import REVOKE_WAIT, LandedGrants, RetryRevokes
 
 if TYPE_CHECKING:  # a value the look-ups carry: its module is the bootstrap's I/O, never imported here
     from ..control.bootstrap import ParallelInfo
@@ -124,14 +124,16 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
         # (id(info), dp group) -> (info, its pairs): a deployment's pairing, checked once per looked-up shape
         self._pair_memo: dict[tuple[int, int], tuple[Any, tuple[tuple[tuple[int, int], bool], ...]]] = {}
         self._unrevoked: RetryRevokes[_Request] = RetryRevokes()  # fences whose revoke was not confirmed
-        # grants of landed requests a revoke failed for (nothing waits on them: bounded)
-        self._landed_grants: RetryRevokes[Any] = RetryRevokes(limit=4 * self._config.max_pending)
+        # grants of landed requests a revoke failed for; while too many are, announcements wait here, in order
+        self._landed_grants = LandedGrants(4 * self._config.max_pending)
+        self._waiting: list[_Request] = []
 
     def held(self) -> dict[str, int]:
         return {"requests": len(self._requests), "sources": len(self._by_source),
                 "grants": sum(1 for r in list(self._requests.values()) for link in r.links if link.grant is not None),
                 "unrevoked": len(self._unrevoked),
-                "landed_grants": len(self._landed_grants), "lookups": self._lookups.waiting()}
+                "landed_grants": len(self._landed_grants), "waiting_announcements": len(self._waiting),
+                "lookups": self._lookups.waiting()}
 
     def next_deadline(self) -> float:
         return min(self._unrevoked.next_deadline(), self._landed_grants.next_deadline(),
@@ -158,14 +160,30 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
         if self._fire(rid, Trigger.PAGES_ANNOUNCED, now) in (None, State.FAILED):
             return  # failed meanwhile: announce nothing
         request.request_pool_index, request.page_ids = request_pool_index, page_ids
+        self._grant(request, now)
+
+    def _grant(self, request: _Request, now: float) -> None:
+        """Grant the announced pages to the sources that owe them, then announce; or wait, while the data plane
+        keeps refusing the revokes of landed rooms' grants (``LandedGrants``)."""
         owed = [link for link in request.links if link.owes]
         if self._config.unsafe_no_grants or not owed:
             self._send_announce(request, now)
             return
-        ranges = page_ranges(self._layout, page_ids)
+        if self._landed_grants.full():
+            self._waiting.append(request)
+            return
+        ranges = page_ranges(self._layout, request.page_ids)
         request.granting = len(owed)
         for link in owed:
             self._out.append(Grant((request, link), link.instance, ranges))
+
+    def _grant_waiting(self, now: float) -> None:
+        """The announcements that waited for landed grants' revokes, in order, while the bound lets them (a
+        request that ended meanwhile is left out: its fence had nothing granted to take back)."""
+        while self._waiting and not self._landed_grants.full():
+            request = self._waiting.pop(0)
+            if request.live and self._requests.get(request.rid) is request and self._state(request.rid) not in (None, State.FAILED):
+                self._grant(request, now)
 
     def granted(self, token: tuple[_Request, _Link], grant: Any, error: str | None, now: float) -> None:
         """The answer to a ``Grant`` of one source's pages; once every source's is in, the announcement goes, or,
@@ -233,6 +251,8 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
                     if link.grant is not None:
                         self._out.append(Revoke(("landed", link.grant), link.grant, True, REVOKE_WAIT))
                         self._ungrant(link)
+        if self._waiting:
+            self._waiting = [r for r in self._waiting if r.live]
 
     def close(self, now: float) -> None:
         for request in self._requests.values():
@@ -490,7 +510,10 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
             if error is not None:
                 if not self._landed_grants:
                     log.warning("decode peer: revoking a landed room's grant failed (tried again): %s", error)
-                self._landed_grants.add(token[1], now)
+                self._landed_grants.failed(token[1], now)
+                return
+            self._landed_grants.confirmed(token[1])
+            self._grant_waiting(now)
             return
         request, link = token
         if error is not None:

@@ -4,15 +4,20 @@ A sink (decode, the EPD receiver) frees memory only once the grant on it was rev
 When a ``Revoke`` comes back with an error the fence stays armed and the memory held;
 the engine puts what it revoked into a ``RetryRevokes`` and its tick sends the revokes
 again ``RETRY`` seconds after the last failure, until one is confirmed. Sans-IO: time
-is passed in. ``limit`` bounds what nothing waits on (the grants of rooms that already
-landed): past it the oldest are dropped, never a fence a room waits for.
+is passed in.
+
+The grants of what landed are revoked with nothing waiting on them (``LandedGrants``).
+They too are tried again until one is confirmed, never forgotten: a forgotten grant
+would stay live in the data plane for good. What bounds them is the engine granting
+nothing new while ``bound`` of them are unconfirmed (``full``): a data plane that keeps
+refusing revokes holds back new asks, it does not leave grants behind.
 """
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["REVOKE_WAIT", "RETRY", "RetryRevokes"]
+__all__ = ["REVOKE_WAIT", "RETRY", "LandedGrants", "RetryRevokes"]
 
 REVOKE_WAIT = 1.0  # seconds a revoke waits for a write landing through the grant before it cuts it
 RETRY = 0.05  # seconds between tries of a revoke that was not confirmed
@@ -21,19 +26,16 @@ T = TypeVar("T")
 
 
 class RetryRevokes(Generic[T]):
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self) -> None:
         self._items: list[T] = []
-        self._limit = limit
         self._at = float("inf")
 
     def add(self, item: T, now: float) -> None:
         """``item``'s revoke failed: try it again (once, however often it failed) at most ``RETRY`` from now.
         The next try is the earliest one owed: later failures never postpone it (under a steady stream of
-        them, the first would otherwise wait for ever, and the bound drop it)."""
+        them, the first would otherwise wait for ever)."""
         if item not in self._items:
             self._items.append(item)
-            if self._limit is not None:
-                del self._items[: max(0, len(self._items) - self._limit)]
         self._at = min(self._at, now + RETRY)
 
     def next_deadline(self) -> float:
@@ -49,3 +51,36 @@ class RetryRevokes(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class LandedGrants:
+    """The grants of landed rooms or items whose revoke was refused and is not confirmed yet (the module's
+    docstring says why they are kept, and what bounds them)."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._retry: RetryRevokes[Any] = RetryRevokes()
+        self._keys: set[int] = set()
+
+    def failed(self, grant: Any, now: float) -> None:
+        """A revoke of ``grant`` was refused: it is tried again."""
+        self._keys.add(grant.key)
+        self._retry.add(grant, now)
+
+    def confirmed(self, grant: Any) -> None:
+        """A revoke of ``grant`` went through (its first try, or a later one)."""
+        self._keys.discard(grant.key)
+
+    def full(self) -> bool:
+        """Whether the engine should grant nothing new for now."""
+        return len(self._keys) >= self.bound
+
+    def due(self, now: float) -> list[Any]:
+        """The grants to revoke again now (one confirmed meanwhile is not)."""
+        return [g for g in self._retry.due(now) if g.key in self._keys]
+
+    def next_deadline(self) -> float:
+        return self._retry.next_deadline()
+
+    def __len__(self) -> int:
+        return len(self._keys)
