@@ -226,6 +226,24 @@ def _landed(engine: DecodeEngine, rid: str, room: int) -> None:
     engine.message(_rank(0, 0).endpoint, wire.Status(room=room, state=State.SUCCESS, rank=0, first_token=3), 0.2)
     assert engine.services.table.state(rid) == State.SUCCESS
 
+def _refused_then_one_confirmed(engine: Any, keys: list[int], now: float) -> tuple[GrantAction, float]:
+    """Three ticks whose revokes of the landed grants ``keys`` are all refused again (each tick retries every one
+    of them: none is dropped), then a tick whose first revoke goes through: under its bound again, the engine
+    grants what waited. That ``Grant`` action, and the time."""
+    for _ in range(3):
+        now += 0.1
+        engine.tick(now)
+        retried = [a for a in engine.take_actions() if type(a) is Revoke]
+        assert sorted(a.grant.key for a in retried) == sorted(keys)
+        for a in retried:
+            engine.revoked(a.token, "revoke failed (refused)", now)
+    now += 0.1
+    engine.tick(now)
+    retried = [a for a in engine.take_actions() if type(a) is Revoke]
+    engine.revoked(retried[0].token, None, now)
+    (grant,) = [a for a in engine.take_actions() if type(a) is GrantAction]
+    return grant, now
+
 
 def test_a_decode_rank_whose_landed_grants_revokes_keep_failing_forgets_none_and_grants_no_more_past_its_bound() -> None:
     """Decode's twin of the receiver's defect below: landed rooms' grants whose revokes keep being refused were
@@ -250,19 +268,7 @@ def test_a_decode_rank_whose_landed_grants_revokes_keep_failing_forgets_none_and
     engine.announce("next", (6,), 0, 0.4)
     assert not [a for a in engine.take_actions() if type(a) in (GrantAction, Send)]
     assert engine.held()["waiting_announcements"] == 1 and table.state("next") == State.WAITING_FOR_INPUT
-    now = 0.4
-    for _ in range(3):  # tick after tick every refused revoke is tried again, none dropped
-        now += 0.1
-        engine.tick(now)
-        retried = [a for a in engine.take_actions() if type(a) is Revoke]
-        assert sorted(a.grant.key for a in retried) == [100, 101, 102, 103]
-        for a in retried:
-            engine.revoked(a.token, "revoke failed (refused)", now)
-    now += 0.1
-    engine.tick(now)
-    retried = [a for a in engine.take_actions() if type(a) is Revoke]
-    engine.revoked(retried[0].token, None, now)
-    (grant,) = [a for a in engine.take_actions() if type(a) is GrantAction]
+    grant, now = _refused_then_one_confirmed(engine, [100, 101, 102, 103], 0.4)
     engine.granted(grant.token, Grant(200, grant.source, tuple(grant.ranges)), None, now)
     announced = [a.msg for a in engine.take_actions() if type(a) is Send and type(a.msg) is wire.Announce]
     assert [(m.room, m.grant) for m in announced] == [(50, 200)]
@@ -485,21 +491,7 @@ def test_a_receiver_whose_landed_grants_revokes_keep_failing_forgets_none_and_gr
     receiver.staged("r-next", items, 5.0)
     assert not [a for a in receiver.take_actions() if type(a) in (GrantAction, Send)]
     assert receiver.held()["waiting_asks"] == 1
-    # tick after tick the refused revokes are all tried again, none dropped
-    now = 5.0
-    for _ in range(3):
-        now += 0.1
-        receiver.tick(now)
-        retried = [a for a in receiver.take_actions() if type(a) is Revoke]
-        assert sorted(a.grant.key for a in retried) == sorted(grants)
-        for a in retried:
-            receiver.revoked(a.token, "revoke failed (refused)", now)
-    # one is confirmed: under the bound, the waiting ask is granted and goes
-    now += 0.1
-    receiver.tick(now)
-    retried = [a for a in receiver.take_actions() if type(a) is Revoke]
-    receiver.revoked(retried[0].token, None, now)
-    (grant,) = [a for a in receiver.take_actions() if type(a) is GrantAction]
+    grant, now = _refused_then_one_confirmed(receiver, grants, 5.0)
     assert receiver.held()["waiting_asks"] == 0 and receiver.held()["landed_grants"] == bound - 1
     receiver.granted(grant.token, Grant(999, grant.source, tuple(grant.ranges)), None, now)
     asks = [a.msg for a in receiver.take_actions() if type(a) is Send and type(a.msg) is wire.EmbedAsk]
