@@ -16,7 +16,6 @@ name is for looking at, nothing depends on it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 from collections.abc import Callable
@@ -27,13 +26,14 @@ __all__ = ["OS_NAME_BYTES", "named_thread", "os_name"]
 OS_NAME_BYTES: Final = 15  # TASK_COMM_LEN less its NUL
 _PR_SET_NAME: Final = 15
 _PREFIX: Final = "pdcore-"
+_NAMING_WAIT: Final = 1.0  # seconds ``start()`` waits at most for the thread to have named itself
 
 
 def _load_prctl() -> Any:
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    try:  # the process's own symbols hold libc's (find_library would run ldconfig at import)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
 
@@ -49,11 +49,31 @@ def os_name(name: str) -> bytes:
 
 
 def named_thread(target: Callable[..., object], name: str, args: tuple[Any, ...] = (), *, daemon: bool = True) -> threading.Thread:
-    """A thread (not started) that runs ``target(*args)`` under ``name``, which the kernel learns too."""
-    return threading.Thread(target=_run_named, args=(os_name(name), target, args), name=name, daemon=daemon)
+    """A thread (not started) that runs ``target(*args)`` under ``name``; once its ``start()`` returned, the
+    kernel knows the name too."""
+    return _NamedThread(target, name, args, daemon)
 
 
-def _run_named(name: bytes, target: Callable[..., object], args: tuple[Any, ...]) -> None:
-    if _prctl is not None:
-        _prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)  # this thread's own name; a failure leaves it unnamed
-    target(*args)
+class _NamedThread(threading.Thread):
+    """The thread names itself (``prctl`` acts on the calling thread: naming another one by its ``pthread_t``
+    could reach one that already ended) and ``start()`` waits for that, a moment, so whoever reads the name
+    after starting it reads the right one."""
+
+    def __init__(self, target: Callable[..., object], name: str, args: tuple[Any, ...], daemon: bool) -> None:
+        super().__init__(name=name, daemon=daemon)
+        self._run_target: Callable[..., object] | None = target
+        self._run_args = args
+        self._named = threading.Event()
+
+    def start(self) -> None:
+        super().start()
+        self._named.wait(_NAMING_WAIT)
+
+    def run(self) -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_NAME, ctypes.c_char_p(os_name(self.name)), 0, 0, 0)  # a failure leaves it unnamed
+        self._named.set()
+        target, args = self._run_target, self._run_args
+        self._run_target, self._run_args = None, ()  # as Thread.run: no reference kept past the run
+        if target is not None:
+            target(*args)
