@@ -60,9 +60,7 @@ class _NamedThread(threading.Thread):
     after starting it reads the right one."""
 
     def __init__(self, target: Callable[..., object], name: str, args: tuple[Any, ...], daemon: bool) -> None:
-        super().__init__(name=name, daemon=daemon)
-        self._run_target: Callable[..., object] | None = target
-        self._run_args = args
+        super().__init__(target=target, name=name, args=args, daemon=daemon)
         self._named = threading.Event()
 
     def start(self) -> None:
@@ -73,7 +71,4 @@ class _NamedThread(threading.Thread):
         if _prctl is not None:
             _prctl(_PR_SET_NAME, ctypes.c_char_p(os_name(self.name)), 0, 0, 0)  # a failure leaves it unnamed
         self._named.set()
-        target, args = self._run_target, self._run_args
-        self._run_target, self._run_args = None, ()  # as Thread.run: no reference kept past the run
-        if target is not None:
-            target(*args)
+        super().run()
