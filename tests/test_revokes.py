@@ -66,3 +66,17 @@ def test_landed_grants_are_kept_until_a_revoke_is_confirmed_and_past_the_bound_i
     landed.confirmed(grants[0])  # confirmed twice: no harm
     assert len(landed) == 3
     assert [g.key for g in landed.due(now + RETRY)] == [8, 9, 10]  # a confirmed grant is not revoked again
+
+
+def test_what_waits_for_the_bound_goes_in_order_once_a_confirmation_brings_it_under() -> None:
+    grants = [SimpleNamespace(key=k) for k in range(1, 4)]
+    landed: LandedGrants[str] = LandedGrants(bound=2)
+    for g in grants:
+        landed.failed(g, now=0.0)
+    landed.wait("ask a")
+    landed.wait("ask b")
+    landed.wait("ask c")
+    landed.keep_waiting(lambda ask: ask != "ask b")  # its request ended meanwhile
+    assert landed.confirmed(grants[0]) == [] and landed.waiting() == 2  # 2 left: still at the bound
+    assert landed.confirmed(grants[1]) == ["ask a", "ask c"] and landed.waiting() == 0
+    assert landed.confirmed(grants[2]) == []

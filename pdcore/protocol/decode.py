@@ -124,15 +124,14 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
         # (id(info), dp group) -> (info, its pairs): a deployment's pairing, checked once per looked-up shape
         self._pair_memo: dict[tuple[int, int], tuple[Any, tuple[tuple[tuple[int, int], bool], ...]]] = {}
         self._unrevoked: RetryRevokes[_Request] = RetryRevokes()  # fences whose revoke was not confirmed
-        # grants of landed requests a revoke failed for; while too many are, announcements wait here, in order
-        self._landed_grants = LandedGrants(4 * self._config.max_pending)
-        self._waiting: list[_Request] = []
+        # grants of landed requests a revoke failed for; while too many are, announcements wait there, in order
+        self._landed_grants: LandedGrants[_Request] = LandedGrants(4 * self._config.max_pending)
 
     def held(self) -> dict[str, int]:
         return {"requests": len(self._requests), "sources": len(self._by_source),
                 "grants": sum(1 for r in list(self._requests.values()) for link in r.links if link.grant is not None),
                 "unrevoked": len(self._unrevoked),
-                "landed_grants": len(self._landed_grants), "waiting_announcements": len(self._waiting),
+                "landed_grants": len(self._landed_grants), "waiting_announcements": self._landed_grants.waiting(),
                 "lookups": self._lookups.waiting()}
 
     def next_deadline(self) -> float:
@@ -170,20 +169,12 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
             self._send_announce(request, now)
             return
         if self._landed_grants.full():
-            self._waiting.append(request)
+            self._landed_grants.wait(request)
             return
         ranges = page_ranges(self._layout, request.page_ids)
         request.granting = len(owed)
         for link in owed:
             self._out.append(Grant((request, link), link.instance, ranges))
-
-    def _grant_waiting(self, now: float) -> None:
-        """The announcements that waited for landed grants' revokes, in order, while the bound lets them (a
-        request that ended meanwhile is left out: its fence had nothing granted to take back)."""
-        while self._waiting and not self._landed_grants.full():
-            request = self._waiting.pop(0)
-            if request.live and self._requests.get(request.rid) is request and self._state(request.rid) not in (None, State.FAILED):
-                self._grant(request, now)
 
     def granted(self, token: tuple[_Request, _Link], grant: Any, error: str | None, now: float) -> None:
         """The answer to a ``Grant`` of one source's pages; once every source's is in, the announcement goes, or,
@@ -251,8 +242,7 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
                     if link.grant is not None:
                         self._out.append(Revoke(("landed", link.grant), link.grant, True, REVOKE_WAIT))
                         self._ungrant(link)
-        if self._waiting:
-            self._waiting = [r for r in self._waiting if r.live]
+        self._landed_grants.keep_waiting(lambda request: request.live)
 
     def close(self, now: float) -> None:
         for request in self._requests.values():
@@ -512,8 +502,11 @@ class DecodeEngine(Engine[DecodeSettings, DrivenTable]):
                     log.warning("decode peer: revoking a landed room's grant failed (tried again): %s", error)
                 self._landed_grants.failed(token[1], now)
                 return
-            self._landed_grants.confirmed(token[1])
-            self._grant_waiting(now)
+            # announcements that waited; one that ended meanwhile had nothing granted for its fence to take back
+            for request in self._landed_grants.confirmed(token[1]):
+                if request.live and self._requests.get(request.rid) is request and self._state(request.rid) not in (
+                        None, State.FAILED):
+                    self._grant(request, now)
             return
         request, link = token
         if error is not None:

@@ -89,9 +89,8 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
         self._lookups = Lookups(self._lookup_keys, lambda record: record.item.room, self._looked_up, self._out.append)
         self._registered: set[str] = set()  # encode endpoints that have our EmbedRegister
         self._unrevoked: RetryRevokes[tuple[int, Any]] = RetryRevokes()  # (slot, grant): revoke not confirmed
-        # grants of landed items a revoke failed for; while too many are, asks wait for them here, in order
-        self._landed_grants = LandedGrants(4 * cfg.slots)
-        self._waiting: list[_Item] = []
+        # grants of landed items a revoke failed for; while too many are, asks wait for them there, in order
+        self._landed_grants: LandedGrants[_Item] = LandedGrants(4 * cfg.slots)
         self.stats = {"asks": 0, "landed": 0, "fenced": 0}
 
     def held(self) -> dict[str, int]:
@@ -99,7 +98,7 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
                 "grants": sum(1 for record in list(self._items.values()) if record.grant is not None),
                 "early": len(self._early),
                 "slot_owners": len(self._slot_owner), "unrevoked": len(self._unrevoked),
-                "landed_grants": len(self._landed_grants), "waiting_asks": len(self._waiting),
+                "landed_grants": len(self._landed_grants), "waiting_asks": self._landed_grants.waiting(),
                 "lookups": self._lookups.waiting()}
 
     def next_deadline(self) -> float:
@@ -158,8 +157,8 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             else:  # it takes an Abort from a rank that registered there: one whose ask it refused did not
                 self._introduce(record.source)
                 self._tell(record.source, wire.Abort(room=record.item.room, reason=why))
-        if dropped and self._waiting:
-            self._waiting = [r for r in self._waiting if not r.dropped]
+        if dropped:
+            self._landed_grants.keep_waiting(lambda record: not record.dropped)
         for slot in fencing:
             owner = self._slot_owner.pop(slot, None)
             if owner is not None:
@@ -206,19 +205,11 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
             self._send_ask(record, endpoint, 0, 0, None)
             return
         if self._landed_grants.full():  # the data plane keeps refusing revokes: grant no more for now
-            self._waiting.append(record)
+            self._landed_grants.wait(record)
             return
         ranges = self._slot_ranges(record)
         deep = ranges[1][0] if len(ranges) > 1 else 0
         self._out.append(Grant((record, endpoint, ranges[0][0], deep), instance, ranges))
-
-    def _ask_waiting(self, now: float) -> None:
-        """The asks that waited for landed grants' revokes, in order, while the bound lets them (a request that
-        settled meanwhile is left out)."""
-        while self._waiting and not self._landed_grants.full():
-            record = self._waiting.pop(0)
-            if not record.dropped and self._items.get((record.rid, record.item.index)) is record:
-                self._ask(record, now)
 
     def _slot_ranges(self, record: _Item) -> list[tuple[int, int]]:
         """The ``(addr, length)`` ranges an item's rows land in: its slot's rows, and its deepstack rows."""
@@ -404,8 +395,9 @@ class ReceiverEngine(Engine[ReceiverSettings, ReceivingTable]):
                     log.warning("receiver: revoking a landed item's grant failed (tried again): %s", error)
                 self._landed_grants.failed(token[1], now)
                 return
-            self._landed_grants.confirmed(token[1])
-            self._ask_waiting(now)
+            for record in self._landed_grants.confirmed(token[1]):  # asks that waited, a request settled since aside
+                if not record.dropped and self._items.get((record.rid, record.item.index)) is record:
+                    self._ask(record, now)
             return
         slot, grant = token
         if error is not None:  # not confirmed: the slot stays quarantined; the tick tries again

@@ -15,6 +15,7 @@ refusing revokes holds back new asks, it does not leave grants behind.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 __all__ = ["REVOKE_WAIT", "RETRY", "LandedGrants", "RetryRevokes"]
@@ -53,27 +54,46 @@ class RetryRevokes(Generic[T]):
         return len(self._items)
 
 
-class LandedGrants:
+class LandedGrants(Generic[T]):
     """The grants of landed rooms or items whose revoke was refused and is not confirmed yet (the module's
-    docstring says why they are kept, and what bounds them)."""
+    docstring says why they are kept, and what bounds them), and what waits for them to fall under the bound
+    (the engine's asks or announcements, in order)."""
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
         self._retry: RetryRevokes[Any] = RetryRevokes()
         self._keys: set[int] = set()
+        self._waiting: list[T] = []
 
     def failed(self, grant: Any, now: float) -> None:
         """A revoke of ``grant`` was refused: it is tried again."""
         self._keys.add(grant.key)
         self._retry.add(grant, now)
 
-    def confirmed(self, grant: Any) -> None:
-        """A revoke of ``grant`` went through (its first try, or a later one)."""
+    def confirmed(self, grant: Any) -> list[T]:
+        """A revoke of ``grant`` went through (its first try, or a later one). What waited, in order, once
+        under the bound again (taken out: the engine checks each is still wanted, and may make it wait again)."""
         self._keys.discard(grant.key)
+        if self.full() or not self._waiting:
+            return []
+        waited, self._waiting = self._waiting, []
+        return waited
 
     def full(self) -> bool:
         """Whether the engine should grant nothing new for now."""
         return len(self._keys) >= self.bound
+
+    def wait(self, item: T) -> None:
+        """``item`` waits for the bound (the engine found it ``full``)."""
+        self._waiting.append(item)
+
+    def keep_waiting(self, wanted: Callable[[T], bool]) -> None:
+        """Only what is still ``wanted`` waits on (the rest ended meanwhile)."""
+        if self._waiting:
+            self._waiting = [w for w in self._waiting if wanted(w)]
+
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     def due(self, now: float) -> list[Any]:
         """The grants to revoke again now (one confirmed meanwhile is not)."""
