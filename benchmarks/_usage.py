@@ -95,8 +95,8 @@ class ThreadUsage:
         self.pids = list(pids)
         self._before = {pid: _readings(pid) for pid in self.pids}
 
-    def spent(self) -> dict[str, tuple[float, int]]:
-        out: dict[str, tuple[float, int]] = {}
+    def spent(self) -> dict[str, tuple[float, float]]:
+        out: dict[str, tuple[float, float]] = {}
         for pid in self.pids:
             now = _readings(pid)
             role = _process_role({name for name, _, _ in now.values()})
@@ -106,6 +106,13 @@ class ThreadUsage:
                 c, w = out.get(key, (0.0, 0))
                 out[key] = (c + cpu - cpu0, w + woke - woke0)
         return out
+
+
+def add_spent(total: dict[str, tuple[float, float]], spent: dict[str, tuple[float, float]]) -> None:
+    """Add one run's per-thread ``spent`` (CPU, wake-ups) into ``total``."""
+    for key, (cpu, woke) in spent.items():
+        c, w = total.get(key, (0.0, 0.0))
+        total[key] = (c + cpu, w + woke)
 
 
 def per_unit(spent: dict[str, tuple[float, float]], units: int) -> dict[str, dict[str, float]]:

@@ -103,7 +103,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
 
 from benchmarks.agreement import _shm_barrier, _sync, library_rounds  # noqa: E402
 from benchmarks._pipeline import RunClock, gloo_world, say  # noqa: E402
-from benchmarks._usage import OwnUsage, ThreadUsage, per_unit, thread_lines  # noqa: E402
+from benchmarks._usage import OwnUsage, ThreadUsage, add_spent, per_unit, thread_lines  # noqa: E402
 from benchmarks.pd import Floor, _recv  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -199,7 +199,7 @@ class Epd:
             raise RuntimeError(f"the prefill process did not start: {hello}")
         self.next_room = 1
 
-    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int, float, int, float, dict[str, tuple[float, int]]]:
+    def run(self, item_bytes: int, items: int, check: bool = False) -> tuple[float, int, float, int, float, dict[str, tuple[float, float]]]:
         """Seconds for the prefill rank to receive ``items`` items of ``item_bytes`` (its own clock); the
         thread hand-offs both ranks made meanwhile (``PeerBase.handoffs``); the CPU seconds and
         wake-ups of both processes: the prefill rank's over its timed part, the encode rank's (this
@@ -275,7 +275,7 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
             floor.once()
             epd_s, floor_s, handoffs, cpu, floor_cpu, woke, floor_woke, shared = [], [], [], [], [], [], [], []
             zmq_s, zmq_handoffs = [], []
-            threads: dict[str, tuple[float, int]] = {}  # every timed run's, summed
+            threads: dict[str, tuple[float, float]] = {}  # every timed run's, summed
             for k in range(args.repeats):
                 for who in (("epd", "zmq", "floor") if k % 2 == 0 else ("floor", "zmq", "epd")):
                     if who == "zmq":
@@ -284,8 +284,7 @@ def bench_throughput(args: argparse.Namespace, say: Any) -> list[dict[str, Any]]
                         zmq_handoffs.append(n / items)
                     elif who == "epd":
                         seconds, n, used, w, per_message, spent = epd.run(item_bytes, items)
-                        for key, (c, t) in spent.items():
-                            threads[key] = (threads.get(key, (0.0, 0))[0] + c, threads.get(key, (0.0, 0))[1] + t)
+                        add_spent(threads, spent)
                         epd_s.append(seconds)
                         shared.append(per_message)
                         handoffs.append(n / items)

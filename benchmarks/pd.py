@@ -139,7 +139,7 @@ if sys.path[0] != ROOT:  # ahead of benchmarks/, whose transport.py would shadow
     sys.path.insert(0, ROOT)
 
 from benchmarks._pipeline import RunClock, gloo_world, post_pipelined, say  # noqa: E402
-from benchmarks._usage import CpuSampler, Usage, per_unit, thread_lines  # noqa: E402
+from benchmarks._usage import CpuSampler, Usage, add_spent, per_unit, thread_lines  # noqa: E402
 
 TARGET_RATIO = 0.8  # end to end vs its floor, 1P1D and 2P2D
 GRANTS_TARGET = 0.95  # grants may cost at most 5% of end-to-end throughput
@@ -357,8 +357,7 @@ def bench_e2e(args: argparse.Namespace, floor: Floor, say: Any) -> list[dict[str
             handed.append(r["lane_inputs"] / r["requests"])
             shared.append(r["frames"] / max(1, r["messages"]))
             woke.append(r["wakeups"] / r["requests"])
-            for key, (c, w) in r["threads"].items():
-                threads[key] = (threads.get(key, (0.0, 0.0))[0] + c, threads.get(key, (0.0, 0.0))[1] + w)
+            add_spent(threads, r["threads"])
             for _ in range(args.floor_repeats):
                 seconds, used = floor.once()
                 floors.append(seconds)
